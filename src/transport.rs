@@ -1,0 +1,143 @@
+//! The boundary between the service and NIXL.
+//!
+//! Everything the service asks of NIXL goes through [`Transport`]: send a
+//! notification to an agent, and give back what was loaded and prepared for
+//! an engine. Both calls are blocking FFI in the real transport, so the
+//! service only ever calls them from blocking threads, one call per thread,
+//! never from a tokio worker: a hung call to one engine holds one thread and
+//! nothing else.
+
+use std::fmt;
+use std::sync::Arc;
+
+use nixl_sys::NixlStatus;
+
+macro_rules! name_type {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(Arc<str>);
+
+        impl $name {
+            /// Wraps a name.
+            pub fn new(name: impl Into<Arc<str>>) -> Self {
+                Self(name.into())
+            }
+
+            /// The name as text.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Debug::fmt(&*self.0, f)
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl From<&str> for $name {
+            fn from(s: &str) -> Self {
+                Self::new(s)
+            }
+        }
+
+        impl From<String> for $name {
+            fn from(s: String) -> Self {
+                Self::new(s)
+            }
+        }
+    };
+}
+
+name_type! {
+    /// A prefill engine's id: a fresh UUID per start unless the operator
+    /// pins it. The peer table is keyed by it.
+    EngineId
+}
+
+name_type! {
+    /// A NIXL agent name: unique per engine and rank. Notifications and
+    /// remote metadata are addressed by it.
+    AgentName
+}
+
+name_type! {
+    /// A prefill engine's side-channel address, `host:port`, where it
+    /// answers handshakes. A new engine id seen at a known address means the
+    /// engine there was replaced.
+    PeerAddr
+}
+
+/// A NIXL call that did not succeed, with the raw status it returned.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{operation} returned {status}")]
+pub struct TransportError {
+    /// What was called (`genNotif`, `invalidateRemoteMD`, ...).
+    pub operation: &'static str,
+    /// The raw status NIXL returned, never collapsed.
+    pub status: NixlStatus,
+}
+
+impl TransportError {
+    /// An error from `operation` with `status`.
+    pub fn new(operation: &'static str, status: NixlStatus) -> Self {
+        Self { operation, status }
+    }
+}
+
+/// One step of a release and what NIXL said to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReleaseStep {
+    /// What was released.
+    pub target: ReleaseTarget,
+    /// The raw status of the call. `SUCCESS` and `NOT_FOUND` (NIXL had
+    /// already dropped it) both count as released.
+    pub status: NixlStatus,
+}
+
+/// What one release step gave back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReleaseTarget {
+    /// A prepped descriptor-list handle (`releasedDlistH`), by its index in
+    /// the engine's resources.
+    DlistHandle(usize),
+    /// An agent's loaded remote metadata (`invalidateRemoteMD`).
+    RemoteMetadata(AgentName),
+}
+
+/// The service's view of NIXL.
+///
+/// Implementations must be callable from several threads at once (the real
+/// one creates its agent with a thread-safe sync mode). Every method may
+/// block; the service calls them only from blocking threads.
+pub trait Transport: Send + Sync + 'static {
+    /// What a decoder runtime handed over at registration and what must be
+    /// freed at release: the prepped dlist handles of the engine's ranks and
+    /// anything else the transport tracks per engine. Opaque to the service.
+    type Resources: Send + 'static;
+
+    /// Sends one notification (`genNotif`) to one remote agent.
+    ///
+    /// Fire-and-forget as in NIXL: `Ok` means it was queued, not delivered.
+    /// `Err` carries the raw status; `REMOTE_DISCONNECT` means UCX has
+    /// already failed the endpoint.
+    fn notify(&self, agent: &AgentName, message: &[u8]) -> Result<(), TransportError>;
+
+    /// Gives back everything held for one engine: releases each prepped
+    /// dlist handle in `resources`, then invalidates the remote metadata of
+    /// each agent in `agents`. Every step is attempted even when an earlier
+    /// one fails; the report lists each step with its raw status.
+    fn release(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: Self::Resources,
+    ) -> Vec<ReleaseStep>;
+}

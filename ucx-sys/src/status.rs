@@ -1,0 +1,110 @@
+//! `ucs_status_t`: every code UCX defines, with its name.
+
+use std::fmt;
+
+/// A raw UCX status (`ucs_status_t`, a signed 8-bit enum in C).
+///
+/// Codes in the link-failure (-40..=-59) and endpoint-failure (-60..=-89)
+/// ranges are valid UCX statuses even where UCX gives them no name of their
+/// own; they keep their raw value.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct UcsStatus(i8);
+
+macro_rules! statuses {
+    ($($name:ident = $code:expr),* $(,)?) => {
+        impl UcsStatus {
+            $(
+                #[doc = concat!("`UCS_", stringify!($name), "` (", stringify!($code), ").")]
+                pub const $name: UcsStatus = UcsStatus($code);
+            )*
+
+            /// Every named status, in table order.
+            pub const ALL: &'static [UcsStatus] = &[$(UcsStatus::$name),*];
+
+            /// The UCX name of this status (`UCS_ERR_CONNECTION_RESET`), or
+            /// `None` for a code without a name of its own.
+            pub const fn known_name(self) -> Option<&'static str> {
+                match self.0 {
+                    $($code => Some(concat!("UCS_", stringify!($name))),)*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+statuses! {
+    OK = 0,
+    INPROGRESS = 1,
+    ERR_NO_MESSAGE = -1,
+    ERR_NO_RESOURCE = -2,
+    ERR_IO_ERROR = -3,
+    ERR_NO_MEMORY = -4,
+    ERR_INVALID_PARAM = -5,
+    ERR_UNREACHABLE = -6,
+    ERR_INVALID_ADDR = -7,
+    ERR_NOT_IMPLEMENTED = -8,
+    ERR_MESSAGE_TRUNCATED = -9,
+    ERR_NO_PROGRESS = -10,
+    ERR_BUFFER_TOO_SMALL = -11,
+    ERR_NO_ELEM = -12,
+    ERR_SOME_CONNECTS_FAILED = -13,
+    ERR_NO_DEVICE = -14,
+    ERR_BUSY = -15,
+    ERR_CANCELED = -16,
+    ERR_SHMEM_SEGMENT = -17,
+    ERR_ALREADY_EXISTS = -18,
+    ERR_OUT_OF_RANGE = -19,
+    ERR_TIMED_OUT = -20,
+    ERR_EXCEEDS_LIMIT = -21,
+    ERR_UNSUPPORTED = -22,
+    ERR_REJECTED = -23,
+    ERR_NOT_CONNECTED = -24,
+    ERR_CONNECTION_RESET = -25,
+    ERR_FIRST_LINK_FAILURE = -40,
+    ERR_LAST_LINK_FAILURE = -59,
+    ERR_FIRST_ENDPOINT_FAILURE = -60,
+    ERR_ENDPOINT_TIMEOUT = -80,
+    ERR_LAST_ENDPOINT_FAILURE = -89,
+    ERR_LAST = -100,
+}
+
+impl UcsStatus {
+    /// Wraps a raw `ucs_status_t` value.
+    pub const fn from_raw(raw: i8) -> Self {
+        UcsStatus(raw)
+    }
+
+    /// The raw `ucs_status_t` value.
+    pub const fn raw(self) -> i8 {
+        self.0
+    }
+
+    /// The UCX name, `UCS_ERR_LINK_FAILURE` / `UCS_ERR_ENDPOINT_FAILURE` for
+    /// unnamed codes inside those ranges, `UCS_ERR_UNKNOWN` otherwise.
+    pub const fn name(self) -> &'static str {
+        match self.known_name() {
+            Some(n) => n,
+            None if self.0 <= -40 && self.0 > -60 => "UCS_ERR_LINK_FAILURE",
+            None if self.0 <= -60 && self.0 > -90 => "UCS_ERR_ENDPOINT_FAILURE",
+            None => "UCS_ERR_UNKNOWN",
+        }
+    }
+
+    /// `UCS_OK` or `UCS_INPROGRESS`.
+    pub const fn is_ok(self) -> bool {
+        self.0 >= 0
+    }
+}
+
+impl fmt::Debug for UcsStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}({})", self.name(), self.0)
+    }
+}
+
+impl fmt::Display for UcsStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.name(), self.0)
+    }
+}
