@@ -1,7 +1,115 @@
-//! nixl-keepalive (crate docs to come).
+//! nixl-keepalive: notices when a NIXL prefill peer is gone and gives its
+//! memory back, fast, without ever pulling state out from under a transfer
+//! that is still running.
+//!
+//! A decode engine pulls KV cache from prefill engines with NIXL READs.
+//! When a prefill dies or restarts, the decoder's NIXL agent keeps the dead
+//! peer's remote metadata, UCX endpoints and unpacked remote keys; on
+//! multi-node NVLink those keys map the dead prefill's GPU memory, and the
+//! restarted prefill cannot get it back. This crate is a background service
+//! the decoder runtime spawns as a tokio task. It:
+//!
+//! - heartbeats every known prefill engine on its own jittered schedule,
+//!   rate limited per engine; the heartbeat is vLLM's lease renewal
+//!   (`HB:` + request ids), so prefills already understand it;
+//! - tells REMOTE_DISCONNECT (from heartbeats and from transfer results)
+//!   apart from every other error, keeping the raw NIXL status;
+//! - releases a dead, replaced or retired engine (dlist handles, remote
+//!   metadata, timers, limiter keys) as soon as no read from it is in
+//!   flight and no handshake is pending at its address, and never before;
+//! - notices a prefill that came back at the same `host:port` under a new
+//!   engine id.
+//!
+//! # Embedding it
+//!
+//! ```
+//! use std::sync::Arc;
+//! use nixl_keepalive::fake::{FakeConfig, FakeUcx};
+//! use nixl_keepalive::{Config, Event, NixlStatus, PeerAddr, Registration};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! // The transport: the real `NixlTransport` in production; the fake here.
+//! let ucx = FakeUcx::new(FakeConfig::default());
+//! let address = PeerAddr::from("10.0.0.7:5600");
+//! let prefill = ucx.spawn_prefill(address.clone(), 2);
+//!
+//! // 1. Spawn the service (configuration from NIXL_KEEPALIVE_* variables).
+//! let config = Config::from_env().expect("bad NIXL_KEEPALIVE_* value");
+//! let shutdown = CancellationToken::new();
+//! let (keepalive, task) = nixl_keepalive::spawn(Arc::new(ucx.clone()), config, shutdown.clone());
+//! let mut events = keepalive.subscribe();
+//!
+//! // 2. Register an engine after its handshake. The guard holds back the
+//! //    release of whatever engine was at this address until it drops.
+//! let handshake = keepalive.handshake_started(address.clone());
+//! let loaded = ucx.handshake(&address).unwrap(); // loadRemoteMD + prepXferDlist
+//! let engine = keepalive
+//!     .register(Registration {
+//!         engine: loaded.engine,
+//!         address: loaded.addr,
+//!         agents: loaded.agents,
+//!         resources: loaded.resources,
+//!     })
+//!     .await
+//!     .unwrap();
+//! handshake.finish();
+//!
+//! // 3. Wrap every read: the engine is never released while a guard lives.
+//! let read = engine.begin_read().expect("engine is live");
+//! ucx.crash(&prefill); // the prefill dies mid-transfer
+//! let status = ucx.read(&prefill); // what getXferStatus says
+//! // 4. Report how the transfer ended: REMOTE_DISCONNECT marks the engine.
+//! read.finish(status);
+//!
+//! // 5. Listen to events to fail requests instead of letting them hang.
+//! loop {
+//!     match events.recv().await.unwrap() {
+//!         Event::Unreachable { status, .. } => assert_eq!(status, NixlStatus::ERR_REMOTE_DISCONNECT),
+//!         Event::Released { engine, .. } => { assert_eq!(engine, prefill); break; }
+//!         _ => {}
+//!     }
+//! }
+//! assert!(engine.begin_read().is_err());
+//! shutdown.cancel();
+//! task.await.unwrap();
+//! ucx.assert_nothing_leaked();
+//! # }
+//! ```
+//!
+//! # How it is built
+//!
+//! The peer table ([`table`](crate::Registration)'s module) is a synchronous
+//! state machine: every input carries `now`, every decision comes out as an
+//! action. The driver ([`Keepalive`]) owns tokio's clock, a `DelayQueue` of
+//! per-engine heartbeat timers, the transport and the channels. Reads are
+//! counted per engine with one atomic word ([`EngineRef::begin_read`]), so
+//! the hot path takes no lock. Transport calls are blocking FFI and run on
+//! blocking threads, one call per thread: a hung call delays nothing else.
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "fake")]
+pub mod fake;
+pub mod config;
+mod engine;
+mod error;
+mod event;
+mod service;
+mod snapshot;
+mod table;
+pub mod telemetry;
 pub mod transport;
+pub mod ucx_settings;
+pub mod ucx_time;
+
+pub use config::{Config, ConfigBuilder, ConfigError};
+pub use engine::{EngineRef, EngineState, ReadGuard};
+pub use error::{ReadRefused, ServiceStopped};
+pub use event::{Event, ReleaseReason, WaitedFor};
+pub use service::{spawn, HandshakeGuard, Keepalive, KeepaliveHandle, Stopped};
+pub use snapshot::{EngineSnapshot, HeartbeatSnapshot, Snapshot};
+pub use table::{heartbeat_message, GoneMode, PeerRef, Registration};
 
 pub use nixl_sys::NixlStatus;
 pub use transport::{AgentName, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, Transport, TransportError};

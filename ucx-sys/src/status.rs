@@ -1,5 +1,6 @@
 //! `ucs_status_t`: every code UCX defines, with its name.
 
+use std::borrow::Cow;
 use std::fmt;
 
 /// A raw UCX status (`ucs_status_t`, a signed 8-bit enum in C).
@@ -94,6 +95,64 @@ impl UcsStatus {
     /// `UCS_OK` or `UCS_INPROGRESS`.
     pub const fn is_ok(self) -> bool {
         self.0 >= 0
+    }
+}
+
+/// UCX's own text for each named status (`ucs_status_string`), identical in
+/// UCX 1.13.1 and 1.23.0. Codes without an entry read "Unknown error <code>".
+const MESSAGES: &[(i8, &str)] = &[
+    (0, "Success"),
+    (1, "Operation in progress"),
+    (-1, "No pending message"),
+    (-2, "No resources are available to initiate the operation"),
+    (-3, "Input/output error"),
+    (-4, "Out of memory"),
+    (-5, "Invalid parameter"),
+    (-6, "Destination is unreachable"),
+    (-7, "Address not valid"),
+    (-8, "Function not implemented"),
+    (-9, "Message truncated"),
+    (-10, "No progress"),
+    (-11, "Provided buffer is too small"),
+    (-12, "No such element"),
+    (-13, "Failed to connect some of the requested endpoints"),
+    (-14, "No such device"),
+    (-15, "Device is busy"),
+    (-16, "Request canceled"),
+    (-17, "Shared memory error"),
+    (-18, "Element already exists"),
+    (-19, "Index out of range"),
+    (-20, "Operation timed out"),
+    (-21, "User-defined limit was reached"),
+    (-22, "Unsupported operation"),
+    (-23, "Operation rejected by remote peer"),
+    (-24, "Endpoint is not connected"),
+    (-25, "Connection reset by remote peer"),
+    (-80, "Endpoint timeout"),
+];
+
+impl UcsStatus {
+    /// UCX's own text for this status, where UCX has one of its own
+    /// (`Connection reset by remote peer`); `None` for the unnamed codes
+    /// (link and endpoint failure ranges other than -80, `UCS_ERR_LAST`).
+    pub const fn known_message(self) -> Option<&'static str> {
+        let mut i = 0;
+        while i < MESSAGES.len() {
+            if MESSAGES[i].0 == self.0 {
+                return Some(MESSAGES[i].1);
+            }
+            i += 1;
+        }
+        None
+    }
+
+    /// What `ucs_status_string` returns for this status:
+    /// [`known_message`](Self::known_message), or `Unknown error <code>`.
+    pub fn message(self) -> Cow<'static, str> {
+        match self.known_message() {
+            Some(m) => Cow::Borrowed(m),
+            None => Cow::Owned(format!("Unknown error {}", self.0)),
+        }
     }
 }
 

@@ -1,0 +1,183 @@
+//! Read begin/end accounting (the hot path): `EngineRef::begin_read` +
+//! dropping the guard, against a `Mutex<HashMap<EngineId, u64>>` counter
+//! doing the same begin/end, on 1 thread and on N threads.
+//!
+//! Targets: <= 20 ns per begin+end uncontended, >= 5x the baseline.
+
+mod common;
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{machine, quick, NoopTransport};
+use nixl_keepalive::{AgentName, Config, EngineId, EngineRef, NixlStatus, PeerAddr, Registration};
+use tokio_util::sync::CancellationToken;
+
+fn main() {
+    let iters: u64 = if quick() { 2_000_000 } else { 20_000_000 };
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .max(2);
+    println!(
+        "read_accounting: {iters} begin+end per measurement; {}",
+        machine()
+    );
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let config = Config::builder().metrics_period(None).build().unwrap();
+    let engines: Vec<EngineRef> = runtime.block_on(async {
+        let (handle, _task) =
+            nixl_keepalive::spawn(Arc::new(NoopTransport::default()), config, shutdown.clone());
+        let mut engines = Vec::new();
+        for i in 0..=threads {
+            engines.push(
+                handle
+                    .register(Registration {
+                        engine: EngineId::new(format!("prefill-{i}")),
+                        address: PeerAddr::new(format!("10.0.0.{i}:5600")),
+                        agents: vec![AgentName::new(format!("prefill-{i}-rank0"))],
+                        resources: (),
+                    })
+                    .await
+                    .unwrap(),
+            );
+        }
+        engines
+    });
+    let ids: Vec<EngineId> = engines.iter().map(|e| e.id().clone()).collect();
+    let map: Arc<Mutex<HashMap<EngineId, u64>>> =
+        Arc::new(Mutex::new(ids.iter().map(|id| (id.clone(), 0)).collect()));
+
+    // Warm up both.
+    guard_loop(&engines[0], iters / 10);
+    mutex_loop(&map, &ids[0], iters / 10);
+
+    // 1 thread.
+    let ours = best_of(3, || guard_loop(&engines[0], iters));
+    let base = best_of(3, || mutex_loop(&map, &ids[0], iters));
+    println!();
+    println!("1 thread (uncontended):");
+    println!(
+        "  EngineRef::begin_read + drop        {:6.1} ns/op",
+        ns(ours, iters)
+    );
+    println!(
+        "  Mutex<HashMap> +1 / -1 (baseline)   {:6.1} ns/op",
+        ns(base, iters)
+    );
+    println!(
+        "  absolute: {:.1} ns (target <= 20 ns) {}",
+        ns(ours, iters),
+        if ns(ours, iters) <= 20.0 {
+            "PASS"
+        } else {
+            "MISS"
+        }
+    );
+    common::ratio_line("  1 thread", base.as_secs_f64() / ours.as_secs_f64(), 5.0);
+
+    // N threads, each on its own engine (the usual case: reads spread over
+    // engines), and all on one engine (the worst case for the atomic).
+    for (label, shared) in [
+        ("N threads, one engine each", false),
+        ("N threads, all on one engine", true),
+    ] {
+        let per = iters / threads as u64;
+        let ours = parallel(threads, |t| {
+            let e = if shared {
+                engines[0].clone()
+            } else {
+                engines[t + 1].clone()
+            };
+            move || guard_loop(&e, per)
+        });
+        let base = parallel(threads, |t| {
+            let id = if shared {
+                ids[0].clone()
+            } else {
+                ids[t + 1].clone()
+            };
+            let map = map.clone();
+            move || mutex_loop(&map, &id, per)
+        });
+        let total = per * threads as u64;
+        println!();
+        println!("{label} ({threads} threads, wall time per op over all threads):");
+        println!(
+            "  EngineRef::begin_read + drop        {:6.1} ns/op",
+            ns(ours, total)
+        );
+        println!(
+            "  Mutex<HashMap> +1 / -1 (baseline)   {:6.1} ns/op",
+            ns(base, total)
+        );
+        common::ratio_line(
+            &format!("  {label}"),
+            base.as_secs_f64() / ours.as_secs_f64(),
+            5.0,
+        );
+    }
+    for e in &engines {
+        assert_eq!(e.reads_in_flight(), 0);
+    }
+    shutdown.cancel();
+}
+
+fn ns(d: Duration, ops: u64) -> f64 {
+    d.as_nanos() as f64 / ops as f64
+}
+
+fn best_of(n: usize, mut f: impl FnMut() -> Duration) -> Duration {
+    (0..n).map(|_| f()).min().unwrap()
+}
+
+fn guard_loop(engine: &EngineRef, iters: u64) -> Duration {
+    let start = Instant::now();
+    for _ in 0..iters {
+        let guard = black_box(engine).begin_read().unwrap();
+        guard.finish(black_box(NixlStatus::SUCCESS));
+    }
+    start.elapsed()
+}
+
+fn mutex_loop(map: &Mutex<HashMap<EngineId, u64>>, id: &EngineId, iters: u64) -> Duration {
+    let start = Instant::now();
+    for _ in 0..iters {
+        *map.lock().unwrap().get_mut(black_box(id)).unwrap() += 1;
+        *map.lock().unwrap().get_mut(black_box(id)).unwrap() -= 1;
+    }
+    start.elapsed()
+}
+
+/// Runs `make(t)()` on `threads` threads started together; wall time.
+fn parallel<F, G>(threads: usize, make: G) -> Duration
+where
+    G: Fn(usize) -> F,
+    F: FnOnce() -> Duration + Send + 'static,
+{
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let work = make(t);
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                barrier.wait();
+                work()
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    barrier.wait();
+    for h in handles {
+        h.join().unwrap();
+    }
+    start.elapsed()
+}

@@ -1,0 +1,217 @@
+// nixl-sys C++ shim: reaches the few nixlAgent members whose status the
+// NIXL 1.5.x C API collapses, and returns their raw nixl_status_t.
+//
+// This file declares its own minimal view of NIXL: opaque classes only, no
+// NIXL header is included and nothing here links against libnixl. The Rust
+// side resolves each member by its Itanium-mangled name in the dlopen'd
+// libnixl.so and passes the address in. On x86-64 (Itanium C++ ABI) a
+// non-virtual member function is an ordinary function whose first argument
+// is `this`, so each member is called through a plain function pointer
+// whose first parameter is the object pointer.
+//
+// Every entry point catches all C++ exceptions: nothing unwinds into Rust.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
+
+#if !defined(_GLIBCXX_USE_CXX11_ABI) || !_GLIBCXX_USE_CXX11_ABI
+#error "nixl-sys shim must be built with the cxx11 std::string ABI (as libnixl.so is)"
+#endif
+
+namespace {
+
+// Opaque NIXL types. Only pointers and references to them cross this file.
+class Agent;         // nixlAgent
+class XferReqH;      // nixlXferReqH
+class DlistH;        // nixlDlistH
+class OptionalArgs;  // nixlAgentOptionalArgs
+class XferDescList;  // nixlDescList<nixlBasicDesc> (nixl_xfer_dlist_t)
+
+// nixl_status_t and nixl_xfer_op_t are plain int-sized enums.
+using status_t = int;
+using xfer_op_t = int;
+
+// Returned when a C++ exception escaped a NIXL member. Outside the range
+// of nixl_status_t; the Rust side knows this value.
+constexpr status_t kException = -1000;
+
+// nixlAgent::genNotif(const std::string&, const nixl_blob_t&, const nixl_opt_args_t*) const
+using gen_notif_fn = status_t (*)(const Agent *, const std::string &, const std::string &,
+                                  const OptionalArgs *);
+// nixlAgent::postXferReq(nixlXferReqH*, const nixl_opt_args_t*) const
+using post_xfer_fn = status_t (*)(const Agent *, XferReqH *, const OptionalArgs *);
+// nixlAgent::getXferStatus(nixlXferReqH*) const
+using xfer_status_fn = status_t (*)(const Agent *, XferReqH *);
+// nixlAgent::releaseXferReq(nixlXferReqH*) const
+using release_xfer_fn = status_t (*)(const Agent *, XferReqH *);
+// nixlAgent::invalidateRemoteMD(const std::string&)
+using invalidate_fn = status_t (*)(Agent *, const std::string &);
+// nixlAgent::releasedDlistH(nixlDlistH*) const
+using release_dlist_fn = status_t (*)(const Agent *, DlistH *);
+// nixlAgent::loadRemoteMD(const nixl_blob_t&, std::string&)
+using load_md_fn = status_t (*)(Agent *, const std::string &, std::string &);
+// nixlAgent::prepXferDlist(const nixl_xfer_dlist_t&, nixlDlistH*&, const nixl_opt_args_t*) const
+using prep_local_fn = status_t (*)(const Agent *, const XferDescList &, DlistH *&,
+                                   const OptionalArgs *);
+// nixlAgent::prepXferDlist(const std::string&, const nixl_xfer_dlist_t&, nixlDlistH*&,
+//                          const nixl_opt_args_t*) const
+using prep_remote_fn = status_t (*)(const Agent *, const std::string &, const XferDescList &,
+                                    DlistH *&, const OptionalArgs *);
+// nixlAgent::makeXferReq(const nixl_xfer_op_t&, const nixlDlistH*, const std::vector<int>&,
+//                        const nixlDlistH*, const std::vector<int>&, nixlXferReqH*&,
+//                        const nixl_opt_args_t*) const
+using make_xfer_fn = status_t (*)(const Agent *, const xfer_op_t &, const DlistH *,
+                                  const std::vector<int> &, const DlistH *,
+                                  const std::vector<int> &, XferReqH *&, const OptionalArgs *);
+
+template <typename F>
+status_t guarded(F &&f) noexcept {
+    try {
+        return f();
+    }
+    catch (...) {
+        return kException;
+    }
+}
+
+} // namespace
+
+extern "C" {
+
+int
+nks_gen_notif(const void *fn, const void *agent, const char *remote, size_t remote_len,
+              const char *msg, size_t msg_len, const void *opt_args) {
+    return guarded([&] {
+        const std::string r(remote, remote_len);
+        const std::string m(msg, msg_len);
+        return reinterpret_cast<gen_notif_fn>(fn)(static_cast<const Agent *>(agent), r, m,
+                                                  static_cast<const OptionalArgs *>(opt_args));
+    });
+}
+
+int
+nks_post_xfer_req(const void *fn, const void *agent, void *req, const void *opt_args) {
+    return guarded([&] {
+        return reinterpret_cast<post_xfer_fn>(fn)(static_cast<const Agent *>(agent),
+                                                  static_cast<XferReqH *>(req),
+                                                  static_cast<const OptionalArgs *>(opt_args));
+    });
+}
+
+int
+nks_get_xfer_status(const void *fn, const void *agent, void *req) {
+    return guarded([&] {
+        return reinterpret_cast<xfer_status_fn>(fn)(static_cast<const Agent *>(agent),
+                                                    static_cast<XferReqH *>(req));
+    });
+}
+
+int
+nks_release_xfer_req(const void *fn, const void *agent, void *req) {
+    return guarded([&] {
+        return reinterpret_cast<release_xfer_fn>(fn)(static_cast<const Agent *>(agent),
+                                                     static_cast<XferReqH *>(req));
+    });
+}
+
+int
+nks_invalidate_remote_md(const void *fn, void *agent, const char *remote, size_t remote_len) {
+    return guarded([&] {
+        const std::string r(remote, remote_len);
+        return reinterpret_cast<invalidate_fn>(fn)(static_cast<Agent *>(agent), r);
+    });
+}
+
+int
+nks_release_dlist_handle(const void *fn, const void *agent, void *dlist) {
+    return guarded([&] {
+        return reinterpret_cast<release_dlist_fn>(fn)(static_cast<const Agent *>(agent),
+                                                      static_cast<DlistH *>(dlist));
+    });
+}
+
+// On success *name_out is a malloc'd, NUL-terminated copy of the remote
+// agent's name (free it with nks_free) and *name_len its length.
+int
+nks_load_remote_md(const void *fn, void *agent, const void *md, size_t md_len, char **name_out,
+                   size_t *name_len) {
+    *name_out = nullptr;
+    *name_len = 0;
+    return guarded([&] {
+        const std::string blob(static_cast<const char *>(md), md_len);
+        std::string name;
+        status_t st = reinterpret_cast<load_md_fn>(fn)(static_cast<Agent *>(agent), blob, name);
+        if (st == 0) {
+            char *copy = static_cast<char *>(std::malloc(name.size() + 1));
+            if (!copy) throw std::bad_alloc();
+            std::memcpy(copy, name.data(), name.size());
+            copy[name.size()] = '\0';
+            *name_out = copy;
+            *name_len = name.size();
+        }
+        return st;
+    });
+}
+
+// `descs` is the nixl_xfer_dlist_t* held by a C API xfer dlist.
+int
+nks_prep_local_dlist(const void *fn, const void *agent, const void *descs, void **dlist_out,
+                     const void *opt_args) {
+    *dlist_out = nullptr;
+    return guarded([&] {
+        DlistH *h = nullptr;
+        status_t st = reinterpret_cast<prep_local_fn>(fn)(
+            static_cast<const Agent *>(agent), *static_cast<const XferDescList *>(descs), h,
+            static_cast<const OptionalArgs *>(opt_args));
+        *dlist_out = h;
+        return st;
+    });
+}
+
+int
+nks_prep_remote_dlist(const void *fn, const void *agent, const char *remote, size_t remote_len,
+                      const void *descs, void **dlist_out, const void *opt_args) {
+    *dlist_out = nullptr;
+    return guarded([&] {
+        const std::string r(remote, remote_len);
+        DlistH *h = nullptr;
+        status_t st = reinterpret_cast<prep_remote_fn>(fn)(
+            static_cast<const Agent *>(agent), r, *static_cast<const XferDescList *>(descs), h,
+            static_cast<const OptionalArgs *>(opt_args));
+        *dlist_out = h;
+        return st;
+    });
+}
+
+int
+nks_make_xfer_req(const void *fn, const void *agent, int op, const void *local,
+                  const int *local_idx, size_t local_count, const void *remote,
+                  const int *remote_idx, size_t remote_count, void **req_out,
+                  const void *opt_args) {
+    *req_out = nullptr;
+    return guarded([&] {
+        const std::vector<int> li(local_idx, local_idx + local_count);
+        const std::vector<int> ri(remote_idx, remote_idx + remote_count);
+        const xfer_op_t o = op;
+        XferReqH *req = nullptr;
+        status_t st = reinterpret_cast<make_xfer_fn>(fn)(
+            static_cast<const Agent *>(agent), o, static_cast<const DlistH *>(local), li,
+            static_cast<const DlistH *>(remote), ri, req,
+            static_cast<const OptionalArgs *>(opt_args));
+        *req_out = req;
+        return st;
+    });
+}
+
+void
+nks_free(void *p) {
+    std::free(p);
+}
+
+} // extern "C"

@@ -1,0 +1,712 @@
+//! The safe layer: owned handles with `Drop`.
+//!
+//! # Thread safety
+//!
+//! A NIXL agent's default thread-sync mode is NONE: two threads calling the
+//! same agent at once race inside NIXL. This crate only creates agents in a
+//! locking mode ([`ThreadSync::Rw`], the default, or
+//! [`ThreadSync::Strict`]); that is what makes [`Agent`] `Send + Sync`.
+//! Rule for users: share one `Agent` freely between threads; each
+//! [`XferRequest`] is driven by one thread at a time (its methods take
+//! `&mut self`). NIXL's own progress thread, when enabled, takes the
+//! backend's locks itself.
+//!
+//! # Progress thread
+//!
+//! With a progress thread, NIXL polls the UCX worker in a loop, by default
+//! without sleeping, which keeps one core busy per agent. The default here
+//! is [`ProgressThread::Off`]: UCX then progresses inside NIXL calls
+//! (notifications, transfer status), which is enough for a caller that
+//! polls regularly, and costs no CPU while idle. See [`ProgressThread`].
+
+use std::ffi::{c_int, c_void, CStr, CString};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{check, NixlError, StatusSource, WithDetail};
+use crate::runtime::{CapiAgentConfig, Raw, Runtime};
+use crate::status::NixlStatus;
+
+type P = *mut c_void;
+
+/// NIXL's locking mode for an agent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ThreadSync {
+    /// Readers-writer lock: const operations (notifications, posting and
+    /// checking transfers) run concurrently, metadata changes exclusively.
+    #[default]
+    Rw,
+    /// One lock around every agent call.
+    Strict,
+}
+
+impl ThreadSync {
+    fn capi(self) -> c_int {
+        // nixl_capi_thread_sync_t: NONE=0, STRICT=1, RW=2.
+        match self {
+            ThreadSync::Strict => 1,
+            ThreadSync::Rw => 2,
+        }
+    }
+}
+
+/// NIXL's progress thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProgressThread {
+    /// No progress thread: UCX progresses only inside NIXL calls. Costs no
+    /// CPU while idle. A dead peer is noticed on the next call that
+    /// progresses the worker (a notification poll, a transfer check).
+    Off,
+    /// A progress thread that sleeps `delay` between polls of the UCX
+    /// worker (NIXL's `pthrDelay`, in microseconds). `Duration::ZERO` is
+    /// NIXL's default: a busy loop that keeps one core at 100%.
+    Polling {
+        /// Sleep between polls.
+        delay: Duration,
+    },
+}
+
+/// How to create an [`Agent`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentConfig {
+    /// Locking mode (always a locking one; see the module docs).
+    pub thread_sync: ThreadSync,
+    /// NIXL's progress thread.
+    pub progress_thread: ProgressThread,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            thread_sync: ThreadSync::Rw,
+            progress_thread: ProgressThread::Off,
+        }
+    }
+}
+
+/// A memory descriptor: an address range on a device (0 for DRAM).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Desc {
+    /// Start address (in the owner's address space).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: usize,
+    /// Device id (0 for DRAM).
+    pub dev_id: u64,
+}
+
+/// A notification received from a remote agent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    /// The sending agent's name.
+    pub agent: String,
+    /// The message bytes.
+    pub message: Vec<u8>,
+}
+
+/// Where a transfer stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XferState {
+    /// Complete (`NIXL_SUCCESS`).
+    Done,
+    /// Still running (`NIXL_IN_PROG`).
+    InProgress,
+}
+
+impl XferState {
+    fn from_ok(s: NixlStatus) -> XferState {
+        if s == NixlStatus::IN_PROG {
+            XferState::InProgress
+        } else {
+            XferState::Done
+        }
+    }
+}
+
+pub(crate) struct AgentInner {
+    rt: &'static Runtime,
+    capi: P,
+    name: String,
+}
+
+// Safety: the agent was created with a locking thread-sync mode (RW or
+// STRICT; `ThreadSync` has no NONE), so NIXL serialises concurrent calls
+// itself. The handle is only a pointer to NIXL's heap object.
+unsafe impl Send for AgentInner {}
+// Safety: as above.
+unsafe impl Sync for AgentInner {}
+
+impl Drop for AgentInner {
+    fn drop(&mut self) {
+        // Safety: every handle made by this agent holds an Arc to it, so
+        // this is the last use of the agent handle.
+        unsafe { (self.rt.capi().destroy_agent)(self.capi) };
+    }
+}
+
+fn op(operation: &'static str, raw: Raw) -> Result<NixlStatus, NixlError> {
+    check(operation, raw.0, raw.1)
+}
+
+/// A NIXL agent with the UCX backend. Cheap to clone (shared handle);
+/// destroyed when the last clone and the last handle made from it drop.
+#[derive(Clone)]
+pub struct Agent {
+    inner: Arc<AgentInner>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.inner.name)
+            .finish()
+    }
+}
+
+impl Agent {
+    /// Creates an agent named `name` with the UCX backend.
+    pub fn new(rt: &'static Runtime, name: &str, config: &AgentConfig) -> Result<Agent, NixlError> {
+        let cname = CString::new(name).map_err(|_| NixlError {
+            operation: "createAgent",
+            status: NixlStatus::ERR_INVALID_PARAM,
+            source: StatusSource::Crate,
+            detail: Some("agent name contains a NUL byte".into()),
+        })?;
+        let (prog, delay) = match config.progress_thread {
+            ProgressThread::Off => (false, 0),
+            ProgressThread::Polling { delay } => {
+                (true, delay.as_micros().min(u64::MAX as u128) as u64)
+            }
+        };
+        let cfg = CapiAgentConfig {
+            enable_prog_thread: prog,
+            enable_listen_thread: false,
+            listen_port: 0,
+            thread_sync: config.thread_sync.capi(),
+            num_workers: 1,
+            pthr_delay_us: delay,
+            lthr_delay_us: 100_000,
+            capture_telemetry: false,
+        };
+        let c = rt.capi();
+        let mut agent: P = std::ptr::null_mut();
+        // Safety: valid NUL-terminated name, config and out-pointer.
+        let st = unsafe { (c.create_configured_agent)(cname.as_ptr(), &cfg, &mut agent) };
+        op("createAgent", rt.capi_status(st)).detail(|| format!("agent {name}"))?;
+        // From here `inner`'s Drop destroys the agent on any error.
+        let inner = Arc::new(AgentInner {
+            rt,
+            capi: agent,
+            name: name.to_string(),
+        });
+
+        let ucx = c"UCX";
+        let mut mems: P = std::ptr::null_mut();
+        let mut params: P = std::ptr::null_mut();
+        // Safety: live agent; out-pointers valid.
+        let st = unsafe { (c.get_plugin_params)(agent, ucx.as_ptr(), &mut mems, &mut params) };
+        op("getPluginParams", rt.capi_status(st)).detail(|| "UCX plugin".into())?;
+        let mut backend: P = std::ptr::null_mut();
+        // Safety: live agent and params; the params and mem list are ours to
+        // destroy once the backend is created. The C API backend handle is a
+        // thin wrapper around the agent-owned backend, so destroying it
+        // leaves the backend in place.
+        let st = unsafe {
+            let st = (c.create_backend)(agent, ucx.as_ptr(), params, &mut backend);
+            (c.destroy_params)(params);
+            (c.destroy_mem_list)(mems);
+            if !backend.is_null() {
+                (c.destroy_backend)(backend);
+            }
+            st
+        };
+        op("createBackend", rt.capi_status(st)).detail(|| "UCX".into())?;
+        Ok(Agent { inner })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The runtime this agent lives in.
+    pub fn runtime(&self) -> &'static Runtime {
+        self.inner.rt
+    }
+
+    /// Allocates `len` bytes of zeroed DRAM and registers them with NIXL.
+    pub fn register_dram(&self, len: usize) -> Result<DramRegistration, NixlError> {
+        DramRegistration::new(self.inner.clone(), len)
+    }
+
+    /// This agent's metadata, to hand to peers out of band.
+    pub fn local_metadata(&self) -> Result<Vec<u8>, NixlError> {
+        let rt = self.inner.rt;
+        let mut data: P = std::ptr::null_mut();
+        let mut len = 0usize;
+        // Safety: live agent; on success NIXL mallocs `len` bytes at `data`,
+        // copied out and freed below.
+        unsafe {
+            let st = (rt.capi().get_local_md)(self.inner.capi, &mut data, &mut len);
+            op("getLocalMD", rt.capi_status(st))?;
+            let v = std::slice::from_raw_parts(data as *const u8, len).to_vec();
+            rt.free(data);
+            Ok(v)
+        }
+    }
+
+    /// Loads a peer's metadata; returns the peer's agent name.
+    /// `NOT_ALLOWED` when that agent's metadata is already loaded
+    /// (invalidate it first).
+    pub fn load_remote_metadata(&self, metadata: &[u8]) -> Result<String, NixlError> {
+        // Safety: live agent.
+        let (raw, name) = unsafe { self.inner.rt.load_remote_md(self.inner.capi, metadata) };
+        op("loadRemoteMD", raw)?;
+        Ok(name.unwrap_or_default())
+    }
+
+    /// Forgets a peer's metadata and disconnects from it. `NOT_FOUND` for
+    /// an agent this one does not know (already invalidated, or dropped by
+    /// NIXL): for a release, treat that as done.
+    pub fn invalidate_remote_metadata(&self, remote: &str) -> Result<(), NixlError> {
+        // Safety: live agent.
+        let raw = unsafe {
+            self.inner
+                .rt
+                .invalidate_remote_md(self.inner.capi, remote.as_bytes())
+        };
+        op("invalidateRemoteMD", raw).detail(|| format!("agent {remote}"))?;
+        Ok(())
+    }
+
+    /// Sends a notification. `SUCCESS` means handed to UCX, not delivered;
+    /// `REMOTE_DISCONNECT` once UCX knows the peer's endpoint failed.
+    pub fn gen_notif(&self, remote: &str, message: &[u8]) -> Result<(), NixlError> {
+        self.gen_notif_status(remote, message).map(|_| ())
+    }
+
+    /// As [`Agent::gen_notif`], returning the raw success status too.
+    pub fn gen_notif_status(&self, remote: &str, message: &[u8]) -> Result<NixlStatus, NixlError> {
+        // Safety: live agent.
+        let raw = unsafe {
+            self.inner
+                .rt
+                .gen_notif(self.inner.capi, remote.as_bytes(), message)
+        };
+        op("genNotif", raw).detail(|| format!("to agent {remote}"))
+    }
+
+    /// Takes the notifications received since the last call. Also
+    /// progresses the UCX worker.
+    pub fn get_notifs(&self) -> Result<Vec<Notification>, NixlError> {
+        let rt = self.inner.rt;
+        let c = rt.capi();
+        let mut map: P = std::ptr::null_mut();
+        // Safety: out-pointer valid.
+        let st = unsafe { (c.create_notif_map)(&mut map) };
+        op("createNotifMap", rt.capi_status(st))?;
+        let guard = CapiGuard {
+            p: map,
+            destroy: c.destroy_notif_map,
+        };
+        let mut out = Vec::new();
+        // Safety: live agent and map; the strings and bytes read below live
+        // in the map, which outlives this block (guard).
+        unsafe {
+            let st = (c.get_notifs)(self.inner.capi, guard.p, std::ptr::null_mut());
+            op("getNotifs", rt.capi_status(st))?;
+            let mut n = 0usize;
+            op(
+                "getNotifs",
+                rt.capi_status((c.notif_map_size)(guard.p, &mut n)),
+            )?;
+            for i in 0..n {
+                let mut agent: *const std::ffi::c_char = std::ptr::null();
+                op(
+                    "getNotifs",
+                    rt.capi_status((c.notif_map_get_agent_at)(guard.p, i, &mut agent)),
+                )?;
+                let name = CStr::from_ptr(agent).to_string_lossy().into_owned();
+                let mut m = 0usize;
+                op(
+                    "getNotifs",
+                    rt.capi_status((c.notif_map_get_notifs_size)(guard.p, agent, &mut m)),
+                )?;
+                for j in 0..m {
+                    let mut data: *const c_void = std::ptr::null();
+                    let mut len = 0usize;
+                    op(
+                        "getNotifs",
+                        rt.capi_status((c.notif_map_get_notif)(
+                            guard.p, agent, j, &mut data, &mut len,
+                        )),
+                    )?;
+                    let message = if len == 0 {
+                        Vec::new()
+                    } else {
+                        std::slice::from_raw_parts(data as *const u8, len).to_vec()
+                    };
+                    out.push(Notification {
+                        agent: name.clone(),
+                        message,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Prepares a handle over this agent's own (registered) memory.
+    pub fn prep_local_dlist(&self, descs: &[Desc]) -> Result<DlistHandle, NixlError> {
+        self.prep(None, descs)
+    }
+
+    /// Prepares a handle over `remote`'s memory (its metadata must be
+    /// loaded; `NOT_FOUND` otherwise).
+    pub fn prep_remote_dlist(
+        &self,
+        remote: &str,
+        descs: &[Desc],
+    ) -> Result<DlistHandle, NixlError> {
+        self.prep(Some(remote), descs)
+    }
+
+    fn prep(&self, remote: Option<&str>, descs: &[Desc]) -> Result<DlistHandle, NixlError> {
+        let rt = self.inner.rt;
+        let c = rt.capi();
+        let mut dl: P = std::ptr::null_mut();
+        // Safety: out-pointer valid; DRAM = 0 in nixl_capi_mem_type_t.
+        let st = unsafe { (c.create_xfer_dlist)(0, &mut dl) };
+        op("prepXferDlist", rt.capi_status(st))?;
+        let guard = CapiGuard {
+            p: dl,
+            destroy: c.destroy_xfer_dlist,
+        };
+        for d in descs {
+            // Safety: live dlist.
+            let st = unsafe { (c.xfer_dlist_add_desc)(guard.p, d.addr as usize, d.len, d.dev_id) };
+            op("prepXferDlist", rt.capi_status(st))?;
+        }
+        // Safety: live agent and dlist; NIXL copies the descriptors, so the
+        // dlist may go when this returns.
+        let (raw, handle) =
+            unsafe { rt.prep_dlist(self.inner.capi, remote.map(str::as_bytes), guard.p) };
+        op("prepXferDlist", raw).detail(|| match remote {
+            Some(r) => format!("remote agent {r}"),
+            None => "local".into(),
+        })?;
+        Ok(DlistHandle {
+            inner: Arc::new(DlistInner {
+                agent: self.inner.clone(),
+                raw: handle,
+                remote: remote.map(str::to_string),
+                released: std::sync::atomic::AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// Creates a READ: remote descriptors `remote_idx` of `remote` into
+    /// local descriptors `local_idx` of `local`. With `notif`, the remote
+    /// agent gets that message when the transfer completes.
+    pub fn create_read(
+        &self,
+        local: &DlistHandle,
+        local_idx: &[i32],
+        remote: &DlistHandle,
+        remote_idx: &[i32],
+        notif: Option<&[u8]>,
+    ) -> Result<XferRequest, NixlError> {
+        let rt = self.inner.rt;
+        let c = rt.capi();
+        let mut opt: Option<CapiGuard> = None;
+        if let Some(msg) = notif {
+            let mut p: P = std::ptr::null_mut();
+            // Safety: out-pointer valid; then a live opt-args handle.
+            unsafe {
+                op("makeXferReq", rt.capi_status((c.create_opt_args)(&mut p)))?;
+                let g = CapiGuard {
+                    p,
+                    destroy: c.destroy_opt_args,
+                };
+                op(
+                    "makeXferReq",
+                    rt.capi_status((c.opt_args_set_notif_msg)(
+                        g.p,
+                        msg.as_ptr().cast(),
+                        msg.len(),
+                    )),
+                )?;
+                op(
+                    "makeXferReq",
+                    rt.capi_status((c.opt_args_set_has_notif)(g.p, true)),
+                )?;
+                opt = Some(g);
+            }
+        }
+        let opt_ptr = opt.as_ref().map_or(std::ptr::null_mut(), |g| g.p);
+        // Safety: live agent; both dlist handles are live (held by Arcs) and
+        // made by this agent; the index slices outlive the call.
+        let (raw, req) = unsafe {
+            rt.make_xfer_req(
+                self.inner.capi,
+                0, // NIXL_READ
+                local.inner.raw,
+                local_idx,
+                remote.inner.raw,
+                remote_idx,
+                opt_ptr,
+            )
+        };
+        op("makeXferReq", raw).detail(|| {
+            format!(
+                "READ from {}",
+                remote.inner.remote.as_deref().unwrap_or("?")
+            )
+        })?;
+        Ok(XferRequest {
+            agent: self.inner.clone(),
+            raw: req,
+            _local: local.inner.clone(),
+            _remote: remote.inner.clone(),
+            _opt: opt,
+            released: false,
+        })
+    }
+}
+
+/// Destroys a C API object on drop.
+struct CapiGuard {
+    p: P,
+    destroy: unsafe extern "C" fn(P) -> c_int,
+}
+
+impl Drop for CapiGuard {
+    fn drop(&mut self) {
+        // Safety: `p` is a live object of the kind `destroy` expects, used
+        // by no one after this.
+        unsafe { (self.destroy)(self.p) };
+    }
+}
+
+// Safety: opt-args objects are plain data owned by one XferRequest.
+unsafe impl Send for CapiGuard {}
+// Safety: never accessed through a shared reference after creation.
+unsafe impl Sync for CapiGuard {}
+
+/// DRAM owned by this crate and registered with an agent. Deregistered,
+/// then freed, on drop.
+pub struct DramRegistration {
+    agent: Arc<AgentInner>,
+    reg_dlist: P,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// Safety: owns its allocation; NIXL calls go through a locking agent.
+unsafe impl Send for DramRegistration {}
+// Safety: shared access only reads (see `bytes`).
+unsafe impl Sync for DramRegistration {}
+
+impl DramRegistration {
+    fn new(agent: Arc<AgentInner>, len: usize) -> Result<Self, NixlError> {
+        let len = len.max(1);
+        let buf = vec![0u8; len].into_boxed_slice();
+        let ptr = Box::into_raw(buf) as *mut u8;
+        let rt = agent.rt;
+        let c = rt.capi();
+        let mut reg = DramRegistration {
+            agent,
+            reg_dlist: std::ptr::null_mut(),
+            ptr,
+            len,
+        };
+        // Safety: out-pointer valid; DRAM = 0.
+        let st = unsafe { (c.create_reg_dlist)(0, &mut reg.reg_dlist) };
+        op("registerMem", rt.capi_status(st))?;
+        // Safety: live reg dlist; the range is our allocation.
+        let st = unsafe {
+            (c.reg_dlist_add_desc)(reg.reg_dlist, ptr as usize, len, 0, std::ptr::null(), 0)
+        };
+        op("registerMem", rt.capi_status(st))?;
+        // Safety: live agent and reg dlist.
+        let st = unsafe { (c.register_mem)(reg.agent.capi, reg.reg_dlist, std::ptr::null_mut()) };
+        if let Err(e) = op("registerMem", rt.capi_status(st)) {
+            // Safety: not registered: only the dlist needs destroying.
+            unsafe { (c.destroy_reg_dlist)(reg.reg_dlist) };
+            reg.reg_dlist = std::ptr::null_mut();
+            return Err(e);
+        }
+        Ok(reg)
+    }
+
+    /// The descriptor of the whole region.
+    pub fn desc(&self) -> Desc {
+        Desc {
+            addr: self.ptr as u64,
+            len: self.len,
+            dev_id: 0,
+        }
+    }
+
+    /// The descriptor of `len` bytes at `offset` (panics if out of range).
+    pub fn sub_desc(&self, offset: usize, len: usize) -> Desc {
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= self.len),
+            "range out of bounds"
+        );
+        Desc {
+            addr: self.ptr as u64 + offset as u64,
+            len,
+            dev_id: 0,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false (a registration has at least one byte).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The bytes. A transfer that writes this memory (a READ into it)
+    /// changes them underneath: read only after such a transfer completed.
+    pub fn bytes(&self) -> &[u8] {
+        // Safety: our allocation of `len` bytes, alive until drop.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, to fill before peers read them.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // Safety: as `bytes`, and `&mut self` excludes other local access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for DramRegistration {
+    fn drop(&mut self) {
+        let c = self.agent.rt.capi();
+        if !self.reg_dlist.is_null() {
+            // Safety: registered with this live agent; after deregistration
+            // NIXL no longer touches the memory.
+            unsafe {
+                (c.deregister_mem)(self.agent.capi, self.reg_dlist, std::ptr::null_mut());
+                (c.destroy_reg_dlist)(self.reg_dlist);
+            }
+        }
+        // Safety: allocated in `new` as a boxed slice of `len` bytes.
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+    }
+}
+
+struct DlistInner {
+    agent: Arc<AgentInner>,
+    raw: P,
+    remote: Option<String>,
+    released: std::sync::atomic::AtomicBool,
+}
+
+// Safety: a NIXL handle used only through the locking agent.
+unsafe impl Send for DlistInner {}
+// Safety: as above; release is guarded by `released`.
+unsafe impl Sync for DlistInner {}
+
+impl DlistInner {
+    fn release(&self) -> Result<(), NixlError> {
+        if self
+            .released
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            return Ok(());
+        }
+        // Safety: prepared by this agent and not yet released (flag above).
+        let raw = unsafe { self.agent.rt.release_dlist(self.agent.capi, self.raw) };
+        op("releasedDlistH", raw).map(|_| ())
+    }
+}
+
+impl Drop for DlistInner {
+    fn drop(&mut self) {
+        let _ = self.release();
+    }
+}
+
+/// A prepared descriptor-list handle (`nixlDlistH`), local or remote.
+/// Released on drop, once no transfer request made from it remains.
+pub struct DlistHandle {
+    inner: Arc<DlistInner>,
+}
+
+impl DlistHandle {
+    /// The remote agent, or `None` for a local handle.
+    pub fn remote_agent(&self) -> Option<&str> {
+        self.inner.remote.as_deref()
+    }
+
+    /// Releases now and reports NIXL's status. If transfer requests made
+    /// from this handle still exist, the release waits for the last of
+    /// them to drop and this returns `Ok(())`.
+    pub fn release(self) -> Result<(), NixlError> {
+        match Arc::try_unwrap(self.inner) {
+            Ok(inner) => inner.release(),
+            Err(_) => Ok(()),
+        }
+    }
+}
+
+/// A transfer request (`nixlXferReqH`). Released on drop.
+pub struct XferRequest {
+    agent: Arc<AgentInner>,
+    raw: P,
+    _local: Arc<DlistInner>,
+    _remote: Arc<DlistInner>,
+    _opt: Option<CapiGuard>,
+    released: bool,
+}
+
+// Safety: a NIXL handle used through the locking agent; `&mut self`
+// methods keep one thread per request at a time.
+unsafe impl Send for XferRequest {}
+// Safety: no `&self` method touches NIXL.
+unsafe impl Sync for XferRequest {}
+
+impl XferRequest {
+    /// Posts the transfer. `Done` if it completed at once.
+    pub fn post(&mut self) -> Result<XferState, NixlError> {
+        // Safety: live request of this agent (not released: `release`
+        // consumes self).
+        let raw = unsafe { self.agent.rt.post_xfer_req(self.agent.capi, self.raw) };
+        op("postXferReq", raw).map(XferState::from_ok)
+    }
+
+    /// Checks the transfer (also progresses the UCX worker).
+    pub fn status(&mut self) -> Result<XferState, NixlError> {
+        // Safety: as `post`.
+        let raw = unsafe { self.agent.rt.get_xfer_status(self.agent.capi, self.raw) };
+        op("getXferStatus", raw).map(XferState::from_ok)
+    }
+
+    /// Releases now and reports NIXL's status (a transfer still in flight
+    /// is aborted by NIXL where the backend can).
+    pub fn release(mut self) -> Result<(), NixlError> {
+        self.release_inner()
+    }
+
+    fn release_inner(&mut self) -> Result<(), NixlError> {
+        if self.released {
+            return Ok(());
+        }
+        self.released = true;
+        // Safety: live request of this agent, released once (flag above).
+        let raw = unsafe { self.agent.rt.release_xfer_req(self.agent.capi, self.raw) };
+        op("releaseXferReq", raw).map(|_| ())
+    }
+}
+
+impl Drop for XferRequest {
+    fn drop(&mut self) {
+        let _ = self.release_inner();
+    }
+}

@@ -1,0 +1,114 @@
+//! What the service tells the decoder runtime, so that it can fail
+//! requests instead of letting them hang.
+
+use std::time::Duration;
+
+use crate::transport::{EngineId, PeerAddr};
+use crate::NixlStatus;
+
+/// Why an engine was released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReleaseReason {
+    /// A heartbeat or transfer returned REMOTE_DISCONNECT.
+    Unreachable,
+    /// A new engine id registered at its address.
+    Replaced,
+    /// The same engine id registered again (a pinned id came back).
+    Reregistered,
+    /// The router or orchestrator said the peer is gone.
+    PeerGone,
+    /// The service shut down.
+    Shutdown,
+}
+
+impl ReleaseReason {
+    /// A short lowercase name, used in logs and as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReleaseReason::Unreachable => "unreachable",
+            ReleaseReason::Replaced => "replaced",
+            ReleaseReason::Reregistered => "reregistered",
+            ReleaseReason::PeerGone => "peer_gone",
+            ReleaseReason::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// What a release waited for between the engine being marked and its NIXL
+/// state being handed to the transport.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct WaitedFor {
+    /// From the mark to the start of the release.
+    pub duration: Duration,
+    /// Reads that were in flight when the engine was marked.
+    pub reads_in_flight_at_mark: u64,
+    /// Whether a handshake at the engine's address held the release back.
+    pub handshake: bool,
+}
+
+/// One thing that happened to a peer. Subscribe with
+/// [`crate::KeepaliveHandle::subscribe`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// An engine registered after its handshake.
+    Registered {
+        /// The engine.
+        engine: EngineId,
+        /// Its side-channel address.
+        address: PeerAddr,
+    },
+    /// A heartbeat or transfer returned REMOTE_DISCONNECT.
+    Unreachable {
+        /// The engine.
+        engine: EngineId,
+        /// The raw status that said so.
+        status: NixlStatus,
+        /// `heartbeat` or `transfer`.
+        source: &'static str,
+    },
+    /// A new engine id registered at a known address (or the same id again:
+    /// then `old == new`).
+    Replaced {
+        /// The engine that was at the address.
+        old: EngineId,
+        /// The engine there now.
+        new: EngineId,
+        /// The address.
+        address: PeerAddr,
+    },
+    /// The router or orchestrator said the engine is gone.
+    Retiring {
+        /// The engine.
+        engine: EngineId,
+        /// Whether its reads were failed at once.
+        fail_reads: bool,
+    },
+    /// Reads in flight from an engine were failed (unreachable, or gone in
+    /// `fail` mode); their guards report `is_failed()`.
+    ReadsFailed {
+        /// The engine.
+        engine: EngineId,
+        /// How many reads were in flight.
+        count: u64,
+    },
+    /// An error that is not a disconnect: counted, logged, never a release.
+    TransientError {
+        /// The engine.
+        engine: EngineId,
+        /// The raw status.
+        status: NixlStatus,
+        /// `heartbeat` or `transfer`.
+        source: &'static str,
+    },
+    /// The engine's NIXL state was given back.
+    Released {
+        /// The engine.
+        engine: EngineId,
+        /// Why.
+        reason: ReleaseReason,
+        /// What the release waited for.
+        waited_for: WaitedFor,
+        /// Release steps that failed with something other than NOT_FOUND.
+        failed_steps: usize,
+    },
+}

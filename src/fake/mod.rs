@@ -1,0 +1,809 @@
+//! A simulated UCX/NIXL world, as one decode engine's NIXL agent sees it.
+//!
+//! [`FakeUcx`] implements [`Transport`] for tests: ours and yours. It holds
+//! prefill engines (processes with one NIXL agent per rank, listening on a
+//! side-channel address), the decode agent's loaded remote metadata with one
+//! simulated UCX endpoint per remote agent, and the prepped descriptor-list
+//! handles. Faults are injected per engine; every call is recorded; what is
+//! loaded and not released is counted, so a test can assert nothing leaked.
+//!
+//! ```
+//! use nixl_keepalive::fake::{FakeConfig, FakeUcx};
+//! use nixl_keepalive::{NixlStatus, PeerAddr, Transport};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+//! let ucx = FakeUcx::new(FakeConfig::default());
+//! let engine = ucx.spawn_prefill(PeerAddr::from("10.0.0.1:5600"), 2);
+//! // What the decoder runtime does: handshake, then register with the service.
+//! let hs = ucx.handshake(&PeerAddr::from("10.0.0.1:5600")).unwrap();
+//! assert_eq!(hs.engine, engine);
+//! assert!(ucx.notify(&hs.agents[0], b"HB:req-1").is_ok());
+//!
+//! ucx.crash(&engine);
+//! let err = ucx.notify(&hs.agents[0], b"HB:req-1").unwrap_err();
+//! assert_eq!(err.status, NixlStatus::ERR_REMOTE_DISCONNECT);
+//!
+//! let steps = ucx.release(&hs.engine, &hs.agents, hs.resources);
+//! assert!(steps.iter().all(|s| s.status == NixlStatus::SUCCESS));
+//! ucx.assert_nothing_leaked();
+//! # });
+//! ```
+//!
+//! # Time
+//!
+//! The fake reads the clock with [`tokio::time::Instant::now`], so it
+//! follows tokio's paused clock in `#[tokio::test(start_paused = true)]`,
+//! also from `spawn_blocking` threads of that runtime (the service calls
+//! `notify` there). Use it inside a tokio runtime; outside one it runs on
+//! real time. Nothing in the fake sleeps on tokio's clock: the keepalive
+//! rules below are evaluated when an operation or a fault method runs.
+//!
+//! # What is simulated
+//!
+//! - **Handshake** ([`FakeUcx::handshake`] = [`FakeUcx::fetch_metadata`] +
+//!   [`FakeUcx::load_metadata`]): the side channel gives the engine id and
+//!   its agents; then `loadRemoteMD` per agent and `prepXferDlist` per rank.
+//!   Loading an agent name whose metadata is still loaded is refused with
+//!   `NOT_ALLOWED` (NIXL cannot update metadata in place). Nobody listening
+//!   (crashed, not restarted) fails the handshake; so does a frozen or
+//!   partitioned engine (its side channel does not answer).
+//! - **Endpoints**: one per loaded remote agent. Once UCX fails one (by a
+//!   reset, a keepalive timeout, or an injected disconnect status) it stays
+//!   failed: every later notify or read on it returns `REMOTE_DISCONNECT`
+//!   until the metadata is invalidated. Calls to an agent whose metadata is
+//!   not loaded return `NOT_FOUND`.
+//! - **Notify** is fire-and-forget, as `genNotif`: `SUCCESS` until the
+//!   endpoint has failed, `IN_PROG` reported as `SUCCESS`.
+//! - **Read** ([`FakeUcx::read`]): the status a READ transfer posted now
+//!   would end with: `SUCCESS` from a live peer, `IN_PROG` while the peer is
+//!   silent (frozen or partitioned, not yet detected), `REMOTE_DISCONNECT`
+//!   once the endpoint has failed. With
+//!   [`FakeConfig::drop_metadata_on_disconnect`] a read ending in
+//!   `REMOTE_DISCONNECT` drops the agent's metadata as NIXL 0.6+ does.
+//! - **Release** ([`Transport::release`]): `releasedDlistH` per handle, then
+//!   `invalidateRemoteMD` per agent; a step whose target is already gone
+//!   answers `NOT_FOUND`; double release never panics.
+//! - **Status mapping**: UCX statuses become NIXL statuses as in NIXL's UCX
+//!   backend ([`nixl_status_from_ucs`]); each call records both.
+//!
+//! # Faults
+//!
+//! | fault | what the decode side sees |
+//! |---|---|
+//! | [`crash`](FakeUcx::crash) | next operation on each endpoint: `UCS_ERR_CONNECTION_RESET` (`REMOTE_DISCONNECT`), failed from then on; nobody listens at the address |
+//! | [`crash_during_read`](FakeUcx::crash_during_read) | as crash, but the next read on each endpoint ends with `UCS_ERR_IO_ERROR` (`BACKEND`): the transfer on the wire when the peer died |
+//! | [`freeze`](FakeUcx::freeze) / [`thaw`](FakeUcx::thaw) | a hang: operations succeed (reads stay in progress) until the keepalive interval has passed since the freeze, then `UCS_ERR_ENDPOINT_TIMEOUT`; never with keepalive `inf` |
+//! | [`partition`](FakeUcx::partition) / [`heal`](FakeUcx::heal) | a silent peer, same rule; a heal before detection leaves nothing noticed, after detection the endpoint stays failed |
+//! | [`flap`](FakeUcx::flap) | alternating partition and heal, `period` each; detected only if one silent window lasts the keepalive interval |
+//! | [`restart`](FakeUcx::restart), [`restart_with_same_id`](FakeUcx::restart_with_same_id) | the old process is gone (as crash); a new one, new or same engine id, listens at the address |
+//! | [`inject`](FakeUcx::inject) | the next `count` notifies/reads to the engine end with a given UCX status (e.g. `UCS_ERR_NO_RESOURCE` -> `BACKEND`, `UCS_ERR_BUSY` -> `IN_PROG`); the endpoint is failed only if that status is a disconnect |
+//! | [`block_notify`](FakeUcx::block_notify), [`block_notify_for`](FakeUcx::block_notify_for) | notify calls to the engine block their OS thread on a gate the test opens, or for a real-time duration |
+//!
+//! # What is not simulated, and where the fake departs from UCX
+//!
+//! - **Frozen peers.** Measured with NIXL 1.5.1 on shared-memory and TCP
+//!   transports, a SIGSTOPped prefill was never reported: `genNotif`
+//!   returned `SUCCESS` for 60 s, with `UCX_KEEPALIVE_INTERVAL=2s` too (its
+//!   kernel still answers TCP, its shared memory is still there). By default
+//!   the fake follows the project's rule instead (detection once the
+//!   keepalive interval has passed), which is what a silent peer on a
+//!   network transport gets. Set [`FakeConfig::frozen_peers_detected`] to
+//!   `false` to get the measured behaviour: a frozen peer is never detected.
+//! - **Keepalive timing** is exact: an endpoint fails exactly one interval
+//!   after the peer went silent (or after the endpoint was loaded, if
+//!   later). Real UCX checks endpoints in rounds (`UCX_KEEPALIVE_NUM_EPS`)
+//!   and detection can take up to about two intervals; transport timeouts
+//!   (`UCX_UD_TIMEOUT`, TCP keepalive) are not modelled separately. The
+//!   fake assumes the worker always progresses (NIXL's progress thread).
+//! - A crash is noticed at the next operation on each endpoint, not in the
+//!   background: [`FakeUcx::endpoint_failure`] says `None` until then. A
+//!   crashed peer that is also partitioned still resets.
+//! - One endpoint per remote agent (UCX has one per worker pair and lane);
+//!   no memory registration, no descriptors, no data; a read is one call
+//!   that returns its final status. Prepped handles do not go stale when
+//!   the peer re-registers. The prefill side's lease bookkeeping is not
+//!   simulated: tests assert on the recorded heartbeat payloads.
+//! - Thread safety: the fake is fully thread-safe (NIXL's default agent is
+//!   not; the real transport must create its agent in a locking mode).
+//!
+//! # Panics
+//!
+//! Fault and query methods that name an engine or an address nobody ever
+//! spawned panic: that is a mistake in the test. Transport and handshake
+//! calls never panic; they return the status NIXL would.
+#![warn(missing_docs, unreachable_pub)]
+
+mod gate;
+mod record;
+mod status;
+mod world;
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+pub use gate::NotifyGate;
+pub use record::{FakeCall, FakeOp, Held};
+pub use status::nixl_status_from_ucs;
+
+use world::{Gone, HandleSlot, LoadedAgent, NotifyBlock, ProcessId, Silence, World};
+
+use crate::{
+    AgentName, EngineId, NixlStatus, PeerAddr, ReleaseStep, ReleaseTarget, Transport,
+    TransportError, UcsStatus,
+};
+
+/// How the simulated UCX behaves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FakeConfig {
+    /// `UCX_KEEPALIVE_INTERVAL`: how long a peer must be silent before UCX
+    /// fails its endpoints with `UCS_ERR_ENDPOINT_TIMEOUT`. `None` is `inf`:
+    /// never. Default: 20 s, as UCX.
+    pub keepalive_interval: Option<Duration>,
+    /// Whether a frozen (SIGSTOPped) peer is detected like a silent one.
+    /// Default `true` (the project's rule); `false` is what was measured on
+    /// shared-memory and TCP transports: never detected.
+    pub frozen_peers_detected: bool,
+    /// Whether a read ending in `REMOTE_DISCONNECT` drops the agent's remote
+    /// metadata, as NIXL 0.6+ does; a later call then gets `NOT_FOUND` and
+    /// so does its `invalidateRemoteMD`. Default `false`, as measured with
+    /// NIXL 1.5.1 (the caller must release).
+    pub drop_metadata_on_disconnect: bool,
+    /// Whether to record every call for [`FakeUcx::calls`]. Default `true`;
+    /// turn it off for long benchmarks.
+    pub record_calls: bool,
+}
+
+impl Default for FakeConfig {
+    fn default() -> Self {
+        Self {
+            keepalive_interval: Some(Duration::from_secs(20)),
+            frozen_peers_detected: true,
+            drop_metadata_on_disconnect: false,
+            record_calls: true,
+        }
+    }
+}
+
+impl FakeConfig {
+    /// The default configuration with this keepalive interval (`None`: `inf`).
+    pub fn with_keepalive(interval: Option<Duration>) -> Self {
+        Self {
+            keepalive_interval: interval,
+            ..Self::default()
+        }
+    }
+}
+
+/// A handshake that did not complete. Nothing was loaded.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FakeError {
+    /// Nobody listens at the address: the engine there crashed and was not
+    /// restarted.
+    #[error("no prefill engine listens at {0}")]
+    NoListener(PeerAddr),
+    /// The engine at the address is frozen or partitioned: its side channel
+    /// does not answer.
+    #[error("prefill engine {engine} at {addr} does not answer")]
+    Unresponsive {
+        /// The address.
+        addr: PeerAddr,
+        /// The engine listening there.
+        engine: EngineId,
+    },
+    /// `loadRemoteMD` refused an agent: `NOT_ALLOWED` while metadata under
+    /// that name is still loaded (invalidate it first).
+    #[error("loadRemoteMD for {agent} returned {status}")]
+    Load {
+        /// The agent refused.
+        agent: AgentName,
+        /// The status `loadRemoteMD` returned.
+        status: NixlStatus,
+    },
+}
+
+/// What a prefill engine's side channel answers: its engine id and agent
+/// metadata. Load it with [`FakeUcx::load_metadata`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FakeMetadata {
+    /// The engine id.
+    pub engine: EngineId,
+    /// The side-channel address it was fetched from.
+    pub addr: PeerAddr,
+    /// One agent per rank, in rank order.
+    pub agents: Vec<AgentName>,
+    process: ProcessId,
+}
+
+/// A completed handshake: what the decoder runtime registers with the
+/// service.
+#[derive(Debug)]
+pub struct FakeHandshake {
+    /// The engine id.
+    pub engine: EngineId,
+    /// The side-channel address.
+    pub addr: PeerAddr,
+    /// The loaded agents, one per rank, in rank order.
+    pub agents: Vec<AgentName>,
+    /// The prepped dlist handles, one per rank.
+    pub resources: FakeResources,
+}
+
+/// The prepped dlist handles of one engine, one per rank: the fake's
+/// [`Transport::Resources`].
+///
+/// Dropping it releases nothing: the handles stay counted by
+/// [`FakeUcx::held`] and [`FakeUcx::assert_nothing_leaked`] reports them.
+/// Cloning it lets a test release the same handles twice (the second
+/// release answers `NOT_FOUND`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FakeResources {
+    engine: EngineId,
+    handles: Vec<usize>,
+}
+
+impl FakeResources {
+    /// The engine the handles were prepared for.
+    pub fn engine(&self) -> &EngineId {
+        &self.engine
+    }
+
+    /// How many handles (ranks).
+    pub fn len(&self) -> usize {
+        self.handles.len()
+    }
+
+    /// No handles.
+    pub fn is_empty(&self) -> bool {
+        self.handles.is_empty()
+    }
+}
+
+/// The simulated UCX/NIXL world of one decode engine. Cheap to clone: all
+/// clones share one world. See the [module docs](self).
+#[derive(Clone)]
+pub struct FakeUcx {
+    world: Arc<Mutex<World>>,
+}
+
+impl Default for FakeUcx {
+    fn default() -> Self {
+        Self::new(FakeConfig::default())
+    }
+}
+
+impl fmt::Debug for FakeUcx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let world = self.lock();
+        f.debug_struct("FakeUcx")
+            .field("config", &world.config)
+            .field("engines", &world.by_engine.len())
+            .field("held", &world.held_where(|_| true))
+            .finish_non_exhaustive()
+    }
+}
+
+impl FakeUcx {
+    /// An empty world.
+    pub fn new(config: FakeConfig) -> Self {
+        Self {
+            world: Arc::new(Mutex::new(World::new(config))),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, World> {
+        self.world.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> FakeConfig {
+        self.lock().config.clone()
+    }
+
+    // ---- prefill engines ----
+
+    /// Starts a prefill engine with `ranks` agents at `addr`, with a fresh
+    /// engine id (`prefill-0`, `prefill-1`, ... in spawn order). Its agents
+    /// are `<engine>-rank<r>`. A process already listening at `addr` is
+    /// gone, as in [`crash`](Self::crash).
+    ///
+    /// # Panics
+    /// If `ranks` is 0.
+    pub fn spawn_prefill(&self, addr: PeerAddr, ranks: usize) -> EngineId {
+        let mut world = self.lock();
+        let id = world.fresh_engine_id();
+        world.spawn(addr, id, ranks)
+    }
+
+    /// Starts a prefill engine with a pinned engine id. Same agent names as
+    /// any earlier start with that id. Fault methods address the newest
+    /// process with an id.
+    ///
+    /// # Panics
+    /// If `ranks` is 0.
+    pub fn spawn_prefill_with_id(
+        &self,
+        addr: PeerAddr,
+        engine: EngineId,
+        ranks: usize,
+    ) -> EngineId {
+        self.lock().spawn(addr, engine, ranks)
+    }
+
+    /// Restarts the engine at `addr` under a fresh engine id, with the same
+    /// number of ranks: the old process is gone (as in crash), the new one
+    /// listens at `addr`. Works after a crash too.
+    pub fn restart(&self, addr: &PeerAddr) -> EngineId {
+        let mut world = self.lock();
+        let old = world.process_at(addr);
+        let ranks = world.processes[old].agents.len();
+        let id = world.fresh_engine_id();
+        world.spawn(addr.clone(), id, ranks)
+    }
+
+    /// Restarts the engine at `addr` under the same engine id (pinned), so
+    /// with the same agent names: the decode side must invalidate the old
+    /// metadata before it can load the new one.
+    pub fn restart_with_same_id(&self, addr: &PeerAddr) -> EngineId {
+        let mut world = self.lock();
+        let old = world.process_at(addr);
+        let ranks = world.processes[old].agents.len();
+        let id = world.processes[old].engine.clone();
+        world.spawn(addr.clone(), id, ranks)
+    }
+
+    /// The engine listening at `addr` now, if any.
+    pub fn engine_at(&self, addr: &PeerAddr) -> Option<EngineId> {
+        let world = self.lock();
+        let p = *world.by_addr.get(addr)?;
+        let process = &world.processes[p];
+        process.gone.is_none().then(|| process.engine.clone())
+    }
+
+    /// The agents of an engine, in rank order.
+    pub fn agents_of(&self, engine: &EngineId) -> Vec<AgentName> {
+        let world = self.lock();
+        world.processes[world.process_of(engine)].agents.clone()
+    }
+
+    // ---- faults ----
+
+    fn with_process(&self, engine: &EngineId, f: impl FnOnce(&mut World, ProcessId, Instant)) {
+        let now = Instant::now();
+        let mut world = self.lock();
+        let p = world.process_of(engine);
+        f(&mut world, p, now);
+    }
+
+    /// The engine's process is killed: the next operation on each endpoint
+    /// sees `UCS_ERR_CONNECTION_RESET`, which fails it; nobody listens at
+    /// its address until a restart.
+    pub fn crash(&self, engine: &EngineId) {
+        self.with_process(engine, |w, p, _| {
+            w.processes[p]
+                .gone
+                .get_or_insert(Gone { during_read: false });
+        });
+    }
+
+    /// As [`crash`](Self::crash), with a READ on the wire: the next read on
+    /// each endpoint ends with `UCS_ERR_IO_ERROR` (`BACKEND`, not
+    /// `REMOTE_DISCONNECT`, as measured) and fails the endpoint; a notify
+    /// still sees the reset.
+    pub fn crash_during_read(&self, engine: &EngineId) {
+        self.with_process(engine, |w, p, _| {
+            w.processes[p].gone = Some(Gone { during_read: true });
+        });
+    }
+
+    /// The engine hangs (SIGSTOP): no reset; its endpoints fail with
+    /// `UCS_ERR_ENDPOINT_TIMEOUT` once the keepalive interval has passed
+    /// (never with `inf`, nor with `frozen_peers_detected` off). Its side
+    /// channel stops answering. Freezing a frozen engine changes nothing.
+    pub fn freeze(&self, engine: &EngineId) {
+        self.with_process(engine, |w, p, now| {
+            w.processes[p].frozen_since.get_or_insert(now);
+        });
+    }
+
+    /// The engine runs again (SIGCONT). Endpoints detected before the thaw
+    /// stay failed; the others never noticed anything.
+    pub fn thaw(&self, engine: &EngineId) {
+        self.with_process(engine, |w, p, now| {
+            w.settle_timeouts(p, now);
+            w.processes[p].frozen_since = None;
+        });
+    }
+
+    /// The engine becomes silent on the network (alive, no reset): its
+    /// endpoints fail with `UCS_ERR_ENDPOINT_TIMEOUT` once the keepalive
+    /// interval has passed (never with `inf`). Replaces a flap.
+    pub fn partition(&self, engine: &EngineId) {
+        self.with_process(engine, |w, p, now| {
+            w.settle_timeouts(p, now);
+            if !matches!(w.processes[p].silence, Silence::Partition { .. }) {
+                w.processes[p].silence = Silence::Partition { since: now };
+            }
+        });
+    }
+
+    /// The network to the engine works again (ends a partition or a flap).
+    /// Endpoints detected before the heal stay failed, as in UCX; the others
+    /// never noticed anything.
+    pub fn heal(&self, engine: &EngineId) {
+        self.with_process(engine, |w, p, now| {
+            w.settle_timeouts(p, now);
+            w.processes[p].silence = Silence::Reachable;
+        });
+    }
+
+    /// The engine's network flaps from now on: silent for `period`, then
+    /// reachable for `period`, and so on, until [`heal`](Self::heal). An
+    /// endpoint fails only if one silent window lasts the keepalive interval.
+    ///
+    /// # Panics
+    /// If `period` is zero.
+    pub fn flap(&self, engine: &EngineId, period: Duration) {
+        assert!(!period.is_zero(), "flap period must not be zero");
+        self.with_process(engine, |w, p, now| {
+            w.settle_timeouts(p, now);
+            w.processes[p].silence = Silence::Flap { start: now, period };
+        });
+    }
+
+    /// The next `count` notifies or reads to any agent of the engine end
+    /// with `status` (after any earlier injection is used up), unless the
+    /// endpoint has failed or the process is gone. A disconnect status
+    /// (see [`nixl_status_from_ucs`]) fails the endpoint as a real one
+    /// would; others are transient.
+    pub fn inject(&self, engine: &EngineId, status: UcsStatus, count: usize) {
+        if count == 0 {
+            return;
+        }
+        self.with_process(engine, |w, p, _| {
+            w.processes[p].injected.push_back((status, count));
+        });
+    }
+
+    /// From now on every notify to the engine blocks its OS thread until the
+    /// returned gate is opened or dropped. The notify then completes with
+    /// the status of that moment. Replaces an earlier block (opening its
+    /// gate).
+    pub fn block_notify(&self, engine: &EngineId) -> NotifyGate {
+        let inner = Arc::new(gate::GateInner::default());
+        self.set_block(engine, Some(NotifyBlock::Gate(inner.clone())));
+        NotifyGate::new(inner)
+    }
+
+    /// From now on every notify to the engine first sleeps `duration` on
+    /// its OS thread (real time, `std::thread::sleep`): for benchmarks. On a
+    /// paused tokio clock prefer [`block_notify`](Self::block_notify).
+    pub fn block_notify_for(&self, engine: &EngineId, duration: std::time::Duration) {
+        self.set_block(engine, Some(NotifyBlock::Sleep(duration)));
+    }
+
+    /// Notifies to the engine no longer block (an installed gate is opened).
+    pub fn unblock_notify(&self, engine: &EngineId) {
+        self.set_block(engine, None);
+    }
+
+    fn set_block(&self, engine: &EngineId, block: Option<NotifyBlock>) {
+        let mut world = self.lock();
+        world.process_of(engine);
+        let old = match block {
+            Some(block) => world.blocks.insert(engine.clone(), block),
+            None => world.blocks.remove(engine),
+        };
+        if let Some(NotifyBlock::Gate(gate)) = old {
+            gate.open();
+        }
+    }
+
+    // ---- the decoder runtime's side ----
+
+    /// Asks the side channel at `addr` for the engine's id and metadata.
+    pub fn fetch_metadata(&self, addr: &PeerAddr) -> Result<FakeMetadata, FakeError> {
+        let now = Instant::now();
+        let world = self.lock();
+        let Some(&p) = world.by_addr.get(addr) else {
+            return Err(FakeError::NoListener(addr.clone()));
+        };
+        let process = &world.processes[p];
+        if process.gone.is_some() {
+            return Err(FakeError::NoListener(addr.clone()));
+        }
+        if world.is_silent(p, now) {
+            return Err(FakeError::Unresponsive {
+                addr: addr.clone(),
+                engine: process.engine.clone(),
+            });
+        }
+        Ok(FakeMetadata {
+            engine: process.engine.clone(),
+            addr: addr.clone(),
+            agents: process.agents.clone(),
+            process: p,
+        })
+    }
+
+    /// Loads fetched metadata: `loadRemoteMD` for each agent, then
+    /// `prepXferDlist` per rank. All or nothing: if any agent's metadata is
+    /// still loaded, that `loadRemoteMD` is refused with `NOT_ALLOWED` and
+    /// nothing is loaded. Metadata of a process that has died since it was
+    /// fetched loads fine; its endpoints reset on first use.
+    pub fn load_metadata(&self, metadata: &FakeMetadata) -> Result<FakeHandshake, FakeError> {
+        let now = Instant::now();
+        let mut world = self.lock();
+        let engine = Some(metadata.engine.clone());
+        let call = |op, agent: &AgentName, status| FakeCall {
+            at: now,
+            op,
+            engine: engine.clone(),
+            agent: Some(agent.clone()),
+            message: Vec::new(),
+            ucs: None,
+            status,
+        };
+        if let Some(agent) = metadata
+            .agents
+            .iter()
+            .find(|a| world.loaded.contains_key(*a))
+        {
+            world.record(call(
+                FakeOp::LoadRemoteMd,
+                agent,
+                NixlStatus::ERR_NOT_ALLOWED,
+            ));
+            return Err(FakeError::Load {
+                agent: agent.clone(),
+                status: NixlStatus::ERR_NOT_ALLOWED,
+            });
+        }
+        for agent in &metadata.agents {
+            world.loaded.insert(
+                agent.clone(),
+                LoadedAgent {
+                    process: metadata.process,
+                    loaded_at: now,
+                    failed: None,
+                },
+            );
+            world.record(call(FakeOp::LoadRemoteMd, agent, NixlStatus::SUCCESS));
+        }
+        let mut handles = Vec::with_capacity(metadata.agents.len());
+        for agent in &metadata.agents {
+            handles.push(world.handles.len());
+            world.handles.push(HandleSlot {
+                process: metadata.process,
+                agent: agent.clone(),
+                released: false,
+            });
+            world.record(call(FakeOp::PrepXferDlist, agent, NixlStatus::SUCCESS));
+        }
+        Ok(FakeHandshake {
+            engine: metadata.engine.clone(),
+            addr: metadata.addr.clone(),
+            agents: metadata.agents.clone(),
+            resources: FakeResources {
+                engine: metadata.engine.clone(),
+                handles,
+            },
+        })
+    }
+
+    /// A full handshake with the engine at `addr`: [`fetch_metadata`]
+    /// then [`load_metadata`].
+    ///
+    /// [`fetch_metadata`]: Self::fetch_metadata
+    /// [`load_metadata`]: Self::load_metadata
+    pub fn handshake(&self, addr: &PeerAddr) -> Result<FakeHandshake, FakeError> {
+        let metadata = self.fetch_metadata(addr)?;
+        self.load_metadata(&metadata)
+    }
+
+    /// A READ from every rank of the engine: the status the transfer ends
+    /// with. The first error in rank order, else `IN_PROG` if a rank is
+    /// still in progress, else `SUCCESS`. `NOT_FOUND` when no agent of the
+    /// engine is loaded (or the engine is unknown).
+    pub fn read(&self, engine: &EngineId) -> NixlStatus {
+        let agents = {
+            let world = self.lock();
+            match world.by_engine.get(engine) {
+                Some(&p) => world.processes[p].agents.clone(),
+                None => Vec::new(),
+            }
+        };
+        if agents.is_empty() {
+            return self.read_agent_of(Some(engine.clone()), None);
+        }
+        let statuses: Vec<NixlStatus> = agents.iter().map(|a| self.read_agent(a)).collect();
+        statuses
+            .iter()
+            .copied()
+            .find(|s| !s.is_ok())
+            .or_else(|| statuses.iter().copied().find(|s| *s == NixlStatus::IN_PROG))
+            .unwrap_or(NixlStatus::SUCCESS)
+    }
+
+    /// A READ from one remote agent: the status the transfer ends with
+    /// (`IN_PROG`: still in progress now).
+    pub fn read_agent(&self, agent: &AgentName) -> NixlStatus {
+        let engine = self.lock().agent_engine.get(agent).cloned();
+        self.read_agent_of(engine, Some(agent))
+    }
+
+    fn read_agent_of(&self, engine: Option<EngineId>, agent: Option<&AgentName>) -> NixlStatus {
+        let now = Instant::now();
+        let mut world = self.lock();
+        let (ucs, status) = match agent {
+            Some(agent) => world.endpoint_op(agent, FakeOp::Read, now),
+            None => (None, NixlStatus::ERR_NOT_FOUND),
+        };
+        world.record(FakeCall {
+            at: now,
+            op: FakeOp::Read,
+            engine,
+            agent: agent.cloned(),
+            message: Vec::new(),
+            ucs,
+            status,
+        });
+        status
+    }
+
+    // ---- inspection ----
+
+    /// Whether the endpoint to `agent` has failed, and with which UCX
+    /// status: `None` while it has not (or its metadata is not loaded). A
+    /// crash shows here only after the next operation on the endpoint.
+    pub fn endpoint_failure(&self, agent: &AgentName) -> Option<UcsStatus> {
+        self.lock().endpoint_failure(agent, Instant::now())
+    }
+
+    /// Whether the agent's remote metadata is loaded.
+    pub fn is_loaded(&self, agent: &AgentName) -> bool {
+        self.lock().loaded.contains_key(agent)
+    }
+
+    /// Every recorded call, in order.
+    pub fn calls(&self) -> Vec<FakeCall> {
+        self.lock().calls.clone()
+    }
+
+    /// Forgets the recorded calls.
+    pub fn clear_calls(&self) {
+        self.lock().calls.clear();
+    }
+
+    /// The text of every notify addressed to an agent of `engine` (any
+    /// start with that id), in call order, whatever its status.
+    pub fn notifications_to(&self, engine: &EngineId) -> Vec<String> {
+        self.lock()
+            .calls
+            .iter()
+            .filter(|c| c.op == FakeOp::Notify && c.engine.as_ref() == Some(engine))
+            .map(|c| c.message_str().into_owned())
+            .collect()
+    }
+
+    /// What the decode side holds, all engines together.
+    pub fn held(&self) -> Held {
+        self.lock().held_where(|_| true)
+    }
+
+    /// What the decode side holds for one engine id (any start with it).
+    pub fn held_by(&self, engine: &EngineId) -> Held {
+        let world = self.lock();
+        world.held_where(|p| &world.processes[p].engine == engine)
+    }
+
+    /// Panics, listing what is held, unless every loaded agent was
+    /// invalidated and every prepped handle released (resources dropped
+    /// without release count as leaked).
+    pub fn assert_nothing_leaked(&self) {
+        let world = self.lock();
+        let agents: Vec<&AgentName> = world.loaded.keys().collect();
+        let handles: Vec<&AgentName> = world
+            .handles
+            .iter()
+            .filter(|h| !h.released)
+            .map(|h| &h.agent)
+            .collect();
+        assert!(
+            agents.is_empty() && handles.is_empty(),
+            "FakeUcx: NIXL state leaked: remote metadata still loaded for {agents:?}; \
+             dlist handles not released for {handles:?}"
+        );
+    }
+}
+
+impl Transport for FakeUcx {
+    type Resources = FakeResources;
+
+    fn notify(&self, agent: &AgentName, message: &[u8]) -> Result<(), TransportError> {
+        let (engine, block) = {
+            let world = self.lock();
+            let engine = world.agent_engine.get(agent).cloned();
+            let block = engine.as_ref().and_then(|e| world.blocks.get(e).cloned());
+            (engine, block)
+        };
+        match block {
+            Some(NotifyBlock::Gate(gate)) => gate.pass(),
+            Some(NotifyBlock::Sleep(duration)) => std::thread::sleep(duration),
+            None => {}
+        }
+        let now = Instant::now();
+        let mut world = self.lock();
+        let (ucs, status) = world.endpoint_op(agent, FakeOp::Notify, now);
+        world.record(FakeCall {
+            at: now,
+            op: FakeOp::Notify,
+            engine,
+            agent: Some(agent.clone()),
+            message: message.to_vec(),
+            ucs,
+            status,
+        });
+        if status.is_ok() {
+            Ok(())
+        } else {
+            Err(TransportError::new("genNotif", status))
+        }
+    }
+
+    fn release(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: FakeResources,
+    ) -> Vec<ReleaseStep> {
+        let now = Instant::now();
+        let mut world = self.lock();
+        let mut steps = Vec::with_capacity(resources.handles.len() + agents.len());
+        for (index, &handle) in resources.handles.iter().enumerate() {
+            let slot = &mut world.handles[handle];
+            let status = if slot.released {
+                NixlStatus::ERR_NOT_FOUND
+            } else {
+                slot.released = true;
+                NixlStatus::SUCCESS
+            };
+            let agent = slot.agent.clone();
+            world.record(FakeCall {
+                at: now,
+                op: FakeOp::ReleaseDlist,
+                engine: Some(engine.clone()),
+                agent: Some(agent),
+                message: Vec::new(),
+                ucs: None,
+                status,
+            });
+            steps.push(ReleaseStep {
+                target: ReleaseTarget::DlistHandle(index),
+                status,
+            });
+        }
+        for agent in agents {
+            let status = match world.loaded.remove(agent) {
+                Some(_) => NixlStatus::SUCCESS,
+                None => NixlStatus::ERR_NOT_FOUND,
+            };
+            world.record(FakeCall {
+                at: now,
+                op: FakeOp::InvalidateRemoteMd,
+                engine: Some(engine.clone()),
+                agent: Some(agent.clone()),
+                message: Vec::new(),
+                ucs: None,
+                status,
+            });
+            steps.push(ReleaseStep {
+                target: ReleaseTarget::RemoteMetadata(agent.clone()),
+                status,
+            });
+        }
+        steps
+    }
+}

@@ -1,0 +1,91 @@
+//! The table as the operator sees it: per engine, its state and, above
+//! all, why it has or has not been released.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::engine::EngineState;
+use crate::transport::{AgentName, EngineId, PeerAddr};
+use crate::NixlStatus;
+
+/// The last heartbeat round of an engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeartbeatSnapshot {
+    /// How long ago it came back.
+    pub ago: Duration,
+    /// Its status: the disconnect or first error among the agents, else
+    /// SUCCESS.
+    pub status: NixlStatus,
+}
+
+/// One engine of the table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineSnapshot {
+    /// Engine id.
+    pub engine: EngineId,
+    /// Side-channel address.
+    pub address: PeerAddr,
+    /// Agent names.
+    pub agents: Vec<AgentName>,
+    /// State.
+    pub state: EngineState,
+    /// Reads in flight.
+    pub reads_in_flight: u64,
+    /// Lease request ids renewed with each heartbeat.
+    pub leases: Vec<String>,
+    /// The last heartbeat round, if any came back.
+    pub last_heartbeat: Option<HeartbeatSnapshot>,
+    /// When the next heartbeat is due, if one is scheduled.
+    pub next_heartbeat_in: Option<Duration>,
+    /// Errors that were not disconnects (counted, never a release).
+    pub transient_errors: u64,
+    /// In words: why the engine is kept, or what its release waits for.
+    pub why: String,
+}
+
+/// The whole table.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Snapshot {
+    /// Engines, by id.
+    pub engines: Vec<EngineSnapshot>,
+    /// Handshakes in progress, by address.
+    pub handshakes_pending: Vec<(PeerAddr, usize)>,
+    /// Engine ids whose new registration waits for the old one's release.
+    pub waiting_for_reload: Vec<EngineId>,
+    /// What the UCX settings in force say about frozen or silent peers.
+    pub silent_peer_note: String,
+    /// Rate-limiter keys held: one per engine that has had a round and
+    /// has not been released.
+    pub limiter_keys: usize,
+    /// Heartbeat timers armed: one per live engine with a schedule.
+    pub heartbeat_timers: usize,
+}
+
+impl Snapshot {
+    /// The engine `id`, if the table holds it.
+    pub fn engine(&self, id: &EngineId) -> Option<&EngineSnapshot> {
+        self.engines.iter().find(|e| &e.engine == id)
+    }
+}
+
+impl fmt::Display for Snapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{:<24} {:<22} {:<12} {:>5}  why",
+            "engine", "address", "state", "reads"
+        )?;
+        for e in &self.engines {
+            writeln!(
+                f,
+                "{:<24} {:<22} {:<12} {:>5}  {}",
+                e.engine.as_str(),
+                e.address.as_str(),
+                e.state.as_str(),
+                e.reads_in_flight,
+                e.why
+            )?;
+        }
+        Ok(())
+    }
+}

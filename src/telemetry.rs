@@ -1,0 +1,75 @@
+//! Metric names and the few places that record them.
+//!
+//! Prometheus-style names with units; the status label is the NIXL status
+//! name, so a dashboard tells REMOTE_DISCONNECT from every other error.
+
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+
+use crate::engine::EngineState;
+use crate::event::ReleaseReason;
+use crate::NixlStatus;
+
+/// Heartbeat notifications accepted by NIXL (one per agent).
+pub const HEARTBEATS_SENT: &str = "nixl_keepalive_heartbeats_sent_total";
+/// Heartbeat notifications that failed, by `status`.
+pub const HEARTBEATS_FAILED: &str = "nixl_keepalive_heartbeats_failed_total";
+/// Heartbeat rounds held back by the per-engine rate cap.
+pub const HEARTBEATS_DEFERRED: &str = "nixl_keepalive_heartbeats_rate_limited_total";
+/// Transfer results reported with an error, by `status`.
+pub const TRANSFER_ERRORS: &str = "nixl_keepalive_transfer_errors_total";
+/// Engines in the table, by `state`.
+pub const ENGINES: &str = "nixl_keepalive_engines";
+/// Releases, by `reason`.
+pub const RELEASES: &str = "nixl_keepalive_releases_total";
+/// Release steps that failed with something other than NOT_FOUND, by
+/// `status`.
+pub const RELEASE_STEPS_FAILED: &str = "nixl_keepalive_release_steps_failed_total";
+/// Seconds from an engine being marked (detection) to its release.
+pub const DETECTION_TO_RELEASE: &str = "nixl_keepalive_detection_to_release_seconds";
+/// Reads in flight over all engines.
+pub const READS_IN_FLIGHT: &str = "nixl_keepalive_reads_in_flight";
+/// The worst-case seconds a crashed peer can stay unreleased with the
+/// settings in force.
+pub const DETECTION_BOUND_CRASH: &str = "nixl_keepalive_detection_bound_crashed_seconds";
+/// The same for a silent peer (partition, freeze); +Inf when unbounded.
+pub const DETECTION_BOUND_SILENT: &str = "nixl_keepalive_detection_bound_silent_seconds";
+
+pub(crate) fn heartbeat_sent() {
+    counter!(HEARTBEATS_SENT).increment(1);
+}
+
+pub(crate) fn heartbeat_failed(status: NixlStatus) {
+    counter!(HEARTBEATS_FAILED, "status" => status.name()).increment(1);
+}
+
+pub(crate) fn heartbeat_deferred() {
+    counter!(HEARTBEATS_DEFERRED).increment(1);
+}
+
+pub(crate) fn transfer_error(status: NixlStatus) {
+    counter!(TRANSFER_ERRORS, "status" => status.name()).increment(1);
+}
+
+pub(crate) fn released(reason: ReleaseReason, since_mark: Duration) {
+    counter!(RELEASES, "reason" => reason.as_str()).increment(1);
+    histogram!(DETECTION_TO_RELEASE).record(since_mark.as_secs_f64());
+}
+
+pub(crate) fn release_step_failed(status: NixlStatus) {
+    counter!(RELEASE_STEPS_FAILED, "status" => status.name()).increment(1);
+}
+
+pub(crate) fn census(by_state: [usize; 5], reads: u64) {
+    for state in EngineState::all() {
+        gauge!(ENGINES, "state" => state.as_str()).set(by_state[state as usize] as f64);
+    }
+    gauge!(READS_IN_FLIGHT).set(reads as f64);
+}
+
+pub(crate) fn detection_bound(crashed: Option<Duration>, silent: Option<Duration>) {
+    let secs = |d: Option<Duration>| d.map_or(f64::INFINITY, |d| d.as_secs_f64());
+    gauge!(DETECTION_BOUND_CRASH).set(secs(crashed));
+    gauge!(DETECTION_BOUND_SILENT).set(secs(silent));
+}

@@ -1,0 +1,731 @@
+//! The UCX settings that decide how fast a dead peer is noticed, and the
+//! resulting worst-case time to release it.
+//!
+//! [`UcxSettings::read`] takes each value from UCX's own configuration
+//! where UCP exposes it (`KEEPALIVE_INTERVAL`, `KEEPALIVE_NUM_EPS`, `TLS`,
+//! through `ucp_config_read`), otherwise from the `UCX_*` environment,
+//! otherwise UCX's documented default; each [`Setting`] says which. Every
+//! value from the environment is checked with UCX's syntax before anything
+//! starts ([`SettingsError`] names the variable, the value and the syntax).
+//!
+//! # The detection model ([`detection_bound`])
+//!
+//! Assumed: the engine sends a heartbeat (a NIXL notification) to each
+//! peer every `heartbeat_interval`, with at most [`HEARTBEAT_JITTER`] of
+//! extra delay, and releases a peer as soon as one heartbeat fails with a
+//! disconnect; UCX's worker is progressed continuously (NIXL's progress
+//! thread); each worker has at most `KEEPALIVE_NUM_EPS` endpoints (else a
+//! keepalive round covers only part of them and the bound grows).
+//!
+//! - **Crashed** (process gone): its kernel resets TCP connections and
+//!   shared memory peers see it go; the first heartbeat after the crash
+//!   fails (measured on loopback: within 0.2 s). Bound: one heartbeat
+//!   interval plus jitter plus [`SLACK`]. On InfiniBand a dead process may
+//!   instead look silent until UCX's timers fire (operators measured about
+//!   25 s with defaults on GB200), so the crashed bound is never reported
+//!   below the silent one's transport part when IB transports are enabled.
+//! - **Silent** (partition, or a NIC that stops answering): UCX must send
+//!   a keepalive (`KEEPALIVE_INTERVAL`) and the transport must give up on
+//!   it: UD after `UD_TIMEOUT`; RC after about
+//!   `RC_TIMEOUT * (RC_RETRY_COUNT + 1)`; TCP after
+//!   `TCP_KEEPIDLE + TCP_KEEPINTVL * TCP_KEEPCNT` (with `auto`, Linux's
+//!   default of 9 probes). The bound is keepalive + the slowest enabled
+//!   network transport + one heartbeat + slack. Unbounded when keepalive is
+//!   `inf` or `KEEPALIVE_NUM_EPS` is 0.
+//! - Not covered: a *frozen* process (SIGSTOP, deadlock) on shared memory
+//!   or TCP: its kernel still answers, and UCX never reports it (measured:
+//!   60 s of successful notifications). Only an application-level reply
+//!   timeout catches that. TCP with unacknowledged data follows the
+//!   kernel's retransmission timeout (`tcp_retries2`, up to about 15
+//!   minutes), not keepalive.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::ucx_time::{parse_time, TimeField, TimeSyntaxError, UcxTime};
+
+/// Largest extra delay of a heartbeat, as a fraction of its interval.
+pub const HEARTBEAT_JITTER: f64 = 0.1;
+
+/// Added to every bound: progress-thread and scheduling delays.
+pub const SLACK: Duration = Duration::from_secs(1);
+
+/// Linux's default `tcp_keepalive_probes`, what `UCX_TCP_KEEPCNT=auto`
+/// leaves in force.
+pub const LINUX_TCP_KEEPCNT: u32 = 9;
+
+/// Where a value came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// UCX's own configuration (`ucp_config_read`), which includes the
+    /// environment and UCX's config files.
+    Ucx,
+    /// The `UCX_*` environment variable, checked with UCX's syntax.
+    Environment,
+    /// UCX's documented default (variable not set).
+    Default,
+    /// Not a UCX variable: the NIXL UCX backend's behaviour.
+    Assumed,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Source::Ucx => "ucx",
+            Source::Environment => "env",
+            Source::Default => "default",
+            Source::Assumed => "assumed",
+        })
+    }
+}
+
+/// One setting with its origin.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Setting<T> {
+    /// The value.
+    pub value: T,
+    /// The text it was read from (`2s`, `20000000.00us`, `y`).
+    pub raw: String,
+    /// Where it came from.
+    pub source: Source,
+}
+
+/// A count that UCX also accepts as `inf` (`UCX_KEEPALIVE_NUM_EPS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Count {
+    /// A number.
+    Finite(u32),
+    /// `inf` (UINT_MAX in UCX).
+    Infinite,
+}
+
+/// `UCX_TCP_KEEPCNT`: a number or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeepCount {
+    /// A number of probes.
+    Probes(u32),
+    /// `auto`: the kernel's default.
+    Auto,
+}
+
+/// The endpoint error-handling mode NIXL asks UCX for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorHandling {
+    /// `UCP_ERR_HANDLING_MODE_PEER`: failures are reported and keepalive
+    /// runs (NIXL's UCX backend default).
+    Peer,
+    /// `UCP_ERR_HANDLING_MODE_NONE`: no failure reporting, no keepalive.
+    None,
+}
+
+/// The UCX settings in force.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UcxSettings {
+    /// `UCX_KEEPALIVE_INTERVAL` (TIME_UNITS, default 20s).
+    pub keepalive_interval: Setting<UcxTime>,
+    /// `UCX_KEEPALIVE_NUM_EPS` (default 128; 0 disables keepalive).
+    pub keepalive_num_eps: Setting<Count>,
+    /// `UCX_UD_TIMEOUT` (TIME, default 30s).
+    pub ud_timeout: Setting<Duration>,
+    /// `UCX_RC_TIMEOUT` (TIME, default 1s).
+    pub rc_timeout: Setting<Duration>,
+    /// `UCX_RC_RETRY_COUNT` (default 7).
+    pub rc_retry_count: Setting<u32>,
+    /// `UCX_TCP_KEEPIDLE` (TIME_UNITS, default 10s).
+    pub tcp_keepidle: Setting<UcxTime>,
+    /// `UCX_TCP_KEEPINTVL` (TIME_UNITS, default 2s).
+    pub tcp_keepintvl: Setting<UcxTime>,
+    /// `UCX_TCP_KEEPCNT` (default auto).
+    pub tcp_keepcnt: Setting<KeepCount>,
+    /// `UCX_CUDA_IPC_CACHE` (default y).
+    pub cuda_ipc_cache: Setting<bool>,
+    /// `UCX_TLS` (default `all`), as a list.
+    pub tls: Setting<Vec<String>>,
+    /// Not a UCX variable: NIXL's UCX backend uses `peer`.
+    pub error_handling: Setting<ErrorHandling>,
+}
+
+/// A UCX variable with a value that is not UCX syntax.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SettingsError {
+    /// A time variable.
+    #[error("{var}: {source}")]
+    Time {
+        /// The variable (`UCX_UD_TIMEOUT`).
+        var: &'static str,
+        /// What is wrong.
+        source: TimeSyntaxError,
+    },
+    /// Any other variable.
+    #[error("invalid {var} value `{value}`; expected {expected}")]
+    Value {
+        /// The variable.
+        var: &'static str,
+        /// The value as given.
+        value: String,
+        /// The accepted syntax.
+        expected: &'static str,
+    },
+    /// UCX itself refused its configuration.
+    #[error("ucp_config_read failed: {0}")]
+    Ucx(ucx_sys::UcsStatus),
+}
+
+/// What [`UcxSettings::from_lookup`] reads from UCX's own configuration.
+pub type UcxLookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+impl UcxSettings {
+    /// The settings in force: UCX's configuration where a UCX can be
+    /// loaded, the environment otherwise.
+    pub fn read() -> Result<UcxSettings, SettingsError> {
+        let env = |name: &str| std::env::var(name).ok();
+        // Check the environment with our syntax first, for our messages.
+        let from_env = UcxSettings::from_lookup(&env, None)?;
+        let Ok(ucx) = ucx_sys::Ucx::get() else {
+            return Ok(from_env);
+        };
+        let cfg = ucx.ucp_config_read().map_err(SettingsError::Ucx)?;
+        let values = cfg.values();
+        let lookup = |name: &str| {
+            values
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone())
+        };
+        UcxSettings::from_lookup(&env, Some(&lookup))
+    }
+
+    /// The settings from an environment (`UCX_*` names) and, optionally,
+    /// UCX's printed configuration (names without `UCX_`).
+    pub fn from_lookup(
+        env: UcxLookup<'_>,
+        ucx: Option<UcxLookup<'_>>,
+    ) -> Result<UcxSettings, SettingsError> {
+        let pick = |var: &'static str, ucx_name: Option<&str>, default: &str| {
+            if let (Some(u), Some(n)) = (ucx, ucx_name) {
+                if let Some(v) = u(n) {
+                    return (v, Source::Ucx);
+                }
+            }
+            match env(var) {
+                Some(v) => (v, Source::Environment),
+                None => (default.to_owned(), Source::Default),
+            }
+        };
+        let time = |var: &'static str, ucx_name, default, field| {
+            let (raw, source) = pick(var, ucx_name, default);
+            let value =
+                parse_time(&raw, field).map_err(|e| SettingsError::Time { var, source: e })?;
+            Ok::<_, SettingsError>(Setting { value, raw, source })
+        };
+        let plain = |var, default| {
+            let s = time(var, None, default, TimeField::Time)?;
+            Ok::<_, SettingsError>(Setting {
+                value: s.value.finite().unwrap_or(Duration::ZERO),
+                raw: s.raw,
+                source: s.source,
+            })
+        };
+
+        let (raw, source) = pick("UCX_KEEPALIVE_NUM_EPS", Some("KEEPALIVE_NUM_EPS"), "128");
+        let keepalive_num_eps = Setting {
+            value: parse_count(&raw).ok_or_else(|| SettingsError::Value {
+                var: "UCX_KEEPALIVE_NUM_EPS",
+                value: raw.clone(),
+                expected: "an unsigned integer or `inf`",
+            })?,
+            raw,
+            source,
+        };
+        let (raw, source) = pick("UCX_RC_RETRY_COUNT", None, "7");
+        let rc_retry_count = Setting {
+            value: raw.parse().map_err(|_| SettingsError::Value {
+                var: "UCX_RC_RETRY_COUNT",
+                value: raw.clone(),
+                expected: "an unsigned integer",
+            })?,
+            raw,
+            source,
+        };
+        let (raw, source) = pick("UCX_TCP_KEEPCNT", None, "auto");
+        let tcp_keepcnt = Setting {
+            value: if raw == "auto" {
+                KeepCount::Auto
+            } else {
+                KeepCount::Probes(raw.parse().map_err(|_| SettingsError::Value {
+                    var: "UCX_TCP_KEEPCNT",
+                    value: raw.clone(),
+                    expected: "an unsigned integer or `auto`",
+                })?)
+            },
+            raw,
+            source,
+        };
+        let (raw, source) = pick("UCX_CUDA_IPC_CACHE", None, "y");
+        let cuda_ipc_cache = Setting {
+            value: parse_bool(&raw).ok_or_else(|| SettingsError::Value {
+                var: "UCX_CUDA_IPC_CACHE",
+                value: raw.clone(),
+                expected: "y, yes, on, 1, n, no, off or 0",
+            })?,
+            raw,
+            source,
+        };
+        let (raw, source) = pick("UCX_TLS", Some("TLS"), "all");
+        let tls = Setting {
+            value: raw
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect(),
+            raw,
+            source,
+        };
+
+        Ok(UcxSettings {
+            keepalive_interval: time(
+                "UCX_KEEPALIVE_INTERVAL",
+                Some("KEEPALIVE_INTERVAL"),
+                "20s",
+                TimeField::TimeUnits,
+            )?,
+            keepalive_num_eps,
+            ud_timeout: plain("UCX_UD_TIMEOUT", "30s")?,
+            rc_timeout: plain("UCX_RC_TIMEOUT", "1s")?,
+            rc_retry_count,
+            tcp_keepidle: time("UCX_TCP_KEEPIDLE", None, "10s", TimeField::TimeUnits)?,
+            tcp_keepintvl: time("UCX_TCP_KEEPINTVL", None, "2s", TimeField::TimeUnits)?,
+            tcp_keepcnt,
+            cuda_ipc_cache,
+            tls,
+            error_handling: Setting {
+                value: ErrorHandling::Peer,
+                raw: "peer".into(),
+                source: Source::Assumed,
+            },
+        })
+    }
+
+    /// UCX's defaults, as if no variable were set.
+    pub fn defaults() -> UcxSettings {
+        UcxSettings::from_lookup(&|_| None, None).expect("UCX defaults are valid")
+    }
+
+    /// Whether UCX keepalive runs at all.
+    pub fn keepalive_enabled(&self) -> bool {
+        self.error_handling.value == ErrorHandling::Peer
+            && self.keepalive_interval.value != UcxTime::Infinite
+            && self.keepalive_num_eps.value != Count::Finite(0)
+    }
+
+    /// One `name=value(source)` list of the values, for a log line.
+    pub fn summary(&self) -> String {
+        format!(
+            "KEEPALIVE_INTERVAL={}({}) KEEPALIVE_NUM_EPS={}({}) UD_TIMEOUT={}({}) \
+             RC_TIMEOUT={}({}) RC_RETRY_COUNT={}({}) TCP_KEEPIDLE={}({}) \
+             TCP_KEEPINTVL={}({}) TCP_KEEPCNT={}({}) CUDA_IPC_CACHE={}({}) TLS={}({}) \
+             ERR_MODE={}({})",
+            self.keepalive_interval.value,
+            self.keepalive_interval.source,
+            self.keepalive_num_eps.raw,
+            self.keepalive_num_eps.source,
+            UcxTime::Finite(self.ud_timeout.value),
+            self.ud_timeout.source,
+            UcxTime::Finite(self.rc_timeout.value),
+            self.rc_timeout.source,
+            self.rc_retry_count.value,
+            self.rc_retry_count.source,
+            self.tcp_keepidle.value,
+            self.tcp_keepidle.source,
+            self.tcp_keepintvl.value,
+            self.tcp_keepintvl.source,
+            self.tcp_keepcnt.raw,
+            self.tcp_keepcnt.source,
+            if self.cuda_ipc_cache.value { "y" } else { "n" },
+            self.cuda_ipc_cache.source,
+            self.tls.raw,
+            self.tls.source,
+            match self.error_handling.value {
+                ErrorHandling::Peer => "peer",
+                ErrorHandling::None => "none",
+            },
+            self.error_handling.source,
+        )
+    }
+
+    fn tl_enabled(&self, names: &[&str]) -> bool {
+        let list = &self.tls.value;
+        let negated = list.first().is_some_and(|t| t.starts_with('^'));
+        let mentions = |n: &str| {
+            list.iter()
+                .map(|t| t.trim_start_matches(['^', '\\']))
+                .any(|t| {
+                    t == n || t.starts_with(&format!("{n}_")) || t.starts_with(&format!("{n}:"))
+                })
+        };
+        if list.iter().any(|t| t == "all") {
+            return true;
+        }
+        let any = names.iter().any(|n| mentions(n));
+        if negated {
+            !any
+        } else {
+            any
+        }
+    }
+}
+
+fn parse_count(s: &str) -> Option<Count> {
+    if s.eq_ignore_ascii_case("inf") {
+        Some(Count::Infinite)
+    } else {
+        s.parse().ok().map(Count::Finite)
+    }
+}
+
+fn parse_bool(s: &str) -> Option<bool> {
+    match s.to_ascii_lowercase().as_str() {
+        "y" | "yes" | "on" | "1" => Some(true),
+        "n" | "no" | "off" | "0" => Some(false),
+        _ => None,
+    }
+}
+
+/// Worst-case times from a peer's death to its release.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DetectionBound {
+    /// Process gone (killed, crashed).
+    pub crashed: Duration,
+    /// Silent on the network (partition); `None` when unbounded.
+    pub silent: Option<Duration>,
+    /// What the silent bound is made of, e.g.
+    /// `keepalive 20s + ud 30s + heartbeat 2.2s + slack 1s`.
+    pub silent_terms: String,
+}
+
+impl fmt::Display for DetectionBound {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "dead peer released within {} if crashed, ",
+            secs_text(self.crashed)
+        )?;
+        match self.silent {
+            Some(d) => write!(
+                f,
+                "{} if silent ({}); a frozen peer on shm/tcp is not detected by UCX",
+                secs_text(d),
+                self.silent_terms
+            ),
+            None => write!(f, "never if silent ({})", self.silent_terms),
+        }
+    }
+}
+
+/// `53.2s`, `2s`, `0.5s`: seconds, rounded up to 0.1 s.
+fn secs_text(d: Duration) -> String {
+    let tenths = d.as_nanos().div_ceil(100_000_000);
+    if tenths % 10 == 0 {
+        format!("{}s", tenths / 10)
+    } else {
+        format!("{}.{}s", tenths / 10, tenths % 10)
+    }
+}
+
+/// The worst-case time to release a dead peer with these settings and
+/// heartbeat interval. See the module docs for the model.
+pub fn detection_bound(settings: &UcxSettings, heartbeat_interval: Duration) -> DetectionBound {
+    let heartbeat = heartbeat_interval + heartbeat_interval.mul_f64(HEARTBEAT_JITTER);
+    let ms = secs_text;
+
+    // Slowest enabled network transport to give up on an unanswered message.
+    let mut transport = Duration::ZERO;
+    let mut transport_term = String::from("no network transport");
+    let mut consider = |d: Duration, name: String| {
+        if d >= transport {
+            transport = d;
+            transport_term = name;
+        }
+    };
+    let ib = settings.tl_enabled(&["ib", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5"]);
+    if ib {
+        consider(
+            settings.ud_timeout.value,
+            format!("ud {}", ms(settings.ud_timeout.value)),
+        );
+    }
+    if settings.tl_enabled(&[
+        "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5",
+    ]) {
+        let rc = settings
+            .rc_timeout
+            .value
+            .saturating_mul(settings.rc_retry_count.value.saturating_add(1));
+        consider(rc, format!("rc {}", ms(rc)));
+    }
+    if settings.tl_enabled(&["tcp"]) {
+        let cnt = match settings.tcp_keepcnt.value {
+            KeepCount::Probes(n) => n,
+            KeepCount::Auto => LINUX_TCP_KEEPCNT,
+        };
+        let tcp = match (settings.tcp_keepidle.value, settings.tcp_keepintvl.value) {
+            (UcxTime::Finite(idle), UcxTime::Finite(intvl)) => {
+                Some(idle + intvl.saturating_mul(cnt))
+            }
+            // `auto` leaves the kernel defaults: 7200s idle, 75s interval.
+            (idle, intvl) => {
+                let idle = idle.finite().unwrap_or(Duration::from_secs(7200));
+                let intvl = intvl.finite().unwrap_or(Duration::from_secs(75));
+                if settings.tcp_keepidle.value == UcxTime::Infinite
+                    || settings.tcp_keepintvl.value == UcxTime::Infinite
+                {
+                    None
+                } else {
+                    Some(idle + intvl.saturating_mul(cnt))
+                }
+            }
+        };
+        match tcp {
+            Some(d) => consider(d, format!("tcp keepalive {}", ms(d))),
+            None => consider(Duration::MAX, "tcp keepalive off".into()),
+        }
+    }
+
+    let keepalive = match (
+        settings.keepalive_enabled(),
+        settings.keepalive_interval.value,
+    ) {
+        (false, _) => None,
+        (true, UcxTime::Finite(d)) => Some(d),
+        // `auto`: UCX's default.
+        (true, _) => Some(Duration::from_secs(20)),
+    };
+
+    let (silent, silent_terms) = match keepalive {
+        None => (
+            None,
+            if settings.error_handling.value == ErrorHandling::None {
+                "error handling mode none".to_owned()
+            } else {
+                "UCX keepalive disabled".to_owned()
+            },
+        ),
+        Some(_) if transport == Duration::MAX => (None, transport_term.clone()),
+        Some(k) => (
+            Some(k + transport + heartbeat + SLACK),
+            format!(
+                "keepalive {} + {} + heartbeat {} + slack {}",
+                ms(k),
+                transport_term,
+                ms(heartbeat),
+                ms(SLACK)
+            ),
+        ),
+    };
+
+    let mut crashed = heartbeat + SLACK;
+    if ib {
+        // On InfiniBand a dead process can look silent until UCX's timers
+        // fire; keepalive must be on for that too.
+        crashed = match keepalive {
+            Some(k) => {
+                crashed.max(k + transport.min(Duration::from_secs(1 << 40)) + heartbeat + SLACK)
+            }
+            None => crashed,
+        };
+    }
+
+    DetectionBound {
+        crashed,
+        silent,
+        silent_terms,
+    }
+}
+
+/// Settings that defeat detection, one warning each (log them once).
+pub fn warnings(settings: &UcxSettings) -> Vec<String> {
+    let mut w = Vec::new();
+    if settings.keepalive_interval.value == UcxTime::Infinite {
+        w.push(format!(
+            "UCX_KEEPALIVE_INTERVAL=inf ({}): UCX keepalive is off, a silent peer is never reported",
+            settings.keepalive_interval.source
+        ));
+    }
+    if settings.keepalive_num_eps.value == Count::Finite(0) {
+        w.push(format!(
+            "UCX_KEEPALIVE_NUM_EPS=0 ({}): UCX keepalive is off, a silent peer is never reported",
+            settings.keepalive_num_eps.source
+        ));
+    }
+    if settings.error_handling.value == ErrorHandling::None {
+        w.push(
+            "UCX error handling mode is none: UCX reports no endpoint failures and runs no keepalive"
+                .to_owned(),
+        );
+    }
+    if settings.cuda_ipc_cache.value {
+        w.push(format!(
+            "UCX_CUDA_IPC_CACHE={} ({}): cached CUDA IPC / MNNVL mappings of a dead peer's GPU \
+             memory stay until its metadata is released; set UCX_CUDA_IPC_CACHE=n where MNNVL \
+             mappings matter",
+            settings.cuda_ipc_cache.raw, settings.cuda_ipc_cache.source
+        ));
+    }
+    w
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn with_env(vars: &[(&str, &str)]) -> Result<UcxSettings, SettingsError> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        UcxSettings::from_lookup(&|n| m.get(n).cloned(), None)
+    }
+
+    fn secs(s: f64) -> Duration {
+        Duration::from_secs_f64(s)
+    }
+
+    #[test]
+    fn defaults_are_ucx_documented_defaults() {
+        let s = UcxSettings::defaults();
+        assert_eq!(s.keepalive_interval.value, UcxTime::Finite(secs(20.0)));
+        assert_eq!(s.keepalive_num_eps.value, Count::Finite(128));
+        assert_eq!(s.ud_timeout.value, secs(30.0));
+        assert_eq!(s.rc_timeout.value, secs(1.0));
+        assert_eq!(s.rc_retry_count.value, 7);
+        assert_eq!(s.tcp_keepidle.value, UcxTime::Finite(secs(10.0)));
+        assert_eq!(s.tcp_keepintvl.value, UcxTime::Finite(secs(2.0)));
+        assert_eq!(s.tcp_keepcnt.value, KeepCount::Auto);
+        assert!(s.cuda_ipc_cache.value);
+        assert_eq!(s.tls.value, vec!["all".to_string()]);
+        assert_eq!(s.ud_timeout.source, Source::Default);
+    }
+
+    #[test]
+    fn environment_values_are_read_and_labelled() {
+        let s = with_env(&[("UCX_KEEPALIVE_INTERVAL", "2s"), ("UCX_UD_TIMEOUT", "5s")]).unwrap();
+        assert_eq!(s.keepalive_interval.value, UcxTime::Finite(secs(2.0)));
+        assert_eq!(s.keepalive_interval.source, Source::Environment);
+        assert_eq!(s.ud_timeout.value, secs(5.0));
+    }
+
+    #[test]
+    fn ucx_config_wins_over_the_environment() {
+        let ucx = |n: &str| (n == "KEEPALIVE_INTERVAL").then(|| "3000000.00us".to_string());
+        let s = UcxSettings::from_lookup(&|_| Some("9s".into()), Some(&ucx));
+        // The env lookup answers "9s" for every variable; some of those are
+        // not valid for non-time fields, so build a cleaner env.
+        assert!(s.is_err());
+        let env = |n: &str| (n == "UCX_KEEPALIVE_INTERVAL").then(|| "9s".to_string());
+        let s = UcxSettings::from_lookup(&env, Some(&ucx)).unwrap();
+        assert_eq!(s.keepalive_interval.value, UcxTime::Finite(secs(3.0)));
+        assert_eq!(s.keepalive_interval.source, Source::Ucx);
+    }
+
+    #[test]
+    fn bad_values_name_variable_value_and_syntax() {
+        let e = with_env(&[("UCX_UD_TIMEOUT", "5 s")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("UCX_UD_TIMEOUT") && e.contains("`5 s`") && e.contains("ms"),
+            "{e}"
+        );
+        let e = with_env(&[("UCX_UD_TIMEOUT", "inf")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not allowed"), "{e}");
+        let e = with_env(&[("UCX_CUDA_IPC_CACHE", "maybe")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("UCX_CUDA_IPC_CACHE") && e.contains("`maybe`"),
+            "{e}"
+        );
+        assert!(with_env(&[("UCX_KEEPALIVE_NUM_EPS", "-1")]).is_err());
+    }
+
+    #[test]
+    fn crashed_peer_on_tcp_and_shm_is_one_heartbeat_away() {
+        let s = with_env(&[("UCX_TLS", "tcp,sm,self")]).unwrap();
+        let b = detection_bound(&s, secs(2.0));
+        assert_eq!(b.crashed, secs(2.0 * 1.1) + SLACK);
+    }
+
+    #[test]
+    fn silent_peer_bound_follows_keepalive_and_the_slowest_transport() {
+        let s = with_env(&[("UCX_TLS", "tcp,sm,self")]).unwrap();
+        let b = detection_bound(&s, secs(2.0));
+        // 20s keepalive + tcp 10s + 2s * 9 probes + heartbeat 2.2s + 1s.
+        assert_eq!(b.silent, Some(secs(20.0 + 28.0 + 2.2 + 1.0)));
+        assert!(
+            b.silent_terms.contains("tcp keepalive 28s"),
+            "{}",
+            b.silent_terms
+        );
+
+        // The GB200 tuning: keepalive 2s, UD 5s, on IB.
+        let s = with_env(&[
+            ("UCX_TLS", "rc,ud,cuda"),
+            ("UCX_KEEPALIVE_INTERVAL", "2s"),
+            ("UCX_UD_TIMEOUT", "5s"),
+        ])
+        .unwrap();
+        let b = detection_bound(&s, secs(1.0));
+        // rc 1s * 8 = 8s beats ud 5s.
+        assert_eq!(b.silent, Some(secs(2.0 + 8.0 + 1.1 + 1.0)));
+        assert_eq!(b.crashed, b.silent.unwrap());
+    }
+
+    #[test]
+    fn keepalive_off_makes_silent_peers_unbounded_and_warns() {
+        for env in [
+            ("UCX_KEEPALIVE_INTERVAL", "inf"),
+            ("UCX_KEEPALIVE_NUM_EPS", "0"),
+        ] {
+            let s = with_env(&[env, ("UCX_CUDA_IPC_CACHE", "n")]).unwrap();
+            let b = detection_bound(&s, secs(2.0));
+            assert_eq!(b.silent, None);
+            assert!(b.to_string().contains("never if silent"), "{b}");
+            let w = warnings(&s);
+            assert_eq!(w.len(), 1, "{w:?}");
+            assert!(w[0].contains(env.0), "{w:?}");
+        }
+    }
+
+    #[test]
+    fn error_mode_none_and_cuda_ipc_cache_warn() {
+        let mut s = UcxSettings::defaults();
+        s.error_handling.value = ErrorHandling::None;
+        let w = warnings(&s);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w.iter().any(|l| l.contains("mode is none")));
+        assert!(w.iter().any(|l| l.contains("UCX_CUDA_IPC_CACHE=y")));
+        assert_eq!(detection_bound(&s, secs(1.0)).silent, None);
+        assert!(warnings(&with_env(&[("UCX_CUDA_IPC_CACHE", "no")]).unwrap()).is_empty());
+    }
+
+    #[test]
+    fn display_is_one_line() {
+        let b = detection_bound(&UcxSettings::defaults(), secs(2.0));
+        let line = b.to_string();
+        assert!(!line.contains('\n'));
+        assert!(line.starts_with("dead peer released within "), "{line}");
+        let s = UcxSettings::defaults().summary();
+        assert!(s.contains("KEEPALIVE_INTERVAL=20s(default)"), "{s}");
+    }
+
+    #[test]
+    fn negated_tls_lists_exclude_transports() {
+        let s = with_env(&[("UCX_TLS", "^ib,rc,ud,dc")]).unwrap();
+        assert!(!s.tl_enabled(&["ud"]));
+        assert!(s.tl_enabled(&["tcp"]));
+    }
+}

@@ -1,0 +1,575 @@
+//! The service's rules, driven through the fake UCX on tokio's paused
+//! clock: each test runs minutes of virtual time in milliseconds.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
+use nixl_keepalive::{
+    Config, EngineId, EngineRef, EngineState, Event, GoneMode, KeepaliveHandle, NixlStatus,
+    PeerAddr, PeerRef, Registration, ReleaseReason, UcsStatus,
+};
+use tokio::sync::broadcast;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+type Handle = KeepaliveHandle<FakeResources>;
+
+struct World {
+    ucx: FakeUcx,
+    handle: Handle,
+    events: broadcast::Receiver<Event>,
+    shutdown: CancellationToken,
+    task: JoinHandle<nixl_keepalive::Stopped<FakeResources>>,
+}
+
+fn config() -> Config {
+    Config::builder()
+        .heartbeat_interval(Some(Duration::from_secs(5)))
+        .jitter(Duration::from_millis(500))
+        .rate_limit(Duration::from_secs(1), 2)
+        .seed(7)
+        .build()
+        .unwrap()
+}
+
+fn world(ucx_config: FakeConfig, config: Config) -> World {
+    let ucx = FakeUcx::new(ucx_config);
+    let shutdown = CancellationToken::new();
+    let (handle, task) = nixl_keepalive::spawn(Arc::new(ucx.clone()), config, shutdown.clone());
+    let events = handle.subscribe();
+    World {
+        ucx,
+        handle,
+        events,
+        shutdown,
+        task,
+    }
+}
+
+fn addr(n: u16) -> PeerAddr {
+    PeerAddr::new(format!("10.0.0.{n}:5600"))
+}
+
+impl World {
+    /// What a decoder runtime does: handshake (guarded), load, register.
+    async fn connect(&self, address: &PeerAddr) -> EngineRef {
+        let guard = self.handle.handshake_started(address.clone());
+        let metadata = self.ucx.fetch_metadata(address).expect("someone listens");
+        self.handle.prepare_reload(&metadata.engine).await.unwrap();
+        let hs = self.ucx.load_metadata(&metadata).expect("metadata loads");
+        let engine = self
+            .handle
+            .register(Registration {
+                engine: hs.engine,
+                address: hs.addr,
+                agents: hs.agents,
+                resources: hs.resources,
+            })
+            .await
+            .unwrap();
+        guard.finish();
+        engine
+    }
+
+    /// Waits (in virtual time) for the first event that `pick` accepts.
+    async fn until<T>(&mut self, within: Duration, mut pick: impl FnMut(&Event) -> Option<T>) -> T {
+        tokio::time::timeout(within, async {
+            loop {
+                let event = self.events.recv().await.expect("events flow");
+                if let Some(t) = pick(&event) {
+                    return t;
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no such event within {within:?}"))
+    }
+
+    async fn released(&mut self, engine: &EngineId, within: Duration) -> Event {
+        self.until(within, |e| match e {
+            Event::Released { engine: id, .. } if id == engine => Some(e.clone()),
+            _ => None,
+        })
+        .await
+    }
+
+    /// Lets the service run for `d` of virtual time.
+    async fn run_for(&self, d: Duration) {
+        tokio::time::sleep(d).await;
+    }
+
+    async fn stop(self) -> FakeUcx {
+        self.shutdown.cancel();
+        let stopped = self.task.await.unwrap();
+        assert!(
+            stopped.unreleased.is_empty(),
+            "engines left unreleased at shutdown"
+        );
+        self.ucx
+    }
+}
+
+fn released_reason(e: &Event) -> ReleaseReason {
+    match e {
+        Event::Released { reason, .. } => *reason,
+        other => panic!("not a release: {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_peer_whose_heartbeat_returns_remote_disconnect_is_released() {
+    let mut w = world(FakeConfig::default(), config());
+    let p = w.ucx.spawn_prefill(addr(1), 2);
+    let engine = w.connect(&addr(1)).await;
+    w.run_for(Duration::from_secs(12)).await;
+    assert!(w.ucx.notifications_to(&p).len() >= 2 * 2, "heartbeats to both agents");
+    assert_eq!(w.ucx.held_by(&p).remote_metadata, 2);
+
+    w.ucx.crash(&p);
+    let status = w
+        .until(Duration::from_secs(6), |e| match e {
+            Event::Unreachable { status, source, .. } => Some((*status, *source)),
+            _ => None,
+        })
+        .await;
+    assert_eq!(status, (NixlStatus::ERR_REMOTE_DISCONNECT, "heartbeat"));
+    let released = w.released(&p, Duration::from_secs(1)).await;
+    assert_eq!(released_reason(&released), ReleaseReason::Unreachable);
+    assert_eq!(engine.state(), EngineState::Released);
+    assert!(w.ucx.held_by(&p).is_empty(), "dlists released and metadata invalidated");
+    assert!(w.handle.engine(&p).is_none());
+    let snap = w.handle.snapshot().await.unwrap();
+    assert!(snap.engines.is_empty());
+    assert_eq!(snap.limiter_keys, 0, "the limiter forgot the engine");
+    assert_eq!(snap.heartbeat_timers, 0, "its timer is gone");
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dead_peer_is_kept_while_a_read_from_it_is_in_flight_and_released_when_it_ends() {
+    let mut w = world(FakeConfig::default(), config());
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    let engine = w.connect(&addr(1)).await;
+    let read = engine.begin_read().unwrap();
+    w.ucx.crash(&p);
+    w.until(Duration::from_secs(6), |e| {
+        matches!(e, Event::Unreachable { .. }).then_some(())
+    })
+    .await;
+    // Many heartbeat periods later: still held, and the snapshot says why.
+    w.run_for(Duration::from_secs(60)).await;
+    assert!(read.is_failed(), "reads from an unreachable peer are failed");
+    assert_eq!(w.ucx.held_by(&p).remote_metadata, 1, "not released under a read");
+    let snap = w.handle.snapshot().await.unwrap();
+    let e = snap.engine(&p).unwrap();
+    assert_eq!(e.state, EngineState::Unreachable);
+    assert_eq!(e.reads_in_flight, 1);
+    assert!(e.why.contains("1 read(s) in flight"), "{}", e.why);
+    assert!(engine.begin_read().is_err(), "no new read on a marked engine");
+
+    read.finish(w.ucx.read(&p));
+    let released = w.released(&p, Duration::from_millis(1)).await;
+    match released {
+        Event::Released { waited_for, .. } => {
+            assert_eq!(waited_for.reads_in_flight_at_mark, 1);
+            assert!(waited_for.duration >= Duration::from_secs(60));
+        }
+        _ => unreachable!(),
+    }
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_per_engine_heartbeat_is_rate_limited_lease_renewals_included() {
+    let w = world(FakeConfig::default(), config());
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    let engine = w.connect(&addr(1)).await;
+    let start = tokio::time::Instant::now();
+    // The runtime asks for a renewal a hundred times in a burst, and again
+    // every 100 ms for ten seconds.
+    for i in 0..100 {
+        w.handle
+            .add_leases(engine.id(), vec![format!("req-{i}")], true);
+    }
+    for _ in 0..100 {
+        w.handle.renew_leases(engine.id());
+        w.run_for(Duration::from_millis(100)).await;
+    }
+    let elapsed = start.elapsed();
+    let calls = w.ucx.calls();
+    let times: Vec<_> = calls
+        .iter()
+        .filter(|c| c.engine.as_ref() == Some(&p) && c.message.starts_with(b"HB:"))
+        .map(|c| c.at)
+        .collect();
+    // Burst of 2, then one per second: at most 2 + elapsed seconds.
+    let cap = 2 + elapsed.as_secs() as usize;
+    assert!(times.len() <= cap, "{} notifications in {elapsed:?}, cap {cap}", times.len());
+    assert!(times.len() >= cap - 1, "renewals still go out at the capped rate: {}", times.len());
+    // GCRA: any window of k+2 notifications spans at least k periods.
+    for w3 in times.windows(3) {
+        assert!(w3[2] - w3[0] >= Duration::from_millis(999), "{:?}", w3);
+    }
+    let last = calls.iter().rev().find(|c| c.message.starts_with(b"HB:")).unwrap();
+    assert!(last.message_str().contains("req-99"), "leases ride on the heartbeat");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_replaced_engine_is_released_only_after_its_reads_and_pending_handshakes_end() {
+    let mut w = world(FakeConfig::default(), config());
+    let old = w.ucx.spawn_prefill(addr(1), 2);
+    let old_ref = w.connect(&addr(1)).await;
+    let read = old_ref.begin_read().unwrap();
+
+    let new = w.ucx.restart(&addr(1));
+    assert_ne!(new, old);
+    // Another handshake with the address is still going on.
+    let other_handshake = w.handle.handshake_started(addr(1));
+    let new_ref = w.connect(&addr(1)).await;
+    let replaced = w
+        .until(Duration::from_secs(1), |e| match e {
+            Event::Replaced { old, new, .. } => Some((old.clone(), new.clone())),
+            _ => None,
+        })
+        .await;
+    assert_eq!(replaced, (old.clone(), new.clone()));
+    assert_eq!(old_ref.state(), EngineState::Replaced);
+
+    drop(read);
+    w.run_for(Duration::from_secs(30)).await;
+    assert_eq!(w.ucx.held_by(&old).remote_metadata, 2, "a handshake is pending");
+    let why = w.handle.snapshot().await.unwrap().engine(&old).unwrap().why.clone();
+    assert!(why.contains("handshake(s) pending"), "{why}");
+
+    other_handshake.finish();
+    let released = w.released(&old, Duration::from_millis(1)).await;
+    assert_eq!(released_reason(&released), ReleaseReason::Replaced);
+    match released {
+        Event::Released { waited_for, .. } => {
+            assert!(waited_for.handshake);
+            assert_eq!(waited_for.reads_in_flight_at_mark, 1);
+        }
+        _ => unreachable!(),
+    }
+    // The new engine is heartbeated and readable.
+    w.ucx.clear_calls();
+    w.run_for(Duration::from_secs(11)).await;
+    assert!(w.ucx.notifications_to(&new).len() >= 2 * 2);
+    assert_eq!(w.ucx.read(&new), NixlStatus::SUCCESS);
+    new_ref.begin_read().unwrap().finish(NixlStatus::SUCCESS);
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_prefill_restarted_twice_normally_and_once_by_force_is_cleared_each_time() {
+    let mut w = world(FakeConfig::default(), config());
+    w.ucx.spawn_prefill(addr(1), 2);
+    let mut current = w.connect(&addr(1)).await;
+    let mut released = Vec::new();
+
+    // Two normal restarts: the router says the old one is gone (drain),
+    // reads in flight finish, the new one is handshaked.
+    for _ in 0..2 {
+        let read = current.begin_read().unwrap();
+        w.handle
+            .peer_gone(PeerRef::Engine(current.id().clone()), GoneMode::Drain);
+        w.run_for(Duration::from_millis(10)).await;
+        assert!(!read.is_failed(), "drain lets reads finish");
+        read.finish(w.ucx.read(current.id()));
+        let old = current.id().clone();
+        released.push(released_reason(&w.released(&old, Duration::from_secs(1)).await));
+        w.ucx.restart(&addr(1));
+        current = w.connect(&addr(1)).await;
+        assert_ne!(current.id(), &old);
+    }
+
+    // A forced stop with reads in flight: they fail and are reported.
+    let cut: Vec<_> = (0..3).map(|_| current.begin_read().unwrap()).collect();
+    let forced = current.id().clone();
+    w.ucx.crash(&forced);
+    let failed = w
+        .until(Duration::from_secs(6), |e| match e {
+            Event::ReadsFailed { engine, count } if engine == &forced => Some(*count),
+            _ => None,
+        })
+        .await;
+    assert_eq!(failed, 3);
+    for read in cut {
+        assert!(read.is_failed());
+        let status = w.ucx.read(&forced);
+        assert_eq!(status, NixlStatus::ERR_REMOTE_DISCONNECT);
+        read.finish(status);
+    }
+    released.push(released_reason(&w.released(&forced, Duration::from_secs(1)).await));
+    assert_eq!(
+        released,
+        [ReleaseReason::PeerGone, ReleaseReason::PeerGone, ReleaseReason::Unreachable]
+    );
+
+    w.ucx.restart(&addr(1));
+    let fresh = w.connect(&addr(1)).await;
+    for _ in 0..5 {
+        let read = fresh.begin_read().unwrap();
+        assert_eq!(w.ucx.read(fresh.id()), NixlStatus::SUCCESS);
+        read.finish(NixlStatus::SUCCESS);
+    }
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pinned_engine_id_that_restarts_is_released_before_it_is_loaded_again() {
+    let mut w = world(FakeConfig::default(), config());
+    let p = w.ucx.spawn_prefill(addr(1), 2);
+    let first = w.connect(&addr(1)).await;
+    let read = first.begin_read().unwrap();
+    assert_eq!(w.ucx.restart_with_same_id(&addr(1)), p);
+
+    // The runtime's reconnect waits for the old registration to drain.
+    let handle = w.handle.clone();
+    let ucx = w.ucx.clone();
+    let reconnect = tokio::spawn(async move {
+        let metadata = ucx.fetch_metadata(&addr(1)).unwrap();
+        handle.prepare_reload(&metadata.engine).await.unwrap();
+        let hs = ucx.load_metadata(&metadata).expect("old metadata was invalidated first");
+        handle
+            .register(Registration {
+                engine: hs.engine,
+                address: hs.addr,
+                agents: hs.agents,
+                resources: hs.resources,
+            })
+            .await
+            .unwrap()
+    });
+    w.run_for(Duration::from_secs(3)).await;
+    assert!(!reconnect.is_finished(), "held by the read in flight");
+    read.finish(NixlStatus::ERR_REMOTE_DISCONNECT);
+    let second = reconnect.await.unwrap();
+    let released = w.released(&p, Duration::from_millis(1)).await;
+    assert_eq!(released_reason(&released), ReleaseReason::Reregistered);
+    assert_eq!(first.state(), EngineState::Released);
+    assert_eq!(second.state(), EngineState::Live);
+    assert_eq!(w.ucx.read(&p), NixlStatus::SUCCESS);
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_engines_without_leases_are_heartbeated_and_released_when_dead() {
+    let mut w = world(FakeConfig::default(), config());
+    let engines: Vec<_> = (1..=5).map(|n| w.ucx.spawn_prefill(addr(n), 1)).collect();
+    for n in 1..=5 {
+        w.connect(&addr(n)).await;
+    }
+    w.run_for(Duration::from_secs(20)).await;
+    for p in &engines {
+        let beats = w.ucx.notifications_to(p);
+        assert!(beats.len() >= 3, "{p}: {beats:?}");
+        assert!(beats.iter().all(|b| b == "HB:"), "idle engines get an empty lease list");
+    }
+    w.ucx.crash(&engines[2]);
+    let crash_at = tokio::time::Instant::now();
+    w.released(&engines[2], Duration::from_secs(6)).await;
+    // Bound: one interval plus jitter.
+    assert!(crash_at.elapsed() <= Duration::from_millis(5500));
+    let snap = w.handle.snapshot().await.unwrap();
+    assert_eq!(snap.engines.len(), 4);
+    assert!(snap.engines.iter().all(|e| e.state == EngineState::Live));
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_engine_with_ucx_keepalive_inf_is_never_released_and_the_snapshot_says_why() {
+    let w = world(FakeConfig::with_keepalive(None), config());
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    w.connect(&addr(1)).await;
+    w.ucx.freeze(&p);
+    w.run_for(Duration::from_secs(600)).await;
+    let snap = w.handle.snapshot().await.unwrap();
+    let e = snap.engine(&p).unwrap();
+    assert_eq!(e.state, EngineState::Live);
+    assert_eq!(e.last_heartbeat.as_ref().unwrap().status, NixlStatus::SUCCESS);
+    assert!(e.why.contains("frozen or silent peer is reported only by UCX"), "{}", e.why);
+    assert_eq!(w.ucx.held_by(&p).remote_metadata, 1);
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_silent_engine_is_released_once_ucx_keepalive_fails_its_endpoint() {
+    let mut w = world(FakeConfig::with_keepalive(Some(Duration::from_secs(2))), config());
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    w.connect(&addr(1)).await;
+    w.ucx.partition(&p);
+    let status = w
+        .until(Duration::from_secs(10), |e| match e {
+            Event::Unreachable { status, .. } => Some(*status),
+            _ => None,
+        })
+        .await;
+    assert_eq!(status, NixlStatus::ERR_REMOTE_DISCONNECT);
+    w.released(&p, Duration::from_secs(1)).await;
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn transient_errors_are_counted_and_never_release() {
+    let mut w = world(FakeConfig::default(), config());
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    let engine = w.connect(&addr(1)).await;
+    w.ucx.inject(&p, UcsStatus::ERR_NO_RESOURCE, 3);
+    let status = w
+        .until(Duration::from_secs(6), |e| match e {
+            Event::TransientError { status, .. } => Some(*status),
+            _ => None,
+        })
+        .await;
+    assert_eq!(status, NixlStatus::ERR_BACKEND);
+    for s in [
+        NixlStatus::ERR_BACKEND,
+        NixlStatus::ERR_NOT_FOUND,
+        NixlStatus::ERR_CANCELED,
+        NixlStatus::ERR_INVALID_PARAM,
+    ] {
+        engine.begin_read().unwrap().finish(s);
+    }
+    w.run_for(Duration::from_secs(60)).await;
+    let snap = w.handle.snapshot().await.unwrap();
+    let e = snap.engine(&p).unwrap();
+    assert_eq!(e.state, EngineState::Live);
+    assert!(e.transient_errors >= 4 + 3, "{}", e.transient_errors);
+    assert!(engine.begin_read().is_ok());
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_transfer_that_returns_remote_disconnect_marks_the_engine_at_once() {
+    let mut w = world(FakeConfig::default(), config());
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    let engine = w.connect(&addr(1)).await;
+    w.ucx.crash(&p);
+    let read = engine.begin_read().unwrap();
+    let status = w.ucx.read(&p);
+    assert_eq!(status, NixlStatus::ERR_REMOTE_DISCONNECT);
+    let marked_at = tokio::time::Instant::now();
+    read.finish(status);
+    w.released(&p, Duration::from_millis(1)).await;
+    assert_eq!(marked_at.elapsed(), Duration::ZERO, "no heartbeat needed");
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn peer_gone_by_id_and_by_address_in_both_modes_is_idempotent_and_ignores_unknown_peers() {
+    let mut w = world(FakeConfig::default(), config());
+    let a = w.ucx.spawn_prefill(addr(1), 1);
+    let b = w.ucx.spawn_prefill(addr(2), 1);
+    let ea = w.connect(&addr(1)).await;
+    let eb = w.connect(&addr(2)).await;
+
+    // Unknown peers: nothing happens.
+    w.handle
+        .peer_gone(PeerRef::Engine(EngineId::from("nobody")), GoneMode::Fail);
+    w.handle
+        .peer_gone(PeerRef::Address(PeerAddr::from("10.9.9.9:1")), GoneMode::Drain);
+
+    // By id, drain: the read finishes normally, then release.
+    let ra = ea.begin_read().unwrap();
+    for _ in 0..3 {
+        w.handle.peer_gone(PeerRef::Engine(a.clone()), GoneMode::Drain);
+    }
+    w.run_for(Duration::from_secs(10)).await;
+    assert!(!ra.is_failed());
+    assert_eq!(ea.state(), EngineState::Retiring);
+    ra.finish(NixlStatus::SUCCESS);
+    assert_eq!(
+        released_reason(&w.released(&a, Duration::from_millis(1)).await),
+        ReleaseReason::PeerGone
+    );
+
+    // By address, fail: the reads are failed at once, release on drop.
+    let rb: Vec<_> = (0..2).map(|_| eb.begin_read().unwrap()).collect();
+    w.handle.peer_gone(PeerRef::Address(addr(2)), GoneMode::Fail);
+    w.handle.peer_gone(PeerRef::Address(addr(2)), GoneMode::Fail);
+    let count = w
+        .until(Duration::from_millis(1), |e| match e {
+            Event::ReadsFailed { engine, count } if engine == &b => Some(*count),
+            _ => None,
+        })
+        .await;
+    assert_eq!(count, 2);
+    assert!(rb.iter().all(|r| r.is_failed()));
+    drop(rb);
+    w.released(&b, Duration::from_millis(1)).await;
+    // Gone again after release: still nothing.
+    w.handle.peer_gone(PeerRef::Engine(b.clone()), GoneMode::Fail);
+    w.run_for(Duration::from_secs(1)).await;
+    assert!(w.handle.snapshot().await.unwrap().engines.is_empty());
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_notify_to_one_engine_does_not_delay_heartbeats_to_others() {
+    let w = world(FakeConfig::default(), config());
+    let slow = w.ucx.spawn_prefill(addr(1), 1);
+    let fine = w.ucx.spawn_prefill(addr(2), 1);
+    w.connect(&addr(1)).await;
+    w.connect(&addr(2)).await;
+    let gate = w.ucx.block_notify(&slow);
+    // Let the slow engine's round start and block.
+    let next = w.handle.snapshot().await.unwrap().engine(&slow).unwrap().next_heartbeat_in;
+    tokio::time::advance(next.unwrap() + Duration::from_millis(1)).await;
+    for _ in 0..5000 {
+        if gate.waiting() == 1 {
+            break;
+        }
+        // Let the service run, then give the blocking thread real time.
+        w.handle.snapshot().await.unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(gate.waiting(), 1, "the slow engine's heartbeat is blocked");
+    // A blocked spawn_blocking thread stops tokio's auto-advance, so the
+    // clock moves by hand, to each of the healthy engine's due times.
+    for _ in 0..6 {
+        let before = w.ucx.notifications_to(&fine).len();
+        let next = w.handle.snapshot().await.unwrap().engine(&fine).unwrap().next_heartbeat_in;
+        let due = next.expect("the healthy engine stays scheduled");
+        assert!(due <= Duration::from_millis(5500), "on schedule: {due:?}");
+        tokio::time::advance(due + Duration::from_millis(1)).await;
+        // The healthy round runs on its own thread: wait (real time,
+        // bounded) until the service has seen it come back.
+        let mut came_back = false;
+        for _ in 0..5000 {
+            let snap = w.handle.snapshot().await.unwrap();
+            let e = snap.engine(&fine).unwrap();
+            if w.ucx.notifications_to(&fine).len() > before
+                && e.last_heartbeat.as_ref().is_some_and(|h| h.ago.is_zero())
+            {
+                came_back = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(came_back, "the healthy engine's heartbeat went out while the other hung");
+    }
+    assert_eq!(gate.waiting(), 1, "no second round stacked on the hung engine");
+    gate.open();
+    w.run_for(Duration::from_secs(10)).await;
+    assert!(w.ucx.notifications_to(&slow).len() >= 2);
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_returns_engines_with_reads_in_flight_instead_of_releasing_them() {
+    let w = world(FakeConfig::default(), config());
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    let q = w.ucx.spawn_prefill(addr(2), 1);
+    let ep = w.connect(&addr(1)).await;
+    w.connect(&addr(2)).await;
+    let read = ep.begin_read().unwrap();
+    w.shutdown.cancel();
+    let stopped = w.task.await.unwrap();
+    assert_eq!(stopped.unreleased.len(), 1);
+    assert_eq!(stopped.unreleased[0].engine, p);
+    assert!(w.ucx.held_by(&q).is_empty(), "the idle engine was released");
+    assert_eq!(w.ucx.held_by(&p).remote_metadata, 1, "the busy one was not");
+    drop(read);
+}
