@@ -108,7 +108,7 @@ pub use engine::{EngineRef, EngineState, ReadGuard};
 pub use error::{ReadRefused, ServiceStopped};
 pub use event::{Event, ReleaseReason, WaitedFor};
 pub use service::{spawn, HandshakeGuard, Keepalive, KeepaliveHandle, Stopped};
-pub use snapshot::{EngineSnapshot, HeartbeatSnapshot, Snapshot};
+pub use snapshot::{DetectionSummary, EngineSnapshot, HeartbeatSnapshot, Snapshot};
 pub use table::{heartbeat_message, GoneMode, PeerRef, Registration};
 
 pub use nixl_sys::NixlStatus;

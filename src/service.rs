@@ -23,7 +23,8 @@ use crate::config::Config;
 use crate::engine::{EngineCell, EngineRef, ReadGuard, Wake};
 use crate::error::{ReadRefused, ServiceStopped};
 use crate::event::Event;
-use crate::snapshot::Snapshot;
+use crate::snapshot::{DetectionSummary, Snapshot};
+use crate::ucx_settings::{detection_bound, warnings, UcxSettings};
 use crate::table::{Action, GoneMode, PeerRef, PeerTable, Registration, RoundResults};
 use crate::telemetry;
 use crate::transport::{EngineId, PeerAddr, ReleaseStep, Transport, TransportError};
@@ -263,7 +264,15 @@ pub struct Keepalive<T: Transport> {
     releases: JoinSet<(u64, Vec<ReleaseStep>)>,
     registering: HashMap<u64, oneshot::Sender<EngineRef>>,
     reloading: HashMap<EngineId, Vec<oneshot::Sender<()>>>,
-    startup_line: Option<String>,
+    startup: Startup,
+    bound: Option<DetectionSummary>,
+}
+
+/// What the start-up line says.
+struct Startup {
+    line: String,
+    warnings: Vec<String>,
+    ucx: String,
 }
 
 impl<T: Transport> Keepalive<T> {
@@ -294,24 +303,59 @@ impl<T: Transport> Keepalive<T> {
             releases: JoinSet::new(),
             registering: HashMap::new(),
             reloading: HashMap::new(),
-            startup_line: None,
+            startup: Startup {
+                line: "detection bound not computed (UCX settings not given: see Keepalive::with_ucx_settings)".into(),
+                warnings: Vec::new(),
+                ucx: "not read".into(),
+            },
+            bound: None,
         };
         (service, handle)
     }
 
-    /// Sets what the service reports at start-up about how long a dead
-    /// peer can go unnoticed with the settings in force: the line logged,
-    /// the gauges, and the note in every live engine's snapshot.
-    pub fn with_detection_bound(
-        mut self,
-        line: String,
-        crashed: Option<Duration>,
-        silent: Option<Duration>,
-        silent_note: String,
-    ) -> Self {
+    /// Tells the service the UCX settings in force (read them with
+    /// [`UcxSettings::read`] before anything starts). With them it reports
+    /// how long a dead prefill can go unnoticed: one line at start-up, the
+    /// `nixl_keepalive_detection_bound_*_seconds` gauges, the snapshot; and
+    /// it warns once about settings that defeat detection.
+    pub fn with_ucx_settings(mut self, settings: &UcxSettings) -> Self {
+        let gap = self
+            .config
+            .heartbeat_interval
+            .map(|interval| interval + self.config.jitter);
+        let (line, crashed, silent) = match gap {
+            Some(gap) => {
+                let bound = detection_bound(settings, gap);
+                (bound.to_string(), Some(bound.crashed), bound.silent)
+            }
+            None => {
+                let silent = detection_bound(settings, Duration::ZERO);
+                (
+                    format!(
+                        "heartbeats are off (NIXL_KEEPALIVE_INTERVAL=inf): a dead peer is released only after a transfer to it fails; {silent}"
+                    ),
+                    None,
+                    None,
+                )
+            }
+        };
         telemetry::detection_bound(crashed, silent);
-        self.table.set_silent_peer_note(silent_note);
-        self.startup_line = Some(line);
+        let note = if settings.keepalive_enabled() {
+            format!(
+                "UCX keepalive ({}) fails a silent peer's endpoint{}; a frozen process on shm/tcp is never reported",
+                settings.keepalive_interval.raw,
+                silent.map_or(String::new(), |d| format!(", release within {d:?}"))
+            )
+        } else {
+            "UCX keepalive is off (inf or NUM_EPS 0): a silent peer is never reported".to_string()
+        };
+        self.table.set_silent_peer_note(note);
+        self.startup = Startup {
+            line,
+            warnings: warnings(settings),
+            ucx: settings.summary(),
+        };
+        self.bound = Some(DetectionSummary { crashed, silent });
         self
     }
 
@@ -321,7 +365,15 @@ impl<T: Transport> Keepalive<T> {
     ///
     /// Cancel safety: not cancel safe; stop it with the token.
     pub async fn run(mut self, shutdown: CancellationToken) -> Stopped<T::Resources> {
-        tracing::info!(config = %self.config, detection = self.startup_line.as_deref().unwrap_or("not computed"), "nixl-keepalive started");
+        tracing::info!(
+            config = %self.config,
+            ucx = %self.startup.ucx,
+            "nixl-keepalive started: {}",
+            self.startup.line
+        );
+        for warning in &self.startup.warnings {
+            tracing::warn!("{warning}");
+        }
         for var in Config::unknown_env_vars() {
             tracing::warn!(%var, "unknown NIXL_KEEPALIVE_ environment variable ignored (a typo?)");
         }
@@ -416,6 +468,7 @@ impl<T: Transport> Keepalive<T> {
             Command::Snapshot(done) => {
                 let mut snapshot = self.table.snapshot(now);
                 snapshot.heartbeat_timers = self.timers.len();
+                snapshot.detection_bound = self.bound;
                 let _ = done.send(snapshot);
             }
         }

@@ -59,6 +59,18 @@ pub struct Snapshot {
     pub limiter_keys: usize,
     /// Heartbeat timers armed: one per live engine with a schedule.
     pub heartbeat_timers: usize,
+    /// The worst-case time to release a dead peer with the settings in
+    /// force, when the service was given them.
+    pub detection_bound: Option<DetectionSummary>,
+}
+
+/// The detection bound, as numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DetectionSummary {
+    /// A crashed peer (process gone); `None` when heartbeats are off.
+    pub crashed: Option<Duration>,
+    /// A silent peer (partition); `None` when unbounded.
+    pub silent: Option<Duration>,
 }
 
 impl Snapshot {

@@ -245,7 +245,7 @@ impl<R> PeerTable<R> {
             waiting: HashMap::new(),
             rng,
             actions: VecDeque::new(),
-            silent_peer_note: String::new(),
+            silent_peer_note: "UCX settings not given to the service".to_string(),
         }
     }
 
@@ -832,6 +832,7 @@ impl<R> PeerTable<R> {
             silent_peer_note: self.silent_peer_note.clone(),
             limiter_keys: self.rate.keys.len(),
             heartbeat_timers: 0,
+            detection_bound: None,
         }
     }
 

@@ -11,8 +11,8 @@
 //! # The detection model ([`detection_bound`])
 //!
 //! Assumed: the engine sends a heartbeat (a NIXL notification) to each
-//! peer every `heartbeat_interval`, with at most [`HEARTBEAT_JITTER`] of
-//! extra delay, and releases a peer as soon as one heartbeat fails with a
+//! peer at most `heartbeat_gap` after the previous one (the service passes
+//! its interval plus its jitter), and releases a peer as soon as one heartbeat fails with a
 //! disconnect; UCX's worker is progressed continuously (NIXL's progress
 //! thread); each worker has at most `KEEPALIVE_NUM_EPS` endpoints (else a
 //! keepalive round covers only part of them and the bound grows).
@@ -43,9 +43,6 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::ucx_time::{parse_time, TimeField, TimeSyntaxError, UcxTime};
-
-/// Largest extra delay of a heartbeat, as a fraction of its interval.
-pub const HEARTBEAT_JITTER: f64 = 0.1;
 
 /// Added to every bound: progress-thread and scheduling delays.
 pub const SLACK: Duration = Duration::from_secs(1);
@@ -434,9 +431,10 @@ fn secs_text(d: Duration) -> String {
 }
 
 /// The worst-case time to release a dead peer with these settings and
-/// heartbeat interval. See the module docs for the model.
-pub fn detection_bound(settings: &UcxSettings, heartbeat_interval: Duration) -> DetectionBound {
-    let heartbeat = heartbeat_interval + heartbeat_interval.mul_f64(HEARTBEAT_JITTER);
+/// longest gap between two heartbeats to one peer. See the module docs
+/// for the model.
+pub fn detection_bound(settings: &UcxSettings, heartbeat_gap: Duration) -> DetectionBound {
+    let heartbeat = heartbeat_gap;
     let ms = secs_text;
 
     // Slowest enabled network transport to give up on an unanswered message.
@@ -655,14 +653,15 @@ mod tests {
     #[test]
     fn crashed_peer_on_tcp_and_shm_is_one_heartbeat_away() {
         let s = with_env(&[("UCX_TLS", "tcp,sm,self")]).unwrap();
-        let b = detection_bound(&s, secs(2.0));
-        assert_eq!(b.crashed, secs(2.0 * 1.1) + SLACK);
+        // A 2s interval with 0.2s of jitter: the longest gap is 2.2s.
+        let b = detection_bound(&s, secs(2.2));
+        assert_eq!(b.crashed, secs(2.2) + SLACK);
     }
 
     #[test]
     fn silent_peer_bound_follows_keepalive_and_the_slowest_transport() {
         let s = with_env(&[("UCX_TLS", "tcp,sm,self")]).unwrap();
-        let b = detection_bound(&s, secs(2.0));
+        let b = detection_bound(&s, secs(2.2));
         // 20s keepalive + tcp 10s + 2s * 9 probes + heartbeat 2.2s + 1s.
         assert_eq!(b.silent, Some(secs(20.0 + 28.0 + 2.2 + 1.0)));
         assert!(
@@ -678,7 +677,7 @@ mod tests {
             ("UCX_UD_TIMEOUT", "5s"),
         ])
         .unwrap();
-        let b = detection_bound(&s, secs(1.0));
+        let b = detection_bound(&s, secs(1.1));
         // rc 1s * 8 = 8s beats ud 5s.
         assert_eq!(b.silent, Some(secs(2.0 + 8.0 + 1.1 + 1.0)));
         assert_eq!(b.crashed, b.silent.unwrap());

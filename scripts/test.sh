@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: installs the NIXL runtime (and
+# with it the UCX the real tests load), then runs every test of the
+# workspace. Extra arguments go to `cargo test`.
+#
+# Real-runtime tests print SKIPPED when the runtime cannot be loaded; with
+# NIXL_KEEPALIVE_REQUIRE_REAL=1 (set by CI) a missing runtime fails instead.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash scripts/install-nixl.sh
+
+# The real tests spawn the `nixl-keepalive prefill` binary and check the
+# fuzz corpus; everything runs in one cargo invocation.
+cargo test --workspace --locked "$@"

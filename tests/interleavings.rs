@@ -1,0 +1,549 @@
+//! Random interleavings of every input and fault, on the paused clock.
+//!
+//! The service's promises, checked independently of its own bookkeeping:
+//! the test counts its own reads per registration, and a transport wrapped
+//! around the fake audits every release against that count.
+//! - never a release with a read in flight;
+//! - never a read started on an engine the service has marked;
+//! - every dead idle engine released within its bound;
+//! - nothing leaked at the end.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
+use nixl_keepalive::{
+    AgentName, Config, EngineId, EngineRef, Event, GoneMode, HandshakeGuard, KeepaliveHandle,
+    PeerAddr, PeerRef, ReadGuard, Registration, ReleaseStep, Transport,
+    TransportError, UcsStatus,
+};
+use proptest::prelude::*;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+const ADDRS: usize = 3;
+const INTERVAL: Duration = Duration::from_secs(2);
+const JITTER: Duration = Duration::from_millis(200);
+const RATE_PERIOD: Duration = Duration::from_millis(500);
+
+/// The test's own count of reads per registration, keyed by the
+/// registration's resources (unique per load).
+#[derive(Default)]
+struct Ledger {
+    reads: Mutex<Vec<(FakeResources, Arc<AtomicUsize>)>>,
+    violations: Mutex<Vec<String>>,
+}
+
+/// The fake, with every release audited against the ledger.
+struct Audited {
+    ucx: FakeUcx,
+    ledger: Arc<Ledger>,
+}
+
+impl Transport for Audited {
+    type Resources = FakeResources;
+
+    fn notify(&self, agent: &AgentName, message: &[u8]) -> Result<(), TransportError> {
+        self.ucx.notify(agent, message)
+    }
+
+    fn release(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: FakeResources,
+    ) -> Vec<ReleaseStep> {
+        let reads = self
+            .ledger
+            .reads
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(r, _)| *r == resources)
+            .map(|(_, n)| n.load(Ordering::SeqCst));
+        match reads {
+            Some(0) => {}
+            Some(n) => self
+                .ledger
+                .violations
+                .lock()
+                .unwrap()
+                .push(format!("{engine} released with {n} read(s) in flight")),
+            None => self
+                .ledger
+                .violations
+                .lock()
+                .unwrap()
+                .push(format!("{engine} released resources the test never registered")),
+        }
+        self.ucx.release(engine, agents, resources)
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Spawn(usize),
+    Connect(usize),
+    OpenHandshake(usize),
+    CloseHandshake(usize),
+    BeginRead(usize),
+    EndRead(usize),
+    Crash(usize),
+    CrashDuringRead(usize),
+    Freeze(usize),
+    Thaw(usize),
+    Partition(usize),
+    Heal(usize),
+    Restart(usize),
+    RestartSameId(usize),
+    Transient(usize, u8),
+    GoneById(usize, bool),
+    GoneByAddr(usize, bool),
+    Lease(usize, u8),
+    Unlease(usize, u8),
+    Advance(u16),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let a = 0..ADDRS;
+    prop_oneof![
+        2 => a.clone().prop_map(Op::Spawn),
+        4 => a.clone().prop_map(Op::Connect),
+        1 => a.clone().prop_map(Op::OpenHandshake),
+        1 => (0..4usize).prop_map(Op::CloseHandshake),
+        5 => (0..16usize).prop_map(Op::BeginRead),
+        4 => (0..16usize).prop_map(Op::EndRead),
+        2 => a.clone().prop_map(Op::Crash),
+        1 => a.clone().prop_map(Op::CrashDuringRead),
+        1 => a.clone().prop_map(Op::Freeze),
+        1 => a.clone().prop_map(Op::Thaw),
+        1 => a.clone().prop_map(Op::Partition),
+        1 => a.clone().prop_map(Op::Heal),
+        2 => a.clone().prop_map(Op::Restart),
+        1 => a.clone().prop_map(Op::RestartSameId),
+        1 => (a.clone(), 0..3u8).prop_map(|(a, s)| Op::Transient(a, s)),
+        1 => (a.clone(), any::<bool>()).prop_map(|(a, f)| Op::GoneById(a, f)),
+        1 => (a.clone(), any::<bool>()).prop_map(|(a, f)| Op::GoneByAddr(a, f)),
+        1 => (a.clone(), 0..4u8).prop_map(|(a, r)| Op::Lease(a, r)),
+        1 => (a.clone(), 0..4u8).prop_map(|(a, r)| Op::Unlease(a, r)),
+        6 => (1..6000u16).prop_map(Op::Advance),
+    ]
+}
+
+struct Read {
+    guard: ReadGuard,
+    count: Arc<AtomicUsize>,
+    engine: EngineId,
+}
+
+/// A crash of an engine nobody was reading from: it must be released
+/// within one heartbeat bound unless the test touches it again.
+struct Watch {
+    engine: EngineId,
+    since: Instant,
+    touched: bool,
+}
+
+struct Run {
+    ucx: FakeUcx,
+    ledger: Arc<Ledger>,
+    handle: KeepaliveHandle<FakeResources>,
+    events: tokio::sync::broadcast::Receiver<Event>,
+    /// Registrations the test holds, latest last, with their read counts.
+    engines: Vec<(EngineRef, Arc<AtomicUsize>, PeerAddr)>,
+    reads: Vec<Read>,
+    handshakes: Vec<(PeerAddr, HandshakeGuard)>,
+    open_handshakes: HashMap<PeerAddr, usize>,
+    /// Engine ids the service has marked (since their last registration).
+    marked: HashSet<EngineId>,
+    released: HashMap<EngineId, Vec<Instant>>,
+    watches: Vec<Watch>,
+}
+
+fn addr(i: usize) -> PeerAddr {
+    PeerAddr::new(format!("10.1.0.{i}:7000"))
+}
+
+impl Run {
+    fn violation(&self, text: String) {
+        self.ledger.violations.lock().unwrap().push(text);
+    }
+
+    fn drain_events(&mut self) {
+        while let Ok(event) = self.events.try_recv() {
+            match event {
+                Event::Registered { engine, .. } => {
+                    self.marked.remove(&engine);
+                }
+                Event::Unreachable { engine, .. } | Event::Retiring { engine, .. } => {
+                    self.marked.insert(engine);
+                }
+                Event::Replaced { old, .. } => {
+                    self.marked.insert(old);
+                }
+                Event::Released { engine, .. } => {
+                    self.released
+                        .entry(engine)
+                        .or_default()
+                        .push(Instant::now());
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn latest(&self, engine: &EngineId) -> Option<&(EngineRef, Arc<AtomicUsize>, PeerAddr)> {
+        self.engines.iter().rev().find(|(e, _, _)| e.id() == engine)
+    }
+
+    fn engine_at(&self, i: usize) -> Option<EngineId> {
+        self.ucx.engine_at(&addr(i))
+    }
+
+    async fn settle(&mut self) {
+        tokio::task::yield_now().await;
+        // A snapshot round-trip: everything sent before it is processed.
+        let _ = self.handle.snapshot().await;
+        self.drain_events();
+    }
+
+    async fn connect(&mut self, i: usize) {
+        let address = addr(i);
+        let guard = self.handle.handshake_started(address.clone());
+        let Ok(metadata) = self.ucx.fetch_metadata(&address) else {
+            return;
+        };
+        if self.handle.prepare_reload(&metadata.engine).await.is_err() {
+            return;
+        }
+        let Ok(hs) = self.ucx.load_metadata(&metadata) else {
+            return;
+        };
+        let count = Arc::new(AtomicUsize::new(0));
+        self.ledger
+            .reads
+            .lock()
+            .unwrap()
+            .push((hs.resources.clone(), count.clone()));
+        let engine = self
+            .handle
+            .register(Registration {
+                engine: hs.engine,
+                address: hs.addr,
+                agents: hs.agents,
+                resources: hs.resources,
+            })
+            .await
+            .expect("service runs");
+        self.engines.push((engine, count, address));
+        guard.finish();
+    }
+
+    async fn apply(&mut self, op: Op) {
+        match op {
+            Op::Spawn(i) => {
+                if self.engine_at(i).is_none() {
+                    self.ucx.spawn_prefill(addr(i), 1 + i % 2);
+                }
+            }
+            Op::Connect(i) => self.connect(i).await,
+            Op::OpenHandshake(i) => {
+                self.handshakes
+                    .push((addr(i), self.handle.handshake_started(addr(i))));
+                *self.open_handshakes.entry(addr(i)).or_default() += 1;
+                let here: Vec<EngineId> = self
+                    .engines
+                    .iter()
+                    .filter(|(_, _, a)| a == &addr(i))
+                    .map(|(e, _, _)| e.id().clone())
+                    .chain(self.ucx.engine_at(&addr(i)))
+                    .collect();
+                for w in &mut self.watches {
+                    if here.contains(&w.engine) {
+                        w.touched = true;
+                    }
+                }
+            }
+            Op::CloseHandshake(k) => {
+                if !self.handshakes.is_empty() {
+                    let (address, guard) = self.handshakes.remove(k % self.handshakes.len());
+                    drop(guard);
+                    if let Some(n) = self.open_handshakes.get_mut(&address) {
+                        *n -= 1;
+                        if *n == 0 {
+                            self.open_handshakes.remove(&address);
+                        }
+                    }
+                }
+            }
+            Op::BeginRead(k) => {
+                self.drain_events();
+                if self.engines.is_empty() {
+                    return;
+                }
+                let index = k % self.engines.len();
+                let (engine, count, _) = &self.engines[index];
+                let id = engine.id().clone();
+                let is_latest =
+                    self.engines.iter().rposition(|(e, _, _)| e.id() == &id) == Some(index);
+                let count = count.clone();
+                let engine = engine.clone();
+                match engine.begin_read() {
+                    Ok(guard) => {
+                        if is_latest && self.marked.contains(&id) {
+                            self.violation(format!("a read started on {id}, which was marked"));
+                        }
+                        count.fetch_add(1, Ordering::SeqCst);
+                        for w in &mut self.watches {
+                            if w.engine == id {
+                                w.touched = true;
+                            }
+                        }
+                        self.reads.push(Read {
+                            guard,
+                            count,
+                            engine: id,
+                        });
+                    }
+                    Err(_) => {}
+                }
+            }
+            Op::EndRead(k) => {
+                if self.reads.is_empty() {
+                    return;
+                }
+                let read = self.reads.remove(k % self.reads.len());
+                let status = self.ucx.read(&read.engine);
+                // The status is what NIXL would say; IN_PROG (a silent
+                // peer) ends the read as the runtime gives up on it.
+                read.count.fetch_sub(1, Ordering::SeqCst);
+                read.guard.finish(status);
+            }
+            Op::Crash(i) | Op::CrashDuringRead(i) => {
+                if let Some(engine) = self.engine_at(i) {
+                    let idle = !self.reads.iter().any(|r| r.engine == engine)
+                        && !self.open_handshakes.contains_key(&addr(i));
+                    let registered = self.handle.engine(&engine).is_some();
+                    if matches!(op, Op::Crash(_)) {
+                        self.ucx.crash(&engine);
+                    } else {
+                        self.ucx.crash_during_read(&engine);
+                    }
+                    if idle && registered {
+                        self.watches.push(Watch {
+                            engine,
+                            since: Instant::now(),
+                            touched: false,
+                        });
+                    }
+                }
+            }
+            Op::Freeze(i) => self.fault(i, |u, e| u.freeze(e)),
+            Op::Thaw(i) => self.fault(i, |u, e| u.thaw(e)),
+            Op::Partition(i) => self.fault(i, |u, e| u.partition(e)),
+            Op::Heal(i) => self.fault(i, |u, e| u.heal(e)),
+            Op::Restart(i) => {
+                if self.engine_at(i).is_some() {
+                    self.ucx.restart(&addr(i));
+                }
+            }
+            Op::RestartSameId(i) => {
+                if self.engine_at(i).is_some() {
+                    self.ucx.restart_with_same_id(&addr(i));
+                }
+            }
+            Op::Transient(i, s) => {
+                let status = [
+                    UcsStatus::ERR_NO_RESOURCE,
+                    UcsStatus::ERR_BUSY,
+                    UcsStatus::ERR_IO_ERROR,
+                ][s as usize];
+                self.fault(i, |u, e| u.inject(e, status, 2));
+            }
+            Op::GoneById(i, fail) => {
+                if let Some(engine) = self.engine_at(i) {
+                    self.handle
+                        .peer_gone(PeerRef::Engine(engine), mode(fail));
+                }
+            }
+            Op::GoneByAddr(i, fail) => self.handle.peer_gone(PeerRef::Address(addr(i)), mode(fail)),
+            Op::Lease(i, r) => {
+                if let Some(engine) = self.engine_at(i) {
+                    self.handle
+                        .add_leases(&engine, vec![format!("req-{r}")], r % 2 == 0);
+                }
+            }
+            Op::Unlease(i, r) => {
+                if let Some(engine) = self.engine_at(i) {
+                    self.handle
+                        .remove_leases(&engine, vec![format!("req-{r}")]);
+                }
+            }
+            Op::Advance(ms) => tokio::time::sleep(Duration::from_millis(ms as u64)).await,
+        }
+        self.settle().await;
+    }
+
+    fn fault(&self, i: usize, f: impl Fn(&FakeUcx, &EngineId)) {
+        if let Some(engine) = self.engine_at(i) {
+            f(&self.ucx, &engine);
+        }
+    }
+
+    fn check_watches(&mut self) {
+        let bound = INTERVAL + JITTER + RATE_PERIOD + Duration::from_millis(10);
+        let now = Instant::now();
+        let mut late = Vec::new();
+        self.watches.retain(|w| {
+            if w.touched {
+                return false;
+            }
+            let released = self
+                .released
+                .get(&w.engine)
+                .is_some_and(|ts| ts.iter().any(|t| *t >= w.since));
+            if released {
+                return false;
+            }
+            if now - w.since > bound {
+                late.push(format!(
+                    "{} idle and crashed {:?} ago, not released (bound {bound:?})",
+                    w.engine,
+                    now - w.since
+                ));
+                return false;
+            }
+            true
+        });
+        for text in late {
+            self.violation(text);
+        }
+    }
+}
+
+fn mode(fail: bool) -> GoneMode {
+    if fail {
+        GoneMode::Fail
+    } else {
+        GoneMode::Drain
+    }
+}
+
+fn run(ops: Vec<Op>, seed: u64) -> Vec<String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    runtime.block_on(async move {
+        let ucx = FakeUcx::new(FakeConfig {
+            keepalive_interval: Some(Duration::from_secs(5)),
+            ..FakeConfig::default()
+        });
+        let ledger = Arc::new(Ledger::default());
+        let config = Config::builder()
+            .heartbeat_interval(Some(INTERVAL))
+            .jitter(JITTER)
+            .rate_limit(RATE_PERIOD, 2)
+            .metrics_period(None)
+            .seed(seed)
+            .build()
+            .unwrap();
+        let shutdown = CancellationToken::new();
+        let transport = Arc::new(Audited {
+            ucx: ucx.clone(),
+            ledger: ledger.clone(),
+        });
+        let (handle, task) = nixl_keepalive::spawn(transport, config, shutdown.clone());
+        let events = handle.subscribe();
+        let mut run = Run {
+            ucx: ucx.clone(),
+            ledger: ledger.clone(),
+            handle,
+            events,
+            engines: Vec::new(),
+            reads: Vec::new(),
+            handshakes: Vec::new(),
+            open_handshakes: HashMap::new(),
+            marked: HashSet::new(),
+            released: HashMap::new(),
+            watches: Vec::new(),
+        };
+        for op in ops {
+            run.apply(op).await;
+            run.check_watches();
+        }
+        // The end: every read and handshake ends, every prefill dies.
+        for read in run.reads.drain(..) {
+            read.count.fetch_sub(1, Ordering::SeqCst);
+            drop(read.guard);
+        }
+        run.handshakes.clear();
+        for i in 0..ADDRS {
+            if let Some(engine) = ucx.engine_at(&addr(i)) {
+                ucx.crash(&engine);
+            }
+        }
+        tokio::time::sleep(INTERVAL * 10).await;
+        run.settle().await;
+        let left = run.handle.snapshot().await.unwrap();
+        // Frozen or partitioned peers are detected by the fake's keepalive
+        // (5 s); everything else by the next heartbeat.
+        for e in &left.engines {
+            run.violation(format!("{} still held at the end: {}", e.engine, e.why));
+        }
+        shutdown.cancel();
+        let stopped = task.await.unwrap();
+        if !stopped.unreleased.is_empty() {
+            run.violation(format!("{} unreleased at shutdown", stopped.unreleased.len()));
+        }
+        let held = ucx.held();
+        if !held.is_empty() {
+            run.violation(format!("leaked: {held:?}"));
+        }
+        let violations = ledger.violations.lock().unwrap().clone();
+        violations
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn no_release_under_a_read_no_read_on_a_marked_engine_dead_engines_released_nothing_leaked(
+        ops in prop::collection::vec(op(), 1..120),
+        seed in any::<u64>(),
+    ) {
+        let violations = run(ops, seed);
+        prop_assert!(violations.is_empty(), "{:#?}", violations);
+    }
+}
+
+#[test]
+fn the_audit_catches_a_release_under_a_read() {
+    // The audit must be able to fail: release resources the ledger says
+    // are being read.
+    let ucx = FakeUcx::new(FakeConfig::default());
+    let ledger = Arc::new(Ledger::default());
+    let audited = Audited {
+        ucx: ucx.clone(),
+        ledger: ledger.clone(),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let p = ucx.spawn_prefill(addr(0), 1);
+        let hs = ucx.handshake(&addr(0)).unwrap();
+        ledger
+            .reads
+            .lock()
+            .unwrap()
+            .push((hs.resources.clone(), Arc::new(AtomicUsize::new(1))));
+        audited.release(&p, &hs.agents, hs.resources);
+    });
+    assert_eq!(ledger.violations.lock().unwrap().len(), 1);
+}
