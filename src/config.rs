@@ -30,6 +30,12 @@ pub struct Knob {
     pub meaning: &'static str,
 }
 
+/// `NIXL_KEEPALIVE_*` variables read by other parts of the project: the
+/// test harness (`REQUIRE_REAL`: a missing NIXL runtime fails the real
+/// tests instead of skipping them) and the UCX loader (`UCX_LIB`: an
+/// explicit `libucp` to load).
+pub const NOT_SERVICE_KNOBS: &[&str] = &["NIXL_KEEPALIVE_REQUIRE_REAL", "NIXL_KEEPALIVE_UCX_LIB"];
+
 /// Every knob the service reads from the environment.
 pub const KNOBS: &[Knob] = &[
     Knob {
@@ -162,8 +168,7 @@ impl Config {
             };
             match knob.env {
                 "NIXL_KEEPALIVE_INTERVAL" => {
-                    config.heartbeat_interval =
-                        env_time(knob, &value, TimeField::TimeUnits, true)?
+                    config.heartbeat_interval = env_time(knob, &value, TimeField::TimeUnits, true)?
                 }
                 "NIXL_KEEPALIVE_JITTER" => {
                     config.jitter = required(env_time(knob, &value, TimeField::Time, false)?)
@@ -193,9 +198,9 @@ impl Config {
         std::env::vars()
             .map(|(k, _)| k)
             .filter(|k| k.starts_with(ENV_PREFIX) && !known.contains(k.as_str()))
-            // Read by the test harness and the NIXL runtime loader, not by
-            // the service.
-            .filter(|k| k != "NIXL_KEEPALIVE_REQUIRE_REAL")
+            // Read by the test harness and the UCX loader, not by the
+            // service.
+            .filter(|k| !NOT_SERVICE_KNOBS.contains(&k.as_str()))
             .collect()
     }
 
@@ -225,7 +230,11 @@ impl Config {
             ));
         }
         if self.rate_burst == 0 {
-            return Err(invalid("NIXL_KEEPALIVE_RATE_BURST", "0", "must be 1 or more"));
+            return Err(invalid(
+                "NIXL_KEEPALIVE_RATE_BURST",
+                "0",
+                "must be 1 or more",
+            ));
         }
         if self.event_capacity == 0 {
             return Err(invalid(
@@ -426,6 +435,9 @@ mod tests {
                 ..
             }
         ));
-        assert!(Config::builder().rate_limit(Duration::ZERO, 1).build().is_err());
+        assert!(Config::builder()
+            .rate_limit(Duration::ZERO, 1)
+            .build()
+            .is_err());
     }
 }

@@ -83,6 +83,8 @@ const COUNT_MASK: u64 = (1 << STATE_SHIFT) - 1;
 /// Messages to the service that need no resources type: what guards send
 /// when they end, and the runtime's small requests.
 pub(crate) enum Wake {
+    /// A handshake at this address started.
+    HandshakeStarted(crate::transport::PeerAddr),
     /// A handshake at this address finished (its guard dropped).
     HandshakeFinished(crate::transport::PeerAddr),
     /// The last read of a marked registration ended: it may be released.

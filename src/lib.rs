@@ -89,12 +89,14 @@
 //! blocking threads, one call per thread: a hung call delays nothing else.
 #![forbid(unsafe_code)]
 
-#[cfg(feature = "fake")]
-pub mod fake;
 pub mod config;
 mod engine;
 mod error;
 mod event;
+#[cfg(feature = "fake")]
+pub mod fake;
+pub mod nixl_transport;
+pub mod pd;
 mod service;
 mod snapshot;
 mod table;
@@ -112,5 +114,7 @@ pub use snapshot::{DetectionSummary, EngineSnapshot, HeartbeatSnapshot, Snapshot
 pub use table::{heartbeat_message, GoneMode, PeerRef, Registration};
 
 pub use nixl_sys::NixlStatus;
-pub use transport::{AgentName, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, Transport, TransportError};
+pub use transport::{
+    AgentName, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, Transport, TransportError,
+};
 pub use ucx_sys::UcsStatus;

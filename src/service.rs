@@ -24,10 +24,10 @@ use crate::engine::{EngineCell, EngineRef, ReadGuard, Wake};
 use crate::error::{ReadRefused, ServiceStopped};
 use crate::event::Event;
 use crate::snapshot::{DetectionSummary, Snapshot};
-use crate::ucx_settings::{detection_bound, warnings, UcxSettings};
 use crate::table::{Action, GoneMode, PeerRef, PeerTable, Registration, RoundResults};
 use crate::telemetry;
 use crate::transport::{EngineId, PeerAddr, ReleaseStep, Transport, TransportError};
+use crate::ucx_settings::{detection_bound, warnings, UcxSettings};
 use crate::{EngineState, NixlStatus};
 
 /// Requests that carry the transport's resources type.
@@ -54,7 +54,6 @@ enum Command<R> {
         peer: PeerRef,
         mode: GoneMode,
     },
-    HandshakeStarted(PeerAddr),
     Snapshot(oneshot::Sender<Snapshot>),
 }
 
@@ -87,9 +86,9 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
     /// the engine previously at that address is not released: the runtime
     /// may still be deciding whether the engine there is new.
     pub fn handshake_started(&self, address: PeerAddr) -> HandshakeGuard {
-        let _ = self
-            .commands
-            .send(Command::HandshakeStarted(address.clone()));
+        // Through the same channel as the guard's drop, so the service can
+        // never see the end of a handshake before its start.
+        let _ = self.wake.send(Wake::HandshakeStarted(address.clone()));
         HandshakeGuard {
             address: Some(address),
             wake: self.wake.clone(),
@@ -106,7 +105,10 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
     /// again, since NIXL refuses to load over loaded metadata.
     ///
     /// Cancel safety: dropping the future does not undo the registration.
-    pub async fn register(&self, registration: Registration<R>) -> Result<EngineRef, ServiceStopped> {
+    pub async fn register(
+        &self,
+        registration: Registration<R>,
+    ) -> Result<EngineRef, ServiceStopped> {
         let cell = EngineCell::new(registration.engine.clone(), self.wake.clone());
         let (done, wait) = oneshot::channel();
         self.commands
@@ -420,8 +422,11 @@ impl<T: Transport> Keepalive<T> {
             self.table.release_done(Instant::now(), serial, steps);
             self.carry_out();
         }
-        let unreleased = std::mem::replace(&mut self.table, PeerTable::new(self.config.clone(), Instant::now()))
-            .into_unreleased();
+        let unreleased = std::mem::replace(
+            &mut self.table,
+            PeerTable::new(self.config.clone(), Instant::now()),
+        )
+        .into_unreleased();
         if !unreleased.is_empty() {
             tracing::warn!(
                 engines = unreleased.len(),
@@ -434,6 +439,7 @@ impl<T: Transport> Keepalive<T> {
     fn on_wake(&mut self, wake: Wake) {
         let now = Instant::now();
         match wake {
+            Wake::HandshakeStarted(address) => self.table.handshake_started(address),
             Wake::HandshakeFinished(address) => self.table.handshake_finished(now, &address),
             Wake::Drained(serial) => self.table.drained(now, serial),
             Wake::TransferResult(serial, status) => self.table.transfer_result(now, serial, status),
@@ -464,7 +470,6 @@ impl<T: Transport> Keepalive<T> {
                 self.table.remove_leases(&engine, &requests)
             }
             Command::PeerGone { peer, mode } => self.table.peer_gone(now, peer, mode),
-            Command::HandshakeStarted(address) => self.table.handshake_started(address),
             Command::Snapshot(done) => {
                 let mut snapshot = self.table.snapshot(now);
                 snapshot.heartbeat_timers = self.timers.len();

@@ -349,7 +349,8 @@ impl<R> PeerTable<R> {
             let offset = first.mul_f64(self.rng.random::<f64>());
             self.schedule(serial, now + offset);
         }
-        self.actions.push_back(Action::Activated(EngineRef { cell }));
+        self.actions
+            .push_back(Action::Activated(EngineRef { cell }));
         if let Some(old) = previous.filter(|&old| old != serial) {
             if let Some(old_peer) = self.peers.get(&old) {
                 let old_id = old_peer.id().clone();
@@ -536,12 +537,7 @@ impl<R> PeerTable<R> {
     }
 
     /// A heartbeat round of `serial` came back: one result per agent.
-    pub(crate) fn heartbeat_done(
-        &mut self,
-        now: Instant,
-        serial: u64,
-        results: RoundResults,
-    ) {
+    pub(crate) fn heartbeat_done(&mut self, now: Instant, serial: u64, results: RoundResults) {
         let mut disconnect = None;
         let mut transient = Vec::new();
         for (agent, result) in &results {
@@ -753,13 +749,15 @@ impl<R> PeerTable<R> {
         // A pending handshake may yet decide the engine at this address is
         // new, so the old one waits. Not for a re-registration: that
         // handshake is the runtime's own, waiting for this very release.
-        if mark.reason != ReleaseReason::Reregistered && self.handshakes.contains_key(&peer.address) {
-            if !mark.held_by_handshake {
-                mark.held_by_handshake = true;
-                self.held_by_handshake
-                    .entry(peer.address.clone())
-                    .or_default()
-                    .push(serial);
+        if mark.reason != ReleaseReason::Reregistered && self.handshakes.contains_key(&peer.address)
+        {
+            mark.held_by_handshake = true;
+            let held = self
+                .held_by_handshake
+                .entry(peer.address.clone())
+                .or_default();
+            if !held.contains(&serial) {
+                held.push(serial);
             }
             return;
         }
@@ -853,7 +851,9 @@ impl<R> PeerTable<R> {
                     self.silent_peer_note
                 )
             }
-            Some(_) if p.resources.is_none() => "releasing: the transport is giving back its NIXL state".into(),
+            Some(_) if p.resources.is_none() => {
+                "releasing: the transport is giving back its NIXL state".into()
+            }
             Some(m) => {
                 let mut held = Vec::new();
                 if reads > 0 {

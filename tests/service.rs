@@ -123,7 +123,10 @@ async fn a_peer_whose_heartbeat_returns_remote_disconnect_is_released() {
     let p = w.ucx.spawn_prefill(addr(1), 2);
     let engine = w.connect(&addr(1)).await;
     w.run_for(Duration::from_secs(12)).await;
-    assert!(w.ucx.notifications_to(&p).len() >= 2 * 2, "heartbeats to both agents");
+    assert!(
+        w.ucx.notifications_to(&p).len() >= 2 * 2,
+        "heartbeats to both agents"
+    );
     assert_eq!(w.ucx.held_by(&p).remote_metadata, 2);
 
     w.ucx.crash(&p);
@@ -137,7 +140,10 @@ async fn a_peer_whose_heartbeat_returns_remote_disconnect_is_released() {
     let released = w.released(&p, Duration::from_secs(1)).await;
     assert_eq!(released_reason(&released), ReleaseReason::Unreachable);
     assert_eq!(engine.state(), EngineState::Released);
-    assert!(w.ucx.held_by(&p).is_empty(), "dlists released and metadata invalidated");
+    assert!(
+        w.ucx.held_by(&p).is_empty(),
+        "dlists released and metadata invalidated"
+    );
     assert!(w.handle.engine(&p).is_none());
     let snap = w.handle.snapshot().await.unwrap();
     assert!(snap.engines.is_empty());
@@ -159,14 +165,24 @@ async fn a_dead_peer_is_kept_while_a_read_from_it_is_in_flight_and_released_when
     .await;
     // Many heartbeat periods later: still held, and the snapshot says why.
     w.run_for(Duration::from_secs(60)).await;
-    assert!(read.is_failed(), "reads from an unreachable peer are failed");
-    assert_eq!(w.ucx.held_by(&p).remote_metadata, 1, "not released under a read");
+    assert!(
+        read.is_failed(),
+        "reads from an unreachable peer are failed"
+    );
+    assert_eq!(
+        w.ucx.held_by(&p).remote_metadata,
+        1,
+        "not released under a read"
+    );
     let snap = w.handle.snapshot().await.unwrap();
     let e = snap.engine(&p).unwrap();
     assert_eq!(e.state, EngineState::Unreachable);
     assert_eq!(e.reads_in_flight, 1);
     assert!(e.why.contains("1 read(s) in flight"), "{}", e.why);
-    assert!(engine.begin_read().is_err(), "no new read on a marked engine");
+    assert!(
+        engine.begin_read().is_err(),
+        "no new read on a marked engine"
+    );
 
     read.finish(w.ucx.read(&p));
     let released = w.released(&p, Duration::from_millis(1)).await;
@@ -205,14 +221,29 @@ async fn the_per_engine_heartbeat_is_rate_limited_lease_renewals_included() {
         .collect();
     // Burst of 2, then one per second: at most 2 + elapsed seconds.
     let cap = 2 + elapsed.as_secs() as usize;
-    assert!(times.len() <= cap, "{} notifications in {elapsed:?}, cap {cap}", times.len());
-    assert!(times.len() >= cap - 1, "renewals still go out at the capped rate: {}", times.len());
+    assert!(
+        times.len() <= cap,
+        "{} notifications in {elapsed:?}, cap {cap}",
+        times.len()
+    );
+    assert!(
+        times.len() >= cap - 1,
+        "renewals still go out at the capped rate: {}",
+        times.len()
+    );
     // GCRA: any window of k+2 notifications spans at least k periods.
     for w3 in times.windows(3) {
         assert!(w3[2] - w3[0] >= Duration::from_millis(999), "{:?}", w3);
     }
-    let last = calls.iter().rev().find(|c| c.message.starts_with(b"HB:")).unwrap();
-    assert!(last.message_str().contains("req-99"), "leases ride on the heartbeat");
+    let last = calls
+        .iter()
+        .rev()
+        .find(|c| c.message.starts_with(b"HB:"))
+        .unwrap();
+    assert!(
+        last.message_str().contains("req-99"),
+        "leases ride on the heartbeat"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -238,8 +269,20 @@ async fn a_replaced_engine_is_released_only_after_its_reads_and_pending_handshak
 
     drop(read);
     w.run_for(Duration::from_secs(30)).await;
-    assert_eq!(w.ucx.held_by(&old).remote_metadata, 2, "a handshake is pending");
-    let why = w.handle.snapshot().await.unwrap().engine(&old).unwrap().why.clone();
+    assert_eq!(
+        w.ucx.held_by(&old).remote_metadata,
+        2,
+        "a handshake is pending"
+    );
+    let why = w
+        .handle
+        .snapshot()
+        .await
+        .unwrap()
+        .engine(&old)
+        .unwrap()
+        .why
+        .clone();
     assert!(why.contains("handshake(s) pending"), "{why}");
 
     other_handshake.finish();
@@ -278,7 +321,9 @@ async fn a_prefill_restarted_twice_normally_and_once_by_force_is_cleared_each_ti
         assert!(!read.is_failed(), "drain lets reads finish");
         read.finish(w.ucx.read(current.id()));
         let old = current.id().clone();
-        released.push(released_reason(&w.released(&old, Duration::from_secs(1)).await));
+        released.push(released_reason(
+            &w.released(&old, Duration::from_secs(1)).await,
+        ));
         w.ucx.restart(&addr(1));
         current = w.connect(&addr(1)).await;
         assert_ne!(current.id(), &old);
@@ -301,10 +346,16 @@ async fn a_prefill_restarted_twice_normally_and_once_by_force_is_cleared_each_ti
         assert_eq!(status, NixlStatus::ERR_REMOTE_DISCONNECT);
         read.finish(status);
     }
-    released.push(released_reason(&w.released(&forced, Duration::from_secs(1)).await));
+    released.push(released_reason(
+        &w.released(&forced, Duration::from_secs(1)).await,
+    ));
     assert_eq!(
         released,
-        [ReleaseReason::PeerGone, ReleaseReason::PeerGone, ReleaseReason::Unreachable]
+        [
+            ReleaseReason::PeerGone,
+            ReleaseReason::PeerGone,
+            ReleaseReason::Unreachable
+        ]
     );
 
     w.ucx.restart(&addr(1));
@@ -331,7 +382,9 @@ async fn a_pinned_engine_id_that_restarts_is_released_before_it_is_loaded_again(
     let reconnect = tokio::spawn(async move {
         let metadata = ucx.fetch_metadata(&addr(1)).unwrap();
         handle.prepare_reload(&metadata.engine).await.unwrap();
-        let hs = ucx.load_metadata(&metadata).expect("old metadata was invalidated first");
+        let hs = ucx
+            .load_metadata(&metadata)
+            .expect("old metadata was invalidated first");
         handle
             .register(Registration {
                 engine: hs.engine,
@@ -365,7 +418,10 @@ async fn idle_engines_without_leases_are_heartbeated_and_released_when_dead() {
     for p in &engines {
         let beats = w.ucx.notifications_to(p);
         assert!(beats.len() >= 3, "{p}: {beats:?}");
-        assert!(beats.iter().all(|b| b == "HB:"), "idle engines get an empty lease list");
+        assert!(
+            beats.iter().all(|b| b == "HB:"),
+            "idle engines get an empty lease list"
+        );
     }
     w.ucx.crash(&engines[2]);
     let crash_at = tokio::time::Instant::now();
@@ -388,15 +444,26 @@ async fn a_hung_engine_with_ucx_keepalive_inf_is_never_released_and_the_snapshot
     let snap = w.handle.snapshot().await.unwrap();
     let e = snap.engine(&p).unwrap();
     assert_eq!(e.state, EngineState::Live);
-    assert_eq!(e.last_heartbeat.as_ref().unwrap().status, NixlStatus::SUCCESS);
-    assert!(e.why.contains("frozen or silent peer is reported only by UCX"), "{}", e.why);
+    assert_eq!(
+        e.last_heartbeat.as_ref().unwrap().status,
+        NixlStatus::SUCCESS
+    );
+    assert!(
+        e.why
+            .contains("frozen or silent peer is reported only by UCX"),
+        "{}",
+        e.why
+    );
     assert_eq!(w.ucx.held_by(&p).remote_metadata, 1);
     w.stop().await.assert_nothing_leaked();
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_silent_engine_is_released_once_ucx_keepalive_fails_its_endpoint() {
-    let mut w = world(FakeConfig::with_keepalive(Some(Duration::from_secs(2))), config());
+    let mut w = world(
+        FakeConfig::with_keepalive(Some(Duration::from_secs(2))),
+        config(),
+    );
     let p = w.ucx.spawn_prefill(addr(1), 1);
     w.connect(&addr(1)).await;
     w.ucx.partition(&p);
@@ -468,13 +535,16 @@ async fn peer_gone_by_id_and_by_address_in_both_modes_is_idempotent_and_ignores_
     // Unknown peers: nothing happens.
     w.handle
         .peer_gone(PeerRef::Engine(EngineId::from("nobody")), GoneMode::Fail);
-    w.handle
-        .peer_gone(PeerRef::Address(PeerAddr::from("10.9.9.9:1")), GoneMode::Drain);
+    w.handle.peer_gone(
+        PeerRef::Address(PeerAddr::from("10.9.9.9:1")),
+        GoneMode::Drain,
+    );
 
     // By id, drain: the read finishes normally, then release.
     let ra = ea.begin_read().unwrap();
     for _ in 0..3 {
-        w.handle.peer_gone(PeerRef::Engine(a.clone()), GoneMode::Drain);
+        w.handle
+            .peer_gone(PeerRef::Engine(a.clone()), GoneMode::Drain);
     }
     w.run_for(Duration::from_secs(10)).await;
     assert!(!ra.is_failed());
@@ -487,8 +557,10 @@ async fn peer_gone_by_id_and_by_address_in_both_modes_is_idempotent_and_ignores_
 
     // By address, fail: the reads are failed at once, release on drop.
     let rb: Vec<_> = (0..2).map(|_| eb.begin_read().unwrap()).collect();
-    w.handle.peer_gone(PeerRef::Address(addr(2)), GoneMode::Fail);
-    w.handle.peer_gone(PeerRef::Address(addr(2)), GoneMode::Fail);
+    w.handle
+        .peer_gone(PeerRef::Address(addr(2)), GoneMode::Fail);
+    w.handle
+        .peer_gone(PeerRef::Address(addr(2)), GoneMode::Fail);
     let count = w
         .until(Duration::from_millis(1), |e| match e {
             Event::ReadsFailed { engine, count } if engine == &b => Some(*count),
@@ -500,7 +572,8 @@ async fn peer_gone_by_id_and_by_address_in_both_modes_is_idempotent_and_ignores_
     drop(rb);
     w.released(&b, Duration::from_millis(1)).await;
     // Gone again after release: still nothing.
-    w.handle.peer_gone(PeerRef::Engine(b.clone()), GoneMode::Fail);
+    w.handle
+        .peer_gone(PeerRef::Engine(b.clone()), GoneMode::Fail);
     w.run_for(Duration::from_secs(1)).await;
     assert!(w.handle.snapshot().await.unwrap().engines.is_empty());
     w.stop().await.assert_nothing_leaked();
@@ -515,7 +588,14 @@ async fn a_hung_notify_to_one_engine_does_not_delay_heartbeats_to_others() {
     w.connect(&addr(2)).await;
     let gate = w.ucx.block_notify(&slow);
     // Let the slow engine's round start and block.
-    let next = w.handle.snapshot().await.unwrap().engine(&slow).unwrap().next_heartbeat_in;
+    let next = w
+        .handle
+        .snapshot()
+        .await
+        .unwrap()
+        .engine(&slow)
+        .unwrap()
+        .next_heartbeat_in;
     tokio::time::advance(next.unwrap() + Duration::from_millis(1)).await;
     for _ in 0..5000 {
         if gate.waiting() == 1 {
@@ -530,7 +610,14 @@ async fn a_hung_notify_to_one_engine_does_not_delay_heartbeats_to_others() {
     // clock moves by hand, to each of the healthy engine's due times.
     for _ in 0..6 {
         let before = w.ucx.notifications_to(&fine).len();
-        let next = w.handle.snapshot().await.unwrap().engine(&fine).unwrap().next_heartbeat_in;
+        let next = w
+            .handle
+            .snapshot()
+            .await
+            .unwrap()
+            .engine(&fine)
+            .unwrap()
+            .next_heartbeat_in;
         let due = next.expect("the healthy engine stays scheduled");
         assert!(due <= Duration::from_millis(5500), "on schedule: {due:?}");
         tokio::time::advance(due + Duration::from_millis(1)).await;
@@ -548,9 +635,16 @@ async fn a_hung_notify_to_one_engine_does_not_delay_heartbeats_to_others() {
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        assert!(came_back, "the healthy engine's heartbeat went out while the other hung");
+        assert!(
+            came_back,
+            "the healthy engine's heartbeat went out while the other hung"
+        );
     }
-    assert_eq!(gate.waiting(), 1, "no second round stacked on the hung engine");
+    assert_eq!(
+        gate.waiting(),
+        1,
+        "no second round stacked on the hung engine"
+    );
     gate.open();
     w.run_for(Duration::from_secs(10)).await;
     assert!(w.ucx.notifications_to(&slow).len() >= 2);

@@ -1,0 +1,186 @@
+//! Detection-to-release after a real kill, on the real NIXL runtime: 20
+//! `nixl-keepalive prefill` processes SIGKILLed one after the other while
+//! the decode side (service + NixlTransport, no reads: heartbeats alone)
+//! watches. Prints p50/p99 of kill -> REMOTE_DISCONNECT (detection),
+//! detection -> release, and kill -> release, against the heartbeat
+//! interval (the baseline: the bound the interval promises). Never asserts
+//! on timing. `--quick` / `BENCH_QUICK=1`: 5 kills per interval.
+//!
+//! Skips (prints SKIPPED, exits 0) without the runtime, unless
+//! NIXL_KEEPALIVE_REQUIRE_REAL=1.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nixl_keepalive::nixl_transport::NixlTransport;
+use nixl_keepalive::pd::decode::{DecodeOptions, Decoder, Handshake};
+use nixl_keepalive::{Config, EngineId, Event, PeerAddr};
+use nixl_sys::{Agent, AgentConfig};
+use tokio_util::sync::CancellationToken;
+
+fn quick() -> bool {
+    std::env::args().any(|a| a == "--quick")
+        || std::env::var_os("BENCH_QUICK").is_some_and(|v| v != "0")
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+struct Prefill {
+    child: std::process::Child,
+    addr: PeerAddr,
+    engine: EngineId,
+}
+
+fn start_prefill() -> Prefill {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_nixl-keepalive"))
+        .args([
+            "prefill",
+            "--listen",
+            "127.0.0.1:0",
+            "--blocks",
+            "4",
+            "--block-size",
+            "65536",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn prefill");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .expect("ready line");
+    let field = |k: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .expect(k)
+            .to_string()
+    };
+    Prefill {
+        addr: PeerAddr::from(field("listen=")),
+        engine: EngineId::from(field("engine=")),
+        child,
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+async fn run(rt: &'static nixl_sys::Runtime, interval: Duration, kills: usize) {
+    let agent = Agent::new(
+        rt,
+        &format!(
+            "bench-decode-{}-{}",
+            std::process::id(),
+            interval.as_millis()
+        ),
+        &AgentConfig::default(),
+    )
+    .expect("decode agent");
+    let transport = Arc::new(NixlTransport::new(agent));
+    let _progress = transport.spawn_progress(Duration::from_millis(5));
+    let config = Config::builder()
+        .heartbeat_interval(Some(interval))
+        .jitter(interval / 10)
+        // The per-engine rate cap (default 1 round/s) must not be what
+        // limits a sub-second interval.
+        .rate_limit(interval / 4, 2)
+        .metrics_period(None)
+        .build()
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let (handle, task) = nixl_keepalive::spawn(transport.clone(), config, shutdown.clone());
+    let mut events = handle.subscribe();
+    let decoder = Decoder::new(
+        handle,
+        transport,
+        DecodeOptions {
+            leases: 0,
+            ..DecodeOptions::default()
+        },
+    );
+    let (mut detect, mut release, mut total) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..kills {
+        let mut p = start_prefill();
+        match decoder.connect(&p.addr, None).await.expect("handshake") {
+            Handshake::New(_) => {}
+            Handshake::Unchanged => unreachable!(),
+        }
+        // Kill at a random point of the heartbeat cycle.
+        let wait = interval.mul_f64(1.0 + rand::random::<f64>());
+        tokio::time::sleep(wait).await;
+        let killed = Instant::now();
+        p.child.kill().unwrap();
+        let mut detected = None;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(60), events.recv()).await {
+                Ok(Ok(Event::Unreachable { engine, .. })) if engine == p.engine => {
+                    detected = Some(Instant::now())
+                }
+                Ok(Ok(Event::Released { engine, .. })) if engine == p.engine => {
+                    let now = Instant::now();
+                    let d = detected.unwrap_or(now);
+                    detect.push(d - killed);
+                    release.push(now - d);
+                    total.push(now - killed);
+                    break;
+                }
+                Ok(Ok(_)) | Ok(Err(tokio::sync::broadcast::error::RecvError::Lagged(_))) => {}
+                other => panic!("no release of {} within 60 s: {other:?}", p.engine),
+            }
+        }
+        let _ = p.child.wait();
+    }
+    shutdown.cancel();
+    let _ = task.await;
+    for v in [&mut detect, &mut release, &mut total] {
+        v.sort();
+    }
+    let iv = ms(interval);
+    println!(
+        "heartbeat {:>6.0} ms | kills {kills:>2} | kill->detect p50 {:>7.1} ms p99 {:>7.1} ms | detect->release p50 {:>5.2} ms p99 {:>5.2} ms | kill->release p50 {:>7.1} ms ({:.2}x interval) p99 {:>7.1} ms ({:.2}x interval)",
+        iv,
+        ms(percentile(&detect, 0.5)),
+        ms(percentile(&detect, 0.99)),
+        ms(percentile(&release, 0.5)),
+        ms(percentile(&release, 0.99)),
+        ms(percentile(&total, 0.5)),
+        ms(percentile(&total, 0.5)) / iv,
+        ms(percentile(&total, 0.99)),
+        ms(percentile(&total, 0.99)) / iv,
+    );
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let rt = match nixl_sys::Runtime::get() {
+        Ok(rt) => rt,
+        Err(e) => {
+            if std::env::var("NIXL_KEEPALIVE_REQUIRE_REAL").is_ok_and(|v| v == "1") {
+                panic!("NIXL_KEEPALIVE_REQUIRE_REAL=1 but the NIXL runtime is missing: {e}");
+            }
+            eprintln!("SKIPPED: real_detection: {e}");
+            return;
+        }
+    };
+    let kills = if quick() { 5 } else { 20 };
+    println!("real_detection: SIGKILL of an idle prefill, detected by heartbeats alone (UCX defaults, loopback)");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    for interval in [Duration::from_millis(250), Duration::from_secs(1)] {
+        runtime.block_on(run(rt, interval, kills));
+    }
+    println!("baseline: the interval itself (the detection bound it promises for a crashed peer); ratio = kill->release / interval");
+}

@@ -1,0 +1,136 @@
+//! `nixl-keepalive prefill`: a real prefill engine on the NIXL runtime.
+//!
+//! One NIXL agent per rank with a DRAM "KV cache" filled with the known
+//! pattern, a side channel on `--listen`, leases extended on `HB:`
+//! notifications (logged). Prints one line
+//! `PREFILL READY engine=<id> listen=<addr> pid=<pid> incarnation=<n>` on
+//! stdout once it answers handshakes; runs until SIGINT or SIGTERM.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use nixl_keepalive::pd::prefill::{fresh_engine_id, Prefill, PrefillConfig};
+use nixl_keepalive::EngineId;
+use tokio_util::sync::CancellationToken;
+
+/// `prefill`'s flags.
+#[derive(Debug, Args)]
+pub(crate) struct PrefillArgs {
+    /// Side-channel address to answer handshakes on (`host:port`).
+    #[arg(long)]
+    listen: SocketAddr,
+
+    /// Pin the engine id (default: a fresh UUID per start).
+    #[arg(long)]
+    engine_id: Option<String>,
+
+    /// KV blocks per rank.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    blocks: u32,
+
+    /// Bytes per block.
+    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u64).range(1..=(64 << 20)))]
+    block_size: u64,
+
+    /// Ranks (one NIXL agent each).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    ranks: u16,
+
+    /// Poll interval of the agents while notifications arrive, in ms.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    poll_ms: u64,
+
+    /// Longest poll interval while idle, in ms (a READ to an idle prefill
+    /// may wait this long; lower costs more CPU while idle).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    idle_poll_ms: u64,
+
+    /// Give each agent NIXL's progress thread, sleeping this many µs between
+    /// polls (0: busy loop, a core per agent). Default: none; our poller
+    /// progresses the agents. Large READs are progress-bound without it.
+    #[arg(long)]
+    progress_thread_us: Option<u64>,
+
+    /// Lease of a request's KV blocks without renewal, in seconds.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    lease_secs: u64,
+}
+
+pub(crate) fn run(args: PrefillArgs) -> ExitCode {
+    super::init_tracing();
+    let rt = match nixl_sys::Runtime::get() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let engine = match args.engine_id {
+        Some(id) if !id.is_empty() && id.len() <= 200 => EngineId::from(id),
+        Some(_) => {
+            eprintln!("error: --engine-id must be 1 to 200 bytes");
+            return ExitCode::from(2);
+        }
+        None => fresh_engine_id(),
+    };
+    let mut config = PrefillConfig::new(engine.clone());
+    config.blocks = args.blocks;
+    config.block_size = args.block_size as usize;
+    config.ranks = args.ranks;
+    config.lease = Duration::from_secs(args.lease_secs);
+    config.poll_interval = Duration::from_millis(args.poll_ms);
+    if let Some(us) = args.progress_thread_us {
+        config.agent.progress_thread = nixl_sys::ProgressThread::Polling {
+            delay: Duration::from_micros(us),
+        };
+    }
+    config.idle_poll_interval = Duration::from_millis(args.idle_poll_ms.max(args.poll_ms));
+    let prefill = match Prefill::start(rt, config) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: cannot start the prefill agents: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let listener = match tokio::net::TcpListener::bind(args.listen).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("error: cannot listen on {}: {e}", args.listen);
+                return ExitCode::FAILURE;
+            }
+        };
+        let local = listener.local_addr().map_or(args.listen, |a| a);
+        let stop = Arc::new(AtomicBool::new(false));
+        let poller = prefill.spawn_poller(stop.clone());
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(prefill.clone().serve(listener, shutdown.clone()));
+        println!(
+            "PREFILL READY engine={engine} listen={local} pid={} incarnation={}",
+            std::process::id(),
+            prefill.incarnation()
+        );
+        tracing::info!(%engine, listen = %local, ranks = args.ranks, blocks = args.blocks, "prefill ready");
+        super::wait_for_signal().await;
+        tracing::info!("prefill stopping");
+        shutdown.cancel();
+        let _ = server.await;
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        let _ = tokio::task::spawn_blocking(move || poller.join()).await;
+        ExitCode::SUCCESS
+    })
+}

@@ -1,0 +1,224 @@
+//! The service's transport over a real NIXL agent.
+//!
+//! [`NixlTransport`] implements [`Transport`] with one decode-side
+//! [`nixl_sys::Agent`] (UCX backend, created by the caller in a locking
+//! thread-sync mode, which is the only kind `nixl_sys` makes):
+//!
+//! - **notify** is `genNotif`, the raw C++ status kept: `REMOTE_DISCONNECT`
+//!   stays `REMOTE_DISCONNECT` (the released 1.5.x C API would have said
+//!   `BACKEND`);
+//! - **release** gives back an engine's [`RemoteDlists`] (one prepped
+//!   remote dlist handle per rank, `releasedDlistH`), then invalidates each
+//!   agent's remote metadata (`invalidateRemoteMD`). Every step is
+//!   attempted; `NOT_FOUND` (NIXL had already dropped it) is reported as
+//!   such and counts as done.
+//!
+//! Every method blocks in FFI. The service only calls them from blocking
+//! threads; so must anyone else.
+//!
+//! # Progress
+//!
+//! `nixl_sys` agents run without NIXL's progress thread by default: UCX
+//! moves only inside NIXL calls, and a dead peer is noticed on the next
+//! call that progresses the worker. A decode process should poll its agent
+//! (see [`NixlTransport::spawn_progress`]) or create it with a slow polling
+//! progress thread.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use nixl_sys::{Agent, DlistHandle, NixlError, NixlStatus};
+
+use crate::transport::{
+    AgentName, EngineId, ReleaseStep, ReleaseTarget, Transport, TransportError,
+};
+
+/// The prepped remote dlist handles of one engine registration, one per
+/// rank, in rank order: the real transport's [`Transport::Resources`].
+///
+/// Shared between the service (which releases them) and the reader that
+/// posts transfers with them: cloning shares the same handles. Once
+/// released, [`RemoteDlists::with_handle`] finds nothing, and a second
+/// release reports `NOT_FOUND` for every handle without calling NIXL (the
+/// handle is gone; calling `releasedDlistH` on it again would be a use
+/// after free).
+#[derive(Clone)]
+pub struct RemoteDlists {
+    slot: Arc<Mutex<Option<Vec<DlistHandle>>>>,
+    len: usize,
+}
+
+impl std::fmt::Debug for RemoteDlists {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteDlists")
+            .field("len", &self.len)
+            .field("released", &self.is_released())
+            .finish()
+    }
+}
+
+impl RemoteDlists {
+    /// Takes ownership of prepped handles (one per rank, in rank order).
+    pub fn new(handles: Vec<DlistHandle>) -> Self {
+        let len = handles.len();
+        RemoteDlists {
+            slot: Arc::new(Mutex::new(Some(handles))),
+            len,
+        }
+    }
+
+    /// How many handles (ranks).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// No handles at all.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the handles have been released.
+    pub fn is_released(&self) -> bool {
+        self.lock().is_none()
+    }
+
+    /// Runs `f` with rank `rank`'s handle, unless released (`None`). The
+    /// lock is held during `f`: keep it short (create a transfer request,
+    /// which keeps what it needs of the handle alive by itself).
+    pub fn with_handle<T>(&self, rank: usize, f: impl FnOnce(&DlistHandle) -> T) -> Option<T> {
+        let guard = self.lock();
+        guard.as_ref().and_then(|h| h.get(rank)).map(f)
+    }
+
+    fn take(&self) -> Option<Vec<DlistHandle>> {
+        self.lock().take()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Vec<DlistHandle>>> {
+        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The service's transport over one real NIXL agent. See the module docs.
+pub struct NixlTransport {
+    agent: Agent,
+}
+
+impl std::fmt::Debug for NixlTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlTransport")
+            .field("agent", &self.agent.name())
+            .finish()
+    }
+}
+
+/// Stops the thread started by [`NixlTransport::spawn_progress`] when
+/// dropped, and waits for it.
+pub struct ProgressPoller {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for ProgressPoller {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl NixlTransport {
+    /// A transport over `agent` (the decode engine's agent).
+    pub fn new(agent: Agent) -> Self {
+        NixlTransport { agent }
+    }
+
+    /// The agent, for handshakes and transfers.
+    pub fn agent(&self) -> &Agent {
+        &self.agent
+    }
+
+    /// Starts a thread that progresses the agent's UCX worker every
+    /// `interval` (by polling notifications, which are dropped: a decode
+    /// agent expects none). Needed when the agent has no progress thread
+    /// and nothing else calls into it regularly. Stops when the returned
+    /// poller drops.
+    pub fn spawn_progress(&self, interval: Duration) -> ProgressPoller {
+        let stop = Arc::new(AtomicBool::new(false));
+        let agent = self.agent.clone();
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("nixl-progress".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Acquire) {
+                    if let Err(e) = agent.get_notifs() {
+                        tracing::debug!(error = %e, "progress poll failed");
+                    }
+                    std::thread::sleep(interval);
+                }
+            })
+            .expect("spawn progress thread");
+        ProgressPoller {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+fn status_of(result: Result<(), NixlError>) -> NixlStatus {
+    match result {
+        Ok(()) => NixlStatus::SUCCESS,
+        Err(e) => e.status,
+    }
+}
+
+impl Transport for NixlTransport {
+    type Resources = RemoteDlists;
+
+    fn notify(&self, agent: &AgentName, message: &[u8]) -> Result<(), TransportError> {
+        match self.agent.gen_notif_status(agent.as_str(), message) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(TransportError::new("genNotif", e.status)),
+        }
+    }
+
+    fn release(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: RemoteDlists,
+    ) -> Vec<ReleaseStep> {
+        let mut steps = Vec::with_capacity(resources.len() + agents.len());
+        match resources.take() {
+            Some(handles) => {
+                for (index, handle) in handles.into_iter().enumerate() {
+                    let status = status_of(handle.release());
+                    steps.push(ReleaseStep {
+                        target: ReleaseTarget::DlistHandle(index),
+                        status,
+                    });
+                }
+            }
+            None => {
+                for index in 0..resources.len() {
+                    steps.push(ReleaseStep {
+                        target: ReleaseTarget::DlistHandle(index),
+                        status: NixlStatus::ERR_NOT_FOUND,
+                    });
+                }
+            }
+        }
+        for agent in agents {
+            let status = status_of(self.agent.invalidate_remote_metadata(agent.as_str()));
+            steps.push(ReleaseStep {
+                target: ReleaseTarget::RemoteMetadata(agent.clone()),
+                status,
+            });
+        }
+        tracing::debug!(%engine, ?steps, "NIXL state released");
+        steps
+    }
+}

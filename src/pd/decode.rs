@@ -1,0 +1,649 @@
+//! The decode side: handshakes with prefills over the side channel, loads
+//! their metadata into the decode agent, registers them with the keepalive
+//! service, and reads random blocks, checking every byte.
+//!
+//! Layers, lowest first (tests use each):
+//! - [`fetch`]: one side-channel handshake, no NIXL;
+//! - [`RemoteEngine::load`]: `loadRemoteMD` per rank, remote dlists
+//!   prepped (one descriptor per block), local landing slots registered;
+//!   [`RemoteEngine::read_block`]: one READ, polled to its end, bytes
+//!   checked;
+//! - [`Decoder`]: the above with the service: handshake guard,
+//!   `prepare_reload` for an engine id already registered, registration,
+//!   read guards reporting each transfer's status; [`Decoder::spawn`] runs
+//!   the whole loop for one prefill address, re-handshaking after a
+//!   release once something listens again.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nixl_sys::{Agent, Desc, DlistHandle, DramRegistration, NixlError, NixlStatus, XferState};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+use super::pattern;
+use super::prefill::request_id;
+use super::wire::{self, HandshakeReply, WireError};
+use crate::nixl_transport::{NixlTransport, RemoteDlists};
+use crate::KeepaliveHandle;
+use crate::{AgentName, EngineId, EngineRef, EngineState, PeerAddr, Registration, ServiceStopped};
+
+/// A handshake that did not complete. Nothing stays loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// Nobody answered at the address (refused, reset, timed out).
+    #[error("cannot reach {address}: {source}")]
+    Connect {
+        /// The address.
+        address: PeerAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The prefill's reply broke the protocol (counted and logged).
+    #[error("bad reply from {address}: {source}")]
+    Wire {
+        /// The address.
+        address: PeerAddr,
+        /// What was wrong.
+        source: WireError,
+    },
+    /// NIXL refused the metadata or a dlist (raw status kept); whatever
+    /// had been loaded was invalidated again.
+    #[error("loading {engine}: {source}")]
+    Load {
+        /// The engine.
+        engine: EngineId,
+        /// NIXL's error.
+        source: NixlError,
+    },
+    /// The metadata named another agent than the reply did.
+    #[error("metadata for rank {rank} names agent {got}, the reply said {expected}")]
+    AgentMismatch {
+        /// The rank.
+        rank: usize,
+        /// The agent the reply listed.
+        expected: String,
+        /// The agent the metadata named.
+        got: String,
+    },
+    /// The keepalive service has stopped.
+    #[error(transparent)]
+    Stopped(#[from] ServiceStopped),
+}
+
+/// Asks the prefill at `address` for its engine id, metadata and layout.
+pub async fn fetch(
+    address: &PeerAddr,
+    timeout: Duration,
+) -> Result<HandshakeReply, HandshakeError> {
+    let connect = tokio::time::timeout(timeout, TcpStream::connect(address.as_str()))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))
+        .and_then(|r| r)
+        .map_err(|source| HandshakeError::Connect {
+            address: address.clone(),
+            source,
+        })?;
+    let mut stream = connect;
+    let wire_err = |source| HandshakeError::Wire {
+        address: address.clone(),
+        source,
+    };
+    wire::write_frame(&mut stream, &wire::encode_request())
+        .await
+        .map_err(wire_err)?;
+    let reply = wire::read_frame(&mut stream, wire::MAX_FRAME, timeout)
+        .await
+        .and_then(|p| wire::decode_reply(&p));
+    match reply {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            if !matches!(e, WireError::Io(_) | WireError::Timeout(_)) {
+                super::bad_frame("decode", address.as_str(), &e);
+            }
+            Err(wire_err(e))
+        }
+    }
+}
+
+/// How one read ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadOutcome {
+    /// Done, and every byte matched the pattern.
+    Verified,
+    /// Done, but the bytes are wrong from this offset on.
+    Corrupt {
+        /// First differing byte.
+        offset: usize,
+    },
+    /// NIXL refused or failed the transfer with this raw status.
+    Failed(NixlStatus),
+    /// Still in progress at the deadline; the request was released.
+    TimedOut,
+    /// The service failed the engine's reads; the request was released.
+    Abandoned,
+    /// The engine's dlists were already released: nothing was posted.
+    Released,
+    /// Every landing slot was busy: nothing was posted.
+    NoSlot,
+}
+
+impl ReadOutcome {
+    /// The status to report to the service, when there is one.
+    pub fn status(self) -> Option<NixlStatus> {
+        match self {
+            ReadOutcome::Verified | ReadOutcome::Corrupt { .. } => Some(NixlStatus::SUCCESS),
+            ReadOutcome::Failed(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// A short name, used as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReadOutcome::Verified => "verified",
+            ReadOutcome::Corrupt { .. } => "corrupt",
+            ReadOutcome::Failed(_) => "failed",
+            ReadOutcome::TimedOut => "timed_out",
+            ReadOutcome::Abandoned => "abandoned",
+            ReadOutcome::Released => "released",
+            ReadOutcome::NoSlot => "no_slot",
+        }
+    }
+}
+
+struct LocalSlots {
+    // Field order: the dlist goes before the memory it describes.
+    dlist: DlistHandle,
+    regions: Vec<DramRegistration>,
+    free: Mutex<Vec<usize>>,
+}
+
+/// One loaded prefill engine: its metadata loaded into the decode agent,
+/// its remote dlists prepped, local landing slots registered.
+pub struct RemoteEngine {
+    /// The engine id.
+    pub engine: EngineId,
+    /// Its side-channel address.
+    pub address: PeerAddr,
+    /// The prefill process's incarnation.
+    pub incarnation: u64,
+    /// Its agents, in rank order.
+    pub agents: Vec<AgentName>,
+    /// Bytes per block.
+    pub block_size: usize,
+    /// Blocks per rank.
+    pub blocks: u32,
+    /// The prepped remote dlists (shared with the service, which releases
+    /// them).
+    pub dlists: RemoteDlists,
+    seed: u64,
+    local: LocalSlots,
+}
+
+impl std::fmt::Debug for RemoteEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteEngine")
+            .field("engine", &self.engine)
+            .field("address", &self.address)
+            .field("agents", &self.agents)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RemoteEngine {
+    /// Loads `reply` into `agent` (blocking): `loadRemoteMD` per rank,
+    /// then a remote dlist per rank and `slots` local landing slots. All or
+    /// nothing: on failure, metadata loaded so far is invalidated again.
+    pub fn load(
+        agent: &Agent,
+        address: PeerAddr,
+        reply: &HandshakeReply,
+        slots: usize,
+    ) -> Result<RemoteEngine, HandshakeError> {
+        let engine = EngineId::new(reply.engine.as_str());
+        let mut loaded: Vec<String> = Vec::new();
+        let undo = |loaded: &[String]| {
+            for name in loaded {
+                let _ = agent.invalidate_remote_metadata(name);
+            }
+        };
+        let load_err = |source| HandshakeError::Load {
+            engine: engine.clone(),
+            source,
+        };
+        for (rank, info) in reply.ranks.iter().enumerate() {
+            match agent.load_remote_metadata(&info.metadata) {
+                Ok(name) if name == info.agent => loaded.push(name),
+                Ok(name) => {
+                    loaded.push(name.clone());
+                    undo(&loaded);
+                    return Err(HandshakeError::AgentMismatch {
+                        rank,
+                        expected: info.agent.clone(),
+                        got: name,
+                    });
+                }
+                Err(e) => {
+                    undo(&loaded);
+                    return Err(load_err(e));
+                }
+            }
+        }
+        let bs = reply.block_size as usize;
+        let mut handles = Vec::with_capacity(reply.ranks.len());
+        for info in &reply.ranks {
+            let descs: Vec<Desc> = (0..reply.blocks)
+                .map(|b| Desc {
+                    addr: info.base + u64::from(b) * reply.block_size,
+                    len: bs,
+                    dev_id: 0,
+                })
+                .collect();
+            match agent.prep_remote_dlist(&info.agent, &descs) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    drop(handles);
+                    undo(&loaded);
+                    return Err(load_err(e));
+                }
+            }
+        }
+        let local = (|| {
+            let regions = (0..slots.max(1))
+                .map(|_| agent.register_dram(bs))
+                .collect::<Result<Vec<_>, _>>()?;
+            let descs: Vec<Desc> = regions.iter().map(|r| r.desc()).collect();
+            let dlist = agent.prep_local_dlist(&descs)?;
+            Ok(LocalSlots {
+                dlist,
+                free: Mutex::new((0..regions.len()).collect()),
+                regions,
+            })
+        })();
+        let local = match local {
+            Ok(l) => l,
+            Err(e) => {
+                drop(handles);
+                undo(&loaded);
+                return Err(load_err(e));
+            }
+        };
+        Ok(RemoteEngine {
+            seed: pattern::seed(&reply.engine),
+            engine,
+            address,
+            incarnation: reply.incarnation,
+            agents: loaded.into_iter().map(AgentName::from).collect(),
+            block_size: bs,
+            blocks: reply.blocks,
+            dlists: RemoteDlists::new(handles),
+            local,
+        })
+    }
+
+    /// Ranks.
+    pub fn ranks(&self) -> u16 {
+        self.agents.len() as u16
+    }
+
+    /// Reads block `block` of rank `rank` (blocking): creates and posts a
+    /// READ (its completion notification is `RD:req-<block>`), polls it
+    /// until done, failed, `timeout`, or `abandon()` says to give up, then
+    /// checks the bytes. Never hangs past `timeout`.
+    pub fn read_block(
+        &self,
+        agent: &Agent,
+        rank: u16,
+        block: u32,
+        timeout: Duration,
+        abandon: &dyn Fn() -> bool,
+    ) -> ReadOutcome {
+        let Some(slot) = self
+            .local
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+        else {
+            return ReadOutcome::NoSlot;
+        };
+        let outcome = self.read_into(agent, slot, rank, block, timeout, abandon);
+        self.local
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(slot);
+        outcome
+    }
+
+    fn read_into(
+        &self,
+        agent: &Agent,
+        slot: usize,
+        rank: u16,
+        block: u32,
+        timeout: Duration,
+        abandon: &dyn Fn() -> bool,
+    ) -> ReadOutcome {
+        let notif = format!("RD:{}", request_id(block));
+        let created = self.dlists.with_handle(rank as usize, |remote| {
+            agent.create_read(
+                &self.local.dlist,
+                &[slot as i32],
+                remote,
+                &[block as i32],
+                Some(notif.as_bytes()),
+            )
+        });
+        let mut req = match created {
+            None => return ReadOutcome::Released,
+            Some(Err(e)) => return ReadOutcome::Failed(e.status),
+            Some(Ok(r)) => r,
+        };
+        let start = Instant::now();
+        let mut state = match req.post() {
+            Ok(s) => s,
+            Err(e) => return ReadOutcome::Failed(e.status),
+        };
+        let mut pause = Duration::from_micros(50);
+        while state == XferState::InProgress {
+            if abandon() {
+                return ReadOutcome::Abandoned;
+            }
+            if start.elapsed() >= timeout {
+                return ReadOutcome::TimedOut;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_micros(100));
+            state = match req.status() {
+                Ok(s) => s,
+                Err(e) => return ReadOutcome::Failed(e.status),
+            };
+        }
+        drop(req);
+        let bytes = self.local.regions[slot].bytes();
+        match pattern::first_mismatch(bytes, self.seed, rank, block) {
+            None => ReadOutcome::Verified,
+            Some(offset) => ReadOutcome::Corrupt { offset },
+        }
+    }
+}
+
+/// How a [`Decoder`] reads.
+#[derive(Clone, Debug)]
+pub struct DecodeOptions {
+    /// Reads in flight per prefill (also the landing slots per engine).
+    pub reads_in_flight: usize,
+    /// A read still in progress after this is abandoned.
+    pub read_timeout: Duration,
+    /// Side-channel connect and reply timeout.
+    pub handshake_timeout: Duration,
+    /// Pause between handshake attempts while nobody answers.
+    pub retry: Duration,
+    /// How often a connected address is asked again who is there (a new
+    /// engine id or incarnation there is a replacement).
+    pub probe_interval: Duration,
+    /// Pause between rounds of reads (`reads_in_flight` reads each).
+    pub read_pause: Duration,
+    /// Request ids leased per engine and renewed by the heartbeats.
+    pub leases: u32,
+}
+
+impl Default for DecodeOptions {
+    fn default() -> Self {
+        DecodeOptions {
+            reads_in_flight: 2,
+            read_timeout: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(2),
+            retry: Duration::from_millis(250),
+            probe_interval: Duration::from_secs(2),
+            read_pause: Duration::from_millis(20),
+            leases: 4,
+        }
+    }
+}
+
+/// Counts of read outcomes, all prefills together.
+#[derive(Debug, Default)]
+pub struct ReadStats {
+    /// Reads whose bytes all matched.
+    pub verified: AtomicU64,
+    /// Reads that completed with wrong bytes.
+    pub corrupt: AtomicU64,
+    /// Reads NIXL failed.
+    pub failed: AtomicU64,
+    /// Reads abandoned (timed out, or failed by the service).
+    pub abandoned: AtomicU64,
+    /// Reads refused before posting (engine not live, released, no slot).
+    pub refused: AtomicU64,
+    /// Handshakes that registered an engine.
+    pub handshakes: AtomicU64,
+}
+
+/// What a handshake found.
+pub enum Handshake {
+    /// A new engine (or a new incarnation of one) was loaded and registered.
+    New(Connected),
+    /// The engine and incarnation already connected are still there.
+    Unchanged,
+}
+
+/// A registered engine and what reads from it need.
+#[derive(Clone)]
+pub struct Connected {
+    /// The service's reference (reads are guarded through it).
+    pub engine: EngineRef,
+    /// The loaded engine.
+    pub remote: Arc<RemoteEngine>,
+}
+
+/// The decode side: the service's handle, the transport, and readers.
+pub struct Decoder {
+    handle: KeepaliveHandle<RemoteDlists>,
+    transport: Arc<NixlTransport>,
+    options: DecodeOptions,
+    stats: Arc<ReadStats>,
+}
+
+impl Decoder {
+    /// A decoder over a running service and its transport.
+    pub fn new(
+        handle: KeepaliveHandle<RemoteDlists>,
+        transport: Arc<NixlTransport>,
+        options: DecodeOptions,
+    ) -> Arc<Decoder> {
+        Arc::new(Decoder {
+            handle,
+            transport,
+            options,
+            stats: Arc::default(),
+        })
+    }
+
+    /// The service's handle.
+    pub fn handle(&self) -> &KeepaliveHandle<RemoteDlists> {
+        &self.handle
+    }
+
+    /// Read outcomes so far.
+    pub fn stats(&self) -> &ReadStats {
+        &self.stats
+    }
+
+    /// One handshake with `address`, under a handshake guard. `current` is
+    /// what this caller has connected there: the same engine id and
+    /// incarnation, still live, is [`Handshake::Unchanged`]. An engine id
+    /// the service still holds is released first (`prepare_reload`): NIXL
+    /// must not load metadata over loaded metadata.
+    ///
+    /// Cancel safety: a cancelled handshake may leave metadata loaded and
+    /// unregistered; run it to the end.
+    pub async fn connect(
+        &self,
+        address: &PeerAddr,
+        current: Option<&Connected>,
+    ) -> Result<Handshake, HandshakeError> {
+        let guard = self.handle.handshake_started(address.clone());
+        let reply = fetch(address, self.options.handshake_timeout).await?;
+        if let Some(c) = current {
+            if c.remote.engine.as_str() == reply.engine
+                && c.remote.incarnation == reply.incarnation
+                && c.engine.state() == EngineState::Live
+            {
+                return Ok(Handshake::Unchanged);
+            }
+        }
+        let id = EngineId::new(reply.engine.as_str());
+        if self.handle.engine(&id).is_some() {
+            tracing::info!(engine = %id, %address, "engine id still registered: releasing it before loading again");
+            self.handle.prepare_reload(&id).await?;
+        }
+        let agent = self.transport.agent().clone();
+        let addr = address.clone();
+        let slots = self.options.reads_in_flight.max(1);
+        let remote =
+            tokio::task::spawn_blocking(move || RemoteEngine::load(&agent, addr, &reply, slots))
+                .await
+                .expect("load does not panic")?;
+        let engine = self
+            .handle
+            .register(Registration {
+                engine: remote.engine.clone(),
+                address: address.clone(),
+                agents: remote.agents.clone(),
+                resources: remote.dlists.clone(),
+            })
+            .await?;
+        let leases: Vec<String> = (0..self.options.leases.min(remote.blocks))
+            .map(request_id)
+            .collect();
+        if !leases.is_empty() {
+            self.handle.add_leases(&remote.engine, leases, true);
+        }
+        guard.finish();
+        self.stats.handshakes.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(engine = %remote.engine, %address, ranks = remote.agents.len(), "engine loaded and registered");
+        Ok(Handshake::New(Connected {
+            engine,
+            remote: Arc::new(remote),
+        }))
+    }
+
+    /// One read of `block` of `rank`, under a read guard: refused at once
+    /// when the engine is not live; otherwise posted and polled on a
+    /// blocking thread, and its status reported to the service.
+    pub async fn read(&self, connected: &Connected, rank: u16, block: u32) -> ReadOutcome {
+        let guard = match connected.engine.begin_read() {
+            Ok(g) => g,
+            Err(_) => {
+                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                return ReadOutcome::Released;
+            }
+        };
+        let remote = connected.remote.clone();
+        let agent = self.transport.agent().clone();
+        let timeout = self.options.read_timeout;
+        let outcome = tokio::task::spawn_blocking(move || {
+            let outcome = remote.read_block(&agent, rank, block, timeout, &|| guard.is_failed());
+            match outcome.status() {
+                Some(status) => guard.finish(status),
+                None => drop(guard),
+            }
+            outcome
+        })
+        .await
+        .expect("reads do not panic");
+        let counter = match outcome {
+            ReadOutcome::Verified => &self.stats.verified,
+            ReadOutcome::Corrupt { offset } => {
+                tracing::error!(engine = %connected.remote.engine, rank, block, offset, "read returned wrong bytes");
+                &self.stats.corrupt
+            }
+            ReadOutcome::Failed(status) => {
+                tracing::debug!(engine = %connected.remote.engine, %status, "read failed");
+                &self.stats.failed
+            }
+            ReadOutcome::TimedOut | ReadOutcome::Abandoned => &self.stats.abandoned,
+            ReadOutcome::Released | ReadOutcome::NoSlot => &self.stats.refused,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("nixl_keepalive_pd_reads_total", "outcome" => outcome.as_str())
+            .increment(1);
+        outcome
+    }
+
+    /// Runs the reader for one prefill address until `shutdown`: handshake
+    /// (retrying while nobody answers), rounds of random reads, a probe
+    /// handshake every `probe_interval`, and after the engine is marked,
+    /// waits for its release before handshaking again.
+    pub fn spawn(
+        self: &Arc<Self>,
+        address: PeerAddr,
+        shutdown: CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move { me.reader_loop(address, shutdown).await })
+    }
+
+    async fn reader_loop(self: Arc<Self>, address: PeerAddr, shutdown: CancellationToken) {
+        let mut current: Option<Connected> = None;
+        let mut last_probe: Option<Instant> = None;
+        let mut last_error: Option<String> = None;
+        while !shutdown.is_cancelled() {
+            if let Some(c) = &current {
+                if c.engine.state() != EngineState::Live {
+                    let c = current.take().expect("checked");
+                    let deadline = Instant::now() + Duration::from_secs(60);
+                    while c.engine.state() != EngineState::Released
+                        && Instant::now() < deadline
+                        && !shutdown.is_cancelled()
+                    {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    last_probe = None;
+                }
+            }
+            let probe_due = last_probe.is_none_or(|t| t.elapsed() >= self.options.probe_interval);
+            if current.is_none() || probe_due {
+                last_probe = Some(Instant::now());
+                match self.connect(&address, current.as_ref()).await {
+                    Ok(Handshake::New(c)) => {
+                        last_error = None;
+                        current = Some(c);
+                    }
+                    Ok(Handshake::Unchanged) => {}
+                    Err(e) => {
+                        let text = e.to_string();
+                        if last_error.as_deref() != Some(&text) {
+                            tracing::info!(%address, error = %text, "handshake failed; retrying");
+                            last_error = Some(text);
+                        }
+                        if current.is_none() {
+                            tokio::select! {
+                                _ = shutdown.cancelled() => break,
+                                _ = tokio::time::sleep(self.options.retry) => {}
+                            }
+                            continue;
+                        }
+                    }
+                }
+            }
+            let Some(c) = current.clone() else { continue };
+            let mut reads = tokio::task::JoinSet::new();
+            for _ in 0..self.options.reads_in_flight.max(1) {
+                let me = self.clone();
+                let c = c.clone();
+                let rank = rand::random_range(0..c.remote.ranks());
+                let block = rand::random_range(0..c.remote.blocks);
+                reads.spawn(async move { me.read(&c, rank, block).await });
+            }
+            while reads.join_next().await.is_some() {}
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(self.options.read_pause) => {}
+            }
+        }
+    }
+}

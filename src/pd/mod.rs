@@ -1,0 +1,59 @@
+//! Real prefill (P) and decode (D) processes on the NIXL runtime: the side
+//! channel, the prefill server and the decode-side reader.
+//!
+//! This is what `nixl-keepalive prefill` and `nixl-keepalive decode` run,
+//! and what the real-process tests drive. DRAM only, UCX over shared
+//! memory or TCP: no GPU needed.
+//!
+//! # The side-channel protocol
+//!
+//! One TCP connection per handshake. D connects to P's `host:port`, sends
+//! one request frame, reads one reply frame; P closes the connection.
+//!
+//! Every frame is a 4-byte big-endian payload length (at most
+//! [`wire::MAX_FRAME`] bytes; a request at most [`wire::MAX_REQUEST`])
+//! followed by the payload. Integers are big-endian; a `str16` is a `u16`
+//! length and that many UTF-8 bytes; a `bytes32` a `u32` length and bytes.
+//!
+//! ```text
+//! request  = "NKPD" version:u8(=1) kind:u8(=1 handshake)
+//! reply    = "NKPD" version:u8(=1) kind:u8(=2 handshake reply)
+//!            engine_id:str16          1..=256 bytes
+//!            incarnation:u64          random per process start
+//!            block_size:u64           bytes per KV block, 1..=64 MiB
+//!            blocks:u32               blocks per rank, 1 or more
+//!            ranks:u16                1..=64, then per rank, in rank order:
+//!              agent:str16            the rank's NIXL agent name
+//!              base:u64               address of block 0 in P's memory
+//!              metadata:bytes32       the agent's NIXL metadata blob
+//! ```
+//!
+//! Block `b` of rank `r` lives at `base_r + b * block_size` and holds the
+//! byte pattern [`pattern::fill`] derives from the engine id, `r` and `b`,
+//! so D can check every byte it reads. Nothing may follow the last field.
+//! A frame that breaks any rule is refused with a [`wire::WireError`]: the
+//! connection is closed, the error is logged and counted
+//! (`nixl_keepalive_pd_bad_frames_total{side}`), never a panic.
+//!
+//! The `incarnation` tells D whether the process behind an engine id is
+//! the one it loaded: the same engine id with a new incarnation is a
+//! prefill restarted under a pinned id, whose old metadata must be
+//! invalidated before the new is loaded.
+//!
+//! # Notifications (over NIXL, not the side channel)
+//!
+//! - `HB:req-1,req-2`: D's heartbeat, vLLM's lease renewal. P extends the
+//!   lease of each named request it knows; unknown ids are ignored.
+//! - `RD:req-<block>`: sent by NIXL to P when one of D's READs completes.
+
+pub mod decode;
+pub mod pattern;
+pub mod prefill;
+pub mod wire;
+
+/// Counts and logs a frame a peer got wrong. `side` is `prefill` (a bad
+/// request reached a prefill) or `decode` (a bad reply reached a decoder).
+pub(crate) fn bad_frame(side: &'static str, peer: &str, error: &wire::WireError) {
+    metrics::counter!("nixl_keepalive_pd_bad_frames_total", "side" => side).increment(1);
+    tracing::warn!(side, peer, %error, "bad side-channel frame refused");
+}

@@ -1,0 +1,283 @@
+//! Shared by the real-runtime tests: real `nixl-keepalive prefill`
+//! processes, a decode side in the test process, and measurement output
+//! that shows in CI logs even for passing tests.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use nixl_keepalive::nixl_transport::{NixlTransport, ProgressPoller};
+use nixl_keepalive::pd::decode::{DecodeOptions, Decoder};
+use nixl_keepalive::{Config, Event, PeerAddr};
+use nixl_sys::{Agent, AgentConfig, Runtime};
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+
+/// Real tests take this lock: one at a time in a test binary, so the suite
+/// fits a 2-core machine and timings are not skewed by each other.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Prints a measurement straight to the stderr handle (libtest captures
+/// `eprintln!` of passing tests; this is seen in CI logs) and appends it
+/// to `<target tmp>/real-measurements.log`.
+pub fn report(line: &str) {
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    let text = format!("MEASURED {test}: {line}");
+    eprintln!("{text}");
+    let _ = writeln!(std::io::stderr().lock(), "{text}");
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("real-measurements.log");
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = writeln!(f, "{text}");
+    }
+}
+
+/// A name unique in this process.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A real `nixl-keepalive prefill` process.
+pub struct PrefillProc {
+    child: Child,
+    /// Its side-channel address.
+    pub addr: PeerAddr,
+    /// Its engine id.
+    pub engine: String,
+    /// Its pid.
+    pub pid: u32,
+    /// Where its stderr goes.
+    pub log: std::path::PathBuf,
+    gone: bool,
+}
+
+/// How to start a prefill.
+#[derive(Clone, Debug, Default)]
+pub struct PrefillSpec {
+    /// `--listen` (default `127.0.0.1:0`).
+    pub listen: Option<String>,
+    /// `--engine-id`.
+    pub engine_id: Option<String>,
+    /// `--blocks` (default 8).
+    pub blocks: Option<u32>,
+    /// `--block-size` (default 64 KiB).
+    pub block_size: Option<u64>,
+    /// `--ranks` (default 1).
+    pub ranks: Option<u16>,
+    /// Extra environment (UCX settings).
+    pub env: Vec<(String, String)>,
+}
+
+impl PrefillProc {
+    /// Starts a prefill and waits until it answers handshakes.
+    pub fn start(spec: &PrefillSpec) -> PrefillProc {
+        let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("{}.log", unique("prefill")));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nixl-keepalive"));
+        cmd.arg("prefill")
+            .args(["--listen", spec.listen.as_deref().unwrap_or("127.0.0.1:0")])
+            .args(["--blocks", &spec.blocks.unwrap_or(8).to_string()])
+            .args([
+                "--block-size",
+                &spec.block_size.unwrap_or(64 << 10).to_string(),
+            ])
+            .args(["--ranks", &spec.ranks.unwrap_or(1).to_string()])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).expect("prefill log"));
+        if let Some(id) = &spec.engine_id {
+            cmd.args(["--engine-id", id]);
+        }
+        for (k, v) in &spec.env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn nixl-keepalive prefill");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|e| {
+                panic!(
+                    "prefill never got ready ({e}); log: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )
+            });
+        let field = |k: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(k))
+                .unwrap_or_else(|| panic!("no {k} in {line:?}"))
+                .to_string()
+        };
+        assert!(line.starts_with("PREFILL READY"), "{line}");
+        PrefillProc {
+            addr: PeerAddr::from(field("listen=")),
+            engine: field("engine="),
+            pid: child.id(),
+            child,
+            log,
+            gone: false,
+        }
+    }
+
+    /// The `--listen` to restart on the same port.
+    pub fn listen(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// SIGKILL, and reap it. Returns when the signal was sent.
+    pub fn kill(&mut self) -> Instant {
+        let at = Instant::now();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.gone = true;
+        at
+    }
+
+    /// Sends a signal with the `kill` command (`STOP`, `CONT`).
+    pub fn signal(&self, sig: &str) {
+        let st = Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(st.success(), "kill -{sig} {} failed", self.pid);
+    }
+}
+
+impl Drop for PrefillProc {
+    fn drop(&mut self) {
+        if !self.gone {
+            let _ = Command::new("kill")
+                .args(["-CONT", &self.pid.to_string()])
+                .status();
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The decode side in the test process: a real agent (no NIXL progress
+/// thread; our poller every 5 ms), the transport, the service, a decoder.
+pub struct DecodeSide {
+    pub transport: Arc<NixlTransport>,
+    pub decoder: Arc<Decoder>,
+    pub events: broadcast::Receiver<Event>,
+    pub shutdown: CancellationToken,
+    pub task: tokio::task::JoinHandle<
+        nixl_keepalive::Stopped<nixl_keepalive::nixl_transport::RemoteDlists>,
+    >,
+    _progress: ProgressPoller,
+}
+
+/// A service configuration with heartbeats every `interval`.
+pub fn config(interval: Duration) -> Config {
+    Config::builder()
+        .heartbeat_interval(Some(interval))
+        .jitter(interval / 10)
+        .rate_limit(Duration::from_millis(100), 4)
+        .metrics_period(None)
+        .seed(7)
+        .build()
+        .expect("valid config")
+}
+
+/// The decode agent and transport.
+pub fn decode_transport(rt: &'static Runtime) -> (Arc<NixlTransport>, ProgressPoller) {
+    let agent = Agent::new(rt, &unique("decode"), &AgentConfig::default()).expect("decode agent");
+    let transport = Arc::new(NixlTransport::new(agent));
+    let progress = transport.spawn_progress(Duration::from_millis(5));
+    (transport, progress)
+}
+
+impl DecodeSide {
+    /// Starts the service and a decoder (call inside a tokio runtime).
+    pub fn start(rt: &'static Runtime, config: Config, options: DecodeOptions) -> DecodeSide {
+        let (transport, progress) = decode_transport(rt);
+        let shutdown = CancellationToken::new();
+        let (handle, task) = nixl_keepalive::spawn(transport.clone(), config, shutdown.clone());
+        let events = handle.subscribe();
+        let decoder = Decoder::new(handle, transport.clone(), options);
+        DecodeSide {
+            transport,
+            decoder,
+            events,
+            shutdown,
+            task,
+            _progress: progress,
+        }
+    }
+
+    /// Waits (up to `within`) for the first event `pick` accepts; returns
+    /// it with when it arrived.
+    pub async fn wait_for<T>(
+        &mut self,
+        within: Duration,
+        mut pick: impl FnMut(&Event) -> Option<T>,
+    ) -> (T, Instant) {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                Ok(Ok(e)) => {
+                    if let Some(t) = pick(&e) {
+                        return (t, Instant::now());
+                    }
+                }
+                Ok(Err(broadcast::error::RecvError::Lagged(_))) => {}
+                Ok(Err(e)) => panic!("event channel closed: {e}"),
+                Err(_) => panic!("no matching event within {within:?}"),
+            }
+        }
+    }
+
+    /// Every event received so far, without waiting.
+    pub fn drain(&mut self) -> Vec<Event> {
+        let mut v = Vec::new();
+        while let Ok(e) = self.events.try_recv() {
+            v.push(e);
+        }
+        v
+    }
+
+    /// Stops the service; asserts it released everything.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let stopped = self.task.await.expect("service task");
+        assert!(stopped.unreleased.is_empty(), "engines still held at stop");
+    }
+}
+
+/// Runs an async test body on a 2-worker runtime (call with the
+/// [`serial`] lock held: a std lock must not be held across awaits).
+pub fn block_on<F: std::future::Future>(body: F) -> F::Output {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+        .block_on(body)
+}
+
+/// Milliseconds, for reports.
+pub fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}

@@ -1,0 +1,492 @@
+//! Real processes, killed for real: `nixl-keepalive prefill` children and a
+//! decode side (service + NixlTransport + reader) in the test process.
+//! Each test prints what it measured (`MEASURED ...` on stderr and in
+//! `<target tmp>/real-measurements.log`). Without the NIXL runtime each
+//! prints `SKIPPED` and passes, unless NIXL_KEEPALIVE_REQUIRE_REAL=1.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
+use nixl_keepalive::pd::decode::{DecodeOptions, Handshake, ReadOutcome};
+use nixl_keepalive::{EngineId, EngineState, Event, NixlStatus, ReleaseReason};
+use nixl_sys::testing::runtime_or_skip;
+
+fn connected(h: Handshake) -> nixl_keepalive::pd::decode::Connected {
+    match h {
+        Handshake::New(c) => c,
+        Handshake::Unchanged => panic!("expected a new engine"),
+    }
+}
+
+#[test]
+fn a_sigkilled_idle_prefill_is_detected_by_heartbeat_and_released() {
+    let Some(rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    common::block_on(async move {
+        let mut p = PrefillProc::start(&PrefillSpec {
+            ranks: Some(2),
+            ..Default::default()
+        });
+        let interval = Duration::from_millis(500);
+        let mut d = DecodeSide::start(rt, config(interval), DecodeOptions::default());
+        let c = connected(d.decoder.connect(&p.addr, None).await.expect("handshake"));
+        assert_eq!(d.decoder.read(&c, 1, 3).await, ReadOutcome::Verified);
+        let engine = EngineId::from(p.engine.as_str());
+        // Let a heartbeat or two go out to the live peer.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let snapshot = d.decoder.handle().snapshot().await.unwrap();
+        let hb = snapshot
+            .engine(&engine)
+            .and_then(|e| e.last_heartbeat.clone())
+            .expect("a heartbeat went out");
+        assert_eq!(hb.status, NixlStatus::SUCCESS);
+
+        let killed = p.kill();
+        let (status, detected) = d
+            .wait_for(Duration::from_secs(20), |e| match e {
+                Event::Unreachable {
+                    engine: id,
+                    status,
+                    source,
+                } if *id == engine => {
+                    assert_eq!(
+                        *source, "heartbeat",
+                        "no reads ran: the heartbeat must detect it"
+                    );
+                    Some(*status)
+                }
+                _ => None,
+            })
+            .await;
+        assert_eq!(status.raw(), -10, "raw NIXL_ERR_REMOTE_DISCONNECT");
+        let ((reason, failed), released) = d
+            .wait_for(Duration::from_secs(20), |e| match e {
+                Event::Released {
+                    engine: id,
+                    reason,
+                    failed_steps,
+                    ..
+                } if *id == engine => Some((*reason, *failed_steps)),
+                _ => None,
+            })
+            .await;
+        assert_eq!(reason, ReleaseReason::Unreachable);
+        assert_eq!(failed, 0, "every release step SUCCESS or NOT_FOUND");
+        assert_eq!(c.engine.state(), EngineState::Released);
+        assert!(c.remote.dlists.is_released(), "dlist handles released");
+        // NIXL itself confirms the metadata is gone.
+        let agent = d.transport.agent();
+        for name in &c.remote.agents {
+            let e = agent.gen_notif(name.as_str(), b"HB:").unwrap_err();
+            assert_eq!(
+                e.status,
+                NixlStatus::ERR_NOT_FOUND,
+                "genNotif after release: {e}"
+            );
+            let e = agent.invalidate_remote_metadata(name.as_str()).unwrap_err();
+            assert_eq!(
+                e.status,
+                NixlStatus::ERR_NOT_FOUND,
+                "second invalidate: {e}"
+            );
+        }
+        report(&format!(
+        "SIGKILL idle P, heartbeat {interval:?}: kill->detect {} (REMOTE_DISCONNECT via heartbeat), detect->release {}, kill->release {}",
+        ms(detected - killed),
+        ms(released - detected),
+        ms(released - killed)
+    ));
+        d.stop().await;
+    })
+}
+
+#[test]
+fn a_sigkilled_prefill_with_reads_in_flight_fails_them_promptly_and_is_released_after_the_last_guard(
+) {
+    let Some(rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    common::block_on(async move {
+        // Big blocks, several reads at once, no pause: reads are on the wire
+        // when the kill lands.
+        let mut p = PrefillProc::start(&PrefillSpec {
+            blocks: Some(8),
+            block_size: Some(4 << 20),
+            ..Default::default()
+        });
+        let options = DecodeOptions {
+            reads_in_flight: 4,
+            read_pause: Duration::ZERO,
+            read_timeout: Duration::from_secs(5),
+            ..DecodeOptions::default()
+        };
+        let mut d = DecodeSide::start(rt, config(Duration::from_secs(1)), options);
+        let c = connected(d.decoder.connect(&p.addr, None).await.expect("handshake"));
+        let engine = EngineId::from(p.engine.as_str());
+        // A read of our own that stays in flight across the kill.
+        let held = c.engine.begin_read().expect("live");
+        // Reader traffic on the same engine.
+        let stop_reads = tokio_util::sync::CancellationToken::new();
+        let reads = {
+            let decoder = d.decoder.clone();
+            let c = c.clone();
+            let stop = stop_reads.clone();
+            tokio::spawn(async move {
+                let mut outcomes = Vec::new();
+                while !stop.is_cancelled() {
+                    let mut set = tokio::task::JoinSet::new();
+                    for i in 0..4u32 {
+                        let decoder = decoder.clone();
+                        let c = c.clone();
+                        set.spawn(async move {
+                            let t = Instant::now();
+                            let o = decoder.read(&c, 0, i * 2).await;
+                            (o, t.elapsed(), t)
+                        });
+                    }
+                    while let Some(r) = set.join_next().await {
+                        outcomes.push(r.unwrap());
+                    }
+                }
+                outcomes
+            })
+        };
+        // Kill once reads verifiably work, with more on the wire.
+        let ready = Instant::now() + Duration::from_secs(30);
+        while d
+            .decoder
+            .stats()
+            .verified
+            .load(std::sync::atomic::Ordering::Relaxed)
+            < 4
+        {
+            assert!(Instant::now() < ready, "no read verified within 30 s");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let killed = p.kill();
+        let (source, detected) = d
+            .wait_for(Duration::from_secs(20), |e| match e {
+                Event::Unreachable {
+                    engine: id, source, ..
+                } if *id == engine => Some(*source),
+                _ => None,
+            })
+            .await;
+        // Reads in flight end promptly: only our held guard remains.
+        let drain_deadline = Instant::now() + Duration::from_secs(10);
+        while c.engine.reads_in_flight() > 1 {
+            assert!(
+                Instant::now() < drain_deadline,
+                "reads still in flight 10 s after the kill: a hang"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let reads_ended = Instant::now();
+        stop_reads.cancel();
+        let outcomes = reads.await.unwrap();
+        assert!(held.is_failed(), "the service failed the reads in flight");
+        // Not released while our guard lives.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(c.engine.state(), EngineState::Unreachable);
+        assert!(
+            !c.remote.dlists.is_released(),
+            "released under a read in flight"
+        );
+        let dropped = Instant::now();
+        drop(held);
+        let (waited, released) = d
+            .wait_for(Duration::from_secs(10), |e| match e {
+                Event::Released {
+                    engine: id,
+                    waited_for,
+                    ..
+                } if *id == engine => Some(*waited_for),
+                _ => None,
+            })
+            .await;
+        assert!(waited.reads_in_flight_at_mark >= 1);
+        assert!(c.remote.dlists.is_released());
+        let verified = outcomes
+            .iter()
+            .filter(|(o, _, _)| *o == ReadOutcome::Verified)
+            .count();
+        // A SIGKILLed process's memory stays readable until the kernel has
+        // torn it down: count the reads that still verified.
+        let verified_after_kill = outcomes
+            .iter()
+            .filter(|(o, _, start)| *o == ReadOutcome::Verified && *start >= killed)
+            .count();
+        let after_kill: Vec<_> = outcomes
+            .iter()
+            .filter(|(o, _, _)| *o != ReadOutcome::Verified)
+            .collect();
+        let slowest = after_kill
+            .iter()
+            .map(|(_, t, _)| *t)
+            .max()
+            .unwrap_or_default();
+        let mut kinds: Vec<String> = after_kill
+            .iter()
+            .map(|(o, _, _)| format!("{o:?}"))
+            .collect();
+        kinds.sort();
+        kinds.dedup();
+        assert!(verified > 0, "reads worked before the kill");
+        assert!(slowest < Duration::from_secs(6), "a read took {slowest:?}");
+        report(&format!(
+        "SIGKILL P under reads: detected via {source} after {}; reader's reads all ended {} after the kill (slowest failed read {}; outcomes {kinds:?}; {verified} verified, {verified_after_kill} of them posted after the kill signal); reads in flight at mark {}; last guard drop->release {}; detect->release {} (held on purpose)",
+        ms(detected - killed),
+        ms(reads_ended - killed),
+        ms(slowest),
+        waited.reads_in_flight_at_mark,
+        ms(released - dropped),
+        ms(released - detected),
+    ));
+        d.stop().await;
+    })
+}
+
+#[test]
+fn a_prefill_restarted_with_a_new_id_on_the_same_port_replaces_the_old_engine() {
+    let Some(rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    common::block_on(async move {
+        let mut p1 = PrefillProc::start(&PrefillSpec::default());
+        // Heartbeats slow enough that the handshake, not the heartbeat, finds
+        // the change.
+        let mut d = DecodeSide::start(
+            rt,
+            config(Duration::from_secs(60)),
+            DecodeOptions::default(),
+        );
+        let c1 = connected(d.decoder.connect(&p1.addr, None).await.expect("handshake"));
+        assert_eq!(d.decoder.read(&c1, 0, 1).await, ReadOutcome::Verified);
+        let old = EngineId::from(p1.engine.as_str());
+        p1.kill();
+        let p2 = PrefillProc::start(&PrefillSpec {
+            listen: Some(p1.listen()),
+            ..Default::default()
+        });
+        assert_ne!(p1.engine, p2.engine);
+        let new = EngineId::from(p2.engine.as_str());
+        let started = Instant::now();
+        let c2 = connected(
+            d.decoder
+                .connect(&p2.addr, Some(&c1))
+                .await
+                .expect("handshake with the new engine"),
+        );
+        let handshaken = Instant::now();
+        let ((), replaced) = d
+            .wait_for(Duration::from_secs(10), |e| match e {
+                Event::Replaced { old: o, new: n, .. } if *o == old && *n == new => Some(()),
+                _ => None,
+            })
+            .await;
+        let (reason, released) = d
+            .wait_for(Duration::from_secs(10), |e| match e {
+                Event::Released { engine, reason, .. } if *engine == old => Some(*reason),
+                _ => None,
+            })
+            .await;
+        assert_eq!(reason, ReleaseReason::Replaced);
+        assert!(c1.remote.dlists.is_released());
+        let e = d
+            .transport
+            .agent()
+            .gen_notif(c1.remote.agents[0].as_str(), b"HB:")
+            .unwrap_err();
+        assert_eq!(
+            e.status,
+            NixlStatus::ERR_NOT_FOUND,
+            "old metadata invalidated"
+        );
+        for block in 0..8 {
+            assert_eq!(
+                d.decoder.read(&c2, 0, block).await,
+                ReadOutcome::Verified,
+                "block {block} from the new engine"
+            );
+        }
+        report(&format!(
+        "P restarted with a new id: handshake {}, handshake->replaced {}, replaced(detection)->release {}",
+        ms(handshaken - started),
+        ms(replaced.saturating_duration_since(handshaken)),
+        ms(released.saturating_duration_since(replaced))
+    ));
+        d.stop().await;
+    })
+}
+
+#[test]
+fn a_prefill_restarted_with_the_same_id_is_invalidated_before_it_is_loaded_again() {
+    let Some(rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    common::block_on(async move {
+        let id = common::unique("pinned");
+        let spec = PrefillSpec {
+            engine_id: Some(id.clone()),
+            ranks: Some(2),
+            ..Default::default()
+        };
+        let mut p1 = PrefillProc::start(&spec);
+        let mut d = DecodeSide::start(
+            rt,
+            config(Duration::from_secs(60)),
+            DecodeOptions::default(),
+        );
+        let c1 = connected(d.decoder.connect(&p1.addr, None).await.expect("handshake"));
+        assert_eq!(d.decoder.read(&c1, 1, 2).await, ReadOutcome::Verified);
+        p1.kill();
+        let p2 = PrefillProc::start(&PrefillSpec {
+            listen: Some(p1.listen()),
+            ..spec.clone()
+        });
+        assert_eq!(p2.engine, id);
+        d.drain();
+        let started = Instant::now();
+        let c2 = connected(
+            d.decoder
+                .connect(&p2.addr, Some(&c1))
+                .await
+                .expect("handshake with the restarted engine"),
+        );
+        let done = Instant::now();
+        assert_ne!(c1.remote.incarnation, c2.remote.incarnation);
+        let events = d.drain();
+        let engine = EngineId::from(id.as_str());
+        let released_at = events
+        .iter()
+        .position(|e| matches!(e, Event::Released { engine: e_id, reason: ReleaseReason::Reregistered, .. } if *e_id == engine))
+        .unwrap_or_else(|| panic!("old registration not released: {events:?}"));
+        let registered_at = events
+            .iter()
+            .position(|e| matches!(e, Event::Registered { engine: e_id, .. } if *e_id == engine))
+            .unwrap_or_else(|| panic!("new registration missing: {events:?}"));
+        assert!(
+            released_at < registered_at,
+            "old released before the new registered: {events:?}"
+        );
+        assert!(c1.remote.dlists.is_released());
+        assert_eq!(c2.engine.state(), EngineState::Live);
+        for block in 0..8 {
+            for rank in 0..2 {
+                assert_eq!(
+                    d.decoder.read(&c2, rank, block).await,
+                    ReadOutcome::Verified
+                );
+            }
+        }
+        report(&format!(
+        "P restarted with the same id: prepare_reload + invalidate + load + register took {} (old released before the new was loaded)",
+        ms(done - started)
+    ));
+        d.stop().await;
+    })
+}
+
+#[test]
+fn the_reader_loop_re_handshakes_after_a_release_when_a_prefill_listens_again() {
+    let Some(rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    common::block_on(async move {
+        let mut p1 = PrefillProc::start(&PrefillSpec::default());
+        let options = DecodeOptions {
+            read_pause: Duration::from_millis(5),
+            probe_interval: Duration::from_millis(500),
+            ..DecodeOptions::default()
+        };
+        let mut d = DecodeSide::start(rt, config(Duration::from_millis(500)), options);
+        let stop_reader = d.shutdown.child_token();
+        let reader = d.decoder.spawn(p1.addr.clone(), stop_reader.clone());
+        let first = EngineId::from(p1.engine.as_str());
+        d.wait_for(Duration::from_secs(10), |e| {
+            matches!(e, Event::Registered { engine, .. } if *engine == first).then_some(())
+        })
+        .await;
+        let killed = p1.kill();
+        let (_, released) = d
+            .wait_for(Duration::from_secs(20), |e| {
+                matches!(e, Event::Released { engine, .. } if *engine == first).then_some(())
+            })
+            .await;
+        let p2 = PrefillProc::start(&PrefillSpec {
+            listen: Some(p1.listen()),
+            ..Default::default()
+        });
+        let listening = Instant::now();
+        let second = EngineId::from(p2.engine.as_str());
+        let (_, registered) = d
+            .wait_for(Duration::from_secs(20), |e| {
+                matches!(e, Event::Registered { engine, .. } if *engine == second).then_some(())
+            })
+            .await;
+        let verified = d
+            .decoder
+            .stats()
+            .verified
+            .load(std::sync::atomic::Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let verified_after = d
+            .decoder
+            .stats()
+            .verified
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert!(verified_after > verified, "reads from the new engine");
+        assert_eq!(
+            d.decoder
+                .stats()
+                .corrupt
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
+        report(&format!(
+            "reader loop: kill->release {}, new P listening->registered {}",
+            ms(released - killed),
+            ms(registered - listening)
+        ));
+        stop_reader.cancel();
+        reader.await.unwrap();
+        d.stop().await;
+    })
+}
+
+#[test]
+fn a_prefill_refuses_bad_side_channel_input_and_keeps_answering() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let p = PrefillProc::start(&PrefillSpec::default());
+    common::block_on(async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let garbage: [&[u8]; 4] = [
+            b"GET / HTTP/1.1\r\n\r\n",                      // huge length prefix
+            &[0, 0, 0, 6, b'N', b'K', b'P', b'D', 9, 1],    // bad version
+            &[0, 0, 0, 3, 1, 2],                            // truncated, then EOF
+            &[0, 0, 0, 7, b'N', b'K', b'P', b'D', 1, 1, 0], // trailing byte
+        ];
+        for bytes in garbage {
+            let mut s = tokio::net::TcpStream::connect(p.addr.as_str())
+                .await
+                .unwrap();
+            s.write_all(bytes).await.unwrap();
+            let _ = s.shutdown().await;
+            let mut rest = Vec::new();
+            let n = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest))
+                .await
+                .expect("the prefill closes a bad connection")
+                .unwrap_or(0);
+            assert_eq!(n, 0, "no reply to a bad request");
+        }
+        let reply = nixl_keepalive::pd::decode::fetch(&p.addr, Duration::from_secs(5))
+            .await
+            .expect("still answers a good handshake");
+        assert_eq!(reply.engine, p.engine);
+    });
+    let log = std::fs::read_to_string(&p.log).unwrap();
+    assert_eq!(
+        log.matches("bad side-channel frame refused").count(),
+        4,
+        "{log}"
+    );
+}
