@@ -46,12 +46,7 @@
 //! let handshake = keepalive.handshake_started(address.clone());
 //! let loaded = ucx.handshake(&address).unwrap(); // loadRemoteMD + prepXferDlist
 //! let engine = keepalive
-//!     .register(Registration {
-//!         engine: loaded.engine,
-//!         address: loaded.addr,
-//!         agents: loaded.agents,
-//!         resources: loaded.resources,
-//!     })
+//!     .register(Registration::from(loaded))
 //!     .await
 //!     .unwrap();
 //! handshake.finish();

@@ -366,6 +366,7 @@ impl<T: Transport> Keepalive<T> {
     /// releases, and returns what it could not release.
     ///
     /// Cancel safety: not cancel safe; stop it with the token.
+    #[tracing::instrument(name = "nixl_keepalive", skip_all)]
     pub async fn run(mut self, shutdown: CancellationToken) -> Stopped<T::Resources> {
         tracing::info!(
             config = %self.config,

@@ -695,6 +695,7 @@ impl<R> PeerTable<R> {
         let Some(peer) = self.peers.get_mut(&serial) else {
             return;
         };
+        let _span = tracing::info_span!("engine", engine = %peer.id(), serial).entered();
         if !peer.is_live() {
             return;
         }

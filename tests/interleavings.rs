@@ -16,7 +16,7 @@ use std::time::Duration;
 use nixl_keepalive::fake::{FakeConfig, FakeMetadata, FakeResources, FakeUcx};
 use nixl_keepalive::{
     AgentName, Config, EngineId, EngineRef, Event, GoneMode, HandshakeGuard, KeepaliveHandle,
-    PeerAddr, PeerRef, ReadGuard, Registration, ReleaseStep, Transport, TransportError, UcsStatus,
+    PeerAddr, PeerRef, ReadGuard, ReleaseStep, Transport, TransportError, UcsStatus,
 };
 use proptest::prelude::*;
 use tokio::time::Instant;
@@ -237,16 +237,7 @@ impl Run {
             .lock()
             .unwrap()
             .push((hs.resources.clone(), count.clone()));
-        let engine = self
-            .handle
-            .register(Registration {
-                engine: hs.engine,
-                address: hs.addr,
-                agents: hs.agents,
-                resources: hs.resources,
-            })
-            .await
-            .expect("service runs");
+        let engine = self.handle.register(hs.into()).await.expect("service runs");
         self.engines.push((engine, count, address));
         guard.finish();
     }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
     Config, EngineId, EngineRef, EngineState, Event, GoneMode, KeepaliveHandle, NixlStatus,
-    PeerAddr, PeerRef, Registration, ReleaseReason, UcsStatus,
+    PeerAddr, PeerRef, ReleaseReason, UcsStatus,
 };
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
@@ -58,16 +58,7 @@ impl World {
         let metadata = self.ucx.fetch_metadata(address).expect("someone listens");
         self.handle.prepare_reload(&metadata.engine).await.unwrap();
         let hs = self.ucx.load_metadata(&metadata).expect("metadata loads");
-        let engine = self
-            .handle
-            .register(Registration {
-                engine: hs.engine,
-                address: hs.addr,
-                agents: hs.agents,
-                resources: hs.resources,
-            })
-            .await
-            .unwrap();
+        let engine = self.handle.register(hs.into()).await.unwrap();
         guard.finish();
         engine
     }
@@ -385,15 +376,7 @@ async fn a_pinned_engine_id_that_restarts_is_released_before_it_is_loaded_again(
         let hs = ucx
             .load_metadata(&metadata)
             .expect("old metadata was invalidated first");
-        handle
-            .register(Registration {
-                engine: hs.engine,
-                address: hs.addr,
-                agents: hs.agents,
-                resources: hs.resources,
-            })
-            .await
-            .unwrap()
+        handle.register(hs.into()).await.unwrap()
     });
     w.run_for(Duration::from_secs(3)).await;
     assert!(!reconnect.is_finished(), "held by the read in flight");

@@ -231,6 +231,19 @@ pub struct FakeHandshake {
     pub resources: FakeResources,
 }
 
+impl From<FakeHandshake> for crate::Registration<FakeResources> {
+    /// What the decoder runtime registers with the service after the
+    /// handshake.
+    fn from(hs: FakeHandshake) -> Self {
+        crate::Registration {
+            engine: hs.engine,
+            address: hs.addr,
+            agents: hs.agents,
+            resources: hs.resources,
+        }
+    }
+}
+
 /// The prepped dlist handles of one engine, one per rank: the fake's
 /// [`Transport::Resources`].
 ///
