@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::time::Duration;
 
-use crate::ucx_time::{parse_time, TimeField, UcxTime, TIME_SYNTAX_HELP};
+use crate::ucx_time::{parse_time, TimeField, UcxTime};
 
 /// Prefix of every environment variable the service reads.
 pub const ENV_PREFIX: &str = "NIXL_KEEPALIVE_";
@@ -55,7 +55,7 @@ pub const KNOBS: &[Knob] = &[
     Knob {
         env: "NIXL_KEEPALIVE_RATE_PERIOD",
         default: "1s",
-        syntax: "UCX time (TIME), above zero",
+        syntax: "UCX time (TIME), above zero, at most the interval",
         meaning: "Per-engine rate cap: on average at most one notification round per period \
                   to one engine, heartbeats and runtime-requested lease renewals together.",
     },
@@ -214,6 +214,16 @@ impl Config {
                     "must be above zero (use `inf` to disable periodic heartbeats)",
                 ));
             }
+            if self.rate_period > interval {
+                return Err(invalid(
+                    "NIXL_KEEPALIVE_RATE_PERIOD",
+                    &format!("{:?}", self.rate_period),
+                    &format!(
+                        "must not exceed the heartbeat interval ({interval:?}): the rate cap would \
+                         silently stretch every heartbeat to one per rate period"
+                    ),
+                ));
+            }
             if self.jitter >= interval {
                 return Err(invalid(
                     "NIXL_KEEPALIVE_JITTER",
@@ -288,9 +298,9 @@ fn env_time(
         var: knob.env,
         value: value.to_string(),
         reason,
-        expected: TIME_SYNTAX_HELP,
+        expected: field.syntax_help(),
     };
-    match parse_time(value, field).map_err(|e| env_error(e.to_string()))? {
+    match parse_time(value, field).map_err(|e| env_error(e.issue.describe().to_string()))? {
         UcxTime::Finite(d) => Ok(Some(d)),
         UcxTime::Infinite if allow_inf => Ok(None),
         UcxTime::Infinite | UcxTime::Auto => Err(env_error(format!(
@@ -416,7 +426,8 @@ mod tests {
         let text = e.to_string();
         assert!(text.contains("NIXL_KEEPALIVE_INTERVAL"), "{text}");
         assert!(text.contains("\"5h\""), "{text}");
-        assert!(text.contains(TIME_SYNTAX_HELP), "{text}");
+        assert!(text.contains(TimeField::TimeUnits.syntax_help()), "{text}");
+        assert_eq!(text.matches("expected").count(), 1, "{text}");
         let e = from(&[("NIXL_KEEPALIVE_RATE_BURST", "zero")]).unwrap_err();
         assert!(e.to_string().contains("NIXL_KEEPALIVE_RATE_BURST"));
     }
@@ -439,5 +450,30 @@ mod tests {
             .rate_limit(Duration::ZERO, 1)
             .build()
             .is_err());
+    }
+
+    #[test]
+    fn a_rate_cap_slower_than_the_heartbeat_is_refused() {
+        let e = from(&[
+            ("NIXL_KEEPALIVE_INTERVAL", "250ms"),
+            ("NIXL_KEEPALIVE_JITTER", "10ms"),
+        ])
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ConfigError::Invalid {
+                    setting: "NIXL_KEEPALIVE_RATE_PERIOD",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(from(&[
+            ("NIXL_KEEPALIVE_INTERVAL", "250ms"),
+            ("NIXL_KEEPALIVE_JITTER", "10ms"),
+            ("NIXL_KEEPALIVE_RATE_PERIOD", "100ms"),
+        ])
+        .is_ok());
     }
 }

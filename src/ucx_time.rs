@@ -148,7 +148,8 @@ pub enum TimeSyntaxIssue {
 }
 
 impl TimeSyntaxIssue {
-    fn describe(self) -> &'static str {
+    /// What is wrong, in a few words.
+    pub fn describe(self) -> &'static str {
         match self {
             TimeSyntaxIssue::Invalid => "not UCX time syntax",
             TimeSyntaxIssue::SpecialValueNotAllowed => "`inf` and `auto` are not allowed here",
