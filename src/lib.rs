@@ -91,6 +91,7 @@ mod event;
 #[cfg(feature = "fake")]
 pub mod fake;
 pub mod nixl_transport;
+mod offload;
 pub mod pd;
 mod service;
 mod snapshot;

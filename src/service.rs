@@ -1,20 +1,18 @@
 //! The tokio driver: owns the clock, the timers, the transport and the
 //! channels, and carries out what the peer table decides.
 //!
-//! Transport calls are blocking FFI. Each one runs on its own blocking
-//! thread (`spawn_blocking`) and reports back through a join set, so a
-//! notification that hangs on one engine holds one thread and delays no
-//! other engine's heartbeat; the table never stacks a second round on an
-//! engine whose first has not come back.
+//! Transport calls are blocking FFI. They run on blocking threads through
+//! the `offload` queue, which keeps a free thread for every job queued
+//! behind a call in progress, so a notification that hangs on one engine
+//! holds one thread and delays no other engine's heartbeat; the table never
+//! stacks a second round on an engine whose first has not come back.
 
 use std::collections::HashMap;
 use std::future::poll_fn;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use tokio::sync::{broadcast, mpsc, oneshot};
-use tokio::task::JoinSet;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tokio_util::time::{delay_queue, DelayQueue};
@@ -23,10 +21,11 @@ use crate::config::Config;
 use crate::engine::{EngineCell, EngineRef, ReadGuard, Wake};
 use crate::error::{ReadRefused, ServiceStopped};
 use crate::event::Event;
+use crate::offload::{Job, Offload, Outcome};
 use crate::snapshot::{DetectionSummary, Snapshot};
-use crate::table::{Action, GoneMode, PeerRef, PeerTable, Registration, RoundResults};
+use crate::table::{Action, GoneMode, PeerRef, PeerTable, Registration};
 use crate::telemetry;
-use crate::transport::{EngineId, PeerAddr, ReleaseStep, Transport, TransportError};
+use crate::transport::{EngineId, PeerAddr, Transport};
 use crate::ucx_settings::{detection_bound, warnings, UcxSettings};
 use crate::{EngineState, NixlStatus};
 
@@ -253,7 +252,6 @@ pub struct Stopped<R> {
 /// The keepalive service. Create it with [`Keepalive::new`], then run
 /// [`Keepalive::run`] as a tokio task.
 pub struct Keepalive<T: Transport> {
-    transport: Arc<T>,
     config: Config,
     table: PeerTable<T::Resources>,
     commands: mpsc::UnboundedReceiver<Command<T::Resources>>,
@@ -262,8 +260,9 @@ pub struct Keepalive<T: Transport> {
     directory: Directory,
     timers: DelayQueue<u64>,
     timer_keys: HashMap<u64, delay_queue::Key>,
-    heartbeats: JoinSet<(u64, RoundResults)>,
-    releases: JoinSet<(u64, Vec<ReleaseStep>)>,
+    /// Every transport call (heartbeat rounds, releases), off the async
+    /// threads.
+    offload: Offload<T>,
     registering: HashMap<u64, oneshot::Sender<EngineRef>>,
     reloading: HashMap<EngineId, Vec<oneshot::Sender<()>>>,
     startup: Startup,
@@ -292,7 +291,7 @@ impl<T: Transport> Keepalive<T> {
             directory: directory.clone(),
         };
         let service = Keepalive {
-            transport,
+            offload: Offload::new(transport),
             table: PeerTable::new(config.clone(), Instant::now()),
             config,
             commands,
@@ -301,8 +300,6 @@ impl<T: Transport> Keepalive<T> {
             directory,
             timers: DelayQueue::new(),
             timer_keys: HashMap::new(),
-            heartbeats: JoinSet::new(),
-            releases: JoinSet::new(),
             registering: HashMap::new(),
             reloading: HashMap::new(),
             startup: Startup {
@@ -385,6 +382,7 @@ impl<T: Transport> Keepalive<T> {
             t.set_missed_tick_behavior(MissedTickBehavior::Delay);
             t
         });
+        let mut outcomes = Vec::new();
         loop {
             self.carry_out();
             tokio::select! {
@@ -392,13 +390,14 @@ impl<T: Transport> Keepalive<T> {
                 _ = shutdown.cancelled() => break,
                 Some(wake) = self.wake.recv() => self.on_wake(wake),
                 Some(command) = self.commands.recv() => self.on_command(command),
-                Some(done) = self.releases.join_next(), if !self.releases.is_empty() => {
-                    let (serial, steps) = done.expect("release jobs catch panics");
-                    self.table.release_done(Instant::now(), serial, steps);
-                }
-                Some(done) = self.heartbeats.join_next(), if !self.heartbeats.is_empty() => {
-                    let (serial, results) = done.expect("heartbeat jobs catch panics");
-                    self.table.heartbeat_done(Instant::now(), serial, results);
+                _ = self.offload.recv(&mut outcomes) => {
+                    let now = Instant::now();
+                    for outcome in outcomes.drain(..) {
+                        match outcome {
+                            Outcome::Release { serial, steps } => self.table.release_done(now, serial, steps),
+                            Outcome::Heartbeat { serial, results } => self.table.heartbeat_done(now, serial, results),
+                        }
+                    }
                 }
                 Some(expired) = poll_fn(|cx| self.timers.poll_expired(cx)) => {
                     let serial = expired.into_inner();
@@ -418,10 +417,16 @@ impl<T: Transport> Keepalive<T> {
         }
         self.table.shutdown(Instant::now());
         self.carry_out();
-        while let Some(done) = self.releases.join_next().await {
-            let (serial, steps) = done.expect("release jobs catch panics");
-            self.table.release_done(Instant::now(), serial, steps);
-            self.carry_out();
+        // Wait for the releases, not for heartbeats: a hung notification
+        // must not hold the shutdown. Their results are no longer heard.
+        while self.offload.releases_pending() > 0 {
+            self.offload.recv(&mut outcomes).await;
+            for outcome in outcomes.drain(..) {
+                if let Outcome::Release { serial, steps } = outcome {
+                    self.table.release_done(Instant::now(), serial, steps);
+                    self.carry_out();
+                }
+            }
         }
         let unreleased = std::mem::replace(
             &mut self.table,
@@ -500,48 +505,22 @@ impl<T: Transport> Keepalive<T> {
                     serial,
                     agents,
                     message,
-                } => {
-                    let transport = self.transport.clone();
-                    self.heartbeats.spawn_blocking(move || {
-                        let results = agents
-                            .into_iter()
-                            .map(|agent| {
-                                let result = catch_unwind(AssertUnwindSafe(|| {
-                                    transport.notify(&agent, &message)
-                                }))
-                                .unwrap_or_else(|_| {
-                                    Err(TransportError::new(
-                                        "genNotif (transport panicked)",
-                                        NixlStatus::ERR_UNKNOWN,
-                                    ))
-                                });
-                                (agent, result)
-                            })
-                            .collect();
-                        (serial, results)
-                    });
-                }
+                } => self.offload.submit(Job::Heartbeat {
+                    serial,
+                    agents,
+                    message,
+                }),
                 Action::Release {
                     serial,
                     engine,
                     agents,
                     resources,
-                } => {
-                    let transport = self.transport.clone();
-                    self.releases.spawn_blocking(move || {
-                        let steps = catch_unwind(AssertUnwindSafe(|| {
-                            transport.release(&engine, &agents, resources)
-                        }))
-                        .unwrap_or_else(|_| {
-                            tracing::error!(%engine, "transport panicked while releasing");
-                            vec![ReleaseStep {
-                                target: crate::transport::ReleaseTarget::DlistHandle(0),
-                                status: NixlStatus::ERR_UNKNOWN,
-                            }]
-                        });
-                        (serial, steps)
-                    });
-                }
+                } => self.offload.submit(Job::Release {
+                    serial,
+                    engine,
+                    agents,
+                    resources,
+                }),
                 Action::Activated(engine) => {
                     let serial = engine.cell.serial();
                     self.directory

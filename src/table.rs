@@ -64,8 +64,16 @@ pub enum GoneMode {
     Fail,
 }
 
-/// One heartbeat round's results, one per agent.
-pub(crate) type RoundResults = Vec<(AgentName, Result<(), TransportError>)>;
+/// One heartbeat round's results: how many notifications NIXL accepted,
+/// and the ones that failed, in agent order. A round where every agent
+/// accepted allocates nothing.
+#[derive(Debug, Default)]
+pub(crate) struct RoundResults {
+    /// Notifications accepted.
+    pub(crate) sent: usize,
+    /// Notifications that failed, with their agent.
+    pub(crate) failed: Vec<(AgentName, TransportError)>,
+}
 
 /// Registrations queued behind the release of their engine id's previous
 /// registration.
@@ -80,14 +88,14 @@ pub(crate) enum Action<R> {
     /// Send `message` to every agent of the engine, off the async threads.
     SendHeartbeat {
         serial: u64,
-        agents: Vec<AgentName>,
-        message: Vec<u8>,
+        agents: Arc<[AgentName]>,
+        message: Arc<[u8]>,
     },
     /// Give back the engine's NIXL state, off the async threads.
     Release {
         serial: u64,
         engine: EngineId,
-        agents: Vec<AgentName>,
+        agents: Arc<[AgentName]>,
         resources: R,
     },
     /// A registration is active: hand its reference to whoever awaits it.
@@ -110,11 +118,15 @@ struct Mark {
 struct Peer<R> {
     cell: Arc<EngineCell>,
     address: PeerAddr,
-    agents: Vec<AgentName>,
+    /// Shared with every heartbeat round in flight: no copy per round.
+    agents: Arc<[AgentName]>,
     /// `None` once handed to the transport.
     resources: Option<R>,
     mark: Option<Mark>,
     leases: BTreeSet<String>,
+    /// The heartbeat message for `leases`, built at the first round after
+    /// they change (`None` until then).
+    message: Option<Arc<[u8]>>,
     next_heartbeat: Option<Instant>,
     heartbeat_in_flight: bool,
     /// A lease renewal was asked for and has not gone out yet.
@@ -223,6 +235,8 @@ pub(crate) struct PeerTable<R> {
     rate: RateCap,
     rng: StdRng,
     actions: VecDeque<Action<R>>,
+    /// The message of an engine without leases, shared by all of them.
+    idle_message: Arc<[u8]>,
     /// Appended to a live engine's "why not released": what the settings in
     /// force say about silent peers.
     silent_peer_note: String,
@@ -245,6 +259,7 @@ impl<R> PeerTable<R> {
             waiting: HashMap::new(),
             rng,
             actions: VecDeque::new(),
+            idle_message: heartbeat_message(&BTreeSet::new()).into(),
             silent_peer_note: "UCX settings not given to the service".to_string(),
         }
     }
@@ -332,10 +347,11 @@ impl<R> PeerTable<R> {
             Peer {
                 cell: cell.clone(),
                 address: address.clone(),
-                agents,
+                agents: agents.into(),
                 resources: Some(resources),
                 mark: None,
                 leases: BTreeSet::new(),
+                message: None,
                 next_heartbeat: None,
                 heartbeat_in_flight: false,
                 renewal_wanted: false,
@@ -423,7 +439,10 @@ impl<R> PeerTable<R> {
             return;
         };
         let peer = self.peers.get_mut(&serial).expect("live serial");
-        peer.leases.extend(requests);
+        if !requests.is_empty() {
+            peer.leases.extend(requests);
+            peer.message = None;
+        }
         if renew_now {
             self.renew(now, serial);
         }
@@ -433,7 +452,9 @@ impl<R> PeerTable<R> {
     pub(crate) fn remove_leases(&mut self, id: &EngineId, requests: &[String]) {
         if let Some(peer) = self.by_id.get(id).and_then(|s| self.peers.get_mut(s)) {
             for r in requests {
-                peer.leases.remove(r);
+                if peer.leases.remove(r) {
+                    peer.message = None;
+                }
             }
         }
     }
@@ -519,7 +540,18 @@ impl<R> PeerTable<R> {
         let peer = self.peers.get_mut(&serial).expect("live serial");
         peer.heartbeat_in_flight = true;
         peer.renewal_wanted = false;
-        let message = heartbeat_message(&peer.leases);
+        let message = match &peer.message {
+            Some(message) => message.clone(),
+            None => {
+                let message: Arc<[u8]> = if peer.leases.is_empty() {
+                    self.idle_message.clone()
+                } else {
+                    heartbeat_message(&peer.leases).into()
+                };
+                peer.message = Some(message.clone());
+                message
+            }
+        };
         let agents = peer.agents.clone();
         self.actions.push_back(Action::SendHeartbeat {
             serial,
@@ -540,17 +572,15 @@ impl<R> PeerTable<R> {
     pub(crate) fn heartbeat_done(&mut self, now: Instant, serial: u64, results: RoundResults) {
         let mut disconnect = None;
         let mut transient = Vec::new();
-        for (agent, result) in &results {
-            match result {
-                Ok(()) => telemetry::heartbeat_sent(),
-                Err(e) => {
-                    telemetry::heartbeat_failed(e.status);
-                    if e.status.is_remote_disconnect() {
-                        disconnect.get_or_insert(e.status);
-                    } else {
-                        transient.push((agent.clone(), e.status));
-                    }
-                }
+        for _ in 0..results.sent {
+            telemetry::heartbeat_sent();
+        }
+        for (agent, e) in results.failed {
+            telemetry::heartbeat_failed(e.status);
+            if e.status.is_remote_disconnect() {
+                disconnect.get_or_insert(e.status);
+            } else {
+                transient.push((agent, e.status));
             }
         }
         let Some(peer) = self.peers.get_mut(&serial) else {
@@ -665,7 +695,7 @@ impl<R> PeerTable<R> {
                 p.resources.map(|resources| Registration {
                     engine,
                     address: p.address,
-                    agents: p.agents,
+                    agents: p.agents.to_vec(),
                     resources,
                 })
             })
@@ -712,6 +742,7 @@ impl<R> PeerTable<R> {
             held_by_handshake: false,
         });
         peer.leases.clear();
+        peer.message = None;
         tracing::info!(engine = %peer.id(), state = state.as_str(), reads_in_flight = reads, "engine marked for release");
         self.unschedule(serial);
         if reason == ReleaseReason::Unreachable {
@@ -877,7 +908,7 @@ impl<R> PeerTable<R> {
         EngineSnapshot {
             engine: p.id().clone(),
             address: p.address.clone(),
-            agents: p.agents.clone(),
+            agents: p.agents.to_vec(),
             state: p.cell.state(),
             reads_in_flight: reads,
             leases: p.leases.iter().cloned().collect(),
