@@ -107,7 +107,7 @@ pub use error::{ReadRefused, ServiceStopped};
 pub use event::{Event, ReleaseReason, WaitedFor};
 pub use service::{spawn, HandshakeGuard, Keepalive, KeepaliveHandle, Stopped};
 pub use snapshot::{DetectionSummary, EngineSnapshot, HeartbeatSnapshot, Snapshot};
-pub use table::{heartbeat_message, GoneMode, PeerRef, Registration};
+pub use table::{heartbeat_message, GoneMode, PeerRef, Registration, HEARTBEAT_SLOT};
 
 pub use nixl_sys::NixlStatus;
 pub use transport::{

@@ -10,17 +10,24 @@
 //! > while a job is queued, at least one worker is alive and not inside a
 //! > transport call.
 //!
-//! A submit that finds every worker inside a call starts a worker; a worker
-//! that takes a job, leaving others queued while every worker is inside a
-//! call, starts a worker before it makes its own call. So a call that hangs
-//! holds its own thread only, and whatever is queued behind it always has a
-//! free worker. In the common case (fast calls) one worker drains a whole
-//! tick's worth of jobs.
+//! A submit that finds every worker inside a call starts a worker. A worker
+//! that takes a job, leaving others queued while every other worker is
+//! inside a call that has already lasted [`STUCK`], starts a spare before it
+//! makes its own call (alone, it always does). So a call that hangs holds
+//! its own thread only, and whatever is queued behind it has a worker. In
+//! the common case (fast calls) two workers drain a whole slot's worth of
+//! jobs; a spare per job (the rule without the [`STUCK`] test) cost a
+//! thread start per heartbeat in bursts.
 //!
-//! The rule needs no clock. A watchdog that notices a call stuck for a few
-//! milliseconds would need a timer; tokio's timers follow the paused clock
-//! in tests, which does not move while a blocking task runs, so a job
-//! queued behind a hung call would wait for a timer that never fires.
+//! What is left: two calls that start within [`STUCK`] of each other and
+//! both hang leave the jobs behind them waiting for the next submit (the
+//! next heartbeat slot or release), which starts a worker.
+//!
+//! The rule reads the wall clock (`std::time::Instant`) at each take, and
+//! sets no timer: a watchdog would need one, and tokio's timers follow the
+//! paused clock in tests, which does not move while a blocking task runs,
+//! so a job queued behind a hung call would wait for a timer that never
+//! fires.
 //!
 //! Workers are tokio blocking tasks, not bare threads, and each hands its
 //! result to the driver before it takes the next job or exits. On a paused
@@ -31,6 +38,7 @@
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
@@ -86,21 +94,44 @@ struct Lane<T: Transport> {
     outcomes: mpsc::UnboundedSender<Outcome>,
 }
 
+/// A call lasting this long (wall clock) is taken as possibly hung when a
+/// worker decides whether jobs queued behind it need a spare worker.
+pub(crate) const STUCK: Duration = Duration::from_millis(1);
+
 /// Jobs waiting, and the workers that serve them. Counters change only
 /// under the lock, with the jobs.
 struct Queue<R> {
     jobs: VecDeque<Job<R>>,
     /// Workers started and not yet exited.
     workers: usize,
-    /// Workers inside a transport call.
-    in_call: usize,
+    /// Workers inside a transport call, by worker id, with when the call
+    /// began.
+    in_call: Vec<(u64, Instant)>,
+    next_worker: u64,
 }
 
 impl<R> Queue<R> {
-    /// Counts a new worker if jobs wait and every worker is inside a call
-    /// (or there is none); the caller then starts it.
+    /// At a submit: counts a new worker if jobs wait and every worker is
+    /// inside a call (or there is none); the caller then starts it.
     fn claim_worker(&mut self) -> bool {
-        let needed = !self.jobs.is_empty() && self.in_call == self.workers;
+        let needed = !self.jobs.is_empty() && self.in_call.len() == self.workers;
+        if needed {
+            self.workers += 1;
+        }
+        needed
+    }
+
+    /// At a take by worker `me`, just counted inside its call: counts a
+    /// spare if jobs still wait, no worker is free, and every other call in
+    /// progress has lasted [`STUCK`].
+    fn claim_spare(&mut self, me: u64, now: Instant) -> bool {
+        let needed = !self.jobs.is_empty()
+            && self.in_call.len() == self.workers
+            && self
+                .in_call
+                .iter()
+                .filter(|(id, _)| *id != me)
+                .all(|(_, since)| now.duration_since(*since) >= STUCK);
         if needed {
             self.workers += 1;
         }
@@ -119,7 +150,8 @@ impl<T: Transport> Offload<T> {
                 queue: Mutex::new(Queue {
                     jobs: VecDeque::new(),
                     workers: 0,
-                    in_call: 0,
+                    in_call: Vec::new(),
+                    next_worker: 0,
                 }),
                 outcomes: tx,
             }),
@@ -190,17 +222,23 @@ impl<T: Transport> Lane<T> {
 
     /// A worker: takes jobs until the queue is empty, then exits.
     fn work(self: &Arc<Self>) {
+        let me = {
+            let mut queue = self.lock();
+            queue.next_worker += 1;
+            queue.next_worker
+        };
         let mut finished: Option<Outcome> = None;
         loop {
             let (job, start) = {
                 let mut queue = self.lock();
                 if finished.is_some() {
-                    queue.in_call -= 1;
+                    queue.in_call.retain(|(id, _)| *id != me);
                 }
                 match queue.jobs.pop_front() {
                     Some(job) => {
-                        queue.in_call += 1;
-                        (Some(job), queue.claim_worker())
+                        let now = Instant::now();
+                        queue.in_call.push((me, now));
+                        (Some(job), queue.claim_spare(me, now))
                     }
                     None => {
                         queue.workers -= 1;
@@ -219,7 +257,8 @@ impl<T: Transport> Lane<T> {
             };
             if start {
                 // Jobs wait behind this call and every other worker is in
-                // one: they get a worker of their own, in case this hangs.
+                // a call that may be hung: they get a worker of their own,
+                // in case this one hangs too.
                 Lane::start_worker(self);
             }
             finished = Some(self.call(job));

@@ -17,6 +17,7 @@ use nixl_keepalive::fake::{FakeConfig, FakeMetadata, FakeResources, FakeUcx};
 use nixl_keepalive::{
     AgentName, Config, EngineId, EngineRef, Event, GoneMode, HandshakeGuard, KeepaliveHandle,
     PeerAddr, PeerRef, ReadGuard, ReleaseStep, Transport, TransportError, UcsStatus,
+    HEARTBEAT_SLOT,
 };
 use proptest::prelude::*;
 use tokio::time::Instant;
@@ -391,7 +392,7 @@ impl Run {
     }
 
     fn check_watches(&mut self) {
-        let bound = INTERVAL + JITTER + RATE_PERIOD + Duration::from_millis(10);
+        let bound = INTERVAL + JITTER + RATE_PERIOD + HEARTBEAT_SLOT;
         let now = Instant::now();
         let mut late = Vec::new();
         self.watches.retain(|w| {
