@@ -512,7 +512,9 @@ impl<R> PeerTable<R> {
         let Some(peer) = self.peers.get_mut(&serial) else {
             return;
         };
-        peer.next_heartbeat = None;
+        // The schedule runs from the deadline, not from when the timer was
+        // served, so serving delays (and the slot rounding) never add up.
+        let due = peer.next_heartbeat.take().map_or(now, |due| due.min(now));
         if !peer.is_live() {
             return;
         }
@@ -526,7 +528,7 @@ impl<R> PeerTable<R> {
             return;
         }
         match self.rate.check(serial, now) {
-            Ok(()) => self.send_heartbeat(now, serial),
+            Ok(()) => self.send_heartbeat(due, serial),
             Err(wait) => {
                 telemetry::heartbeat_deferred();
                 self.schedule(serial, now + wait);
@@ -553,7 +555,9 @@ impl<R> PeerTable<R> {
         }
     }
 
-    fn send_heartbeat(&mut self, now: Instant, serial: u64) {
+    /// Sends a round now; the next is due one interval (plus jitter) after
+    /// `base`: the deadline this round was due at, or now for a renewal.
+    fn send_heartbeat(&mut self, base: Instant, serial: u64) {
         let peer = self.peers.get_mut(&serial).expect("live serial");
         peer.heartbeat_in_flight = true;
         peer.renewal_wanted = false;
@@ -579,7 +583,7 @@ impl<R> PeerTable<R> {
             let jitter = self.config.jitter.as_secs_f64();
             let delta = self.rng.random_range(-jitter..=jitter);
             let next = Duration::from_secs_f64((interval.as_secs_f64() + delta).max(0.0));
-            self.schedule(serial, now + next);
+            self.schedule(serial, base + next);
         } else {
             self.unschedule(serial);
         }
