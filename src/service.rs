@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::engine::{EngineCell, EngineRef, ReadGuard, Wake};
 use crate::error::{ReadRefused, ServiceStopped};
 use crate::event::Event;
-use crate::offload::{Job, Offload, Outcome};
+use crate::offload::{Offload, Outcome};
 use crate::snapshot::{DetectionSummary, Snapshot};
 use crate::table::{Action, GoneMode, PeerRef, PeerTable, Registration};
 use crate::telemetry;
@@ -501,26 +501,7 @@ impl<T: Transport> Keepalive<T> {
                         self.timers.try_remove(&key);
                     }
                 }
-                Action::SendHeartbeat {
-                    serial,
-                    agents,
-                    message,
-                } => self.offload.submit(Job::Heartbeat {
-                    serial,
-                    agents,
-                    message,
-                }),
-                Action::Release {
-                    serial,
-                    engine,
-                    agents,
-                    resources,
-                } => self.offload.submit(Job::Release {
-                    serial,
-                    engine,
-                    agents,
-                    resources,
-                }),
+                Action::Call(job) => self.offload.submit(job),
                 Action::Activated(engine) => {
                     let serial = engine.cell.serial();
                     self.directory

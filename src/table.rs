@@ -26,6 +26,7 @@ use tokio::time::Instant;
 use crate::config::Config;
 use crate::engine::{EngineCell, EngineRef, EngineState};
 use crate::event::{Event, ReleaseReason, WaitedFor};
+use crate::offload::Job;
 use crate::snapshot::{EngineSnapshot, HeartbeatSnapshot, Snapshot};
 use crate::telemetry;
 use crate::transport::{AgentName, EngineId, PeerAddr, ReleaseStep, TransportError};
@@ -93,19 +94,9 @@ pub(crate) enum Action<R> {
     Schedule { serial: u64, at: Instant },
     /// Disarm the engine's heartbeat timer.
     Unschedule { serial: u64 },
-    /// Send `message` to every agent of the engine, off the async threads.
-    SendHeartbeat {
-        serial: u64,
-        agents: Arc<[AgentName]>,
-        message: Arc<[u8]>,
-    },
-    /// Give back the engine's NIXL state, off the async threads.
-    Release {
-        serial: u64,
-        engine: EngineId,
-        agents: Arc<[AgentName]>,
-        resources: R,
-    },
+    /// Make a transport call (a heartbeat round, a release), off the
+    /// async threads.
+    Call(Job<R>),
     /// A registration is active: hand its reference to whoever awaits it.
     Activated(EngineRef),
     /// No registration of this engine id is held any more: its metadata
@@ -574,11 +565,11 @@ impl<R> PeerTable<R> {
             }
         };
         let agents = peer.agents.clone();
-        self.actions.push_back(Action::SendHeartbeat {
+        self.actions.push_back(Action::Call(Job::Heartbeat {
             serial,
             agents,
             message,
-        });
+        }));
         if let Some(interval) = self.config.heartbeat_interval {
             let jitter = self.config.jitter.as_secs_f64();
             let delta = self.rng.random_range(-jitter..=jitter);
@@ -823,12 +814,12 @@ impl<R> PeerTable<R> {
         let resources = peer.resources.take().expect("checked above");
         let agents = peer.agents.clone();
         self.rate.keys.forget(serial);
-        self.actions.push_back(Action::Release {
+        self.actions.push_back(Action::Call(Job::Release {
             serial,
             engine,
             agents,
             resources,
-        });
+        }));
     }
 
     fn schedule(&mut self, serial: u64, at: Instant) {
