@@ -41,6 +41,7 @@ fn an_operator_kills_a_prefill_and_the_decode_command_releases_it() {
             &metrics,
         ])
         .env("NIXL_KEEPALIVE_INTERVAL", "500ms")
+        .env("NIXL_KEEPALIVE_RATE_PERIOD", "100ms")
         .env("NIXL_KEEPALIVE_JITTER", "50ms")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
