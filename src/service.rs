@@ -2,8 +2,8 @@
 //! channels, and carries out what the peer table decides.
 //!
 //! Transport calls are blocking FFI. They run on blocking threads through
-//! the `offload` queue, which keeps a free thread for every job queued
-//! behind a call in progress, so a notification that hangs on one engine
+//! the `offload` queue, which gives jobs queued behind a call that may be
+//! hung a thread of their own, so a notification that hangs on one engine
 //! holds one thread and delays no other engine's heartbeat; the table never
 //! stacks a second round on an engine whose first has not come back.
 
