@@ -428,11 +428,7 @@ impl<T: Transport> Keepalive<T> {
                 }
             }
         }
-        let unreleased = std::mem::replace(
-            &mut self.table,
-            PeerTable::new(self.config.clone(), Instant::now()),
-        )
-        .into_unreleased();
+        let unreleased = self.table.into_unreleased();
         if !unreleased.is_empty() {
             tracing::warn!(
                 engines = unreleased.len(),

@@ -681,9 +681,9 @@ impl<R> PeerTable<R> {
         }
     }
 
-    /// The service is stopping: every engine that can be released now is.
-    /// Returns the registrations still held (reads in flight or handshake
-    /// pending) with their resources.
+    /// The service is stopping: every live engine is marked, so each one
+    /// that can be released now is; [`PeerTable::into_unreleased`] hands
+    /// back the rest (reads in flight or handshake pending).
     pub(crate) fn shutdown(&mut self, now: Instant) {
         let live: Vec<u64> = self
             .peers
