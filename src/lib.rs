@@ -92,7 +92,6 @@ mod event;
 pub mod fake;
 pub mod nixl_transport;
 mod offload;
-pub mod pd;
 mod service;
 mod snapshot;
 mod table;

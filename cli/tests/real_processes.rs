@@ -9,11 +9,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
-use nixl_keepalive::pd::decode::{DecodeOptions, Handshake, ReadOutcome};
 use nixl_keepalive::{EngineId, EngineState, Event, NixlStatus, ReleaseReason};
+use nixl_keepalive_cli::pd::decode::{DecodeOptions, Handshake, ReadOutcome};
 use nixl_sys::testing::runtime_or_skip;
 
-fn connected(h: Handshake) -> nixl_keepalive::pd::decode::Connected {
+fn connected(h: Handshake) -> nixl_keepalive_cli::pd::decode::Connected {
     match h {
         Handshake::New(c) => c,
         Handshake::Unchanged => panic!("expected a new engine"),
@@ -478,7 +478,7 @@ fn a_prefill_refuses_bad_side_channel_input_and_keeps_answering() {
                 .unwrap_or(0);
             assert_eq!(n, 0, "no reply to a bad request");
         }
-        let reply = nixl_keepalive::pd::decode::fetch(&p.addr, Duration::from_secs(5))
+        let reply = nixl_keepalive_cli::pd::decode::fetch(&p.addr, Duration::from_secs(5))
             .await
             .expect("still answers a good handshake");
         assert_eq!(reply.engine, p.engine);

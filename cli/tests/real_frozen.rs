@@ -15,8 +15,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{config, report, serial, DecodeSide, PrefillProc, PrefillSpec};
-use nixl_keepalive::pd::decode::{DecodeOptions, Handshake, ReadOutcome};
 use nixl_keepalive::{EngineId, EngineState, Event, PeerAddr, Transport};
+use nixl_keepalive_cli::pd::decode::{DecodeOptions, Handshake, ReadOutcome};
 use nixl_sys::testing::runtime_or_skip;
 
 const CHILD_ENV: &str = "NIXL_KEEPALIVE_FROZEN_CHILD";

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use nixl_keepalive::pd::prefill::{fresh_engine_id, Prefill, PrefillConfig};
 use nixl_keepalive::EngineId;
+use nixl_keepalive_cli::pd::prefill::{fresh_engine_id, Prefill, PrefillConfig};
 use tokio_util::sync::CancellationToken;
 
 /// `prefill`'s flags.

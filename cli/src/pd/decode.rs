@@ -25,9 +25,11 @@ use tokio_util::sync::CancellationToken;
 use super::pattern;
 use super::prefill::request_id;
 use super::wire::{self, HandshakeReply, WireError};
-use crate::nixl_transport::{NixlTransport, RemoteDlists};
-use crate::KeepaliveHandle;
-use crate::{AgentName, EngineId, EngineRef, EngineState, PeerAddr, Registration, ServiceStopped};
+use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
+use nixl_keepalive::KeepaliveHandle;
+use nixl_keepalive::{
+    AgentName, EngineId, EngineRef, EngineState, PeerAddr, Registration, ServiceStopped,
+};
 
 /// A handshake that did not complete. Nothing stays loaded.
 #[derive(Debug, thiserror::Error)]

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nixl_keepalive::nixl_transport::NixlTransport;
-use nixl_keepalive::pd::decode::{DecodeOptions, Decoder, Handshake};
 use nixl_keepalive::{Config, EngineId, Event, PeerAddr};
+use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder, Handshake};
 use nixl_sys::{Agent, AgentConfig};
 use tokio_util::sync::CancellationToken;
 

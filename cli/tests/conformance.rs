@@ -18,11 +18,11 @@ use std::time::{Duration, Instant};
 use common::{decode_transport, report, serial, PrefillProc, PrefillSpec};
 use nixl_keepalive::fake::{FakeConfig, FakeError, FakeHandshake, FakeUcx};
 use nixl_keepalive::nixl_transport::{NixlTransport, ProgressPoller};
-use nixl_keepalive::pd::decode::{fetch, HandshakeError, ReadOutcome, RemoteEngine};
 use nixl_keepalive::{
     AgentName, EngineId, NixlStatus, PeerAddr, ReleaseStep, ReleaseTarget, Transport,
     TransportError,
 };
+use nixl_keepalive_cli::pd::decode::{fetch, HandshakeError, ReadOutcome, RemoteEngine};
 use nixl_sys::testing::runtime_or_skip;
 
 /// What differs between transports, as measured.

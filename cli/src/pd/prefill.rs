@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::pattern;
 use super::wire::{self, HandshakeReply, RankInfo};
-use crate::transport::EngineId;
+use nixl_keepalive::EngineId;
 
 /// How to start a prefill engine.
 #[derive(Clone, Debug)]
