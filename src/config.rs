@@ -73,6 +73,14 @@ pub const KNOBS: &[Knob] = &[
                   told how many it missed.",
     },
     Knob {
+        env: "NIXL_KEEPALIVE_SHUTDOWN_DRAIN",
+        default: "5s",
+        syntax: "UCX time (TIME)",
+        meaning: "At shutdown, how long reads in flight may go on: every engine is marked at \
+                  once (no new reads), each is released as its reads end, and what still has \
+                  reads after this is handed back unreleased.",
+    },
+    Knob {
         env: "NIXL_KEEPALIVE_METRICS_PERIOD",
         default: "1s",
         syntax: "UCX time (TIME_UNITS): `inf` disables",
@@ -97,6 +105,9 @@ pub struct Config {
     pub event_capacity: usize,
     /// Gauge refresh period; `None` disables the refresh.
     pub metrics_period: Option<Duration>,
+    /// At shutdown, how long reads in flight may go on before the engines
+    /// that still have reads are handed back unreleased.
+    pub shutdown_drain: Duration,
     /// Seed for the heartbeat jitter; `None` seeds from the OS. Tests and
     /// the demo fix it so that runs repeat.
     pub seed: Option<u64>,
@@ -111,6 +122,7 @@ impl Default for Config {
             rate_burst: 2,
             event_capacity: 1024,
             metrics_period: Some(Duration::from_secs(1)),
+            shutdown_drain: Duration::from_secs(5),
             seed: None,
         }
     }
@@ -179,6 +191,9 @@ impl Config {
                 "NIXL_KEEPALIVE_RATE_BURST" => config.rate_burst = env_count(knob, &value)?,
                 "NIXL_KEEPALIVE_EVENT_CAPACITY" => {
                     config.event_capacity = env_count(knob, &value)? as usize
+                }
+                "NIXL_KEEPALIVE_SHUTDOWN_DRAIN" => {
+                    config.shutdown_drain = required(env_time(knob, &value, TimeField::Time, false)?)
                 }
                 "NIXL_KEEPALIVE_METRICS_PERIOD" => {
                     config.metrics_period = env_time(knob, &value, TimeField::TimeUnits, true)?
@@ -361,6 +376,12 @@ impl ConfigBuilder {
     /// Gauge refresh period; `None` disables it.
     pub fn metrics_period(mut self, period: Option<Duration>) -> Self {
         self.config.metrics_period = period;
+        self
+    }
+
+    /// How long reads in flight may go on at shutdown.
+    pub fn shutdown_drain(mut self, drain: Duration) -> Self {
+        self.config.shutdown_drain = drain;
         self
     }
 
