@@ -60,7 +60,11 @@ fn main() {
         let t0 = Instant::now();
         for e in &cluster.others[1] {
             cluster.ucx.crash(e);
-            cluster.handle.report_transfer(e, NixlStatus::ERR_REMOTE_DISCONNECT);
+            cluster
+                .handle
+                .engine(e)
+                .expect("registered")
+                .report_transfer(NixlStatus::ERR_REMOTE_DISCONNECT);
         }
         let b = released_all(&mut events, &cluster.others[1]).await;
         let b_elapsed = t0.elapsed();

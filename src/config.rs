@@ -193,7 +193,8 @@ impl Config {
                     config.event_capacity = env_count(knob, &value)? as usize
                 }
                 "NIXL_KEEPALIVE_SHUTDOWN_DRAIN" => {
-                    config.shutdown_drain = required(env_time(knob, &value, TimeField::Time, false)?)
+                    config.shutdown_drain =
+                        required(env_time(knob, &value, TimeField::Time, false)?)
                 }
                 "NIXL_KEEPALIVE_METRICS_PERIOD" => {
                     config.metrics_period = env_time(knob, &value, TimeField::TimeUnits, true)?

@@ -6,6 +6,33 @@ use std::time::Duration;
 use crate::transport::{EngineId, PeerAddr};
 use crate::NixlStatus;
 
+/// Where a status came from. One classifier judges every status
+/// whatever its source; the source only says where it was seen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Source {
+    /// A heartbeat notification (`genNotif`).
+    Heartbeat,
+    /// A transfer's result (`postXferReq` / `getXferStatus`), reported by
+    /// the runtime through its read guard or engine reference.
+    Transfer,
+}
+
+impl Source {
+    /// A short lowercase name, used in logs and as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Heartbeat => "heartbeat",
+            Source::Transfer => "transfer",
+        }
+    }
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Why an engine was released.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReleaseReason {
@@ -63,8 +90,8 @@ pub enum Event {
         engine: EngineId,
         /// The raw status that said so.
         status: NixlStatus,
-        /// `heartbeat` or `transfer`.
-        source: &'static str,
+        /// Where it was seen.
+        source: Source,
     },
     /// A new engine id registered at a known address (or the same id again:
     /// then `old == new`).
@@ -97,8 +124,8 @@ pub enum Event {
         engine: EngineId,
         /// The raw status.
         status: NixlStatus,
-        /// `heartbeat` or `transfer`.
-        source: &'static str,
+        /// Where it was seen.
+        source: Source,
     },
     /// The engine's NIXL state was given back.
     Released {
@@ -110,5 +137,19 @@ pub enum Event {
         waited_for: WaitedFor,
         /// Release steps that failed with something other than NOT_FOUND.
         failed_steps: usize,
+        /// The transport panicked while releasing: what it had done is
+        /// unknown, and nothing is retried (its resources were consumed).
+        panicked: bool,
+    },
+    /// A transport call panicked. Not a disconnect: the engine is kept
+    /// (a heartbeat) or counted as released (a release, see
+    /// [`Event::Released::panicked`]).
+    TransportPanicked {
+        /// The engine the call was for.
+        engine: EngineId,
+        /// The call: `genNotif` or `release`.
+        call: &'static str,
+        /// The panic's message, when it was text.
+        message: String,
     },
 }

@@ -41,15 +41,14 @@
 //! let (keepalive, task) = nixl_keepalive::spawn(Arc::new(ucx.clone()), config, shutdown.clone());
 //! let mut events = keepalive.subscribe();
 //!
-//! // 2. Register an engine after its handshake. The guard holds back the
-//! //    release of whatever engine was at this address until it drops.
-//! let handshake = keepalive.handshake_started(address.clone());
-//! let loaded = ucx.handshake(&address).unwrap(); // loadRemoteMD + prepXferDlist
-//! let engine = keepalive
-//!     .register(Registration::from(loaded))
-//!     .await
-//!     .unwrap();
-//! handshake.finish();
+//! // 2. Connect (or reconnect, or reload a pinned id): the handshake
+//! //    protocol. Whatever registration of that engine id exists goes
+//! //    first; nothing waits for itself.
+//! let handshake = keepalive.handshake(address.clone());
+//! let metadata = ucx.fetch_metadata(&address).unwrap(); // the side channel
+//! let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
+//! let loaded = ucx.load_metadata(&metadata).unwrap(); // loadRemoteMD + prepXferDlist
+//! let engine = ready.register(Registration::from(loaded)).await.unwrap();
 //!
 //! // 3. Wrap every read: the engine is never released while a guard lives.
 //! let read = engine.begin_read().expect("engine is live");
@@ -68,45 +67,55 @@
 //! }
 //! assert!(engine.begin_read().is_err());
 //! shutdown.cancel();
-//! task.await.unwrap();
+//! let stopped = task.await.unwrap();
+//! assert!(stopped.unreleased.is_empty());
 //! ucx.assert_nothing_leaked();
 //! # }
 //! ```
 //!
 //! # How it is built
 //!
-//! The peer table ([`table`](crate::Registration)'s module) is a synchronous
-//! state machine: every input carries `now`, every decision comes out as an
-//! action. The driver ([`Keepalive`]) owns tokio's clock, a `DelayQueue` of
-//! per-engine heartbeat timers, the transport and the channels. Reads are
-//! counted per engine with one atomic word ([`EngineRef::begin_read`]), so
-//! the hot path takes no lock. Transport calls are blocking FFI and run on
-//! blocking threads, one call per thread: a hung call delays nothing else.
+//! The rules live in one synchronous state machine, the core (`src/core/`):
+//! every input carries `now`, every decision comes out as an action, it
+//! owns its timers and takes its randomness from outside, and it imports
+//! neither the driver nor the offload queue. The driver ([`Keepalive`])
+//! owns tokio's clock, the transport and the channels, sleeps to the core's
+//! next deadline and carries out its actions. Reads are counted per
+//! registration with one atomic word ([`EngineRef::begin_read`]), so the hot
+//! path takes no lock. Transport calls are blocking FFI; they run on
+//! blocking workers in batches, and a watchdog gives the calls queued
+//! behind a hung one a worker of their own.
 #![forbid(unsafe_code)]
 
 pub mod config;
+mod core;
 mod engine;
 mod error;
 mod event;
 #[cfg(feature = "fake")]
 pub mod fake;
+mod handle;
 pub mod nixl_transport;
 mod offload;
+mod registration;
 mod service;
 mod snapshot;
-mod table;
+mod state;
 pub mod telemetry;
 pub mod transport;
 pub mod ucx_settings;
 pub mod ucx_time;
 
+pub use crate::core::{heartbeat_message, HEARTBEAT_SLOT};
 pub use config::{Config, ConfigBuilder, ConfigError};
-pub use engine::{EngineRef, EngineState, ReadGuard};
-pub use error::{ReadRefused, ServiceStopped};
-pub use event::{Event, ReleaseReason, WaitedFor};
-pub use service::{spawn, HandshakeGuard, Keepalive, KeepaliveHandle, Stopped};
+pub use engine::{EngineRef, ReadGuard};
+pub use error::{ReadRefused, RegisterError, ServiceStopped};
+pub use event::{Event, ReleaseReason, Source, WaitedFor};
+pub use handle::{Handshake, KeepaliveHandle, ReadyToLoad};
+pub use registration::{GoneMode, PeerRef, Registration};
+pub use service::{spawn, Keepalive, Stopped};
 pub use snapshot::{DetectionSummary, EngineSnapshot, HeartbeatSnapshot, Snapshot};
-pub use table::{heartbeat_message, GoneMode, PeerRef, Registration, HEARTBEAT_SLOT};
+pub use state::EngineState;
 
 pub use nixl_sys::NixlStatus;
 pub use transport::{

@@ -1,296 +1,290 @@
 //! Transport calls off the async threads: one queue, served by as few
-//! blocking threads as keep every call isolated.
+//! blocking workers as keep every call isolated, watched by a timer of its
+//! own.
 //!
-//! Transport calls are blocking FFI and may never return. One
-//! `spawn_blocking` per call isolates them, but costs a thread hand-off and
-//! a join per heartbeat: most of the service's CPU at 10k engines. Here the
-//! driver queues jobs, and workers (tokio blocking tasks) take them one at a
-//! time and exit as soon as the queue is empty. One rule keeps isolation:
+//! Transport calls are blocking FFI and may never return. The driver hands
+//! the calls of one wake-up over as one batch; workers (tokio blocking
+//! tasks) take them one at a time and exit when the queue is empty. One
+//! rule keeps a hung call from holding anything else:
 //!
-//! > while a job is queued, at least one worker is alive and not inside a
-//! > transport call.
+//! > while a call is queued, a worker is free to take it, or one will be
+//! > within [`STUCK`].
 //!
-//! A submit that finds every worker inside a call starts a worker. A worker
-//! that takes a job, leaving others queued while every other worker is
-//! inside a call that has already lasted [`STUCK`], starts a spare before it
-//! makes its own call (alone, it always does). So a call that hangs holds
-//! its own thread only, and whatever is queued behind it has a worker. In
-//! the common case (fast calls) two workers drain a whole slot's worth of
-//! jobs; a spare per job (the rule without the [`STUCK`] test) cost a
-//! thread start per heartbeat in bursts.
+//! A submit that finds no free worker starts one. A worker that takes a
+//! call while others still wait arms the watchdog: a thread of the service
+//! that, while calls wait and every worker has been inside its current call
+//! for [`STUCK`] or more, starts a spare. So any number of hung calls,
+//! started together or not, each hold one thread; what waits behind them
+//! gets a worker within `STUCK` per hung call. The watchdog sleeps on the
+//! wall clock, which is what a hung call is hung in (tokio's clock may be
+//! paused, and does not move while a blocking task runs); it wakes only
+//! while calls are queued behind busy workers, so at most once per batch
+//! when calls are fast.
 //!
-//! What is left: two calls that start within [`STUCK`] of each other and
-//! both hang leave the jobs behind them waiting for the next submit (the
-//! next heartbeat slot or release), which starts a worker.
+//! Results are handed back in batches: a worker adds its result to the
+//! shared list and wakes the driver only when no call is left queued (the
+//! worker that takes the last queued call wakes it too if results wait), so
+//! one wake-up of the driver serves a batch, and a result never waits
+//! behind a hung call.
 //!
-//! The rule reads the wall clock (`std::time::Instant`) at each take, and
-//! sets no timer: a watchdog would need one, and tokio's timers follow the
-//! paused clock in tests, which does not move while a blocking task runs,
-//! so a job queued behind a hung call would wait for a timer that never
-//! fires.
-//!
-//! Workers are tokio blocking tasks, not bare threads, and each hands its
-//! result to the driver before it takes the next job or exits. On a paused
-//! clock tokio does not advance time while a blocking task runs, so every
-//! result reaches the driver before virtual time can move: tests stay
-//! deterministic.
+//! Workers are tokio blocking tasks, not bare threads: on a paused clock
+//! tokio does not advance time while a blocking task runs, and each worker
+//! hands its result over before it exits, so every result reaches the
+//! driver before virtual time can move. Tests stay deterministic.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
+use tokio::runtime::Handle;
+use tokio::sync::Notify;
 
-use crate::table::RoundResults;
-use crate::transport::{
-    AgentName, EngineId, ReleaseStep, ReleaseTarget, Transport, TransportError,
-};
-use crate::NixlStatus;
+use crate::core::{Call, CallOutcome, Panicked, RoundResults};
+use crate::transport::Transport;
 
-/// Most results the driver takes in one wake-up.
-const BATCH: usize = 256;
-
-/// A transport call to make off the async threads.
-pub(crate) enum Job<R> {
-    /// One heartbeat round: `message` to every agent of the engine.
-    Heartbeat {
-        serial: u64,
-        agents: Arc<[AgentName]>,
-        message: Arc<[u8]>,
-    },
-    /// Give back an engine's NIXL state.
-    Release {
-        serial: u64,
-        engine: EngineId,
-        agents: Arc<[AgentName]>,
-        resources: R,
-    },
-}
-
-/// What a job came back with.
-pub(crate) enum Outcome {
-    /// A heartbeat round's results.
-    Heartbeat { serial: u64, results: RoundResults },
-    /// A release's steps.
-    Release {
-        serial: u64,
-        steps: Vec<ReleaseStep>,
-    },
-}
-
-/// The driver's side: submits jobs, receives outcomes.
-pub(crate) struct Offload<T: Transport> {
-    lane: Arc<Lane<T>>,
-    outcomes: mpsc::UnboundedReceiver<Outcome>,
-    /// Releases submitted whose outcome has not been received.
-    releases_pending: usize,
-}
-
-/// What the driver and the workers share.
-struct Lane<T: Transport> {
-    transport: Arc<T>,
-    queue: Mutex<Queue<T::Resources>>,
-    outcomes: mpsc::UnboundedSender<Outcome>,
-}
-
-/// A call lasting this long (wall clock) is taken as possibly hung when a
-/// worker decides whether jobs queued behind it need a spare worker.
+/// A call lasting this long (wall clock) with calls queued behind it and
+/// no free worker gets a spare worker started for those calls.
 pub(crate) const STUCK: Duration = Duration::from_millis(1);
 
-/// Jobs waiting, and the workers that serve them. Counters change only
-/// under the lock, with the jobs.
-struct Queue<R> {
-    jobs: VecDeque<Job<R>>,
-    /// Workers started and not yet exited.
-    workers: usize,
-    /// Workers inside a transport call, by worker id, with when the call
-    /// began.
-    in_call: Vec<(u64, Instant)>,
-    next_worker: u64,
+/// The driver's side: submits batches, receives results.
+pub(crate) struct Offload<T: Transport> {
+    shared: Arc<Shared<T>>,
 }
 
-impl<R> Queue<R> {
-    /// At a submit: counts a new worker if jobs wait and every worker is
-    /// inside a call (or there is none); the caller then starts it.
-    fn claim_worker(&mut self) -> bool {
-        let needed = !self.jobs.is_empty() && self.in_call.len() == self.workers;
-        if needed {
-            self.workers += 1;
-        }
-        needed
-    }
+/// What the driver, the workers and the watchdog share.
+struct Shared<T: Transport> {
+    transport: Arc<T>,
+    state: Mutex<State<T::Resources>>,
+    /// Wakes the watchdog.
+    watchdog: Condvar,
+    /// Wakes the driver: results are waiting.
+    results: Notify,
+    /// The runtime workers are started on; set at the first submit.
+    runtime: OnceLock<Handle>,
+}
 
-    /// At a take by worker `me`, just counted inside its call: counts a
-    /// spare if jobs still wait, no worker is free, and every other call in
-    /// progress has lasted [`STUCK`].
-    fn claim_spare(&mut self, me: u64, now: Instant) -> bool {
-        let needed = !self.jobs.is_empty()
-            && self.in_call.len() == self.workers
-            && self
-                .in_call
-                .iter()
-                .filter(|(id, _)| *id != me)
-                .all(|(_, since)| now.duration_since(*since) >= STUCK);
-        if needed {
-            self.workers += 1;
-        }
-        needed
+/// Calls waiting, results waiting, and the workers. Changed only under the
+/// lock.
+struct State<R> {
+    calls: VecDeque<Call<R>>,
+    results: Vec<CallOutcome>,
+    /// Workers started and not yet exited.
+    workers: usize,
+    /// Workers inside a call, with when the call began.
+    in_call: Vec<(u64, Instant)>,
+    next_worker: u64,
+    /// The watchdog is watching (a timed wait), or has been asked to.
+    watching: bool,
+    watchdog_started: bool,
+    /// The driver is gone: heartbeats are dropped, releases still run.
+    closed: bool,
+}
+
+impl<R> State<R> {
+    fn free_workers(&self) -> usize {
+        self.workers - self.in_call.len()
     }
 }
 
 impl<T: Transport> Offload<T> {
-    /// An idle offload over `transport`. Starts nothing; needs no runtime
+    /// An idle offload over `transport`. Starts nothing and needs no runtime
     /// until the first submit.
     pub(crate) fn new(transport: Arc<T>) -> Self {
-        let (tx, outcomes) = mpsc::unbounded_channel();
         Offload {
-            lane: Arc::new(Lane {
+            shared: Arc::new(Shared {
                 transport,
-                queue: Mutex::new(Queue {
-                    jobs: VecDeque::new(),
+                state: Mutex::new(State {
+                    calls: VecDeque::new(),
+                    results: Vec::new(),
                     workers: 0,
                     in_call: Vec::new(),
                     next_worker: 0,
+                    watching: false,
+                    watchdog_started: false,
+                    closed: false,
                 }),
-                outcomes: tx,
+                watchdog: Condvar::new(),
+                results: Notify::new(),
+                runtime: OnceLock::new(),
             }),
-            outcomes,
-            releases_pending: 0,
         }
     }
 
-    /// Queues a job; its outcome comes back through [`Offload::recv`].
-    /// Must be called within the tokio runtime (it may start a worker).
-    pub(crate) fn submit(&mut self, job: Job<T::Resources>) {
-        if matches!(job, Job::Release { .. }) {
-            self.releases_pending += 1;
-        }
-        let start = {
-            let mut queue = self.lane.lock();
-            queue.jobs.push_back(job);
-            queue.claim_worker()
+    /// Queues a batch of calls; their results come back through
+    /// [`Offload::recv`]. Must be called within the tokio runtime.
+    pub(crate) fn submit(&self, calls: impl IntoIterator<Item = Call<T::Resources>>) {
+        let shared = &self.shared;
+        shared.runtime.get_or_init(Handle::current);
+        let (start, start_watchdog) = {
+            let mut state = shared.lock();
+            state.calls.extend(calls);
+            if state.calls.is_empty() {
+                return;
+            }
+            let start = state.free_workers() == 0;
+            if start {
+                state.workers += 1;
+            }
+            let start_watchdog = !state.watchdog_started;
+            state.watchdog_started = true;
+            (start, start_watchdog)
         };
+        if start_watchdog {
+            let watched = shared.clone();
+            std::thread::Builder::new()
+                .name("nixl-keepalive-watchdog".into())
+                .spawn(move || watched.watch())
+                .expect("the watchdog thread starts");
+        }
         if start {
-            Lane::start_worker(&self.lane);
+            Shared::start_worker(shared);
         }
     }
 
-    /// Waits for at least one outcome and moves every outcome ready (up to
-    /// a batch) into `out`.
+    /// Waits for results and moves every result ready into `out`.
     ///
-    /// Cancel safe: an outcome is either in `out` or still in the channel.
-    pub(crate) async fn recv(&mut self, out: &mut Vec<Outcome>) {
-        let from = out.len();
-        // Never 0: the lane holds a sender as long as `self` lives.
-        self.outcomes.recv_many(out, BATCH).await;
-        self.releases_pending -= out[from..]
-            .iter()
-            .filter(|o| matches!(o, Outcome::Release { .. }))
-            .count();
-    }
-
-    /// Releases submitted and not yet received back.
-    pub(crate) fn releases_pending(&self) -> usize {
-        self.releases_pending
+    /// Cancel safe: a result is either in `out` or still waiting.
+    pub(crate) async fn recv(&self, out: &mut Vec<CallOutcome>) {
+        loop {
+            {
+                let mut state = self.shared.lock();
+                if !state.results.is_empty() {
+                    out.append(&mut state.results);
+                    return;
+                }
+            }
+            // A notification sent since the check above is kept as a permit.
+            self.shared.results.notified().await;
+        }
     }
 }
 
 impl<T: Transport> Drop for Offload<T> {
     /// Heartbeats not started are dropped; releases not started still run
-    /// (their resources must go back to NIXL), their outcomes unheard.
+    /// (their resources must go back to NIXL), their results unheard.
     fn drop(&mut self) {
-        self.lane
-            .lock()
-            .jobs
-            .retain(|job| matches!(job, Job::Release { .. }));
+        let mut state = self.shared.lock();
+        state.closed = true;
+        state
+            .calls
+            .retain(|call| matches!(call, Call::Release { .. }));
+        self.shared.watchdog.notify_one();
     }
 }
 
-impl<T: Transport> Lane<T> {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queue<T::Resources>> {
+impl<T: Transport> Shared<T> {
+    fn lock(&self) -> MutexGuard<'_, State<T::Resources>> {
         // Nothing that can panic runs under the lock.
-        self.queue.lock().expect("offload queue poisoned")
+        self.state.lock().expect("offload state poisoned")
     }
 
-    /// Starts a worker already counted in `workers`. Within the runtime:
-    /// the driver, or a worker (blocking threads run in its context).
-    fn start_worker(lane: &Arc<Self>) {
-        let lane = lane.clone();
-        drop(tokio::task::spawn_blocking(move || lane.work()));
+    /// Starts a worker already counted in `workers`.
+    fn start_worker(shared: &Arc<Self>) {
+        let runtime = shared.runtime.get().expect("set at the first submit");
+        let worker = shared.clone();
+        drop(runtime.spawn_blocking(move || worker.work()));
     }
 
-    /// A worker: takes jobs until the queue is empty, then exits.
+    /// A worker: takes calls until none is queued, then exits.
     fn work(self: &Arc<Self>) {
-        let me = {
-            let mut queue = self.lock();
-            queue.next_worker += 1;
-            queue.next_worker
-        };
-        let mut finished: Option<Outcome> = None;
+        let mut state = self.lock();
+        let me = state.next_worker;
+        state.next_worker += 1;
         loop {
-            let (job, start) = {
-                let mut queue = self.lock();
-                if finished.is_some() {
-                    queue.in_call.retain(|(id, _)| *id != me);
-                }
-                match queue.jobs.pop_front() {
-                    Some(job) => {
-                        let now = Instant::now();
-                        queue.in_call.push((me, now));
-                        (Some(job), queue.claim_spare(me, now))
-                    }
-                    None => {
-                        queue.workers -= 1;
-                        (None, false)
-                    }
-                }
-            };
-            // Before the next call (which may hang) and before exiting
-            // (which may let a paused clock move): the driver has it.
-            if let Some(outcome) = finished.take() {
-                // The driver has stopped: nobody is waiting for it.
-                let _ = self.outcomes.send(outcome);
-            }
-            let Some(job) = job else {
+            let Some(call) = state.calls.pop_front() else {
+                state.workers -= 1;
                 return;
             };
-            if start {
-                // Jobs wait behind this call and every other worker is in
-                // a call that may be hung: they get a worker of their own,
-                // in case this one hangs too.
-                Lane::start_worker(self);
+            state.in_call.push((me, Instant::now()));
+            if state.calls.is_empty() {
+                if !state.results.is_empty() {
+                    // This call may hang: what is done goes to the driver now.
+                    self.results.notify_one();
+                }
+            } else if !state.watching {
+                // Calls wait behind this one: the watchdog makes sure they
+                // get a worker if it hangs.
+                state.watching = true;
+                self.watchdog.notify_one();
             }
-            finished = Some(self.call(job));
+            drop(state);
+            let outcome = self.call(call);
+            state = self.lock();
+            state.in_call.retain(|(id, _)| *id != me);
+            state.results.push(outcome);
+            if state.calls.is_empty() {
+                self.results.notify_one();
+            }
         }
     }
 
-    /// Makes one job's transport calls; a panic is a failed call.
-    fn call(&self, job: Job<T::Resources>) -> Outcome {
-        match job {
-            Job::Heartbeat {
+    /// The watchdog: starts a spare worker whenever calls wait, no worker is
+    /// free, and every worker has been inside its call for [`STUCK`].
+    fn watch(self: Arc<Self>) {
+        let mut state = self.lock();
+        loop {
+            if state.closed && state.calls.is_empty() {
+                return;
+            }
+            let blocked = !state.calls.is_empty() && state.free_workers() == 0;
+            if !blocked {
+                state.watching = false;
+                state = self.watchdog.wait(state).expect("offload state poisoned");
+                continue;
+            }
+            state.watching = true;
+            let now = Instant::now();
+            let newest = state
+                .in_call
+                .iter()
+                .map(|(_, since)| *since)
+                .max()
+                .unwrap_or(now);
+            let stuck_at = newest + STUCK;
+            if now >= stuck_at {
+                state.workers += 1;
+                tracing::debug!(
+                    queued = state.calls.len(),
+                    workers = state.workers,
+                    "every worker is inside a call that may be hung: a spare takes the calls behind them"
+                );
+                drop(state);
+                Self::start_worker(&self);
+                state = self.lock();
+                continue;
+            }
+            state = self
+                .watchdog
+                .wait_timeout(state, stuck_at - now)
+                .expect("offload state poisoned")
+                .0;
+        }
+    }
+
+    /// Makes one call's transport calls; a panic is caught and reported as
+    /// a panic.
+    fn call(&self, call: Call<T::Resources>) -> CallOutcome {
+        match call {
+            Call::Heartbeat {
                 serial,
                 agents,
                 message,
             } => {
                 let mut results = RoundResults::default();
                 for agent in agents.iter() {
-                    let result =
-                        catch_unwind(AssertUnwindSafe(|| self.transport.notify(agent, &message)))
-                            .unwrap_or_else(|_| {
-                                Err(TransportError::new(
-                                    "genNotif (transport panicked)",
-                                    NixlStatus::ERR_UNKNOWN,
-                                ))
-                            });
-                    match result {
-                        Ok(()) => results.sent += 1,
-                        Err(e) => results.failed.push((agent.clone(), e)),
+                    match catch_unwind(AssertUnwindSafe(|| self.transport.notify(agent, &message)))
+                    {
+                        Ok(Ok(())) => results.sent += 1,
+                        Ok(Err(e)) => results.failed.push((agent.clone(), e)),
+                        Err(payload) => results
+                            .panicked
+                            .push((agent.clone(), Panicked::from_payload(&*payload))),
                     }
                 }
-                Outcome::Heartbeat { serial, results }
+                CallOutcome::Heartbeat { serial, results }
             }
-            Job::Release {
+            Call::Release {
                 serial,
                 engine,
                 agents,
@@ -299,14 +293,8 @@ impl<T: Transport> Lane<T> {
                 let steps = catch_unwind(AssertUnwindSafe(|| {
                     self.transport.release(&engine, &agents, resources)
                 }))
-                .unwrap_or_else(|_| {
-                    tracing::error!(%engine, "transport panicked while releasing");
-                    vec![ReleaseStep {
-                        target: ReleaseTarget::DlistHandle(0),
-                        status: NixlStatus::ERR_UNKNOWN,
-                    }]
-                });
-                Outcome::Release { serial, steps }
+                .map_err(|payload| Panicked::from_payload(&*payload));
+                CallOutcome::Release { serial, steps }
             }
         }
     }

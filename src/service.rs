@@ -1,273 +1,74 @@
-//! The tokio driver: owns the clock, the timers, the transport and the
-//! channels, and carries out what the peer table decides.
+//! The tokio driver: owns the clock, the transport and the channels, and
+//! carries out what the core decides.
 //!
-//! Transport calls are blocking FFI. They run on blocking threads through
-//! the `offload` queue, which gives jobs queued behind a call that may be
-//! hung a thread of their own, so a notification that hangs on one engine
-//! holds one thread and delays no other engine's heartbeat; the table never
-//! stacks a second round on an engine whose first has not come back.
+//! It is thin on purpose: every rule is in [`crate::core`]. The driver
+//! feeds the core the handle's messages (one channel, in the order they
+//! were sent), the transport's results and the time; sleeps until the
+//! core's next deadline (checking that deadline against the clock itself
+//! rather than trusting that a timer fired); and carries out the core's
+//! actions: transport calls go to the offload queue as one batch per
+//! wake-up, answers go to whoever awaits them, events to subscribers.
 
-use std::collections::HashMap;
-use std::future::poll_fn;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
+use rand::rngs::StdRng;
+use rand::SeedableRng;
 use tokio::sync::{broadcast, mpsc, oneshot};
-use tokio::time::{Instant, MissedTickBehavior};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tokio_util::time::{delay_queue, DelayQueue};
 
 use crate::config::Config;
-use crate::engine::{EngineCell, EngineRef, ReadGuard, Wake};
-use crate::error::{ReadRefused, ServiceStopped};
+use crate::core::{Action, Core, Input};
+use crate::engine::EngineRef;
+use crate::error::{RegisterError, ServiceStopped};
 use crate::event::Event;
-use crate::offload::{Offload, Outcome};
-use crate::snapshot::{DetectionSummary, Snapshot};
-use crate::table::{Action, GoneMode, PeerRef, PeerTable, Registration};
+use crate::handle::{Directory, KeepaliveHandle, Msg};
+use crate::offload::Offload;
+use crate::registration::Registration;
+use crate::snapshot::DetectionSummary;
 use crate::telemetry;
-use crate::transport::{EngineId, PeerAddr, Transport};
+use crate::transport::{EngineId, Transport};
 use crate::ucx_settings::{detection_bound, warnings, UcxSettings};
-use crate::{EngineState, NixlStatus};
 
-/// Requests that carry the transport's resources type.
-enum Command<R> {
-    Register {
-        registration: Registration<R>,
-        cell: Arc<EngineCell>,
-        done: oneshot::Sender<EngineRef>,
-    },
-    PrepareReload {
-        engine: EngineId,
-        done: oneshot::Sender<()>,
-    },
-    AddLeases {
-        engine: EngineId,
-        requests: Vec<String>,
-        renew_now: bool,
-    },
-    RemoveLeases {
-        engine: EngineId,
-        requests: Vec<String>,
-    },
-    PeerGone {
-        peer: PeerRef,
-        mode: GoneMode,
-    },
-    Snapshot(oneshot::Sender<Snapshot>),
-}
-
-/// Engines by id, for runtimes that look them up instead of keeping the
-/// [`EngineRef`]. Written by the service at registration and release only.
-type Directory = Arc<RwLock<HashMap<EngineId, EngineRef>>>;
-
-/// The decoder runtime's side of the service. Cheap to clone; every method
-/// is non-blocking except the `async` ones, which wait for the service.
-pub struct KeepaliveHandle<R> {
-    commands: mpsc::UnboundedSender<Command<R>>,
-    wake: mpsc::UnboundedSender<Wake>,
-    events: broadcast::Sender<Event>,
-    directory: Directory,
-}
-
-impl<R> Clone for KeepaliveHandle<R> {
-    fn clone(&self) -> Self {
-        KeepaliveHandle {
-            commands: self.commands.clone(),
-            wake: self.wake.clone(),
-            events: self.events.clone(),
-            directory: self.directory.clone(),
-        }
-    }
-}
-
-impl<R: Send + 'static> KeepaliveHandle<R> {
-    /// Says a handshake with `address` has started. Until the guard drops,
-    /// the engine previously at that address is not released: the runtime
-    /// may still be deciding whether the engine there is new.
-    pub fn handshake_started(&self, address: PeerAddr) -> HandshakeGuard {
-        // Through the same channel as the guard's drop, so the service can
-        // never see the end of a handshake before its start.
-        let _ = self.wake.send(Wake::HandshakeStarted(address.clone()));
-        HandshakeGuard {
-            address: Some(address),
-            wake: self.wake.clone(),
-        }
-    }
-
-    /// Registers an engine after a successful handshake (its metadata
-    /// loaded, its dlists prepped) and returns its reference once active.
-    ///
-    /// A new engine id at a known address marks the old engine replaced. An
-    /// engine id already registered (a pinned id that came back) first has
-    /// its old registration released; this resolves after that. Prefer
-    /// [`KeepaliveHandle::prepare_reload`] before loading the metadata
-    /// again, since NIXL refuses to load over loaded metadata.
-    ///
-    /// Cancel safety: dropping the future does not undo the registration.
-    pub async fn register(
-        &self,
-        registration: Registration<R>,
-    ) -> Result<EngineRef, ServiceStopped> {
-        let cell = EngineCell::new(registration.engine.clone(), self.wake.clone());
-        let (done, wait) = oneshot::channel();
-        self.commands
-            .send(Command::Register {
-                registration,
-                cell,
-                done,
-            })
-            .map_err(|_| ServiceStopped)?;
-        wait.await.map_err(|_| ServiceStopped)
-    }
-
-    /// Before loading the metadata of an engine id that may still be
-    /// registered (a pinned id that restarted): marks the old registration
-    /// and resolves once it has been released, reads drained and all.
-    /// Resolves at once for an id not registered.
-    ///
-    /// Cancel safety: dropping the future does not undo the mark.
-    pub async fn prepare_reload(&self, engine: &EngineId) -> Result<(), ServiceStopped> {
-        let (done, wait) = oneshot::channel();
-        self.commands
-            .send(Command::PrepareReload {
-                engine: engine.clone(),
-                done,
-            })
-            .map_err(|_| ServiceStopped)?;
-        wait.await.map_err(|_| ServiceStopped)
-    }
-
-    /// The registered engine `engine`, if any.
-    pub fn engine(&self, engine: &EngineId) -> Option<EngineRef> {
-        self.directory
-            .read()
-            .expect("directory poisoned")
-            .get(engine)
-            .cloned()
-    }
-
-    /// Starts a read from `engine` by id. Keeping the [`EngineRef`] and
-    /// calling [`EngineRef::begin_read`] skips the lookup.
-    pub fn begin_read(&self, engine: &EngineId) -> Result<ReadGuard, ReadRefused> {
-        match self.engine(engine) {
-            Some(e) => e.begin_read(),
-            None => Err(ReadRefused {
-                engine: engine.clone(),
-                state: EngineState::Released,
-            }),
-        }
-    }
-
-    /// Reports how a transfer from `engine` ended, for transfers not tracked
-    /// with a [`ReadGuard`] (use [`ReadGuard::finish`] otherwise).
-    pub fn report_transfer(&self, engine: &EngineId, status: NixlStatus) {
-        if status.is_ok() {
-            return;
-        }
-        if let Some(e) = self.engine(engine) {
-            let _ = self
-                .wake
-                .send(Wake::TransferResult(e.cell.serial(), status));
-        }
-    }
-
-    /// Renews these lease request ids with every heartbeat to `engine`
-    /// until removed. With `renew_now`, a renewal goes out as soon as the
-    /// engine's rate cap allows.
-    pub fn add_leases(&self, engine: &EngineId, requests: Vec<String>, renew_now: bool) {
-        let _ = self.commands.send(Command::AddLeases {
-            engine: engine.clone(),
-            requests,
-            renew_now,
-        });
-    }
-
-    /// Asks for a lease renewal to `engine` as soon as its rate cap allows.
-    pub fn renew_leases(&self, engine: &EngineId) {
-        self.add_leases(engine, Vec::new(), true);
-    }
-
-    /// Stops renewing these lease request ids.
-    pub fn remove_leases(&self, engine: &EngineId, requests: Vec<String>) {
-        let _ = self.commands.send(Command::RemoveLeases {
-            engine: engine.clone(),
-            requests,
-        });
-    }
-
-    /// The router or orchestrator says a peer is gone. Idempotent; a no-op
-    /// for unknown peers. `Fail` after `Drain` fails the reads still in
-    /// flight.
-    pub fn peer_gone(&self, peer: PeerRef, mode: GoneMode) {
-        let _ = self.commands.send(Command::PeerGone { peer, mode });
-    }
-
-    /// Events from now on. A subscriber slower than the event capacity
-    /// misses the oldest and is told how many (`RecvError::Lagged`).
-    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
-        self.events.subscribe()
-    }
-
-    /// The table as it is now.
-    ///
-    /// Cancel safe.
-    pub async fn snapshot(&self) -> Result<Snapshot, ServiceStopped> {
-        let (done, wait) = oneshot::channel();
-        self.commands
-            .send(Command::Snapshot(done))
-            .map_err(|_| ServiceStopped)?;
-        wait.await.map_err(|_| ServiceStopped)
-    }
-}
-
-/// A handshake in progress. Dropping it (or [`HandshakeGuard::finish`])
-/// says it is over, whatever its outcome.
-#[must_use = "dropping the guard ends the handshake at once"]
-pub struct HandshakeGuard {
-    address: Option<PeerAddr>,
-    wake: mpsc::UnboundedSender<Wake>,
-}
-
-impl HandshakeGuard {
-    /// Ends the handshake.
-    pub fn finish(self) {}
-}
-
-impl Drop for HandshakeGuard {
-    fn drop(&mut self) {
-        if let Some(address) = self.address.take() {
-            let _ = self.wake.send(Wake::HandshakeFinished(address));
-        }
-    }
-}
-
-/// What the service could not release when it stopped: engines with reads
-/// still in flight (or handshakes pending), resources and all. The caller
-/// releases them once its reads have ended.
+/// What the service could not release when it stopped, each registration
+/// once: engines whose reads were still in flight at the drain deadline,
+/// and registrations refused at shutdown whose caller had stopped waiting.
+/// The caller releases them once its reads have ended.
 pub struct Stopped<R> {
-    /// Registrations still held.
+    /// Registrations still held, resources and all.
     pub unreleased: Vec<Registration<R>>,
+    /// Engines whose release was handed to the transport and had not come
+    /// back at the drain deadline (a hung `invalidateRemoteMD`, say): their
+    /// resources are with the transport call.
+    pub releases_unfinished: Vec<EngineId>,
 }
+
+/// Most messages taken from the inbox in one wake-up.
+const BATCH: usize = 256;
 
 /// The keepalive service. Create it with [`Keepalive::new`], then run
 /// [`Keepalive::run`] as a tokio task.
 pub struct Keepalive<T: Transport> {
     config: Config,
-    table: PeerTable<T::Resources>,
-    commands: mpsc::UnboundedReceiver<Command<T::Resources>>,
-    wake: mpsc::UnboundedReceiver<Wake>,
+    core: Core<T::Resources>,
+    inbox: mpsc::UnboundedReceiver<Msg<T::Resources>>,
     events: broadcast::Sender<Event>,
     directory: Directory,
-    timers: DelayQueue<u64>,
-    timer_keys: HashMap<u64, delay_queue::Key>,
     /// Every transport call (heartbeat rounds, releases), off the async
     /// threads.
     offload: Offload<T>,
-    registering: HashMap<u64, oneshot::Sender<EngineRef>>,
-    reloading: HashMap<EngineId, Vec<oneshot::Sender<()>>>,
+    loading: std::collections::HashMap<u64, oneshot::Sender<Result<(), ServiceStopped>>>,
+    registering: std::collections::HashMap<u64, RegisterReply<T::Resources>>,
+    next_request: u64,
+    /// Refused registrations whose caller stopped waiting: handed back at
+    /// shutdown.
+    orphans: Vec<Registration<T::Resources>>,
     startup: Startup,
     bound: Option<DetectionSummary>,
 }
+
+type RegisterReply<R> = oneshot::Sender<Result<EngineRef, RegisterError<R>>>;
 
 /// What the start-up line says.
 struct Startup {
@@ -280,28 +81,30 @@ impl<T: Transport> Keepalive<T> {
     /// A service over `transport`, and the handle to talk to it. Nothing
     /// runs until [`Keepalive::run`] is polled.
     pub fn new(transport: Arc<T>, config: Config) -> (Self, KeepaliveHandle<T::Resources>) {
-        let (commands_tx, commands) = mpsc::unbounded_channel();
-        let (wake_tx, wake) = mpsc::unbounded_channel();
+        let (inbox_tx, inbox) = mpsc::unbounded_channel();
         let (events, _) = broadcast::channel(config.event_capacity);
         let directory = Directory::default();
         let handle = KeepaliveHandle {
-            commands: commands_tx,
-            wake: wake_tx,
+            sink: Arc::new(inbox_tx.clone()),
+            inbox: inbox_tx,
             events: events.clone(),
             directory: directory.clone(),
         };
+        let rng = match config.seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        };
         let service = Keepalive {
             offload: Offload::new(transport),
-            table: PeerTable::new(config.clone(), Instant::now()),
+            core: Core::new(config.clone(), Instant::now(), rng),
             config,
-            commands,
-            wake,
+            inbox,
             events,
             directory,
-            timers: DelayQueue::new(),
-            timer_keys: HashMap::new(),
-            registering: HashMap::new(),
-            reloading: HashMap::new(),
+            loading: Default::default(),
+            registering: Default::default(),
+            next_request: 0,
+            orphans: Vec::new(),
             startup: Startup {
                 line: "detection bound not computed (UCX settings not given: see Keepalive::with_ucx_settings)".into(),
                 warnings: Vec::new(),
@@ -348,7 +151,7 @@ impl<T: Transport> Keepalive<T> {
         } else {
             "UCX keepalive is off (inf or NUM_EPS 0): a silent peer is never reported".to_string()
         };
-        self.table.set_silent_peer_note(note);
+        self.core.set_silent_peer_note(note);
         self.startup = Startup {
             line,
             warnings: warnings(settings),
@@ -358,9 +161,11 @@ impl<T: Transport> Keepalive<T> {
         self
     }
 
-    /// Runs until `shutdown` is cancelled. Then releases every engine it
-    /// can (no read in flight, no handshake pending), waits for those
-    /// releases, and returns what it could not release.
+    /// Runs until `shutdown` is cancelled, then stops: every engine is
+    /// marked (new reads are refused), each is released as its reads end,
+    /// for at most [`Config::shutdown_drain`]; what is left is returned.
+    /// Registrations that arrive once the stop has begun are refused with
+    /// [`RegisterError::Stopped`].
     ///
     /// Cancel safety: not cancel safe; stop it with the token.
     #[tracing::instrument(name = "nixl_keepalive", skip_all)]
@@ -377,149 +182,162 @@ impl<T: Transport> Keepalive<T> {
         for var in Config::unknown_env_vars() {
             tracing::warn!(%var, "unknown NIXL_KEEPALIVE_ environment variable ignored (a typo?)");
         }
-        let mut census = self.config.metrics_period.map(|p| {
-            let mut t = tokio::time::interval(p);
-            t.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            t
-        });
-        let mut outcomes = Vec::new();
+        let mut msgs = Vec::with_capacity(BATCH);
+        let mut results = Vec::new();
+        let mut stopping = false;
+        let mut inbox_open = true;
+        let sleep = tokio::time::sleep_until(Instant::now());
+        tokio::pin!(sleep);
         loop {
             self.carry_out();
+            let now = Instant::now();
+            if self.core.is_stopped(now) {
+                break;
+            }
+            let deadline = self.core.poll_timeout();
+            if let Some(deadline) = deadline {
+                // Checked against the clock here, not only when the sleep
+                // fires: a busy loop must not starve the timers.
+                if deadline <= now {
+                    self.core.handle_timeout(now);
+                    continue;
+                }
+                if sleep.deadline() != deadline {
+                    sleep.as_mut().reset(deadline);
+                }
+            }
             tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => break,
-                Some(wake) = self.wake.recv() => self.on_wake(wake),
-                Some(command) = self.commands.recv() => self.on_command(command),
-                _ = self.offload.recv(&mut outcomes) => {
+                _ = shutdown.cancelled(), if !stopping => {
+                    stopping = true;
+                    tracing::info!("nixl-keepalive stopping");
+                    self.core.handle(Instant::now(), Input::Shutdown);
+                }
+                n = self.inbox.recv_many(&mut msgs, BATCH), if inbox_open => {
+                    if n == 0 {
+                        // Every handle and engine reference is gone: only
+                        // the timers and the token are left to serve.
+                        inbox_open = false;
+                    }
                     let now = Instant::now();
-                    for outcome in outcomes.drain(..) {
-                        match outcome {
-                            Outcome::Release { serial, steps } => self.table.release_done(now, serial, steps),
-                            Outcome::Heartbeat { serial, results } => self.table.heartbeat_done(now, serial, results),
-                        }
+                    for msg in msgs.drain(..) {
+                        self.on_msg(now, msg);
                     }
                 }
-                Some(expired) = poll_fn(|cx| self.timers.poll_expired(cx)) => {
-                    let serial = expired.into_inner();
-                    self.timer_keys.remove(&serial);
-                    self.table.heartbeat_due(Instant::now(), serial);
+                _ = self.offload.recv(&mut results) => {
+                    let now = Instant::now();
+                    for result in results.drain(..) {
+                        self.core.handle(now, Input::CallDone(result));
+                    }
                 }
-                _ = async { census.as_mut().expect("guarded").tick().await }, if census.is_some() => {
-                    let (by_state, reads) = self.table.census();
-                    telemetry::census(by_state, reads);
-                }
+                _ = &mut sleep, if deadline.is_some() => {}
             }
         }
-        tracing::info!("nixl-keepalive stopping: releasing idle engines");
-        // Guards that drained before the stop still count.
-        while let Ok(wake) = self.wake.try_recv() {
-            self.on_wake(wake);
+        // Whatever is still in the inbox is answered: the service is gone.
+        self.inbox.close();
+        while let Ok(msg) = self.inbox.try_recv() {
+            self.on_msg(Instant::now(), msg);
         }
-        self.table.shutdown(Instant::now());
         self.carry_out();
-        // Wait for the releases, not for heartbeats: a hung notification
-        // must not hold the shutdown. Their results are no longer heard.
-        while self.offload.releases_pending() > 0 {
-            self.offload.recv(&mut outcomes).await;
-            for outcome in outcomes.drain(..) {
-                if let Outcome::Release { serial, steps } = outcome {
-                    self.table.release_done(Instant::now(), serial, steps);
-                    self.carry_out();
-                }
-            }
-        }
-        let unreleased = self.table.into_unreleased();
-        if !unreleased.is_empty() {
+        let (mut unreleased, releases_unfinished) = self.core.into_unreleased();
+        unreleased.append(&mut self.orphans);
+        if !unreleased.is_empty() || !releases_unfinished.is_empty() {
             tracing::warn!(
-                engines = unreleased.len(),
-                "stopped with engines still held (reads in flight or handshakes pending): returned to the caller"
+                unreleased = unreleased.len(),
+                releases_unfinished = releases_unfinished.len(),
+                "stopped with engines still held (reads in flight at the drain deadline, or a release that did not come back): returned to the caller"
             );
+        } else {
+            tracing::info!("nixl-keepalive stopped: every engine released");
         }
-        Stopped { unreleased }
-    }
-
-    fn on_wake(&mut self, wake: Wake) {
-        let now = Instant::now();
-        match wake {
-            Wake::HandshakeStarted(address) => self.table.handshake_started(address),
-            Wake::HandshakeFinished(address) => self.table.handshake_finished(now, &address),
-            Wake::Drained(serial) => self.table.drained(now, serial),
-            Wake::TransferResult(serial, status) => self.table.transfer_result(now, serial, status),
+        Stopped {
+            unreleased,
+            releases_unfinished,
         }
     }
 
-    fn on_command(&mut self, command: Command<T::Resources>) {
-        let now = Instant::now();
-        match command {
-            Command::Register {
+    fn on_msg(&mut self, now: Instant, msg: Msg<T::Resources>) {
+        match msg {
+            Msg::Input(input) => self.core.handle(now, input),
+            Msg::ReadyToLoad {
+                ticket,
+                engine,
+                done,
+            } => {
+                self.loading.insert(ticket, done);
+                self.core.handle(now, Input::ReadyToLoad { ticket, engine });
+            }
+            Msg::Register {
+                ticket,
                 registration,
                 cell,
                 done,
             } => {
-                self.registering.insert(cell.serial(), done);
-                self.table.register(now, registration, cell);
+                let request = self.next_request;
+                self.next_request += 1;
+                self.registering.insert(request, done);
+                self.core.handle(
+                    now,
+                    Input::Register {
+                        request,
+                        ticket,
+                        registration,
+                        cell,
+                    },
+                );
             }
-            Command::PrepareReload { engine, done } => {
-                self.reloading.entry(engine.clone()).or_default().push(done);
-                self.table.prepare_reload(now, engine);
-            }
-            Command::AddLeases {
-                engine,
-                requests,
-                renew_now,
-            } => self.table.add_leases(now, &engine, requests, renew_now),
-            Command::RemoveLeases { engine, requests } => {
-                self.table.remove_leases(&engine, &requests)
-            }
-            Command::PeerGone { peer, mode } => self.table.peer_gone(now, peer, mode),
-            Command::Snapshot(done) => {
-                let mut snapshot = self.table.snapshot(now);
-                snapshot.heartbeat_timers = self.timers.len();
+            Msg::Snapshot(done) => {
+                let mut snapshot = self.core.snapshot(now);
                 snapshot.detection_bound = self.bound;
                 let _ = done.send(snapshot);
             }
         }
     }
 
-    /// Carries out every decision the table has queued.
+    /// Carries out every decision the core has queued; transport calls go
+    /// to the offload queue as one batch.
     fn carry_out(&mut self) {
-        while let Some(action) = self.table.poll_action() {
+        let mut calls = Vec::new();
+        while let Some(action) = self.core.poll_action() {
             match action {
-                Action::Schedule { serial, at } => match self.timer_keys.get(&serial) {
-                    Some(key) => self.timers.reset_at(key, at),
-                    None => {
-                        let key = self.timers.insert_at(serial, at);
-                        self.timer_keys.insert(serial, key);
-                    }
-                },
-                Action::Unschedule { serial } => {
-                    if let Some(key) = self.timer_keys.remove(&serial) {
-                        self.timers.try_remove(&key);
-                    }
-                }
-                Action::Call(job) => self.offload.submit(job),
-                Action::Activated(engine) => {
-                    let serial = engine.cell.serial();
+                Action::Call(call) => calls.push(call),
+                Action::Activated { request, cell } => {
+                    let engine = EngineRef { cell };
                     self.directory
                         .write()
                         .expect("directory poisoned")
                         .insert(engine.id().clone(), engine.clone());
-                    if let Some(done) = self.registering.remove(&serial) {
-                        let _ = done.send(engine);
+                    if let Some(done) = self.registering.remove(&request) {
+                        // A caller that stopped waiting finds it by id.
+                        let _ = done.send(Ok(engine));
                     }
                 }
-                Action::ReloadReady(engine) => {
-                    {
-                        let mut directory = self.directory.write().expect("directory poisoned");
-                        if directory
-                            .get(&engine)
-                            .is_some_and(|e| e.state() == EngineState::Released)
-                        {
-                            directory.remove(&engine);
-                        }
+                Action::Refused { request, error } => {
+                    let undelivered = match self.registering.remove(&request) {
+                        Some(done) => done.send(Err(error)).err().and_then(|e| e.err()),
+                        None => Some(error),
+                    };
+                    if let Some(registration) = undelivered.and_then(|e| e.into_registration()) {
+                        self.orphans.push(registration);
                     }
-                    for done in self.reloading.remove(&engine).unwrap_or_default() {
-                        let _ = done.send(());
+                }
+                Action::LoadReady { ticket } => {
+                    if let Some(done) = self.loading.remove(&ticket) {
+                        let _ = done.send(Ok(()));
+                    }
+                }
+                Action::LoadRefused { ticket } => {
+                    if let Some(done) = self.loading.remove(&ticket) {
+                        let _ = done.send(Err(ServiceStopped));
+                    }
+                }
+                Action::Forget { engine, serial } => {
+                    let mut directory = self.directory.write().expect("directory poisoned");
+                    if directory
+                        .get(&engine)
+                        .is_some_and(|e| e.cell.serial() == serial)
+                    {
+                        directory.remove(&engine);
                     }
                 }
                 Action::Emit(event) => {
@@ -527,6 +345,9 @@ impl<T: Transport> Keepalive<T> {
                     let _ = self.events.send(event);
                 }
             }
+        }
+        if !calls.is_empty() {
+            self.offload.submit(calls);
         }
     }
 }

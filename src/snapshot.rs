@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::engine::EngineState;
+use crate::state::EngineState;
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use crate::NixlStatus;
 

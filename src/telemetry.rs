@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 
-use crate::engine::EngineState;
-use crate::event::ReleaseReason;
+use crate::event::{ReleaseReason, Source};
+use crate::state::EngineState;
 use crate::NixlStatus;
 
 /// Heartbeat notifications accepted by NIXL (one per agent).
@@ -19,6 +19,8 @@ pub const HEARTBEATS_FAILED: &str = "nixl_keepalive_heartbeats_failed_total";
 pub const HEARTBEATS_DEFERRED: &str = "nixl_keepalive_heartbeats_rate_limited_total";
 /// Transfer results reported with an error, by `status`.
 pub const TRANSFER_ERRORS: &str = "nixl_keepalive_transfer_errors_total";
+/// Transport calls that panicked, by `call` (`genNotif`, `release`).
+pub const TRANSPORT_PANICS: &str = "nixl_keepalive_transport_panics_total";
 /// Engines in the table, by `state`.
 pub const ENGINES: &str = "nixl_keepalive_engines";
 /// Releases, by `reason`.
@@ -36,20 +38,27 @@ pub const DETECTION_BOUND_CRASH: &str = "nixl_keepalive_detection_bound_crashed_
 /// The same for a silent peer (partition, freeze); +Inf when unbounded.
 pub const DETECTION_BOUND_SILENT: &str = "nixl_keepalive_detection_bound_silent_seconds";
 
-pub(crate) fn heartbeat_sent() {
-    counter!(HEARTBEATS_SENT).increment(1);
+pub(crate) fn heartbeats_sent(count: usize) {
+    if count > 0 {
+        counter!(HEARTBEATS_SENT).increment(count as u64);
+    }
 }
 
-pub(crate) fn heartbeat_failed(status: NixlStatus) {
-    counter!(HEARTBEATS_FAILED, "status" => status.name()).increment(1);
+/// An error status, counted by where it was seen.
+pub(crate) fn status_error(source: Source, status: NixlStatus) {
+    let name = match source {
+        Source::Heartbeat => HEARTBEATS_FAILED,
+        Source::Transfer => TRANSFER_ERRORS,
+    };
+    counter!(name, "status" => status.name()).increment(1);
+}
+
+pub(crate) fn transport_panicked(call: &'static str) {
+    counter!(TRANSPORT_PANICS, "call" => call).increment(1);
 }
 
 pub(crate) fn heartbeat_deferred() {
     counter!(HEARTBEATS_DEFERRED).increment(1);
-}
-
-pub(crate) fn transfer_error(status: NixlStatus) {
-    counter!(TRANSFER_ERRORS, "status" => status.name()).increment(1);
 }
 
 pub(crate) fn released(reason: ReleaseReason, since_mark: Duration) {

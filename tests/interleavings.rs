@@ -15,9 +15,8 @@ use std::time::Duration;
 
 use nixl_keepalive::fake::{FakeConfig, FakeMetadata, FakeResources, FakeUcx};
 use nixl_keepalive::{
-    AgentName, Config, EngineId, EngineRef, Event, GoneMode, HandshakeGuard, KeepaliveHandle,
-    PeerAddr, PeerRef, ReadGuard, ReleaseStep, Transport, TransportError, UcsStatus,
-    HEARTBEAT_SLOT,
+    AgentName, Config, EngineId, EngineRef, Event, GoneMode, Handshake, KeepaliveHandle, PeerAddr,
+    PeerRef, ReadGuard, ReleaseStep, Transport, TransportError, UcsStatus, HEARTBEAT_SLOT,
 };
 use proptest::prelude::*;
 use tokio::time::Instant;
@@ -151,7 +150,7 @@ struct Run {
     /// Registrations the test holds, latest last, with their read counts.
     engines: Vec<(EngineRef, Arc<AtomicUsize>, PeerAddr)>,
     reads: Vec<Read>,
-    handshakes: Vec<(PeerAddr, HandshakeGuard)>,
+    handshakes: Vec<(PeerAddr, Handshake<FakeResources>)>,
     open_handshakes: HashMap<PeerAddr, usize>,
     /// Engine ids the service has marked (since their last registration).
     marked: HashSet<EngineId>,
@@ -206,7 +205,7 @@ impl Run {
 
     async fn connect(&mut self, i: usize) {
         let address = addr(i);
-        let guard = self.handle.handshake_started(address.clone());
+        let handshake = self.handle.handshake(address.clone());
         let Ok(metadata) = self.ucx.fetch_metadata(&address) else {
             return;
         };
@@ -221,13 +220,15 @@ impl Run {
         // The old registration may wait for reads this single-threaded
         // runtime only ends later: give up on this attempt (the mark
         // stays; a later attempt finds the id released).
-        let reload = self.handle.prepare_reload(&metadata.engine);
-        if !matches!(
-            tokio::time::timeout(Duration::from_secs(1), reload).await,
-            Ok(Ok(()))
-        ) {
-            return;
-        }
+        let ready = match tokio::time::timeout(
+            Duration::from_secs(1),
+            handshake.ready_to_load(&metadata.engine),
+        )
+        .await
+        {
+            Ok(Ok(ready)) => ready,
+            _ => return,
+        };
         let Ok(hs) = self.ucx.load_metadata(&metadata) else {
             return;
         };
@@ -238,9 +239,8 @@ impl Run {
             .lock()
             .unwrap()
             .push((hs.resources.clone(), count.clone()));
-        let engine = self.handle.register(hs.into()).await.expect("service runs");
+        let engine = ready.register(hs.into()).await.expect("service runs");
         self.engines.push((engine, count, address));
-        guard.finish();
     }
 
     async fn apply(&mut self, op: Op) {
@@ -253,7 +253,7 @@ impl Run {
             Op::Connect(i) => self.connect(i).await,
             Op::OpenHandshake(i) => {
                 self.handshakes
-                    .push((addr(i), self.handle.handshake_started(addr(i))));
+                    .push((addr(i), self.handle.handshake(addr(i))));
                 *self.open_handshakes.entry(addr(i)).or_default() += 1;
                 let here: Vec<EngineId> = self
                     .engines

@@ -54,13 +54,11 @@ fn addr(n: u16) -> PeerAddr {
 impl World {
     /// What a decoder runtime does: handshake (guarded), load, register.
     async fn connect(&self, address: &PeerAddr) -> EngineRef {
-        let guard = self.handle.handshake_started(address.clone());
+        let handshake = self.handle.handshake(address.clone());
         let metadata = self.ucx.fetch_metadata(address).expect("someone listens");
-        self.handle.prepare_reload(&metadata.engine).await.unwrap();
+        let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
         let hs = self.ucx.load_metadata(&metadata).expect("metadata loads");
-        let engine = self.handle.register(hs.into()).await.unwrap();
-        guard.finish();
-        engine
+        ready.register(hs.into()).await.unwrap()
     }
 
     /// Waits (in virtual time) for the first event that `pick` accepts.
@@ -127,7 +125,13 @@ async fn a_peer_whose_heartbeat_returns_remote_disconnect_is_released() {
             _ => None,
         })
         .await;
-    assert_eq!(status, (NixlStatus::ERR_REMOTE_DISCONNECT, "heartbeat"));
+    assert_eq!(
+        status,
+        (
+            NixlStatus::ERR_REMOTE_DISCONNECT,
+            nixl_keepalive::Source::Heartbeat
+        )
+    );
     let released = w.released(&p, Duration::from_secs(1)).await;
     assert_eq!(released_reason(&released), ReleaseReason::Unreachable);
     assert_eq!(engine.state(), EngineState::Released);
@@ -247,7 +251,7 @@ async fn a_replaced_engine_is_released_only_after_its_reads_and_pending_handshak
     let new = w.ucx.restart(&addr(1));
     assert_ne!(new, old);
     // Another handshake with the address is still going on.
-    let other_handshake = w.handle.handshake_started(addr(1));
+    let other_handshake = w.handle.handshake(addr(1));
     let new_ref = w.connect(&addr(1)).await;
     let replaced = w
         .until(Duration::from_secs(1), |e| match e {
@@ -371,12 +375,13 @@ async fn a_pinned_engine_id_that_restarts_is_released_before_it_is_loaded_again(
     let handle = w.handle.clone();
     let ucx = w.ucx.clone();
     let reconnect = tokio::spawn(async move {
+        let handshake = handle.handshake(addr(1));
         let metadata = ucx.fetch_metadata(&addr(1)).unwrap();
-        handle.prepare_reload(&metadata.engine).await.unwrap();
+        let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
         let hs = ucx
             .load_metadata(&metadata)
             .expect("old metadata was invalidated first");
-        handle.register(hs.into()).await.unwrap()
+        ready.register(hs.into()).await.unwrap()
     });
     w.run_for(Duration::from_secs(3)).await;
     assert!(!reconnect.is_finished(), "held by the read in flight");

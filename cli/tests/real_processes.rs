@@ -52,7 +52,8 @@ fn a_sigkilled_idle_prefill_is_detected_by_heartbeat_and_released() {
                     source,
                 } if *id == engine => {
                     assert_eq!(
-                        *source, "heartbeat",
+                        *source,
+                        nixl_keepalive::Source::Heartbeat,
                         "no reads ran: the heartbeat must detect it"
                     );
                     Some(*status)

@@ -204,13 +204,17 @@ fn print_event(event: &Event) {
         Event::TransientError { engine, status, source } => {
             println!("event: transient_error engine={engine} status={status} source={source}")
         }
+        Event::TransportPanicked { engine, call, message } => {
+            println!("event: transport_panicked engine={engine} call={call} message={message:?}")
+        }
         Event::Released {
             engine,
             reason,
             waited_for,
             failed_steps,
+            panicked,
         } => println!(
-            "event: released engine={engine} reason={} waited_ms={} reads_at_mark={} handshake={} failed_steps={failed_steps}",
+            "event: released engine={engine} reason={} waited_ms={} reads_at_mark={} handshake={} failed_steps={failed_steps} panicked={panicked}",
             reason.as_str(),
             waited_for.duration.as_millis(),
             waited_for.reads_in_flight_at_mark,

@@ -253,6 +253,7 @@ async fn simulate(args: &DemoArgs, config: Config) -> Outcome {
             timeline.violation(format!("the keepalive service task failed: {e}"));
             nixl_keepalive::Stopped {
                 unreleased: Vec::new(),
+                releases_unfinished: Vec::new(),
             }
         }
     };

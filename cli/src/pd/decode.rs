@@ -8,8 +8,8 @@
 //!   prepped (one descriptor per block), local landing slots registered;
 //!   [`RemoteEngine::read_block`]: one READ, polled to its end, bytes
 //!   checked;
-//! - [`Decoder`]: the above with the service: handshake guard,
-//!   `prepare_reload` for an engine id already registered, registration,
+//! - [`Decoder`]: the above with the service, through the library's
+//!   handshake protocol (`handshake`, `ready_to_load`, `register`),
 //!   read guards reporting each transfer's status; [`Decoder::spawn`] runs
 //!   the whole loop for one prefill address, re-handshaking after a
 //!   release once something listens again.
@@ -26,10 +26,10 @@ use super::pattern;
 use super::prefill::request_id;
 use super::wire::{self, HandshakeReply, WireError};
 use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
-use nixl_keepalive::KeepaliveHandle;
 use nixl_keepalive::{
     AgentName, EngineId, EngineRef, EngineState, PeerAddr, Registration, ServiceStopped,
 };
+use nixl_keepalive::{KeepaliveHandle, Transport};
 
 /// A handshake that did not complete. Nothing stays loaded.
 #[derive(Debug, thiserror::Error)]
@@ -72,6 +72,10 @@ pub enum HandshakeError {
     /// The keepalive service has stopped.
     #[error(transparent)]
     Stopped(#[from] ServiceStopped),
+    /// The keepalive service refused the registration (what was loaded
+    /// was given back).
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// Asks the prefill at `address` for its engine id, metadata and layout.
@@ -474,11 +478,12 @@ impl Decoder {
         &self.stats
     }
 
-    /// One handshake with `address`, under a handshake guard. `current` is
-    /// what this caller has connected there: the same engine id and
-    /// incarnation, still live, is [`Handshake::Unchanged`]. An engine id
-    /// the service still holds is released first (`prepare_reload`): NIXL
-    /// must not load metadata over loaded metadata.
+    /// One handshake with `address`, through the library's protocol.
+    /// `current` is what this caller has connected there: the same engine
+    /// id and incarnation, still live, is [`Handshake::Unchanged`]. Any
+    /// other registration of the engine id found is released first
+    /// (`ready_to_load`), whatever its state: NIXL must not load metadata
+    /// over loaded metadata.
     ///
     /// Cancel safety: a cancelled handshake may leave metadata loaded and
     /// unregistered; run it to the end.
@@ -487,7 +492,9 @@ impl Decoder {
         address: &PeerAddr,
         current: Option<&Connected>,
     ) -> Result<Handshake, HandshakeError> {
-        let guard = self.handle.handshake_started(address.clone());
+        // The library's reconnect protocol: whatever registration of the
+        // engine id we find is released first, whatever its state.
+        let handshake = self.handle.handshake(address.clone());
         let reply = fetch(address, self.options.handshake_timeout).await?;
         if let Some(c) = current {
             if c.remote.engine.as_str() == reply.engine
@@ -498,10 +505,7 @@ impl Decoder {
             }
         }
         let id = EngineId::new(reply.engine.as_str());
-        if self.handle.engine(&id).is_some() {
-            tracing::info!(engine = %id, %address, "engine id still registered: releasing it before loading again");
-            self.handle.prepare_reload(&id).await?;
-        }
+        let ready = handshake.ready_to_load(&id).await?;
         let agent = self.transport.agent().clone();
         let addr = address.clone();
         let slots = self.options.reads_in_flight.max(1);
@@ -509,22 +513,35 @@ impl Decoder {
             tokio::task::spawn_blocking(move || RemoteEngine::load(&agent, addr, &reply, slots))
                 .await
                 .expect("load does not panic")?;
-        let engine = self
-            .handle
+        let registered = ready
             .register(Registration {
                 engine: remote.engine.clone(),
                 address: address.clone(),
                 agents: remote.agents.clone(),
                 resources: remote.dlists.clone(),
             })
-            .await?;
+            .await;
+        let engine = match registered {
+            Ok(engine) => engine,
+            Err(refused) => {
+                let text = refused.to_string();
+                if let Some(r) = refused.into_registration() {
+                    // Loaded but not registered: give it back here.
+                    let transport = self.transport.clone();
+                    let _ = tokio::task::spawn_blocking(move || {
+                        transport.release(&r.engine, &r.agents, r.resources)
+                    })
+                    .await;
+                }
+                return Err(HandshakeError::Refused(text));
+            }
+        };
         let leases: Vec<String> = (0..self.options.leases.min(remote.blocks))
             .map(request_id)
             .collect();
         if !leases.is_empty() {
             self.handle.add_leases(&remote.engine, leases, true);
         }
-        guard.finish();
         self.stats.handshakes.fetch_add(1, Ordering::Relaxed);
         tracing::info!(engine = %remote.engine, %address, ranks = remote.agents.len(), "engine loaded and registered");
         Ok(Handshake::New(Connected {

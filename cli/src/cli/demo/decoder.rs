@@ -313,29 +313,21 @@ impl Decoder {
             .remove(&prefill);
     }
 
-    /// One handshake, as vLLM does it: side channel, then load the metadata
-    /// and prep the dlists, then register; a handshake guard all along so
-    /// that the engine previously at this address is not released while
-    /// the runtime is still deciding.
+    /// One handshake, through the library's protocol: side channel, then
+    /// `ready_to_load` (any registration of the engine id found goes first,
+    /// whatever its state), then load the metadata and prep the dlists,
+    /// then register. The handshake holds back the release of the engine
+    /// previously at this address while the runtime is still deciding.
     async fn handshake(&self, prefill: usize) -> Result<(), String> {
         let inner = &self.inner;
         let addr = self.addr(prefill).clone();
-        let mut guard = inner.handle.handshake_started(addr.clone());
+        let handshake = inner.handle.handshake(addr.clone());
         tokio::time::sleep(inner.shape.handshake).await;
-        let mut metadata = inner.ucx.fetch_metadata(&addr).map_err(|e| e.to_string())?;
-        if inner.handle.engine(&metadata.engine).is_some() {
-            // A pinned id that restarted: NIXL cannot load over loaded
-            // metadata, so the old registration goes first. Our own
-            // handshake guard would hold that release back (it is at the
-            // same address), so it is dropped while we wait.
-            drop(guard);
-            tokio::select! {
-                ready = inner.handle.prepare_reload(&metadata.engine) => ready.map_err(|e| e.to_string())?,
-                _ = inner.stopping.cancelled() => return Err("the decoder is stopping".into()),
-            }
-            guard = inner.handle.handshake_started(addr.clone());
-            metadata = inner.ucx.fetch_metadata(&addr).map_err(|e| e.to_string())?;
-        }
+        let metadata = inner.ucx.fetch_metadata(&addr).map_err(|e| e.to_string())?;
+        let ready = tokio::select! {
+            ready = handshake.ready_to_load(&metadata.engine) => ready.map_err(|e| e.to_string())?,
+            _ = inner.stopping.cancelled() => return Err("the decoder is stopping".into()),
+        };
         if inner.stopping.is_cancelled() {
             return Ok(());
         }
@@ -350,14 +342,21 @@ impl Decoder {
             agents: hs.agents.clone(),
             resources: hs.resources,
         };
-        match inner.handle.register(registration).await {
+        match ready.register(registration).await {
             Ok(engine) => {
                 inner.counts.handshakes_ok.fetch_add(1, Ordering::Relaxed);
                 self.current()[prefill] = Some(Current { engine, tracked });
-                drop(guard);
                 Ok(())
             }
-            Err(e) => Err(format!("register: {e}")),
+            Err(e) => {
+                let text = format!("register: {e}");
+                if let Some(r) = e.into_registration() {
+                    // Loaded, not registered: the runtime gives it back.
+                    use nixl_keepalive::Transport;
+                    inner.ucx.release(&r.engine, &r.agents, r.resources);
+                }
+                Err(text)
+            }
         }
     }
 

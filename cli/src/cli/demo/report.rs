@@ -127,7 +127,9 @@ impl EventCounts {
             Event::Replaced { .. } => self.replaced += 1,
             Event::Retiring { .. } => self.retiring += 1,
             Event::ReadsFailed { .. } => self.reads_failed += 1,
-            Event::TransientError { .. } => self.transient_errors += 1,
+            Event::TransientError { .. } | Event::TransportPanicked { .. } => {
+                self.transient_errors += 1
+            }
             Event::Released { reason, .. } => {
                 self.released += 1;
                 *self.released_by_reason.entry(reason.as_str()).or_default() += 1;
@@ -294,11 +296,17 @@ impl Timeline {
                 "{engine}: {} from a {source} (transient: counted, kept)",
                 status.name()
             ),
+            Event::TransportPanicked {
+                engine,
+                call,
+                message,
+            } => format!("{engine}: the transport panicked in {call}: {message}"),
             Event::Released {
                 engine,
                 reason,
                 waited_for,
                 failed_steps,
+                ..
             } => {
                 record.release(engine, now, *reason, *waited_for);
                 format!(

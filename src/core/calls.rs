@@ -1,0 +1,70 @@
+//! Transport calls as data: what the core asks the driver to run off the
+//! async threads, and what comes back.
+
+use std::sync::Arc;
+
+use crate::transport::{AgentName, EngineId, ReleaseStep, TransportError};
+
+/// A transport call the core wants made. The driver runs it on a blocking
+/// worker (it is blocking FFI that may never return) and hands the
+/// [`CallOutcome`] back as an input.
+pub(crate) enum Call<R> {
+    /// One heartbeat round: `message` to every agent of the registration.
+    Heartbeat {
+        serial: u64,
+        agents: Arc<[AgentName]>,
+        message: Arc<[u8]>,
+    },
+    /// Give back a registration's NIXL state.
+    Release {
+        serial: u64,
+        engine: EngineId,
+        agents: Arc<[AgentName]>,
+        resources: R,
+    },
+}
+
+/// A transport call panicked. The panic is caught at the call (a blocking
+/// worker must not die with jobs behind it) and reported as what it is,
+/// never turned into a made-up NIXL status.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Panicked {
+    /// The panic's message, when it was text.
+    pub(crate) message: String,
+}
+
+impl Panicked {
+    /// From a caught panic's payload.
+    pub(crate) fn from_payload(payload: &(dyn std::any::Any + Send)) -> Self {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a text message".to_string());
+        Panicked { message }
+    }
+}
+
+/// One heartbeat round's results: how many notifications NIXL accepted,
+/// and those that failed or panicked, in agent order. A round where every
+/// agent accepted allocates nothing.
+#[derive(Debug, Default)]
+pub(crate) struct RoundResults {
+    /// Notifications accepted.
+    pub(crate) sent: usize,
+    /// Notifications that failed, with their agent.
+    pub(crate) failed: Vec<(AgentName, TransportError)>,
+    /// Notifications whose call panicked, with their agent.
+    pub(crate) panicked: Vec<(AgentName, Panicked)>,
+}
+
+/// What a call came back with.
+pub(crate) enum CallOutcome {
+    /// A heartbeat round's results.
+    Heartbeat { serial: u64, results: RoundResults },
+    /// A release's steps, or the panic that cut it short.
+    Release {
+        serial: u64,
+        steps: Result<Vec<ReleaseStep>, Panicked>,
+    },
+}

@@ -1,0 +1,1167 @@
+//! The keepalive rules, closed in one synchronous state machine.
+//!
+//! Built the way quinn-proto and foca are: the core never reads a clock,
+//! sleeps, spawns or calls NIXL. Every input carries `now`
+//! ([`Core::handle`]); every decision comes out as an [`Action`]
+//! ([`Core::poll_action`]); the core owns its timers (the heartbeat
+//! schedule, the gauges' period, the shutdown deadline) and says when it
+//! next needs the clock ([`Core::poll_timeout`], then
+//! [`Core::handle_timeout`]). Randomness (the heartbeat jitter) is
+//! injected. The tokio driver (`service`) only carries inputs in, sleeps to
+//! the deadline, and carries actions out; it imports the core, never the
+//! other way round, and so does the offload queue.
+//!
+//! # The rules
+//!
+//! - Every engine gets a heartbeat round per interval (+/- jitter, rounded
+//!   to [`HEARTBEAT_SLOT`]), never two rounds at once, at most the rate
+//!   cap; lease renewals the runtime asks for share the cap.
+//! - One classifier judges every status ([`classify`]): REMOTE_DISCONNECT
+//!   marks the engine unreachable and fails its reads; everything else is
+//!   counted, never a release.
+//! - A marked registration is released (one transport call) once no read
+//!   is in flight and no handshake is pending at its address, and never
+//!   before. A handshake that is loading the very engine id again does not
+//!   hold it back: it is waiting for that release.
+//! - An engine id is held by at most one registration. Loading it again
+//!   ([`Input::ReadyToLoad`]) marks the old one, whatever state it is in,
+//!   and is answered once it is released. A registration of an id still
+//!   held waits for the old one's release.
+//! - A new engine id at a known address replaces the engine there.
+//! - Agent names are unique over all registrations.
+//! - Shutdown marks everything, activates nothing, refuses what waits,
+//!   releases each engine as its reads end, and stops waiting at the drain
+//!   deadline.
+
+mod calls;
+pub(crate) mod cell;
+mod classify;
+mod peer;
+mod rate;
+mod schedule;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::Rng;
+use tokio::time::Instant;
+
+pub(crate) use calls::{Call, CallOutcome, Panicked, RoundResults};
+pub(crate) use cell::{EngineCell, Wake, WakeSink};
+pub(crate) use classify::{classify, Verdict};
+pub use schedule::HEARTBEAT_SLOT;
+
+use crate::config::Config;
+use crate::error::RegisterError;
+use crate::event::{Event, ReleaseReason, Source, WaitedFor};
+use crate::registration::{GoneMode, PeerRef, Registration};
+use crate::snapshot::{EngineSnapshot, HeartbeatSnapshot, Snapshot};
+use crate::state::EngineState;
+use crate::telemetry;
+use crate::transport::{AgentName, EngineId, PeerAddr, ReleaseStep};
+use crate::NixlStatus;
+use peer::{Mark, Peer};
+use rate::RateCap;
+use schedule::Schedule;
+
+/// Everything that can happen to the core, besides time passing.
+pub(crate) enum Input<R> {
+    /// A handshake with `address` started: until it ends, the release of a
+    /// marked engine there waits (the runtime may still be deciding whether
+    /// the engine there is new).
+    HandshakeStarted { ticket: u64, address: PeerAddr },
+    /// The handshake `ticket` learned the engine id it will load: every
+    /// registration of that id must go first. Answered with
+    /// [`Action::LoadReady`] (or [`Action::LoadRefused`] when stopping).
+    ReadyToLoad { ticket: u64, engine: EngineId },
+    /// The handshake `ticket` ended without registering.
+    HandshakeFinished { ticket: u64 },
+    /// A registration, through the handshake `ticket` if any (which then
+    /// ends once it is decided). Answered with [`Action::Activated`] or
+    /// [`Action::Refused`] under `request`.
+    Register {
+        request: u64,
+        ticket: Option<u64>,
+        registration: Registration<R>,
+        cell: Arc<EngineCell>,
+    },
+    /// A read handle's wake-up: a transfer's status, or a drained engine.
+    Read(Wake),
+    /// Lease request ids to renew with each heartbeat of an engine.
+    AddLeases {
+        engine: EngineId,
+        requests: Vec<String>,
+        renew_now: bool,
+    },
+    /// Lease request ids to stop renewing.
+    RemoveLeases {
+        engine: EngineId,
+        requests: Vec<String>,
+    },
+    /// The router or orchestrator says a peer is gone.
+    PeerGone { peer: PeerRef, mode: GoneMode },
+    /// A transport call came back.
+    CallDone(CallOutcome),
+    /// The service is stopping.
+    Shutdown,
+}
+
+/// A decision of the core, for the driver to carry out.
+pub(crate) enum Action<R> {
+    /// Make these transport calls off the async threads.
+    Call(Call<R>),
+    /// The registration `request` is active.
+    Activated { request: u64, cell: Arc<EngineCell> },
+    /// The registration `request` was not taken.
+    Refused {
+        request: u64,
+        error: RegisterError<R>,
+    },
+    /// The handshake `ticket` may load its engine's metadata: no
+    /// registration of that engine id is held any more.
+    LoadReady { ticket: u64 },
+    /// The handshake `ticket` may not load anything: the service stops.
+    LoadRefused { ticket: u64 },
+    /// The registration `serial` of `engine` is gone: forget it wherever
+    /// it is looked up by id.
+    Forget { engine: EngineId, serial: u64 },
+    /// Publish an event.
+    Emit(Event),
+}
+
+/// A handshake in progress.
+struct Ticket {
+    address: PeerAddr,
+    /// The engine id it will load, once it said so.
+    loading: Option<EngineId>,
+}
+
+/// A registration waiting for the release of its engine id's previous one.
+struct Queued<R> {
+    request: u64,
+    registration: Registration<R>,
+    cell: Arc<EngineCell>,
+}
+
+/// Why a registration is refused; becomes a [`RegisterError`] with the
+/// registration in it.
+enum Refusal {
+    Stopped,
+    AgentInUse { agent: AgentName, holder: EngineId },
+    NotThisEngine(EngineId),
+    Invalid(String),
+}
+
+impl Refusal {
+    fn into_error<R>(self, registration: Registration<R>) -> RegisterError<R> {
+        match self {
+            Refusal::Stopped => RegisterError::Stopped(registration),
+            Refusal::AgentInUse { agent, holder } => RegisterError::AgentInUse {
+                registration,
+                agent,
+                holder,
+            },
+            Refusal::NotThisEngine(expected) => RegisterError::NotThisEngine {
+                registration,
+                expected,
+            },
+            Refusal::Invalid(reason) => RegisterError::Invalid {
+                registration,
+                reason,
+            },
+        }
+    }
+}
+
+/// Where a shutdown stands.
+struct Stopping {
+    /// Past this, reads still in flight (and releases still running) are no
+    /// longer waited for.
+    deadline: Instant,
+}
+
+/// The core: the peer table, the handshakes, the timers.
+pub(crate) struct Core<R> {
+    config: Config,
+    peers: HashMap<u64, Peer<R>>,
+    /// The registration each engine id holds now (at most one).
+    by_id: HashMap<EngineId, u64>,
+    /// The registration each address maps to now.
+    by_addr: HashMap<PeerAddr, u64>,
+    /// The registration each agent name belongs to.
+    by_agent: HashMap<AgentName, u64>,
+    tickets: HashMap<u64, Ticket>,
+    /// Handshakes in progress per address.
+    handshakes: HashMap<PeerAddr, usize>,
+    /// Marked registrations whose release waits for a handshake at their
+    /// address.
+    held: HashMap<PeerAddr, BTreeSet<u64>>,
+    /// Handshakes waiting for an engine id to be free, by id.
+    loading: HashMap<EngineId, Vec<u64>>,
+    /// Registrations waiting for their engine id's previous registration.
+    queued: HashMap<EngineId, VecDeque<Queued<R>>>,
+    schedule: Schedule,
+    rate: RateCap,
+    rng: StdRng,
+    actions: VecDeque<Action<R>>,
+    /// The message of an engine without leases, shared by all of them.
+    idle_message: Arc<[u8]>,
+    /// Appended to a live engine's "why not released".
+    silent_peer_note: String,
+    census_due: Option<Instant>,
+    releases_in_flight: usize,
+    stopping: Option<Stopping>,
+}
+
+impl<R> Core<R> {
+    /// A core with `config`, its clock starting at `now`, drawing jitter
+    /// from `rng`.
+    pub(crate) fn new(config: Config, now: Instant, rng: StdRng) -> Self {
+        Core {
+            rate: RateCap::new(&config, now),
+            schedule: Schedule::new(now),
+            census_due: config.metrics_period.map(|p| now + p),
+            config,
+            peers: HashMap::new(),
+            by_id: HashMap::new(),
+            by_addr: HashMap::new(),
+            by_agent: HashMap::new(),
+            tickets: HashMap::new(),
+            handshakes: HashMap::new(),
+            held: HashMap::new(),
+            loading: HashMap::new(),
+            queued: HashMap::new(),
+            rng,
+            actions: VecDeque::new(),
+            idle_message: heartbeat_message(&BTreeSet::new()).into(),
+            silent_peer_note: "UCX settings not given to the service".to_string(),
+            releases_in_flight: 0,
+            stopping: None,
+        }
+    }
+
+    /// Sets the note a live engine's snapshot carries about silent peers.
+    pub(crate) fn set_silent_peer_note(&mut self, note: String) {
+        self.silent_peer_note = note;
+    }
+
+    /// The next decision to carry out, if any.
+    pub(crate) fn poll_action(&mut self) -> Option<Action<R>> {
+        self.actions.pop_front()
+    }
+
+    /// When the core next needs [`Core::handle_timeout`].
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        let drain = self
+            .stopping
+            .as_ref()
+            .map(|s| s.deadline)
+            .filter(|_| !self.is_stopped_before_deadline());
+        [self.schedule.next(), self.census_due, drain]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// Whether a shutdown has begun and nothing is left to wait for at
+    /// `now`: the driver may stop and hand back what is left.
+    pub(crate) fn is_stopped(&self, now: Instant) -> bool {
+        match &self.stopping {
+            None => false,
+            Some(s) => now >= s.deadline || self.is_stopped_before_deadline(),
+        }
+    }
+
+    /// Nothing left to wait for: no release running, and every registration
+    /// released.
+    fn is_stopped_before_deadline(&self) -> bool {
+        self.stopping.is_some() && self.releases_in_flight == 0 && self.peers.is_empty()
+    }
+
+    /// Time has passed: serves every timer due at `now`.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) {
+        while let Some((slot, serials)) = self.schedule.pop_due(now) {
+            for serial in serials {
+                let Some(peer) = self.peers.get_mut(&serial) else {
+                    continue;
+                };
+                if peer.next_heartbeat == Some(slot) {
+                    peer.next_heartbeat = None;
+                    self.heartbeat_due(now, serial, slot);
+                }
+            }
+        }
+        if let (Some(due), Some(period)) = (self.census_due, self.config.metrics_period) {
+            if due <= now {
+                let (by_state, reads) = self.census();
+                telemetry::census(by_state, reads);
+                // From the deadline, unless far behind: never a burst.
+                self.census_due = Some(if now - due < period {
+                    due + period
+                } else {
+                    now + period
+                });
+            }
+        }
+    }
+
+    /// Handles one input at `now`.
+    pub(crate) fn handle(&mut self, now: Instant, input: Input<R>) {
+        match input {
+            Input::HandshakeStarted { ticket, address } => self.handshake_started(ticket, address),
+            Input::ReadyToLoad { ticket, engine } => self.ready_to_load(now, ticket, engine),
+            Input::HandshakeFinished { ticket } => self.handshake_finished(now, ticket),
+            Input::Register {
+                request,
+                ticket,
+                registration,
+                cell,
+            } => {
+                self.register(now, request, ticket, registration, cell);
+                if let Some(ticket) = ticket {
+                    self.handshake_finished(now, ticket);
+                }
+            }
+            Input::Read(Wake::Drained(serial)) => self.try_release(now, serial),
+            Input::Read(Wake::TransferResult(serial, status)) => {
+                self.status(now, serial, Source::Transfer, None, status)
+            }
+            Input::AddLeases {
+                engine,
+                requests,
+                renew_now,
+            } => self.add_leases(now, &engine, requests, renew_now),
+            Input::RemoveLeases { engine, requests } => self.remove_leases(&engine, &requests),
+            Input::PeerGone { peer, mode } => self.peer_gone(now, peer, mode),
+            Input::CallDone(CallOutcome::Heartbeat { serial, results }) => {
+                self.heartbeat_done(now, serial, results)
+            }
+            Input::CallDone(CallOutcome::Release { serial, steps }) => {
+                self.release_done(now, serial, steps)
+            }
+            Input::Shutdown => self.shutdown(now),
+        }
+    }
+
+    fn emit(&mut self, event: Event) {
+        self.actions.push_back(Action::Emit(event));
+    }
+
+    // ----- handshakes and registrations -----
+
+    fn handshake_started(&mut self, ticket: u64, address: PeerAddr) {
+        *self.handshakes.entry(address.clone()).or_default() += 1;
+        self.tickets.insert(
+            ticket,
+            Ticket {
+                address,
+                loading: None,
+            },
+        );
+    }
+
+    fn handshake_finished(&mut self, now: Instant, ticket: u64) {
+        let Some(t) = self.tickets.remove(&ticket) else {
+            return;
+        };
+        if let Some(id) = &t.loading {
+            if let Some(waiting) = self.loading.get_mut(id) {
+                waiting.retain(|&w| w != ticket);
+                if waiting.is_empty() {
+                    self.loading.remove(id);
+                }
+            }
+        }
+        let count = self
+            .handshakes
+            .get_mut(&t.address)
+            .expect("every ticket counts at its address");
+        *count -= 1;
+        if *count == 0 {
+            self.handshakes.remove(&t.address);
+            for serial in self.held.remove(&t.address).unwrap_or_default() {
+                self.try_release(now, serial);
+            }
+        }
+    }
+
+    fn ready_to_load(&mut self, now: Instant, ticket: u64, engine: EngineId) {
+        if self.stopping.is_some() {
+            self.actions.push_back(Action::LoadRefused { ticket });
+            return;
+        }
+        let Some(t) = self.tickets.get_mut(&ticket) else {
+            // Its guard is gone already: nobody waits for the answer.
+            return;
+        };
+        t.loading = Some(engine.clone());
+        if !self.is_held(&engine) {
+            self.actions.push_back(Action::LoadReady { ticket });
+            return;
+        }
+        self.loading.entry(engine.clone()).or_default().push(ticket);
+        if let Some(&serial) = self.by_id.get(&engine) {
+            tracing::info!(%engine, "engine id to be loaded again: its registration goes first");
+            self.mark(now, serial, ReleaseReason::Reregistered);
+            // Already marked for another reason: the first mark stands,
+            // but a handshake no longer holds it back.
+            self.try_release(now, serial);
+        }
+    }
+
+    /// Whether any registration of `engine` is held (live, marked,
+    /// releasing) or waits to be activated.
+    fn is_held(&self, engine: &EngineId) -> bool {
+        self.by_id.contains_key(engine) || self.queued.contains_key(engine)
+    }
+
+    /// Someone is waiting for `engine` to be free: its registration must not
+    /// be held back by a handshake.
+    fn reload_wanted(&self, engine: &EngineId) -> bool {
+        self.loading.contains_key(engine) || self.queued.contains_key(engine)
+    }
+
+    fn register(
+        &mut self,
+        now: Instant,
+        request: u64,
+        ticket: Option<u64>,
+        registration: Registration<R>,
+        cell: Arc<EngineCell>,
+    ) {
+        if let Some(refusal) = self.refusal(ticket, &registration) {
+            let error = refusal.into_error(registration);
+            tracing::warn!(%error, "registration refused");
+            self.actions.push_back(Action::Refused { request, error });
+            return;
+        }
+        let id = registration.engine.clone();
+        let queued = Queued {
+            request,
+            registration,
+            cell,
+        };
+        if !self.is_held(&id) {
+            self.activate(now, queued);
+            return;
+        }
+        // The id is still held: NIXL cannot load metadata over loaded
+        // metadata, so the old registration goes first and this one waits.
+        tracing::info!(engine = %id, "engine registered again under the same id: the old registration goes first");
+        self.emit(Event::Replaced {
+            old: id.clone(),
+            new: id.clone(),
+            address: queued.registration.address.clone(),
+        });
+        self.queued.entry(id.clone()).or_default().push_back(queued);
+        if let Some(&old) = self.by_id.get(&id) {
+            self.mark(now, old, ReleaseReason::Reregistered);
+            self.try_release(now, old);
+        }
+    }
+
+    /// Why `registration` cannot be taken, if it cannot.
+    fn refusal(&self, ticket: Option<u64>, registration: &Registration<R>) -> Option<Refusal> {
+        if self.stopping.is_some() {
+            return Some(Refusal::Stopped);
+        }
+        let agents = &registration.agents;
+        if agents.is_empty() {
+            return Some(Refusal::Invalid("it names no agent".into()));
+        }
+        for (i, agent) in agents.iter().enumerate() {
+            if agents[..i].contains(agent) {
+                return Some(Refusal::Invalid(format!(
+                    "agent {agent} is named for two ranks"
+                )));
+            }
+        }
+        let expected = ticket
+            .and_then(|t| self.tickets.get(&t))
+            .and_then(|t| t.loading.as_ref());
+        if let Some(expected) = expected.filter(|e| **e != registration.engine) {
+            return Some(Refusal::NotThisEngine(expected.clone()));
+        }
+        let queued = self
+            .queued
+            .values()
+            .flatten()
+            .map(|q| (&q.registration.engine, &q.registration.agents));
+        for agent in agents {
+            // Indexed for registrations in the table; queued ones are few.
+            let holder = self
+                .by_agent
+                .get(agent)
+                .and_then(|s| self.peers.get(s))
+                .map(|p| p.id())
+                .or_else(|| {
+                    queued
+                        .clone()
+                        .find(|(_, a)| a.contains(agent))
+                        .map(|(id, _)| id)
+                });
+            if let Some(holder) = holder.filter(|h| **h != registration.engine) {
+                return Some(Refusal::AgentInUse {
+                    agent: agent.clone(),
+                    holder: holder.clone(),
+                });
+            }
+        }
+        None
+    }
+
+    fn activate(&mut self, now: Instant, queued: Queued<R>) {
+        let Queued {
+            request,
+            registration,
+            cell,
+        } = queued;
+        let serial = cell.serial();
+        let Registration {
+            engine,
+            address,
+            agents,
+            resources,
+        } = registration;
+        tracing::info!(%engine, %address, agents = agents.len(), serial, "engine registered");
+        self.emit(Event::Registered {
+            engine: engine.clone(),
+            address: address.clone(),
+        });
+        self.by_id.insert(engine.clone(), serial);
+        for agent in &agents {
+            self.by_agent.insert(agent.clone(), serial);
+        }
+        let previous = self.by_addr.insert(address.clone(), serial);
+        self.peers.insert(
+            serial,
+            Peer::new(cell.clone(), address.clone(), agents, resources),
+        );
+        if let Some(interval) = self.config.heartbeat_interval {
+            // Spread first heartbeats over one interval: engines registered
+            // together must not all beat together.
+            let offset = interval.mul_f64(self.rng.random::<f64>());
+            self.schedule_heartbeat(serial, now + offset);
+        }
+        self.actions.push_back(Action::Activated { request, cell });
+        if let Some(old) = previous.filter(|&old| old != serial) {
+            if let Some(old_peer) = self.peers.get(&old) {
+                let old_id = old_peer.id().clone();
+                if old_id != engine {
+                    tracing::warn!(old = %old_id, new = %engine, %address, "a new engine id answered at a known address: the old engine was replaced");
+                    self.emit(Event::Replaced {
+                        old: old_id,
+                        new: engine.clone(),
+                        address,
+                    });
+                    self.mark(now, old, ReleaseReason::Replaced);
+                }
+            }
+        }
+        // Someone is already waiting to load this id again (a race of two
+        // handshakes): this one goes too.
+        if self.reload_wanted(&engine) {
+            self.mark(now, serial, ReleaseReason::Reregistered);
+        }
+    }
+
+    /// No registration of `engine` is held any more: the next queued one
+    /// is activated, or the handshakes waiting to load it are answered.
+    fn engine_free(&mut self, now: Instant, engine: EngineId) {
+        if let Some(mut queue) = self.queued.remove(&engine) {
+            let next = queue.pop_front().expect("queues are never empty");
+            if !queue.is_empty() {
+                self.queued.insert(engine.clone(), queue);
+            }
+            self.activate(now, next);
+            return;
+        }
+        for ticket in self.loading.remove(&engine).unwrap_or_default() {
+            self.actions.push_back(Action::LoadReady { ticket });
+        }
+    }
+
+    // ----- statuses, leases, peer gone -----
+
+    /// A status from `source` for registration `serial` (and `agent`, for
+    /// a heartbeat). The one place a status is acted on.
+    fn status(
+        &mut self,
+        now: Instant,
+        serial: u64,
+        source: Source,
+        agent: Option<&AgentName>,
+        status: NixlStatus,
+    ) {
+        let verdict = classify(status);
+        if verdict == Verdict::Fine {
+            return;
+        }
+        telemetry::status_error(source, status);
+        let Some(peer) = self.peers.get_mut(&serial) else {
+            return;
+        };
+        let engine = peer.id().clone();
+        match verdict {
+            Verdict::Fine => {}
+            Verdict::Disconnect => {
+                if peer.is_live() {
+                    tracing::warn!(%engine, ?agent, %source, %status, raw = status.raw(), "REMOTE_DISCONNECT: engine unreachable");
+                    self.emit(Event::Unreachable {
+                        engine,
+                        status,
+                        source,
+                    });
+                    self.mark(now, serial, ReleaseReason::Unreachable);
+                }
+            }
+            Verdict::Transient => {
+                peer.transient_errors += 1;
+                tracing::info!(%engine, ?agent, %source, %status, raw = status.raw(), "an error that is not a disconnect: counted, engine kept");
+                self.emit(Event::TransientError {
+                    engine,
+                    status,
+                    source,
+                });
+            }
+        }
+    }
+
+    fn live_serial(&self, id: &EngineId) -> Option<u64> {
+        let serial = *self.by_id.get(id)?;
+        self.peers
+            .get(&serial)
+            .filter(|p| p.is_live())
+            .map(|_| serial)
+    }
+
+    fn add_leases(&mut self, now: Instant, id: &EngineId, requests: Vec<String>, renew_now: bool) {
+        let Some(serial) = self.live_serial(id) else {
+            tracing::debug!(engine = %id, "lease for an engine that is not live: ignored");
+            return;
+        };
+        let peer = self.peers.get_mut(&serial).expect("live serial");
+        if !requests.is_empty() {
+            peer.leases.extend(requests);
+            peer.message = None;
+        }
+        if renew_now {
+            self.renew(now, serial);
+        }
+    }
+
+    fn remove_leases(&mut self, id: &EngineId, requests: &[String]) {
+        if let Some(peer) = self.by_id.get(id).and_then(|s| self.peers.get_mut(s)) {
+            for r in requests {
+                if peer.leases.remove(r) {
+                    peer.message = None;
+                }
+            }
+        }
+    }
+
+    fn peer_gone(&mut self, now: Instant, peer: PeerRef, mode: GoneMode) {
+        let serial = match &peer {
+            PeerRef::Engine(id) => self.by_id.get(id).copied(),
+            PeerRef::Address(addr) => self.by_addr.get(addr).copied(),
+        };
+        let Some(p) = serial.and_then(|s| self.peers.get(&s)) else {
+            tracing::debug!(?peer, "peer gone: not a known peer, nothing to do");
+            return;
+        };
+        let serial = serial.expect("found above");
+        if p.is_live() {
+            let engine = p.id().clone();
+            tracing::info!(%engine, ?mode, "peer gone: retiring");
+            self.emit(Event::Retiring {
+                engine,
+                fail_reads: mode == GoneMode::Fail,
+            });
+            self.mark(now, serial, ReleaseReason::PeerGone);
+        }
+        if mode == GoneMode::Fail {
+            self.fail_reads(serial);
+        }
+    }
+
+    // ----- heartbeats -----
+
+    fn heartbeat_due(&mut self, now: Instant, serial: u64, due: Instant) {
+        let Some(peer) = self.peers.get(&serial) else {
+            return;
+        };
+        if !peer.is_live() {
+            return;
+        }
+        // The schedule runs from the deadline, not from when the timer was
+        // served, so serving delays (and the slot rounding) never add up.
+        let due = due.min(now);
+        if peer.heartbeat_in_flight {
+            // The previous round has not come back (a slow or hung call):
+            // never stack rounds on one engine. Try again next period.
+            if let Some(interval) = self.config.heartbeat_interval {
+                self.schedule_heartbeat(serial, now + interval);
+            }
+            return;
+        }
+        match self.rate.check(serial, now) {
+            Ok(()) => self.send_heartbeat(due, serial),
+            Err(wait) => {
+                telemetry::heartbeat_deferred();
+                self.schedule_heartbeat(serial, now + wait);
+            }
+        }
+    }
+
+    fn renew(&mut self, now: Instant, serial: u64) {
+        let peer = self.peers.get_mut(&serial).expect("live serial");
+        if peer.heartbeat_in_flight {
+            peer.renewal_wanted = true;
+            return;
+        }
+        match self.rate.check(serial, now) {
+            Ok(()) => self.send_heartbeat(now, serial),
+            Err(wait) => {
+                telemetry::heartbeat_deferred();
+                let peer = self.peers.get_mut(&serial).expect("live serial");
+                peer.renewal_wanted = true;
+                let at = now + wait;
+                if peer.next_heartbeat.is_none_or(|next| at < next) {
+                    self.schedule_heartbeat(serial, at);
+                }
+            }
+        }
+    }
+
+    /// Sends a round now; the next is due one interval (+/- jitter) after
+    /// `base`: the deadline this round was due at, or now for a renewal.
+    fn send_heartbeat(&mut self, base: Instant, serial: u64) {
+        let peer = self.peers.get_mut(&serial).expect("live serial");
+        peer.heartbeat_in_flight = true;
+        peer.renewal_wanted = false;
+        let message = match &peer.message {
+            Some(message) => message.clone(),
+            None => {
+                let message: Arc<[u8]> = if peer.leases.is_empty() {
+                    self.idle_message.clone()
+                } else {
+                    heartbeat_message(&peer.leases).into()
+                };
+                peer.message = Some(message.clone());
+                message
+            }
+        };
+        let agents = peer.agents.clone();
+        self.actions.push_back(Action::Call(Call::Heartbeat {
+            serial,
+            agents,
+            message,
+        }));
+        match self.config.heartbeat_interval {
+            Some(interval) => {
+                let jitter = self.config.jitter.as_secs_f64();
+                let delta = if jitter > 0.0 {
+                    self.rng.random_range(-jitter..=jitter)
+                } else {
+                    0.0
+                };
+                let next = Duration::from_secs_f64((interval.as_secs_f64() + delta).max(0.0));
+                self.schedule_heartbeat(serial, base + next);
+            }
+            None => self.unschedule_heartbeat(serial),
+        }
+    }
+
+    fn heartbeat_done(&mut self, now: Instant, serial: u64, results: RoundResults) {
+        let RoundResults {
+            sent,
+            failed,
+            panicked,
+        } = results;
+        telemetry::heartbeats_sent(sent);
+        let Some(peer) = self.peers.get_mut(&serial) else {
+            return;
+        };
+        peer.heartbeat_in_flight = false;
+        let status = failed
+            .iter()
+            .map(|(_, e)| e.status)
+            .find(|s| s.is_remote_disconnect())
+            .or(failed.first().map(|(_, e)| e.status))
+            .unwrap_or(NixlStatus::SUCCESS);
+        peer.last_heartbeat = Some((now, status));
+        let engine = peer.id().clone();
+        for (agent, p) in panicked {
+            telemetry::transport_panicked("genNotif");
+            tracing::error!(%engine, %agent, message = %p.message, "the transport panicked in genNotif: counted, engine kept");
+            self.emit(Event::TransportPanicked {
+                engine: engine.clone(),
+                call: "genNotif",
+                message: p.message,
+            });
+        }
+        for (agent, e) in &failed {
+            self.status(now, serial, Source::Heartbeat, Some(agent), e.status);
+        }
+        let peer = self.peers.get(&serial).expect("still here");
+        if peer.is_live() && peer.renewal_wanted {
+            self.renew(now, serial);
+        }
+    }
+
+    fn schedule_heartbeat(&mut self, serial: u64, at: Instant) {
+        self.unschedule_heartbeat(serial);
+        if let Some(peer) = self.peers.get_mut(&serial) {
+            peer.next_heartbeat = Some(self.schedule.insert(serial, at));
+        }
+    }
+
+    fn unschedule_heartbeat(&mut self, serial: u64) {
+        if let Some(slot) = self
+            .peers
+            .get_mut(&serial)
+            .and_then(|p| p.next_heartbeat.take())
+        {
+            self.schedule.remove(serial, slot);
+        }
+    }
+
+    // ----- marking and releasing -----
+
+    /// Marks a live registration: no new reads, no more heartbeats;
+    /// released as soon as it is idle. The first mark stands.
+    fn mark(&mut self, now: Instant, serial: u64, reason: ReleaseReason) {
+        let Some(peer) = self.peers.get_mut(&serial) else {
+            return;
+        };
+        if !peer.is_live() {
+            return;
+        }
+        let state = match reason {
+            ReleaseReason::Unreachable => EngineState::Unreachable,
+            ReleaseReason::Replaced | ReleaseReason::Reregistered => EngineState::Replaced,
+            ReleaseReason::PeerGone | ReleaseReason::Shutdown => EngineState::Retiring,
+        };
+        let reads = peer.cell.mark(state).unwrap_or(0);
+        peer.mark = Some(Mark {
+            reason,
+            at: now,
+            reads_at_mark: reads,
+            held_by_handshake: false,
+        });
+        peer.leases.clear();
+        peer.message = None;
+        tracing::info!(engine = %peer.id(), serial, state = state.as_str(), reads_in_flight = reads, "engine marked for release");
+        self.unschedule_heartbeat(serial);
+        if reason == ReleaseReason::Unreachable {
+            // UCX has failed the endpoint: no read in flight can complete.
+            self.fail_reads(serial);
+        }
+        self.try_release(now, serial);
+    }
+
+    fn fail_reads(&mut self, serial: u64) {
+        let Some(peer) = self.peers.get(&serial) else {
+            return;
+        };
+        peer.cell.fail_reads();
+        let count = peer.cell.reads_in_flight();
+        if count > 0 {
+            let engine = peer.id().clone();
+            tracing::warn!(%engine, count, "reads in flight failed");
+            self.emit(Event::ReadsFailed { engine, count });
+        }
+    }
+
+    /// Releases a marked registration if no read is in flight and no
+    /// handshake holds it back. Decided here; the transport is called by
+    /// the driver after.
+    fn try_release(&mut self, now: Instant, serial: u64) {
+        let Some(peer) = self.peers.get(&serial) else {
+            return;
+        };
+        if peer.mark.is_none() || peer.is_releasing() {
+            return;
+        }
+        // A pending handshake may yet decide the engine at this address is
+        // new, so the old one waits; not when somebody is waiting to load
+        // this very engine id again (they wait for this release), and not
+        // once the service is stopping (nothing new will register).
+        let held = self.stopping.is_none()
+            && self.handshakes.contains_key(&peer.address)
+            && !self.reload_wanted(peer.id());
+        if held {
+            let address = peer.address.clone();
+            let peer = self.peers.get_mut(&serial).expect("checked");
+            peer.mark.as_mut().expect("checked").held_by_handshake = true;
+            self.held.entry(address).or_default().insert(serial);
+            return;
+        }
+        if peer.cell.try_release().is_err() {
+            return; // the last read to end wakes us
+        }
+        let peer = self.peers.get_mut(&serial).expect("checked");
+        let engine = peer.id().clone();
+        let waited = now.saturating_duration_since(peer.mark.as_ref().expect("checked").at);
+        tracing::debug!(%engine, ?waited, "releasing");
+        let resources = peer.resources.take().expect("checked above");
+        let agents = peer.agents.clone();
+        self.rate.forget(serial);
+        self.releases_in_flight += 1;
+        self.actions.push_back(Action::Call(Call::Release {
+            serial,
+            engine,
+            agents,
+            resources,
+        }));
+    }
+
+    fn release_done(
+        &mut self,
+        now: Instant,
+        serial: u64,
+        steps: Result<Vec<ReleaseStep>, Panicked>,
+    ) {
+        let Some(peer) = self.peers.remove(&serial) else {
+            return;
+        };
+        self.releases_in_flight -= 1;
+        let engine = peer.id().clone();
+        let mark = peer.mark.expect("released registrations are marked");
+        let (failed_steps, panicked) = match steps {
+            Ok(steps) => {
+                let mut failed = 0;
+                for step in &steps {
+                    if step.status == NixlStatus::ERR_NOT_FOUND {
+                        tracing::debug!(%engine, target = ?step.target, "already dropped by NIXL: counts as released");
+                    } else if !step.status.is_ok() {
+                        failed += 1;
+                        telemetry::release_step_failed(step.status);
+                        tracing::error!(%engine, target = ?step.target, status = %step.status, raw = step.status.raw(), "release step failed");
+                    }
+                }
+                (failed, false)
+            }
+            Err(p) => {
+                telemetry::transport_panicked("release");
+                tracing::error!(%engine, message = %p.message, "the transport panicked while releasing: its resources are consumed, not retried");
+                self.emit(Event::TransportPanicked {
+                    engine: engine.clone(),
+                    call: "release",
+                    message: p.message,
+                });
+                (0, true)
+            }
+        };
+        let since_mark = now.saturating_duration_since(mark.at);
+        telemetry::released(mark.reason, since_mark);
+        tracing::info!(%engine, serial, reason = mark.reason.as_str(), after = ?since_mark, failed_steps, panicked, "engine released");
+        self.emit(Event::Released {
+            engine: engine.clone(),
+            reason: mark.reason,
+            waited_for: WaitedFor {
+                duration: since_mark,
+                reads_in_flight_at_mark: mark.reads_at_mark,
+                handshake: mark.held_by_handshake,
+            },
+            failed_steps,
+            panicked,
+        });
+        self.actions.push_back(Action::Forget {
+            engine: engine.clone(),
+            serial,
+        });
+        for agent in peer.agents.iter() {
+            if self.by_agent.get(agent) == Some(&serial) {
+                self.by_agent.remove(agent);
+            }
+        }
+        if self.by_addr.get(&peer.address) == Some(&serial) {
+            self.by_addr.remove(&peer.address);
+        }
+        if self.by_id.get(&engine) == Some(&serial) {
+            self.by_id.remove(&engine);
+            self.engine_free(now, engine);
+        }
+    }
+
+    /// The service is stopping: every live registration is marked (each
+    /// idle one is released now), what waits is refused, and nothing is
+    /// activated any more. [`Core::into_unreleased`] hands back the rest.
+    fn shutdown(&mut self, now: Instant) {
+        if self.stopping.is_some() {
+            return;
+        }
+        self.stopping = Some(Stopping {
+            deadline: now + self.config.shutdown_drain,
+        });
+        tracing::info!(drain = ?self.config.shutdown_drain, "stopping: marking every engine; each is released as its reads end");
+        for (_, queue) in std::mem::take(&mut self.queued) {
+            for q in queue {
+                self.actions.push_back(Action::Refused {
+                    request: q.request,
+                    error: RegisterError::Stopped(q.registration),
+                });
+            }
+        }
+        for (_, tickets) in std::mem::take(&mut self.loading) {
+            for ticket in tickets {
+                self.actions.push_back(Action::LoadRefused { ticket });
+            }
+        }
+        let mut serials: Vec<u64> = self.peers.keys().copied().collect();
+        serials.sort_unstable();
+        for serial in serials {
+            self.mark(now, serial, ReleaseReason::Shutdown);
+            // Marked earlier and held by a handshake: not any more.
+            self.try_release(now, serial);
+        }
+        self.held.clear();
+    }
+
+    /// What a shutdown could not release: registrations still held, each
+    /// once, resources and all; and the engines whose release was handed
+    /// to the transport but had not come back.
+    pub(crate) fn into_unreleased(self) -> (Vec<Registration<R>>, Vec<EngineId>) {
+        let mut unreleased = Vec::new();
+        let mut unfinished = Vec::new();
+        for p in self.peers.into_values() {
+            let engine = p.cell.id().clone();
+            match p.resources {
+                Some(resources) => unreleased.push(Registration {
+                    engine,
+                    address: p.address,
+                    agents: p.agents.to_vec(),
+                    resources,
+                }),
+                None => unfinished.push(engine),
+            }
+        }
+        unreleased.sort_by(|a, b| a.engine.cmp(&b.engine));
+        unfinished.sort();
+        (unreleased, unfinished)
+    }
+
+    // ----- introspection -----
+
+    /// Counts of registrations by state and reads in flight, for the
+    /// gauges. Walks every engine: called at the metrics period.
+    pub(crate) fn census(&self) -> ([usize; 5], u64) {
+        let mut by_state = [0usize; 5];
+        let mut reads = 0;
+        for peer in self.peers.values() {
+            by_state[peer.cell.state() as usize] += 1;
+            reads += peer.cell.reads_in_flight();
+        }
+        (by_state, reads)
+    }
+
+    /// The table as it is now.
+    pub(crate) fn snapshot(&self, now: Instant) -> Snapshot {
+        let mut engines: Vec<EngineSnapshot> = self
+            .peers
+            .values()
+            .map(|p| self.engine_snapshot(now, p))
+            .collect();
+        engines.sort_by(|a, b| a.engine.cmp(&b.engine));
+        let mut handshakes_pending: Vec<(PeerAddr, usize)> = self
+            .handshakes
+            .iter()
+            .map(|(a, n)| (a.clone(), *n))
+            .collect();
+        handshakes_pending.sort();
+        let mut waiting: Vec<EngineId> = self
+            .queued
+            .keys()
+            .chain(self.loading.keys())
+            .cloned()
+            .collect();
+        waiting.sort();
+        waiting.dedup();
+        Snapshot {
+            engines,
+            handshakes_pending,
+            waiting_for_reload: waiting,
+            silent_peer_note: self.silent_peer_note.clone(),
+            limiter_keys: self.rate.len(),
+            heartbeat_timers: self.schedule.len(),
+            detection_bound: None,
+        }
+    }
+
+    fn engine_snapshot(&self, now: Instant, p: &Peer<R>) -> EngineSnapshot {
+        let reads = p.cell.reads_in_flight();
+        let last_heartbeat = p.last_heartbeat.map(|(at, status)| HeartbeatSnapshot {
+            ago: now.saturating_duration_since(at),
+            status,
+        });
+        let why = match &p.mark {
+            None => {
+                let last = match &last_heartbeat {
+                    Some(h) => format!("last heartbeat {} {:?} ago", h.status.name(), h.ago),
+                    None => "no heartbeat yet".to_string(),
+                };
+                format!(
+                    "live: no REMOTE_DISCONNECT seen ({last}); a frozen or silent peer is reported only by UCX: {}",
+                    self.silent_peer_note
+                )
+            }
+            Some(_) if p.is_releasing() => {
+                "releasing: the transport is giving back its NIXL state".into()
+            }
+            Some(m) => {
+                let mut held = Vec::new();
+                if reads > 0 {
+                    held.push(format!("{reads} read(s) in flight"));
+                }
+                if self
+                    .held
+                    .get(&p.address)
+                    .is_some_and(|s| s.contains(&p.cell.serial()))
+                {
+                    if let Some(n) = self.handshakes.get(&p.address) {
+                        held.push(format!("{n} handshake(s) pending at {}", p.address));
+                    }
+                }
+                format!(
+                    "{}: release waits for {}",
+                    m.reason.as_str(),
+                    if held.is_empty() {
+                        "nothing (about to be released)".to_string()
+                    } else {
+                        held.join(" and ")
+                    }
+                )
+            }
+        };
+        EngineSnapshot {
+            engine: p.id().clone(),
+            address: p.address.clone(),
+            agents: p.agents.to_vec(),
+            state: p.cell.state(),
+            reads_in_flight: reads,
+            leases: p.leases.iter().cloned().collect(),
+            last_heartbeat,
+            next_heartbeat_in: p.next_heartbeat.map(|at| at.saturating_duration_since(now)),
+            transient_errors: p.transient_errors,
+            why,
+        }
+    }
+}
+
+/// vLLM's lease-renewal text: `HB:` and the comma-separated request ids
+/// (nothing after the colon for an idle engine).
+pub fn heartbeat_message<'a>(requests: impl IntoIterator<Item = &'a String>) -> Vec<u8> {
+    let mut message = b"HB:".to_vec();
+    for (i, r) in requests.into_iter().enumerate() {
+        if i > 0 {
+            message.push(b',');
+        }
+        message.extend_from_slice(r.as_bytes());
+    }
+    message
+}

@@ -1,0 +1,79 @@
+//! One registration as the core keeps it.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use super::cell::EngineCell;
+use crate::event::ReleaseReason;
+use crate::transport::{AgentName, EngineId, PeerAddr};
+use crate::NixlStatus;
+
+/// Why a registration was marked, and what its release has waited for.
+pub(super) struct Mark {
+    pub(super) reason: ReleaseReason,
+    pub(super) at: Instant,
+    pub(super) reads_at_mark: u64,
+    pub(super) held_by_handshake: bool,
+}
+
+/// A registration: live, or marked and waiting for its release.
+pub(super) struct Peer<R> {
+    pub(super) cell: Arc<EngineCell>,
+    pub(super) address: PeerAddr,
+    /// Shared with every heartbeat round in flight: no copy per round.
+    pub(super) agents: Arc<[AgentName]>,
+    /// `None` once handed to the transport.
+    pub(super) resources: Option<R>,
+    pub(super) mark: Option<Mark>,
+    pub(super) leases: BTreeSet<String>,
+    /// The heartbeat message for `leases`, built at the first round after
+    /// they change (`None` until then).
+    pub(super) message: Option<Arc<[u8]>>,
+    /// The schedule slot of the next heartbeat, if one is scheduled: the
+    /// token that finds it in the [`super::schedule::Schedule`].
+    pub(super) next_heartbeat: Option<Instant>,
+    pub(super) heartbeat_in_flight: bool,
+    /// A lease renewal was asked for and has not gone out yet.
+    pub(super) renewal_wanted: bool,
+    pub(super) last_heartbeat: Option<(Instant, NixlStatus)>,
+    pub(super) transient_errors: u64,
+}
+
+impl<R> Peer<R> {
+    pub(super) fn new(
+        cell: Arc<EngineCell>,
+        address: PeerAddr,
+        agents: Vec<AgentName>,
+        resources: R,
+    ) -> Self {
+        Peer {
+            cell,
+            address,
+            agents: agents.into(),
+            resources: Some(resources),
+            mark: None,
+            leases: BTreeSet::new(),
+            message: None,
+            next_heartbeat: None,
+            heartbeat_in_flight: false,
+            renewal_wanted: false,
+            last_heartbeat: None,
+            transient_errors: 0,
+        }
+    }
+
+    pub(super) fn id(&self) -> &EngineId {
+        self.cell.id()
+    }
+
+    pub(super) fn is_live(&self) -> bool {
+        self.mark.is_none()
+    }
+
+    /// Handed to the transport (or being).
+    pub(super) fn is_releasing(&self) -> bool {
+        self.resources.is_none()
+    }
+}

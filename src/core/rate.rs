@@ -1,0 +1,91 @@
+//! The per-engine notification rate cap (governor), on the core's clock.
+//!
+//! governor's default clock is the wall clock; here it sees exactly the
+//! `now` the driver passes in (tokio's clock, paused in tests). Its keyed
+//! state lives in a store the core can forget a released registration's key
+//! in at once (governor's own stores only forget idle keys in bulk).
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use governor::clock::{Clock, FakeRelativeClock};
+use governor::middleware::NoOpMiddleware;
+use governor::nanos::Nanos;
+use governor::state::StateStore;
+use governor::{Quota, RateLimiter};
+use tokio::time::Instant;
+
+use crate::config::Config;
+
+#[derive(Clone, Default)]
+struct LimiterKeys(Arc<Mutex<HashMap<u64, Nanos>>>);
+
+impl StateStore for LimiterKeys {
+    type Key = u64;
+
+    fn measure_and_replace<T, F, E>(&self, key: &u64, f: F) -> Result<T, E>
+    where
+        F: Fn(Option<Nanos>) -> Result<(T, Nanos), E>,
+    {
+        let mut keys = self.0.lock().expect("limiter keys poisoned");
+        let (out, state) = f(keys.get(key).copied())?;
+        keys.insert(*key, state);
+        Ok(out)
+    }
+}
+
+/// The rate cap: one key per registration that has had a round.
+pub(crate) struct RateCap {
+    limiter: RateLimiter<u64, LimiterKeys, FakeRelativeClock, NoOpMiddleware<Nanos>>,
+    keys: LimiterKeys,
+    clock: FakeRelativeClock,
+    origin: Instant,
+    clock_at: Duration,
+}
+
+impl RateCap {
+    pub(crate) fn new(config: &Config, origin: Instant) -> Self {
+        let burst = NonZeroU32::new(config.rate_burst).expect("validated burst");
+        let quota = Quota::with_period(config.rate_period)
+            .expect("validated period")
+            .allow_burst(burst);
+        let keys = LimiterKeys::default();
+        let clock = FakeRelativeClock::default();
+        RateCap {
+            limiter: RateLimiter::new(quota, keys.clone(), clock.clone()),
+            keys,
+            clock,
+            origin,
+            clock_at: Duration::ZERO,
+        }
+    }
+
+    /// `Ok` if `serial` may get a notification round at `now` (and counts
+    /// it), else how long until it may.
+    pub(crate) fn check(&mut self, serial: u64, now: Instant) -> Result<(), Duration> {
+        let since = now.saturating_duration_since(self.origin);
+        if since > self.clock_at {
+            self.clock.advance(since - self.clock_at);
+            self.clock_at = since;
+        }
+        self.limiter
+            .check_key(&serial)
+            .map_err(|not_until| not_until.wait_time_from(self.clock.now()))
+    }
+
+    /// Forgets a released registration's key.
+    pub(crate) fn forget(&self, serial: u64) {
+        self.keys
+            .0
+            .lock()
+            .expect("limiter keys poisoned")
+            .remove(&serial);
+    }
+
+    /// Keys held.
+    pub(crate) fn len(&self) -> usize {
+        self.keys.0.lock().expect("limiter keys poisoned").len()
+    }
+}
