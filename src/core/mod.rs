@@ -182,6 +182,8 @@ struct Stopping {
     /// Past this, reads still in flight (and releases still running) are no
     /// longer waited for.
     deadline: Instant,
+    /// The deadline has been served by [`Core::handle_timeout`].
+    expired: bool,
 }
 
 /// The core: the peer table, the handshakes, the timers.
@@ -259,8 +261,8 @@ impl<R> Core<R> {
         let drain = self
             .stopping
             .as_ref()
-            .map(|s| s.deadline)
-            .filter(|_| !self.is_stopped_before_deadline());
+            .filter(|s| !s.expired && !self.is_stopped_before_deadline())
+            .map(|s| s.deadline);
         [self.schedule.next(), self.census_due, drain]
             .into_iter()
             .flatten()
@@ -272,7 +274,7 @@ impl<R> Core<R> {
     pub(crate) fn is_stopped(&self, now: Instant) -> bool {
         match &self.stopping {
             None => false,
-            Some(s) => now >= s.deadline || self.is_stopped_before_deadline(),
+            Some(s) => s.expired || now >= s.deadline || self.is_stopped_before_deadline(),
         }
     }
 
@@ -284,6 +286,12 @@ impl<R> Core<R> {
 
     /// Time has passed: serves every timer due at `now`.
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
+        if let Some(stopping) = self.stopping.as_mut().filter(|s| now >= s.deadline) {
+            if !stopping.expired {
+                stopping.expired = true;
+                tracing::warn!("shutdown drain deadline passed: what still has reads in flight is handed back unreleased");
+            }
+        }
         while let Some((slot, serials)) = self.schedule.pop_due(now) {
             for serial in serials {
                 let Some(peer) = self.peers.get_mut(&serial) else {
@@ -998,6 +1006,7 @@ impl<R> Core<R> {
         }
         self.stopping = Some(Stopping {
             deadline: now + self.config.shutdown_drain,
+            expired: false,
         });
         tracing::info!(drain = ?self.config.shutdown_drain, "stopping: marking every engine; each is released as its reads end");
         for (_, queue) in std::mem::take(&mut self.queued) {

@@ -1,1 +1,604 @@
+//! The core's rules, one by one, driven step by step with a chosen `now`
+//! and asserted on exactly the actions that come out (foca's
+//! `AccumulatingRuntime` is the model): no tokio runtime, no channels, no
+//! transport.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use tokio::time::Instant;
+
+use super::cell::tests::Collect;
+use super::*;
+use crate::transport::{ReleaseTarget, TransportError};
+
+type Res = u32;
+
+const SECOND: Duration = Duration::from_secs(1);
+
+/// The core, a clock we move by hand, and everything it has decided.
+struct Harness {
+    core: Core<Res>,
+    now: Instant,
+    sink: Arc<Collect>,
+    actions: Vec<Action<Res>>,
+    next: u64,
+}
+
+fn config() -> Config {
+    Config::builder()
+        .heartbeat_interval(Some(Duration::from_secs(5)))
+        .jitter(Duration::from_millis(500))
+        .rate_limit(SECOND, 2)
+        .metrics_period(None)
+        .shutdown_drain(Duration::from_secs(5))
+        .build()
+        .unwrap()
+}
+
+fn harness_with(config: Config) -> Harness {
+    let now = Instant::now();
+    Harness {
+        core: Core::new(config, now, StdRng::seed_from_u64(7)),
+        now,
+        sink: Arc::new(Collect::default()),
+        actions: Vec::new(),
+        next: 0,
+    }
+}
+
+fn harness() -> Harness {
+    harness_with(config())
+}
+
+fn id(s: &str) -> EngineId {
+    EngineId::from(s)
+}
+
+fn at(n: u8) -> PeerAddr {
+    PeerAddr::new(format!("10.0.0.{n}:5600"))
+}
+
+fn registration(engine: &str, address: PeerAddr, resources: Res) -> Registration<Res> {
+    Registration {
+        engine: id(engine),
+        address,
+        agents: vec![AgentName::new(format!("{engine}-rank0"))],
+        resources,
+    }
+}
+
+impl Harness {
+    fn input(&mut self, input: Input<Res>) {
+        self.core.handle(self.now, input);
+        self.collect();
+    }
+
+    fn collect(&mut self) {
+        while let Some(a) = self.core.poll_action() {
+            self.actions.push(a);
+        }
+    }
+
+    /// Moves the clock by `d`, serving every timer due on the way, as the
+    /// driver does.
+    fn advance(&mut self, d: Duration) {
+        let end = self.now + d;
+        while let Some(due) = self.core.poll_timeout().filter(|&t| t <= end) {
+            self.now = self.now.max(due);
+            self.core.handle_timeout(self.now);
+            self.collect();
+        }
+        self.now = end;
+    }
+
+    fn take(&mut self) -> Vec<Action<Res>> {
+        std::mem::take(&mut self.actions)
+    }
+
+    fn ticket(&mut self) -> u64 {
+        self.next += 1;
+        self.next
+    }
+
+    fn handshake(&mut self, address: PeerAddr) -> u64 {
+        let ticket = self.ticket();
+        self.input(Input::HandshakeStarted { ticket, address });
+        ticket
+    }
+
+    /// Registers without a handshake; returns the request id and the cell.
+    fn register_with(
+        &mut self,
+        ticket: Option<u64>,
+        registration: Registration<Res>,
+    ) -> (u64, Arc<EngineCell>) {
+        let request = self.ticket();
+        let cell = EngineCell::new(registration.engine.clone(), self.sink.clone());
+        self.input(Input::Register {
+            request,
+            ticket,
+            registration,
+            cell: cell.clone(),
+        });
+        (request, cell)
+    }
+
+    /// Registers and expects it activated; clears the actions.
+    fn live(&mut self, engine: &str, address: PeerAddr, resources: Res) -> Arc<EngineCell> {
+        let (request, cell) = self.register_with(None, registration(engine, address, resources));
+        let activated = self
+            .take()
+            .into_iter()
+            .any(|a| matches!(a, Action::Activated { request: r, .. } if r == request));
+        assert!(activated, "{engine} activated");
+        cell
+    }
+
+    /// The transport calls decided since the last take, and the rest kept.
+    fn calls(&mut self) -> Vec<Call<Res>> {
+        let (calls, rest): (Vec<_>, Vec<_>) = self
+            .take()
+            .into_iter()
+            .partition(|a| matches!(a, Action::Call(_)));
+        self.actions = rest;
+        calls
+            .into_iter()
+            .map(|a| match a {
+                Action::Call(c) => c,
+                _ => unreachable!(),
+            })
+            .collect()
+    }
+
+    /// Completes every heartbeat call decided so far with `status` per
+    /// agent, and every release with success. Returns the releases made
+    /// (their resources) and the number of heartbeat rounds.
+    fn complete(&mut self, status: NixlStatus) -> (Vec<Res>, usize) {
+        let mut released = Vec::new();
+        let mut rounds = 0;
+        for call in self.calls() {
+            match call {
+                Call::Heartbeat { serial, agents, .. } => {
+                    rounds += 1;
+                    let mut results = RoundResults::default();
+                    for agent in agents.iter() {
+                        if status.is_ok() {
+                            results.sent += 1;
+                        } else {
+                            results
+                                .failed
+                                .push((agent.clone(), TransportError::new("genNotif", status)));
+                        }
+                    }
+                    self.input(Input::CallDone(CallOutcome::Heartbeat { serial, results }));
+                }
+                Call::Release {
+                    serial, resources, ..
+                } => {
+                    released.push(resources);
+                    self.input(Input::CallDone(CallOutcome::Release {
+                        serial,
+                        steps: Ok(vec![ReleaseStep {
+                            target: ReleaseTarget::DlistHandle(0),
+                            status: NixlStatus::SUCCESS,
+                        }]),
+                    }));
+                }
+            }
+        }
+        (released, rounds)
+    }
+
+    /// Resources handed to the transport for release since the last take
+    /// (completed at once).
+    fn released(&mut self) -> Vec<Res> {
+        self.complete(NixlStatus::SUCCESS).0
+    }
+
+    fn events(&mut self) -> Vec<Event> {
+        let (events, rest): (Vec<_>, Vec<_>) = self
+            .take()
+            .into_iter()
+            .partition(|a| matches!(a, Action::Emit(_)));
+        self.actions = rest;
+        events
+            .into_iter()
+            .map(|a| match a {
+                Action::Emit(e) => e,
+                _ => unreachable!(),
+            })
+            .collect()
+    }
+
+    fn has_action(&self, pick: impl Fn(&Action<Res>) -> bool) -> bool {
+        self.actions.iter().any(pick)
+    }
+
+    fn transfer(&mut self, cell: &EngineCell, status: NixlStatus) {
+        self.input(Input::Read(Wake::TransferResult(cell.serial(), status)));
+    }
+
+    /// Ends a read the way the guard does: the cell, then its wake-up.
+    fn end_read(&mut self, cell: &EngineCell) {
+        cell.end_read();
+        for wake in self.sink.take() {
+            self.input(Input::Read(wake));
+        }
+    }
+}
+
+// ----- the seeds' three cases -----
+
+#[test]
+fn every_known_engine_gets_a_heartbeat_every_interval_within_the_jitter() {
+    let mut h = harness();
+    h.live("p", at(1), 1);
+    h.live("q", at(2), 2);
+    let mut rounds = 0;
+    for _ in 0..60 {
+        h.advance(SECOND);
+        rounds += h.complete(NixlStatus::SUCCESS).1;
+    }
+    // 60 s at one round per 5 s (+/- 0.5 s) each: 11 to 13 rounds per engine.
+    assert!((22..=26).contains(&rounds), "{rounds} rounds");
+}
+
+#[test]
+fn a_peer_whose_heartbeat_returns_remote_disconnect_is_released() {
+    let mut h = harness();
+    let cell = h.live("p", at(1), 1);
+    h.advance(Duration::from_secs(6));
+    h.complete(NixlStatus::ERR_REMOTE_DISCONNECT);
+    let events = h.events();
+    assert!(events.iter().any(|e| matches!(e, Event::Unreachable { source: Source::Heartbeat, status, .. } if *status == NixlStatus::ERR_REMOTE_DISCONNECT)));
+    assert_eq!(cell.state(), EngineState::Released);
+    assert_eq!(h.released(), vec![1]);
+    let events = h.events();
+    assert!(events.iter().any(|e| matches!(e, Event::Released { reason: ReleaseReason::Unreachable, .. })));
+}
+
+#[test]
+fn a_disconnected_engine_is_kept_while_a_read_is_in_flight_and_released_when_it_ends() {
+    let mut h = harness();
+    let cell = h.live("p", at(1), 1);
+    cell.begin_read().unwrap();
+    h.transfer(&cell, NixlStatus::ERR_REMOTE_DISCONNECT);
+    assert_eq!(cell.state(), EngineState::Unreachable);
+    assert!(cell.reads_failed().is_cancelled(), "reads in flight are failed");
+    assert!(h.released().is_empty(), "never with a read in flight");
+    h.end_read(&cell);
+    assert_eq!(h.released(), vec![1]);
+}
+
+#[test]
+fn the_heartbeat_is_rate_limited_per_engine_with_renewals_deferred_not_lost() {
+    let mut h = harness();
+    let cell = h.live("p", at(1), 1);
+    for _ in 0..5 {
+        h.input(Input::AddLeases {
+            engine: id("p"),
+            requests: vec![],
+            renew_now: true,
+        });
+        h.complete(NixlStatus::SUCCESS);
+    }
+    // Burst 2, then the cap: 2 rounds now, the third waits.
+    h.take();
+    assert!(cell.state() == EngineState::Live);
+    h.advance(Duration::from_millis(999));
+    let (_, rounds) = h.complete(NixlStatus::SUCCESS);
+    assert_eq!(rounds, 0, "nothing before the cap allows");
+    h.advance(Duration::from_millis(20));
+    let (_, rounds) = h.complete(NixlStatus::SUCCESS);
+    assert_eq!(rounds, 1, "the deferred renewal goes out once");
+}
+
+#[test]
+fn errors_that_are_not_disconnects_are_counted_and_never_release() {
+    let mut h = harness();
+    let cell = h.live("p", at(1), 1);
+    for status in [
+        NixlStatus::ERR_BACKEND,
+        NixlStatus::ERR_NOT_FOUND,
+        NixlStatus::ERR_CANCELED,
+    ] {
+        h.transfer(&cell, status);
+        h.advance(Duration::from_secs(6));
+        h.complete(status);
+    }
+    assert_eq!(cell.state(), EngineState::Live);
+    let transient = h
+        .events()
+        .into_iter()
+        .filter(|e| matches!(e, Event::TransientError { .. }))
+        .count();
+    assert!(transient >= 6, "{transient}");
+}
+
+#[test]
+fn a_heartbeat_round_never_stacks_on_one_that_has_not_come_back() {
+    let mut h = harness();
+    h.live("p", at(1), 1);
+    h.advance(Duration::from_secs(6));
+    assert_eq!(h.calls().len(), 1);
+    // The call hangs: 30 s later still no second round.
+    h.advance(Duration::from_secs(30));
+    assert!(h.calls().is_empty());
+}
+
+// ----- release rules -----
+
+#[test]
+fn a_replaced_engine_is_released_only_after_its_reads_and_pending_handshakes_end() {
+    let mut h = harness();
+    let old = h.live("old", at(1), 1);
+    old.begin_read().unwrap();
+    let other = h.handshake(at(1));
+    h.register_with(None, registration("new", at(1), 2));
+    assert_eq!(old.state(), EngineState::Replaced);
+    assert!(h
+        .events()
+        .iter()
+        .any(|e| matches!(e, Event::Replaced { old: o, new: n, .. } if *o == id("old") && *n == id("new"))));
+    h.end_read(&old);
+    assert!(h.released().is_empty(), "a handshake is pending at the address");
+    h.input(Input::HandshakeFinished { ticket: other });
+    assert_eq!(h.released(), vec![1]);
+    match &h.events()[..] {
+        [Event::Released {
+            reason: ReleaseReason::Replaced,
+            waited_for,
+            ..
+        }, ..] => {
+            assert!(waited_for.handshake);
+            assert_eq!(waited_for.reads_in_flight_at_mark, 1);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_registration_of_an_id_still_held_waits_for_the_old_release() {
+    let mut h = harness();
+    let first = h.live("p", at(1), 1);
+    first.begin_read().unwrap();
+    let (request, second) = h.register_with(None, registration("p", at(1), 2));
+    assert!(!h.has_action(|a| matches!(a, Action::Activated { .. })));
+    assert_eq!(first.state(), EngineState::Replaced);
+    assert_eq!(second.state(), EngineState::Live, "not yet in the table");
+    h.end_read(&first);
+    assert_eq!(h.released(), vec![1]);
+    assert!(h.has_action(|a| matches!(a, Action::Activated { request: r, .. } if *r == request)));
+}
+
+#[test]
+fn peer_gone_drains_reads_or_fails_them_and_ignores_unknown_peers() {
+    let mut h = harness();
+    let a = h.live("a", at(1), 1);
+    let b = h.live("b", at(2), 2);
+    a.begin_read().unwrap();
+    b.begin_read().unwrap();
+    h.input(Input::PeerGone {
+        peer: PeerRef::Engine(id("nobody")),
+        mode: GoneMode::Fail,
+    });
+    h.input(Input::PeerGone {
+        peer: PeerRef::Engine(id("a")),
+        mode: GoneMode::Drain,
+    });
+    h.input(Input::PeerGone {
+        peer: PeerRef::Address(at(2)),
+        mode: GoneMode::Fail,
+    });
+    assert_eq!(a.state(), EngineState::Retiring);
+    assert!(!a.reads_failed().is_cancelled(), "drain lets reads finish");
+    assert!(b.reads_failed().is_cancelled(), "fail fails them at once");
+    // Idempotent: the same again changes nothing; fail after drain fails.
+    h.input(Input::PeerGone {
+        peer: PeerRef::Engine(id("a")),
+        mode: GoneMode::Fail,
+    });
+    assert!(a.reads_failed().is_cancelled());
+    assert!(h.released().is_empty());
+    h.end_read(&a);
+    h.end_read(&b);
+    let mut released = h.released();
+    released.sort();
+    assert_eq!(released, vec![1, 2]);
+    let retiring = h
+        .events()
+        .into_iter()
+        .filter(|e| matches!(e, Event::Retiring { .. }))
+        .count();
+    assert_eq!(retiring, 2, "one event per engine");
+}
+
+#[test]
+fn agent_names_are_unique_over_engines_and_ranks() {
+    let mut h = harness();
+    h.live("victim", at(1), 1);
+    let mut hostile = registration("hostile", at(2), 2);
+    hostile.agents = vec![AgentName::from("victim-rank0")];
+    let (request, _) = h.register_with(None, hostile);
+    match h.take().pop() {
+        Some(Action::Refused {
+            request: r,
+            error:
+                RegisterError::AgentInUse {
+                    agent,
+                    holder,
+                    registration,
+                },
+        }) => {
+            assert_eq!(r, request);
+            assert_eq!(agent.as_str(), "victim-rank0");
+            assert_eq!(holder, id("victim"));
+            assert_eq!(registration.resources, 2, "handed back whole");
+        }
+        _ => panic!("refused"),
+    }
+    let mut twice = registration("twice", at(3), 3);
+    twice.agents = vec![AgentName::from("x"), AgentName::from("x")];
+    h.register_with(None, twice);
+    assert!(h.has_action(|a| matches!(a, Action::Refused { error: RegisterError::Invalid { .. }, .. })));
+}
+
+#[test]
+fn a_registration_through_a_handshake_must_be_the_engine_it_was_made_ready_for() {
+    let mut h = harness();
+    let ticket = h.handshake(at(1));
+    h.input(Input::ReadyToLoad {
+        ticket,
+        engine: id("p"),
+    });
+    assert!(h.has_action(|a| matches!(a, Action::LoadReady { ticket: t } if *t == ticket)));
+    h.register_with(Some(ticket), registration("q", at(1), 1));
+    assert!(h.has_action(|a| matches!(a, Action::Refused { error: RegisterError::NotThisEngine { .. }, .. })));
+    assert!(h.core.snapshot(h.now).handshakes_pending.is_empty(), "the handshake ended");
+}
+
+#[test]
+fn a_release_that_panics_is_reported_as_a_panic_and_the_id_is_free_again() {
+    let mut h = harness();
+    let cell = h.live("p", at(1), 1);
+    let ticket = h.handshake(at(1));
+    h.input(Input::ReadyToLoad {
+        ticket,
+        engine: id("p"),
+    });
+    assert_eq!(cell.state(), EngineState::Released);
+    let serial = match h.calls().pop() {
+        Some(Call::Release { serial, .. }) => serial,
+        _ => panic!("released"),
+    };
+    h.input(Input::CallDone(CallOutcome::Release {
+        serial,
+        steps: Err(Panicked {
+            message: "boom".into(),
+        }),
+    }));
+    let events = h.events();
+    assert!(events.iter().any(|e| matches!(e, Event::TransportPanicked { call: "release", message, .. } if message == "boom")));
+    assert!(events.iter().any(|e| matches!(e, Event::Released { panicked: true, failed_steps: 0, .. })));
+    assert!(h.has_action(|a| matches!(a, Action::LoadReady { ticket: t } if *t == ticket)));
+    assert!(h.core.snapshot(h.now).engines.is_empty());
+}
+
+// ----- the four defects of issue 8 -----
+
+#[test]
+fn reconnecting_to_a_pinned_id_marked_unreachable_under_our_own_handshake_does_not_deadlock() {
+    let mut h = harness();
+    let cell = h.live("p", at(1), 1);
+    cell.begin_read().unwrap();
+    cell.begin_read().unwrap();
+    // One read ends with REMOTE_DISCONNECT: marked unreachable.
+    h.transfer(&cell, NixlStatus::ERR_REMOTE_DISCONNECT);
+    h.end_read(&cell);
+    // The runtime starts its reconnect; then the last read ends.
+    let ticket = h.handshake(at(1));
+    h.end_read(&cell);
+    assert!(h.released().is_empty(), "held by the handshake, as a replaced engine would be");
+    // The handshake finds the same id: it must go first, not wait for us.
+    h.input(Input::ReadyToLoad {
+        ticket,
+        engine: id("p"),
+    });
+    assert_eq!(h.released(), vec![1]);
+    assert!(h.has_action(|a| matches!(a, Action::LoadReady { ticket: t } if *t == ticket)));
+    let (request, _) = h.register_with(Some(ticket), registration("p", at(1), 2));
+    assert!(h.has_action(|a| matches!(a, Action::Activated { request: r, .. } if *r == request)));
+    assert!(h.core.snapshot(h.now).handshakes_pending.is_empty());
+}
+
+#[test]
+fn shutdown_never_activates_a_queued_registration_and_hands_back_each_unreleased_once() {
+    let mut h = harness();
+    let first = h.live("p", at(1), 1);
+    first.begin_read().unwrap();
+    let busy = h.live("busy", at(2), 3);
+    busy.begin_read().unwrap();
+    let (queued, second) = h.register_with(None, registration("p", at(1), 2));
+    h.input(Input::Shutdown);
+    // The queued registration is refused, whole.
+    assert!(h.has_action(|a| matches!(a, Action::Refused { request, error: RegisterError::Stopped(r) } if *request == queued && r.resources == 2)));
+    h.end_read(&first);
+    assert_eq!(h.released(), vec![1]);
+    assert!(!h.has_action(|a| matches!(a, Action::Activated { .. })), "nothing activated");
+    assert_eq!(second.begin_read(), Ok(()), "never registered: the cell is not in the table");
+    // A registration after the stop began is refused too.
+    h.register_with(None, registration("late", at(3), 4));
+    assert!(h.has_action(|a| matches!(a, Action::Refused { error: RegisterError::Stopped(r), .. } if r.resources == 4)));
+    assert!(!h.core.is_stopped(h.now), "a read is still in flight");
+    h.advance(Duration::from_secs(5));
+    assert!(h.core.is_stopped(h.now), "the drain deadline passed");
+    let (unreleased, unfinished) = h.core.into_unreleased();
+    let kept: Vec<Res> = unreleased.iter().map(|r| r.resources).collect();
+    assert_eq!(kept, vec![3], "exactly the busy engine, once");
+    assert!(unfinished.is_empty());
+}
+
+#[test]
+fn a_late_transfer_report_from_an_old_registration_never_touches_its_successor() {
+    let mut h = harness();
+    let old = h.live("p", at(1), 1);
+    let ticket = h.handshake(at(1));
+    h.input(Input::ReadyToLoad {
+        ticket,
+        engine: id("p"),
+    });
+    assert_eq!(h.released(), vec![1]);
+    h.register_with(Some(ticket), registration("p", at(1), 2));
+    h.take();
+    // The old process's transfer reports a disconnect, late.
+    h.transfer(&old, NixlStatus::ERR_REMOTE_DISCONNECT);
+    let snapshot = h.core.snapshot(h.now);
+    assert_eq!(snapshot.engines.len(), 1);
+    assert_eq!(snapshot.engines[0].state, EngineState::Live);
+    assert!(h.events().is_empty());
+}
+
+// ----- shutdown and timers -----
+
+#[test]
+fn shutdown_releases_idle_engines_waits_for_reads_and_refuses_handshakes() {
+    let mut h = harness();
+    let idle = h.live("idle", at(1), 1);
+    let busy = h.live("busy", at(2), 2);
+    busy.begin_read().unwrap();
+    let ticket = h.handshake(at(2));
+    h.input(Input::Shutdown);
+    assert_eq!(idle.state(), EngineState::Released);
+    assert_eq!(h.released(), vec![1]);
+    h.input(Input::ReadyToLoad {
+        ticket,
+        engine: id("x"),
+    });
+    assert!(h.has_action(|a| matches!(a, Action::LoadRefused { ticket: t } if *t == ticket)));
+    assert!(!h.core.is_stopped(h.now));
+    h.advance(Duration::from_secs(1));
+    // The read ends within the drain: released even with a handshake open.
+    h.end_read(&busy);
+    assert_eq!(h.released(), vec![2]);
+    assert!(h.core.is_stopped(h.now));
+    let (unreleased, unfinished) = h.core.into_unreleased();
+    assert!(unreleased.is_empty() && unfinished.is_empty());
+}
+
+#[test]
+fn a_marked_engine_leaves_the_schedule_and_the_next_deadline_follows() {
+    let mut h = harness();
+    let p = h.live("p", at(1), 1);
+    let first = h.core.poll_timeout().expect("scheduled");
+    assert!(first <= h.now + Duration::from_secs(5));
+    assert_eq!(h.core.snapshot(h.now).heartbeat_timers, 1);
+    h.input(Input::PeerGone {
+        peer: PeerRef::Engine(p.id().clone()),
+        mode: GoneMode::Drain,
+    });
+    assert_eq!(h.core.snapshot(h.now).heartbeat_timers, 0);
+    assert_eq!(h.core.poll_timeout(), None, "nothing left to time");
+}
