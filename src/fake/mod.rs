@@ -258,6 +258,15 @@ pub struct FakeResources {
 }
 
 impl FakeResources {
+    /// Resources holding no handle, for `engine`: a registration whose
+    /// transport state is empty (tests of the service's own rules).
+    pub fn empty(engine: EngineId) -> Self {
+        FakeResources {
+            engine,
+            handles: Vec::new(),
+        }
+    }
+
     /// The engine the handles were prepared for.
     pub fn engine(&self) -> &EngineId {
         &self.engine
