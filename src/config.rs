@@ -108,6 +108,13 @@ pub struct Config {
     /// At shutdown, how long reads in flight may go on before the engines
     /// that still have reads are handed back unreleased.
     pub shutdown_drain: Duration,
+    /// A registration whose reads in flight have not completed for this
+    /// long, while the decoder's other reads go on, is stalled (a hung
+    /// peer); `None` disables the check.
+    pub read_stall: Option<Duration>,
+    /// What a stall does: fail the engine's reads and release it, or only
+    /// report it.
+    pub stall_action: StallAction,
     /// Seed for the heartbeat jitter; `None` seeds from the OS. Tests and
     /// the demo fix it so that runs repeat.
     pub seed: Option<u64>,
@@ -123,7 +130,29 @@ impl Default for Config {
             event_capacity: 1024,
             metrics_period: Some(Duration::from_secs(1)),
             shutdown_drain: Duration::from_secs(5),
+            read_stall: Some(Duration::from_secs(10)),
+            stall_action: StallAction::Fail,
             seed: None,
+        }
+    }
+}
+
+/// What the service does with an engine whose reads stopped completing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StallAction {
+    /// Mark it stalled, fail its reads (their guards report `is_failed`),
+    /// and release it once they end.
+    Fail,
+    /// Only report it (event, metric, log), once per stall.
+    Report,
+}
+
+impl StallAction {
+    /// `fail` or `report`: the metric label and the environment value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StallAction::Fail => "fail",
+            StallAction::Report => "report",
         }
     }
 }
@@ -377,6 +406,14 @@ impl ConfigBuilder {
     /// Gauge refresh period; `None` disables it.
     pub fn metrics_period(mut self, period: Option<Duration>) -> Self {
         self.config.metrics_period = period;
+        self
+    }
+
+    /// The read-stall bound (`None` disables the check) and what a stall
+    /// does.
+    pub fn read_stall(mut self, bound: Option<Duration>, action: StallAction) -> Self {
+        self.config.read_stall = bound;
+        self.config.stall_action = action;
         self
     }
 

@@ -46,6 +46,8 @@ pub enum ReleaseReason {
     PeerGone,
     /// The service shut down.
     Shutdown,
+    /// Its reads in flight stopped completing (a hung peer).
+    Stalled,
 }
 
 impl ReleaseReason {
@@ -57,6 +59,7 @@ impl ReleaseReason {
             ReleaseReason::Reregistered => "reregistered",
             ReleaseReason::PeerGone => "peer_gone",
             ReleaseReason::Shutdown => "shutdown",
+            ReleaseReason::Stalled => "stalled",
         }
     }
 }
@@ -109,6 +112,21 @@ pub enum Event {
         engine: EngineId,
         /// Whether its reads were failed at once.
         fail_reads: bool,
+    },
+    /// An engine's reads in flight stopped completing for longer than the
+    /// read-stall bound while the decoder's other reads went on: the peer
+    /// is alive to UCX but hung (frozen, deadlocked, NIC gone). With the
+    /// `fail` action its reads are failed and it is released once they
+    /// end; with `report` it is only reported (once per stall).
+    Stalled {
+        /// The engine.
+        engine: EngineId,
+        /// Reads in flight when it was found stalled.
+        reads_in_flight: u64,
+        /// How long none of them had completed.
+        stalled_for: Duration,
+        /// Whether its reads were failed (action `fail`).
+        failed: bool,
     },
     /// Reads in flight from an engine were failed (unreachable, or gone in
     /// `fail` mode); their guards report `is_failed()`.

@@ -17,16 +17,22 @@ pub enum EngineState {
     /// The router or orchestrator said it is gone, or the service is
     /// stopping. Released once idle.
     Retiring,
+    /// Its reads in flight stopped completing for longer than the
+    /// read-stall bound while the decoder's other reads went on (a hung
+    /// peer: frozen, deadlocked, lost its NIC): its reads are failed, and
+    /// it is released once their guards drop.
+    Stalled,
     /// Its NIXL state has been given back (or is being given back).
     Released,
 }
 
 impl EngineState {
-    const ALL: [EngineState; 5] = [
+    const ALL: [EngineState; 6] = [
         EngineState::Live,
         EngineState::Unreachable,
         EngineState::Replaced,
         EngineState::Retiring,
+        EngineState::Stalled,
         EngineState::Released,
     ];
 
@@ -37,12 +43,13 @@ impl EngineState {
             EngineState::Unreachable => "unreachable",
             EngineState::Replaced => "replaced",
             EngineState::Retiring => "retiring",
+            EngineState::Stalled => "stalled",
             EngineState::Released => "released",
         }
     }
 
     /// Every state, in order.
-    pub fn all() -> [EngineState; 5] {
+    pub fn all() -> [EngineState; 6] {
         Self::ALL
     }
 

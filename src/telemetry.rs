@@ -19,6 +19,9 @@ pub const HEARTBEATS_FAILED: &str = "nixl_keepalive_heartbeats_failed_total";
 pub const HEARTBEATS_DEFERRED: &str = "nixl_keepalive_heartbeats_rate_limited_total";
 /// Transfer results reported with an error, by `status`.
 pub const TRANSFER_ERRORS: &str = "nixl_keepalive_transfer_errors_total";
+/// Engines whose reads in flight stopped completing (hung peers), by
+/// `action` (`fail` or `report`).
+pub const READ_STALLS: &str = "nixl_keepalive_read_stalls_total";
 /// Transport calls that panicked, by `call` (`genNotif`, `release`).
 pub const TRANSPORT_PANICS: &str = "nixl_keepalive_transport_panics_total";
 /// Engines in the table, by `state`.
@@ -53,6 +56,10 @@ pub(crate) fn status_error(source: Source, status: NixlStatus) {
     counter!(name, "status" => status.name()).increment(1);
 }
 
+pub(crate) fn read_stall(action: &'static str) {
+    counter!(READ_STALLS, "action" => action).increment(1);
+}
+
 pub(crate) fn transport_panicked(call: &'static str) {
     counter!(TRANSPORT_PANICS, "call" => call).increment(1);
 }
@@ -70,7 +77,7 @@ pub(crate) fn release_step_failed(status: NixlStatus) {
     counter!(RELEASE_STEPS_FAILED, "status" => status.name()).increment(1);
 }
 
-pub(crate) fn census(by_state: [usize; 5], reads: u64) {
+pub(crate) fn census(by_state: [usize; 6], reads: u64) {
     for state in EngineState::all() {
         gauge!(ENGINES, "state" => state.as_str()).set(by_state[state as usize] as f64);
     }

@@ -36,7 +36,9 @@ async fn connect(handle: &Handle, ucx: &FakeUcx, address: &PeerAddr) -> EngineRe
     let handshake = handle.handshake(address.clone());
     let metadata = ucx.fetch_metadata(address).expect("someone listens");
     let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
-    let loaded = ucx.load_metadata(&metadata).expect("nothing loaded under it");
+    let loaded = ucx
+        .load_metadata(&metadata)
+        .expect("nothing loaded under it");
     ready.register(loaded.into()).await.unwrap()
 }
 

@@ -55,7 +55,7 @@ pub(crate) use cell::{EngineCell, Wake, WakeSink};
 pub(crate) use classify::{classify, Verdict};
 pub use schedule::HEARTBEAT_SLOT;
 
-use crate::config::Config;
+use crate::config::{Config, StallAction};
 use crate::error::RegisterError;
 use crate::event::{Event, ReleaseReason, Source, WaitedFor};
 use crate::registration::{GoneMode, PeerRef, Registration};
@@ -215,6 +215,8 @@ pub(crate) struct Core<R> {
     /// Appended to a live engine's "why not released".
     silent_peer_note: String,
     census_due: Option<Instant>,
+    /// When the read-stall check runs next.
+    stall_check_due: Option<Instant>,
     releases_in_flight: usize,
     stopping: Option<Stopping>,
 }
@@ -227,6 +229,7 @@ impl<R> Core<R> {
             rate: RateCap::new(&config, now),
             schedule: Schedule::new(now),
             census_due: config.metrics_period.map(|p| now + p),
+            stall_check_due: config.read_stall.map(|b| now + stall_check_period(b)),
             config,
             peers: HashMap::new(),
             by_id: HashMap::new(),
@@ -263,10 +266,15 @@ impl<R> Core<R> {
             .as_ref()
             .filter(|s| !s.expired && !self.is_stopped_before_deadline())
             .map(|s| s.deadline);
-        [self.schedule.next(), self.census_due, drain]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            self.schedule.next(),
+            self.census_due,
+            self.stall_check_due,
+            drain,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Whether a shutdown has begun and nothing is left to wait for at
@@ -301,6 +309,17 @@ impl<R> Core<R> {
                     peer.next_heartbeat = None;
                     self.heartbeat_due(now, serial, slot);
                 }
+            }
+        }
+        if let (Some(due), Some(bound)) = (self.stall_check_due, self.config.read_stall) {
+            if due <= now {
+                self.check_stalls(now, bound);
+                let period = stall_check_period(bound);
+                self.stall_check_due = Some(if now - due < period {
+                    due + period
+                } else {
+                    now + period
+                });
             }
         }
         if let (Some(due), Some(period)) = (self.census_due, self.config.metrics_period) {
@@ -547,7 +566,7 @@ impl<R> Core<R> {
         let previous = self.by_addr.insert(address.clone(), serial);
         self.peers.insert(
             serial,
-            Peer::new(cell.clone(), address.clone(), agents, resources),
+            Peer::new(now, cell.clone(), address.clone(), agents, resources),
         );
         if let Some(interval) = self.config.heartbeat_interval {
             // Spread first heartbeats over one interval: engines registered
@@ -838,6 +857,68 @@ impl<R> Core<R> {
         }
     }
 
+    // ----- hung peers -----
+
+    /// Finds live registrations whose reads in flight have not completed
+    /// for `bound`. Slow is not hung: one completion, however late, resets
+    /// the clock. And a stall must be the peer's, not the decoder's: it
+    /// counts only while reads from other engines still complete (or no
+    /// other engine has reads in flight to compare with).
+    fn check_stalls(&mut self, now: Instant, bound: Duration) {
+        let mut suspects = Vec::new();
+        let mut busy = 0usize;
+        let mut completing = 0usize;
+        for (&serial, peer) in self.peers.iter_mut() {
+            if !peer.is_live() {
+                continue;
+            }
+            let (reads, done) = peer.cell.progress();
+            let p = &mut peer.progress;
+            if done != p.done_seen {
+                p.done_seen = done;
+                p.since = now;
+                p.last_completion = Some(now);
+                p.reported = false;
+            } else if reads == 0 {
+                p.since = now;
+                p.reported = false;
+            }
+            if reads > 0 {
+                busy += 1;
+            }
+            if p.last_completion.is_some_and(|at| now - at < bound) {
+                completing += 1;
+            }
+            if reads > 0 && now - p.since >= bound && !p.reported {
+                suspects.push((serial, reads, now - p.since));
+            }
+        }
+        for (serial, reads, stalled_for) in suspects {
+            // Anyone else progressing (the suspect never counts: its last
+            // completion is at least `bound` old), or nobody else to ask.
+            let others_busy = busy > 1;
+            if others_busy && completing == 0 {
+                tracing::warn!(busy, "no read of any engine completed within the read-stall bound: the decoder itself looks stuck, no engine is blamed");
+                return;
+            }
+            let peer = self.peers.get_mut(&serial).expect("collected above");
+            peer.progress.reported = true;
+            let engine = peer.id().clone();
+            let action = self.config.stall_action;
+            telemetry::read_stall(action.as_str());
+            tracing::warn!(%engine, reads, ?stalled_for, action = action.as_str(), "reads in flight stopped completing: the peer is hung");
+            self.emit(Event::Stalled {
+                engine,
+                reads_in_flight: reads,
+                stalled_for,
+                failed: action == StallAction::Fail,
+            });
+            if action == StallAction::Fail {
+                self.mark(now, serial, ReleaseReason::Stalled);
+            }
+        }
+    }
+
     // ----- marking and releasing -----
 
     /// Marks a live registration: no new reads, no more heartbeats;
@@ -853,6 +934,7 @@ impl<R> Core<R> {
             ReleaseReason::Unreachable => EngineState::Unreachable,
             ReleaseReason::Replaced | ReleaseReason::Reregistered => EngineState::Replaced,
             ReleaseReason::PeerGone | ReleaseReason::Shutdown => EngineState::Retiring,
+            ReleaseReason::Stalled => EngineState::Stalled,
         };
         let reads = peer.cell.mark(state).unwrap_or(0);
         peer.mark = Some(Mark {
@@ -865,8 +947,9 @@ impl<R> Core<R> {
         peer.message = None;
         tracing::info!(engine = %peer.id(), serial, state = state.as_str(), reads_in_flight = reads, "engine marked for release");
         self.unschedule_heartbeat(serial);
-        if reason == ReleaseReason::Unreachable {
-            // UCX has failed the endpoint: no read in flight can complete.
+        if matches!(reason, ReleaseReason::Unreachable | ReleaseReason::Stalled) {
+            // UCX has failed the endpoint, or the peer is hung: no read in
+            // flight will complete.
             self.fail_reads(serial);
         }
         self.try_release(now, serial);
@@ -1059,8 +1142,8 @@ impl<R> Core<R> {
 
     /// Counts of registrations by state and reads in flight, for the
     /// gauges. Walks every engine: called at the metrics period.
-    pub(crate) fn census(&self) -> ([usize; 5], u64) {
-        let mut by_state = [0usize; 5];
+    pub(crate) fn census(&self) -> ([usize; 6], u64) {
+        let mut by_state = [0usize; 6];
         let mut reads = 0;
         for peer in self.peers.values() {
             by_state[peer.cell.state() as usize] += 1;
@@ -1114,8 +1197,19 @@ impl<R> Core<R> {
                     Some(h) => format!("last heartbeat {} {:?} ago", h.status.name(), h.ago),
                     None => "no heartbeat yet".to_string(),
                 };
+                let reads_note = if reads == 0 {
+                    "no read in flight: a frozen idle prefill is invisible to UCX on shm/tcp, and only a membership signal or the router (peer_gone) can retire it".to_string()
+                } else {
+                    match self.config.read_stall {
+                        Some(bound) => format!(
+                            "{reads} read(s) in flight, last completion {:?} ago; stalled after {bound:?} without one",
+                            now.saturating_duration_since(p.progress.since)
+                        ),
+                        None => format!("{reads} read(s) in flight; the read-stall check is off"),
+                    }
+                };
                 format!(
-                    "live: no REMOTE_DISCONNECT seen ({last}); a frozen or silent peer is reported only by UCX: {}",
+                    "live: no REMOTE_DISCONNECT seen ({last}); {reads_note}; a silent peer is reported by UCX: {}",
                     self.silent_peer_note
                 )
             }
@@ -1160,6 +1254,12 @@ impl<R> Core<R> {
             why,
         }
     }
+}
+
+/// How often the read-stall check runs for a `bound`: four times per bound,
+/// so a stall is found within 1.25 bounds.
+fn stall_check_period(bound: Duration) -> Duration {
+    (bound / 4).max(HEARTBEAT_SLOT)
 }
 
 /// vLLM's lease-renewal text: `HB:` and the comma-separated request ids

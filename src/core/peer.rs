@@ -39,16 +39,38 @@ pub(super) struct Peer<R> {
     pub(super) renewal_wanted: bool,
     pub(super) last_heartbeat: Option<(Instant, NixlStatus)>,
     pub(super) transient_errors: u64,
+    pub(super) progress: Progress,
+}
+
+/// What the stall check last saw of a registration's reads.
+pub(super) struct Progress {
+    /// The wrapping count of reads completed, as last seen.
+    pub(super) done_seen: u64,
+    /// Since when no read has completed while reads were in flight: the
+    /// last check that saw a completion, or no read in flight.
+    pub(super) since: Instant,
+    /// The last check that saw a read complete.
+    pub(super) last_completion: Option<Instant>,
+    /// The current stall has been reported.
+    pub(super) reported: bool,
 }
 
 impl<R> Peer<R> {
     pub(super) fn new(
+        now: Instant,
         cell: Arc<EngineCell>,
         address: PeerAddr,
         agents: Vec<AgentName>,
         resources: R,
     ) -> Self {
+        let (_, done_seen) = cell.progress();
         Peer {
+            progress: Progress {
+                done_seen,
+                since: now,
+                last_completion: None,
+                reported: false,
+            },
             cell,
             address,
             agents: agents.into(),

@@ -257,7 +257,13 @@ fn a_peer_whose_heartbeat_returns_remote_disconnect_is_released() {
     assert_eq!(cell.state(), EngineState::Released);
     assert_eq!(h.released(), vec![1]);
     let events = h.events();
-    assert!(events.iter().any(|e| matches!(e, Event::Released { reason: ReleaseReason::Unreachable, .. })));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::Released {
+            reason: ReleaseReason::Unreachable,
+            ..
+        }
+    )));
 }
 
 #[test]
@@ -267,7 +273,10 @@ fn a_disconnected_engine_is_kept_while_a_read_is_in_flight_and_released_when_it_
     cell.begin_read().unwrap();
     h.transfer(&cell, NixlStatus::ERR_REMOTE_DISCONNECT);
     assert_eq!(cell.state(), EngineState::Unreachable);
-    assert!(cell.reads_failed().is_cancelled(), "reads in flight are failed");
+    assert!(
+        cell.reads_failed().is_cancelled(),
+        "reads in flight are failed"
+    );
     assert!(h.released().is_empty(), "never with a read in flight");
     h.end_read(&cell);
     assert_eq!(h.released(), vec![1]);
@@ -344,7 +353,10 @@ fn a_replaced_engine_is_released_only_after_its_reads_and_pending_handshakes_end
         .iter()
         .any(|e| matches!(e, Event::Replaced { old: o, new: n, .. } if *o == id("old") && *n == id("new"))));
     h.end_read(&old);
-    assert!(h.released().is_empty(), "a handshake is pending at the address");
+    assert!(
+        h.released().is_empty(),
+        "a handshake is pending at the address"
+    );
     h.input(Input::HandshakeFinished { ticket: other });
     assert_eq!(h.released(), vec![1]);
     match &h.events()[..] {
@@ -443,7 +455,13 @@ fn agent_names_are_unique_over_engines_and_ranks() {
     let mut twice = registration("twice", at(3), 3);
     twice.agents = vec![AgentName::from("x"), AgentName::from("x")];
     h.register_with(None, twice);
-    assert!(h.has_action(|a| matches!(a, Action::Refused { error: RegisterError::Invalid { .. }, .. })));
+    assert!(h.has_action(|a| matches!(
+        a,
+        Action::Refused {
+            error: RegisterError::Invalid { .. },
+            ..
+        }
+    )));
 }
 
 #[test]
@@ -456,8 +474,17 @@ fn a_registration_through_a_handshake_must_be_the_engine_it_was_made_ready_for()
     });
     assert!(h.has_action(|a| matches!(a, Action::LoadReady { ticket: t } if *t == ticket)));
     h.register_with(Some(ticket), registration("q", at(1), 1));
-    assert!(h.has_action(|a| matches!(a, Action::Refused { error: RegisterError::NotThisEngine { .. }, .. })));
-    assert!(h.core.snapshot(h.now).handshakes_pending.is_empty(), "the handshake ended");
+    assert!(h.has_action(|a| matches!(
+        a,
+        Action::Refused {
+            error: RegisterError::NotThisEngine { .. },
+            ..
+        }
+    )));
+    assert!(
+        h.core.snapshot(h.now).handshakes_pending.is_empty(),
+        "the handshake ended"
+    );
 }
 
 #[test]
@@ -482,7 +509,14 @@ fn a_release_that_panics_is_reported_as_a_panic_and_the_id_is_free_again() {
     }));
     let events = h.events();
     assert!(events.iter().any(|e| matches!(e, Event::TransportPanicked { call: "release", message, .. } if message == "boom")));
-    assert!(events.iter().any(|e| matches!(e, Event::Released { panicked: true, failed_steps: 0, .. })));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::Released {
+            panicked: true,
+            failed_steps: 0,
+            ..
+        }
+    )));
     assert!(h.has_action(|a| matches!(a, Action::LoadReady { ticket: t } if *t == ticket)));
     assert!(h.core.snapshot(h.now).engines.is_empty());
 }
@@ -501,7 +535,10 @@ fn reconnecting_to_a_pinned_id_marked_unreachable_under_our_own_handshake_does_n
     // The runtime starts its reconnect; then the last read ends.
     let ticket = h.handshake(at(1));
     h.end_read(&cell);
-    assert!(h.released().is_empty(), "held by the handshake, as a replaced engine would be");
+    assert!(
+        h.released().is_empty(),
+        "held by the handshake, as a replaced engine would be"
+    );
     // The handshake finds the same id: it must go first, not wait for us.
     h.input(Input::ReadyToLoad {
         ticket,
@@ -527,8 +564,15 @@ fn shutdown_never_activates_a_queued_registration_and_hands_back_each_unreleased
     assert!(h.has_action(|a| matches!(a, Action::Refused { request, error: RegisterError::Stopped(r) } if *request == queued && r.resources == 2)));
     h.end_read(&first);
     assert_eq!(h.released(), vec![1]);
-    assert!(!h.has_action(|a| matches!(a, Action::Activated { .. })), "nothing activated");
-    assert_eq!(second.begin_read(), Ok(()), "never registered: the cell is not in the table");
+    assert!(
+        !h.has_action(|a| matches!(a, Action::Activated { .. })),
+        "nothing activated"
+    );
+    assert_eq!(
+        second.begin_read(),
+        Ok(()),
+        "never registered: the cell is not in the table"
+    );
     // A registration after the stop began is refused too.
     h.register_with(None, registration("late", at(3), 4));
     assert!(h.has_action(|a| matches!(a, Action::Refused { error: RegisterError::Stopped(r), .. } if r.resources == 4)));
@@ -590,7 +634,9 @@ fn shutdown_releases_idle_engines_waits_for_reads_and_refuses_handshakes() {
 
 #[test]
 fn a_marked_engine_leaves_the_schedule_and_the_next_deadline_follows() {
-    let mut h = harness();
+    let mut config = config();
+    config.read_stall = None;
+    let mut h = harness_with(config);
     let p = h.live("p", at(1), 1);
     let first = h.core.poll_timeout().expect("scheduled");
     assert!(first <= h.now + Duration::from_secs(5));
@@ -601,4 +647,130 @@ fn a_marked_engine_leaves_the_schedule_and_the_next_deadline_follows() {
     });
     assert_eq!(h.core.snapshot(h.now).heartbeat_timers, 0);
     assert_eq!(h.core.poll_timeout(), None, "nothing left to time");
+}
+
+// ----- hung peers (read stalls) -----
+
+/// Runs `seconds` of virtual time in 1 s steps; each step, `step` may
+/// start and end reads.
+fn run(h: &mut Harness, seconds: u64, mut step: impl FnMut(&mut Harness, u64)) {
+    for t in 0..seconds {
+        step(h, t);
+        h.advance(SECOND);
+        h.complete(NixlStatus::SUCCESS);
+    }
+}
+
+fn stalls(h: &mut Harness) -> Vec<(EngineId, bool)> {
+    h.events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Stalled { engine, failed, .. } => Some((engine, failed)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn reads_that_stop_completing_while_others_complete_mark_the_engine_stalled() {
+    let mut h = harness();
+    let hung = h.live("hung", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    hung.begin_read().unwrap();
+    run(&mut h, 9, |_, _| {
+        fine.begin_read().unwrap();
+        fine.end_read();
+    });
+    assert_eq!(hung.state(), EngineState::Live, "not before the bound");
+    run(&mut h, 4, |_, _| {
+        fine.begin_read().unwrap();
+        fine.end_read();
+    });
+    assert_eq!(hung.state(), EngineState::Stalled);
+    assert!(hung.reads_failed().is_cancelled(), "its reads are failed");
+    assert_eq!(fine.state(), EngineState::Live);
+    // The runtime abandons the read: released like any other.
+    h.end_read(&hung);
+    assert_eq!(h.released(), vec![1]);
+    let events = h.events();
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::Released {
+            reason: ReleaseReason::Stalled,
+            ..
+        }
+    )));
+}
+
+#[test]
+fn a_slow_peer_whose_reads_complete_however_slowly_is_never_marked() {
+    let mut h = harness();
+    let slow = h.live("slow", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    slow.begin_read().unwrap();
+    slow.begin_read().unwrap();
+    // One of its two reads completes every 9 s (the bound is 10 s) and is
+    // replaced by a new one: always reads in flight, always progressing.
+    run(&mut h, 120, |_, t| {
+        fine.begin_read().unwrap();
+        fine.end_read();
+        if t % 9 == 8 {
+            slow.end_read();
+            slow.begin_read().unwrap();
+        }
+    });
+    assert_eq!(slow.state(), EngineState::Live);
+    assert!(stalls(&mut h).is_empty());
+}
+
+#[test]
+fn when_no_read_of_any_engine_completes_the_decoder_is_stuck_and_no_engine_is_blamed() {
+    let mut h = harness();
+    let a = h.live("a", at(1), 1);
+    let b = h.live("b", at(2), 2);
+    a.begin_read().unwrap();
+    b.begin_read().unwrap();
+    run(&mut h, 60, |_, _| {});
+    assert_eq!(a.state(), EngineState::Live);
+    assert_eq!(b.state(), EngineState::Live);
+    assert!(stalls(&mut h).is_empty());
+}
+
+#[test]
+fn a_single_engine_with_nothing_to_compare_with_is_marked_when_its_reads_stall() {
+    let mut h = harness();
+    let only = h.live("only", at(1), 1);
+    only.begin_read().unwrap();
+    run(&mut h, 13, |_, _| {});
+    assert_eq!(only.state(), EngineState::Stalled);
+    assert_eq!(stalls(&mut h), vec![(id("only"), true)]);
+}
+
+#[test]
+fn with_the_report_action_a_stall_is_reported_once_and_the_engine_kept() {
+    let mut config = config();
+    config.stall_action = crate::config::StallAction::Report;
+    let mut h = harness_with(config);
+    let hung = h.live("hung", at(1), 1);
+    hung.begin_read().unwrap();
+    run(&mut h, 30, |_, _| {});
+    assert_eq!(hung.state(), EngineState::Live);
+    assert_eq!(stalls(&mut h), vec![(id("hung"), false)], "once per stall");
+    // It completes, then stalls again: reported again.
+    hung.end_read();
+    hung.begin_read().unwrap();
+    run(&mut h, 30, |_, _| {});
+    assert_eq!(stalls(&mut h), vec![(id("hung"), false)]);
+}
+
+#[test]
+fn an_idle_live_engine_says_only_membership_or_the_router_can_retire_it() {
+    let mut h = harness();
+    h.live("idle", at(1), 1);
+    let snapshot = h.core.snapshot(h.now);
+    let why = &snapshot.engines[0].why;
+    assert!(
+        why.contains("only a membership signal or the router"),
+        "{why}"
+    );
 }

@@ -204,6 +204,15 @@ fn print_event(event: &Event) {
         Event::TransientError { engine, status, source } => {
             println!("event: transient_error engine={engine} status={status} source={source}")
         }
+        Event::Stalled {
+            engine,
+            reads_in_flight,
+            stalled_for,
+            failed,
+        } => println!(
+            "event: stalled engine={engine} reads={reads_in_flight} stalled_ms={} failed={failed}",
+            stalled_for.as_millis()
+        ),
         Event::TransportPanicked { engine, call, message } => {
             println!("event: transport_panicked engine={engine} call={call} message={message:?}")
         }

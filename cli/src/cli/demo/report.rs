@@ -112,6 +112,7 @@ pub(super) struct EventCounts {
     pub(super) replaced: u64,
     pub(super) retiring: u64,
     pub(super) reads_failed: u64,
+    pub(super) stalled: u64,
     pub(super) transient_errors: u64,
     pub(super) released: u64,
     pub(super) released_by_reason: BTreeMap<&'static str, u64>,
@@ -127,6 +128,7 @@ impl EventCounts {
             Event::Replaced { .. } => self.replaced += 1,
             Event::Retiring { .. } => self.retiring += 1,
             Event::ReadsFailed { .. } => self.reads_failed += 1,
+            Event::Stalled { .. } => self.stalled += 1,
             Event::TransientError { .. } | Event::TransportPanicked { .. } => {
                 self.transient_errors += 1
             }
@@ -301,6 +303,15 @@ impl Timeline {
                 call,
                 message,
             } => format!("{engine}: the transport panicked in {call}: {message}"),
+            Event::Stalled {
+                engine,
+                reads_in_flight,
+                stalled_for,
+                failed,
+            } => format!(
+                "{engine}: {reads_in_flight} read(s) stalled for {stalled_for:?} while others completed: hung{}",
+                if *failed { "; its reads failed" } else { " (reported only)" }
+            ),
             Event::Released {
                 engine,
                 reason,
@@ -634,9 +645,10 @@ fn print_tables(o: &Outcome, real_time: bool, wall: Duration) {
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     outln!(
-        "events: {} registered, {} unreachable, {} replaced, {} transient errors, {} reads-failed, {} released ({}){}",
+        "events: {} registered, {} unreachable, {} stalled, {} replaced, {} transient errors, {} reads-failed, {} released ({}){}",
         e.registered,
         e.unreachable,
+        e.stalled,
         e.replaced,
         e.transient_errors,
         e.reads_failed,
