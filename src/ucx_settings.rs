@@ -773,6 +773,39 @@ mod tests {
     }
 
     #[test]
+    fn the_largest_values_ucx_syntax_allows_do_not_overflow_the_bound() {
+        // Every time at the parser's maximum (10^9 s), the retry count at
+        // u32::MAX, every transport on, and the longest heartbeat gap the
+        // configuration allows (two days): the sums stay far inside
+        // `Duration` (rc: 10^9 s * 2^32 is about 4.3 * 10^18 s < 1.8 * 10^19).
+        let max = "1000000000s";
+        let s = with_env(&[
+            ("UCX_TLS", "all"),
+            ("UCX_KEEPALIVE_INTERVAL", max),
+            ("UCX_UD_TIMEOUT", max),
+            ("UCX_RC_TIMEOUT", max),
+            ("UCX_RC_RETRY_COUNT", "4294967295"),
+            ("UCX_TCP_USER_TIMEOUT", max),
+            ("UCX_TCP_KEEPIDLE", max),
+            ("UCX_TCP_KEEPINTVL", max),
+            ("UCX_TCP_KEEPCNT", "4294967295"),
+        ])
+        .unwrap();
+        let gap = crate::config::MAX_TIME_KNOB * 2;
+        let b = detection_bound(&s, gap);
+        // retries + 1 saturates at u32::MAX.
+        let rc = Duration::from_secs(1_000_000_000) * 4_294_967_295;
+        assert_eq!(
+            b.silent,
+            Some(Duration::from_secs(1_000_000_000) + rc + gap + SLACK)
+        );
+        assert!(b.crashed >= gap + SLACK);
+        assert!(!b.to_string().is_empty());
+        // One more second is refused by the parser, before any sum.
+        assert!(with_env(&[("UCX_UD_TIMEOUT", "1000000001s")]).is_err());
+    }
+
+    #[test]
     fn negated_tls_lists_exclude_transports() {
         let s = with_env(&[("UCX_TLS", "^ib,rc,ud,dc")]).unwrap();
         assert!(!s.tl_enabled(&["ud"]));
