@@ -387,30 +387,7 @@ impl Config {
     fn problems(&self, unparsed: &BTreeSet<&str>) -> Vec<ConfigError> {
         let mut errors = Vec::new();
         let mut refuse = |setting: &'static str, value: String, reason: String| {
-            errors.push(ConfigError::Invalid {
-                setting,
-                value,
-                reason,
-                expected: knob(setting).syntax,
-            })
-        };
-        let period = |setting: &'static str,
-                      d: Duration,
-                      refuse: &mut dyn FnMut(&'static str, String, String)| {
-            if d < MIN_PERIOD || d > MAX_TIME_KNOB {
-                refuse(
-                    setting,
-                    time_text(d),
-                    format!(
-                        "must be from {} to {}",
-                        time_text(MIN_PERIOD),
-                        time_text(MAX_TIME_KNOB)
-                    ),
-                );
-                false
-            } else {
-                true
-            }
+            errors.push(invalid(setting, value, reason));
         };
 
         let interval_ok = !unparsed.contains(INTERVAL)
@@ -423,7 +400,13 @@ impl Config {
                     );
                     false
                 }
-                Some(interval) => period(INTERVAL, interval, &mut refuse),
+                Some(interval) => match period_problem(interval) {
+                    Some(reason) => {
+                        refuse(INTERVAL, time_text(interval), reason);
+                        false
+                    }
+                    None => true,
+                },
                 None => true,
             };
 
@@ -445,19 +428,19 @@ impl Config {
 
         if self.rate_period.is_zero() {
             refuse(RATE_PERIOD, "0s".into(), "must be above zero".into());
-        } else if period(RATE_PERIOD, self.rate_period, &mut refuse) && interval_ok {
-            if let Some(interval) = self.heartbeat_interval {
-                if self.rate_period > interval {
-                    refuse(
-                        RATE_PERIOD,
-                        time_text(self.rate_period),
-                        format!(
-                            "must not exceed the interval ({}): the rate cap would silently \
-                             stretch every heartbeat to one per rate period",
-                            time_text(interval)
-                        ),
-                    );
-                }
+        } else if let Some(reason) = period_problem(self.rate_period) {
+            refuse(RATE_PERIOD, time_text(self.rate_period), reason);
+        } else if let (Some(interval), true) = (self.heartbeat_interval, interval_ok) {
+            if self.rate_period > interval {
+                refuse(
+                    RATE_PERIOD,
+                    time_text(self.rate_period),
+                    format!(
+                        "must not exceed the interval ({}): the rate cap would silently \
+                         stretch every heartbeat to one per rate period",
+                        time_text(interval)
+                    ),
+                );
             }
         }
 
@@ -484,19 +467,43 @@ impl Config {
                 format!("must be at most {}", time_text(MAX_TIME_KNOB)),
             );
         }
-        if let Some(p) = self.metrics_period {
-            if p.is_zero() {
-                refuse(
-                    METRICS_PERIOD,
-                    "0s".into(),
-                    "must be above zero (use `inf` to disable)".into(),
-                );
-            } else {
-                period(METRICS_PERIOD, p, &mut refuse);
+        match self.metrics_period {
+            Some(p) if p.is_zero() => refuse(
+                METRICS_PERIOD,
+                "0s".into(),
+                "must be above zero (use `inf` to disable)".into(),
+            ),
+            Some(p) => {
+                if let Some(reason) = period_problem(p) {
+                    refuse(METRICS_PERIOD, time_text(p), reason);
+                }
             }
+            None => {}
         }
         errors.retain(|e| !unparsed.contains(e.setting()));
         errors
+    }
+}
+
+/// Why a period (interval, rate period, metrics period) is outside
+/// [`MIN_PERIOD`]..=[`MAX_TIME_KNOB`], if it is.
+fn period_problem(d: Duration) -> Option<String> {
+    (!(MIN_PERIOD..=MAX_TIME_KNOB).contains(&d)).then(|| {
+        format!(
+            "must be from {} to {}",
+            time_text(MIN_PERIOD),
+            time_text(MAX_TIME_KNOB)
+        )
+    })
+}
+
+/// A refused value, with what its knob accepts.
+fn invalid(setting: &'static str, value: String, reason: String) -> ConfigError {
+    ConfigError::Invalid {
+        setting,
+        value,
+        reason,
+        expected: knob(setting).syntax,
     }
 }
 
