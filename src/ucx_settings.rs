@@ -575,6 +575,18 @@ pub fn warnings(settings: &UcxSettings) -> Vec<String> {
                 .to_owned(),
         );
     }
+    if settings.tl_enabled(&["tcp"])
+        && !matches!(settings.tcp_user_timeout.value, UcxTime::Finite(d) if !d.is_zero())
+    {
+        w.push(format!(
+            "UCX_TCP_USER_TIMEOUT={} ({}): a partitioned peer reached over TCP is reported only \
+             after the kernel's retransmission limit (about {}; TCP keepalive sends no probe \
+             while heartbeats are unacknowledged); set UCX_TCP_USER_TIMEOUT, e.g. 10s",
+            settings.tcp_user_timeout.value,
+            settings.tcp_user_timeout.source,
+            secs_text(LINUX_TCP_RETRANSMIT_LIMIT)
+        ));
+    }
     if settings.cuda_ipc_cache.value {
         w.push(format!(
             "UCX_CUDA_IPC_CACHE={} ({}): cached CUDA IPC / MNNVL mappings of a dead peer's GPU \
@@ -740,7 +752,12 @@ mod tests {
             ("UCX_KEEPALIVE_INTERVAL", "inf"),
             ("UCX_KEEPALIVE_NUM_EPS", "0"),
         ] {
-            let s = with_env(&[env, ("UCX_CUDA_IPC_CACHE", "n")]).unwrap();
+            let s = with_env(&[
+                env,
+                ("UCX_CUDA_IPC_CACHE", "n"),
+                ("UCX_TCP_USER_TIMEOUT", "10s"),
+            ])
+            .unwrap();
             let b = detection_bound(&s, secs(2.0));
             assert_eq!(b.silent, None);
             assert!(b.to_string().contains("never if silent"), "{b}");
@@ -755,11 +772,43 @@ mod tests {
         let mut s = UcxSettings::defaults();
         s.error_handling.value = ErrorHandling::None;
         let w = warnings(&s);
-        assert_eq!(w.len(), 2, "{w:?}");
+        assert_eq!(w.len(), 3, "{w:?}");
         assert!(w.iter().any(|l| l.contains("mode is none")));
         assert!(w.iter().any(|l| l.contains("UCX_CUDA_IPC_CACHE=y")));
+        assert!(w.iter().any(|l| l.contains("UCX_TCP_USER_TIMEOUT=auto")));
         assert_eq!(detection_bound(&s, secs(1.0)).silent, None);
-        assert!(warnings(&with_env(&[("UCX_CUDA_IPC_CACHE", "no")]).unwrap()).is_empty());
+        assert!(warnings(
+            &with_env(&[
+                ("UCX_CUDA_IPC_CACHE", "no"),
+                ("UCX_TCP_USER_TIMEOUT", "10s")
+            ])
+            .unwrap()
+        )
+        .is_empty());
+    }
+
+    #[test]
+    fn tcp_without_a_user_timeout_warns_that_partitions_take_minutes() {
+        let quiet = [("UCX_CUDA_IPC_CACHE", "n")];
+        for v in ["auto", "inf", "0"] {
+            let s = with_env(&[quiet[0], ("UCX_TLS", "tcp"), ("UCX_TCP_USER_TIMEOUT", v)]).unwrap();
+            let w = warnings(&s);
+            assert_eq!(w.len(), 1, "{v}: {w:?}");
+            assert!(
+                w[0].contains("924.6s") && w[0].contains("set UCX_TCP_USER_TIMEOUT"),
+                "{w:?}"
+            );
+        }
+        // Set, or TCP not in use: nothing to say.
+        let s = with_env(&[
+            quiet[0],
+            ("UCX_TLS", "tcp"),
+            ("UCX_TCP_USER_TIMEOUT", "10s"),
+        ])
+        .unwrap();
+        assert!(warnings(&s).is_empty());
+        let s = with_env(&[quiet[0], ("UCX_TLS", "rc,ud,sm")]).unwrap();
+        assert!(warnings(&s).is_empty());
     }
 
     #[test]
