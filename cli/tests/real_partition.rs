@@ -10,7 +10,9 @@
 //! What it pins, measured:
 //! - with `UCX_TCP_USER_TIMEOUT=3s`: partition -> `event: unreachable ...
 //!   REMOTE_DISCONNECT` -> `event: released`, within the silent-peer bound
-//!   the decode reports (`nixl_keepalive_detection_bound_silent_seconds`);
+//!   the decode reports (`nixl_keepalive_detection_bound_silent_seconds`),
+//!   both with reads in flight (a transfer reports it) and with none (a
+//!   heartbeat does);
 //! - a 1 s partition, healed well before that bound, releases nothing and
 //!   reads go on being verified;
 //! - with UCX's default user timeout (`auto`), the kernel retransmits for
@@ -181,7 +183,7 @@ struct DecodeProc {
 }
 
 impl DecodeProc {
-    fn start(prefill: &PeerAddr, env: &[(String, String)]) -> DecodeProc {
+    fn start(prefill: &PeerAddr, env: &[(String, String)], args: &[&str]) -> DecodeProc {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -196,6 +198,7 @@ impl DecodeProc {
             "--metrics-addr",
             &metrics,
         ])
+        .args(args)
         .env("NIXL_KEEPALIVE_INTERVAL", INTERVAL)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
@@ -300,24 +303,29 @@ impl Drop for DecodeProc {
     }
 }
 
-/// A prefill in `ns` and a decode reading from it, both with `user_timeout`
-/// (None: UCX's `auto`); returns once the engine is registered and reads
-/// are verified.
-fn pair(ns: &Netns, user_timeout: Option<&str>) -> (PrefillProc, DecodeProc) {
+/// A prefill in `ns` and a decode (with `args`) reading from it, both with
+/// `user_timeout` (None: UCX's `auto`); returns once the engine is
+/// registered and `min_reads` reads are verified.
+fn pair(
+    ns: &Netns,
+    user_timeout: Option<&str>,
+    args: &[&str],
+    min_reads: f64,
+) -> (PrefillProc, DecodeProc) {
     let p = PrefillProc::start(&PrefillSpec {
         listen: Some(format!("{}:0", ns.ns_ip)),
         netns: Some(ns.name.clone()),
         env: ucx_env(&ns.ns_if, user_timeout),
         ..Default::default()
     });
-    let mut d = DecodeProc::start(&p.addr, &ucx_env(&ns.host_if, user_timeout));
+    let mut d = DecodeProc::start(&p.addr, &ucx_env(&ns.host_if, user_timeout), args);
     d.wait_line(
         &format!("event: registered engine={}", p.engine),
         Duration::from_secs(30),
     )
     .expect("the decode registers the prefill across the veth");
     let deadline = Instant::now() + Duration::from_secs(20);
-    while d.verified_reads() < 10.0 {
+    while d.verified_reads() < min_reads {
         assert!(
             Instant::now() < deadline,
             "no verified reads across the veth"
@@ -343,7 +351,7 @@ fn a_partitioned_prefill_is_released_within_the_reported_bound_and_a_short_one_i
     let Some(ns) = netns_or_skip() else { return };
 
     // --- UCX_TCP_USER_TIMEOUT=3s: a short partition, then a long one.
-    let (p, mut d) = pair(&ns, Some("3s"));
+    let (p, mut d) = pair(&ns, Some("3s"), &[], 10.0);
     let bound = d.silent_bound();
     assert!(
         bound < Duration::from_secs(30),
@@ -414,8 +422,46 @@ fn a_partitioned_prefill_is_released_within_the_reported_bound_and_a_short_one_i
     drop(d);
     drop(p);
 
+    // --- The same, with no read in flight when the link goes: one round of
+    // reads, then an hour's pause. Only the heartbeats can notice.
+    let (p, mut d) = pair(&ns, Some("3s"), &["--read-pause-ms", "3600000"], 1.0);
+    let bound = d.silent_bound();
+    std::thread::sleep(Duration::from_secs(1));
+    d.take_lines();
+    let cut = Instant::now();
+    ns.cut();
+    let unreachable = d.wait_line(
+        &format!("event: unreachable engine={}", p.engine),
+        bound * 2 + Duration::from_secs(5),
+    );
+    let released = unreachable.as_ref().and_then(|_| {
+        d.wait_line(
+            &format!("event: released engine={}", p.engine),
+            Duration::from_secs(10),
+        )
+    });
+    ns.heal();
+    let (Some((u_line, u_at)), Some((_, r_at))) = (unreachable, released) else {
+        panic!(
+            "an idle partitioned engine was not released within twice the bound {bound:?}: {:?}",
+            d.take_lines()
+        );
+    };
+    report(&format!(
+        "partition with no read in flight, UCX_TCP_USER_TIMEOUT=3s: cut -> unreachable {}, \
+         -> released {} (reported silent bound {}, {:.0}% of it); {u_line}",
+        ms(u_at - cut),
+        ms(r_at - cut),
+        ms(bound),
+        (r_at - cut).as_secs_f64() / bound.as_secs_f64() * 100.0
+    ));
+    assert!(u_line.contains("REMOTE_DISCONNECT"), "{u_line}");
+    assert!(u_line.contains("source=heartbeat"), "{u_line}");
+    drop(d);
+    drop(p);
+
     // --- UCX's default user timeout: the kernel's retransmission limit.
-    let (p, mut d) = pair(&ns, None);
+    let (p, mut d) = pair(&ns, None, &[], 10.0);
     let bound = d.silent_bound();
     assert!(
         bound > Duration::from_secs(900),
