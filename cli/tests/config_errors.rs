@@ -25,10 +25,7 @@ const BAD: &[(&str, &str)] = &[
 
 #[test]
 fn every_bad_value_is_listed_in_one_error_and_nothing_starts() {
-    for sub in [
-        &["demo"][..],
-        &["decode", "--prefill", "127.0.0.1:9"][..],
-    ] {
+    for sub in [&["demo"][..], &["decode", "--prefill", "127.0.0.1:9"][..]] {
         let (code, stderr) = run(sub, BAD);
         assert_eq!(code, Some(2), "{sub:?}: {stderr}");
         assert!(
