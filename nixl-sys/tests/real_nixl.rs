@@ -438,8 +438,20 @@ fn metadata_whose_agent_name_has_a_nul_is_refused_and_the_victim_is_untouched() 
         }
         other => panic!("{other:?}"),
     }
-    // Unloaded by its exact name: loading it again is not NOT_ALLOWED.
-    let again = decode.load_remote_metadata(&md).unwrap_err();
+    // Unloaded by its exact name: other metadata under the same name (a
+    // second agent of that name, patched alike) loads and is refused by
+    // name again; were the first still loaded, NIXL would answer
+    // NOT_ALLOWED (metadata is not updated in place).
+    let hostile2 = agent(rt, &hostile_name);
+    let _rh2 = hostile2.register_dram(4096).unwrap();
+    let mut md2 = hostile2.local_metadata().unwrap();
+    assert_ne!(md2, hostile.local_metadata().unwrap());
+    let at = md2
+        .windows(hostile_name.len())
+        .position(|w| w == hostile_name.as_bytes())
+        .expect("the agent name is in its metadata");
+    md2[at + victim_name.len()] = 0;
+    let again = decode.load_remote_metadata(&md2).unwrap_err();
     assert!(again.is_refused_agent_name(), "{again}");
 
     // The victim's metadata is still loaded and usable.
