@@ -4,8 +4,19 @@
 //! and friends, so ours read the same way: `NIXL_KEEPALIVE_*` environment
 //! variables whose time values use UCX's syntax (`2s`, `500ms`, `1m`, a bare
 //! number of seconds, `inf` where disabling makes sense). A bad value stops
-//! start-up with an error that names the variable, the value and the
-//! accepted syntax; nothing runs on a guess.
+//! start-up with an error that names the variable, the value, the reason
+//! and what is accepted; when several values are wrong, every one of them
+//! is reported at once ([`ConfigErrors`]). Nothing runs on a guess.
+//!
+//! Every knob is bounded to what the service can honour (see
+//! [`MIN_PERIOD`], [`MAX_TIME_KNOB`], [`MAX_RATE_BURST`],
+//! [`MAX_EVENT_CAPACITY`]): a value that parses but would panic a timer,
+//! abort on allocation or spin a core is refused at start-up, with the
+//! bound in the error.
+//!
+//! The jitter and the rate period derive from the interval when they are
+//! not set (10% of it, and the interval capped at 1 s), so setting only
+//! `NIXL_KEEPALIVE_INTERVAL` is always consistent.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -16,15 +27,56 @@ use crate::ucx_time::{parse_time, TimeField, UcxTime};
 /// Prefix of every environment variable the service reads.
 pub const ENV_PREFIX: &str = "NIXL_KEEPALIVE_";
 
+/// The shortest period a periodic knob (interval, rate period, metrics
+/// period) accepts. tokio's timers tick in whole
+/// milliseconds, and every heartbeat round is a trip through the blocking
+/// offload: below 10 ms a period is mostly timer rounding, and a 1 ns
+/// period would keep a core busy doing nothing useful.
+pub const MIN_PERIOD: Duration = Duration::from_millis(10);
+
+/// The shortest read-stall bound: below it, a read that is merely slow
+/// (a large KV block over TCP) would be taken for a hung peer.
+pub const MIN_READ_STALL: Duration = Duration::from_millis(100);
+
+/// The longest finite value any time knob accepts: one day. A heartbeat
+/// less often than daily detects nothing worth the name (use `inf` to turn
+/// it off), no shutdown should wait a day for a read, and deadlines stay
+/// far inside what tokio's timers hold.
+pub const MAX_TIME_KNOB: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The largest burst of the per-engine rate cap. governor keeps the burst
+/// as `period * burst` nanoseconds in a `u64` (about 584 years): with the
+/// one-day period bound, 1000 stays far inside it, and far above any burst
+/// a heartbeat schedule needs.
+pub const MAX_RATE_BURST: u32 = 1000;
+
+/// The most events buffered per subscriber. tokio's broadcast channel
+/// allocates every slot up front (rounded up to a power of two), so the
+/// capacity is memory taken at start-up: 2^20 slots of an event (about a
+/// hundred bytes each) is on the order of 100 MiB, the most a keepalive
+/// should ever take for a buffer; 4294967295 aborted on allocation.
+pub const MAX_EVENT_CAPACITY: usize = 1 << 20;
+
+/// The rate period derived when none is set: the interval, but at most
+/// this. It keeps the documented 1 s for the default 5 s interval, so that
+/// lease renewals the runtime asks for between heartbeats still get
+/// rounds; at or under 1 s it is the interval itself.
+pub const DERIVED_RATE_PERIOD_CAP: Duration = Duration::from_secs(1);
+
+/// The jitter derived when none is set: the interval divided by this
+/// (10%).
+pub const DERIVED_JITTER_DIVISOR: u32 = 10;
+
 /// One knob: its environment name, default, syntax and meaning. The
 /// README's table is this list.
 #[derive(Clone, Copy, Debug)]
 pub struct Knob {
     /// Environment variable.
     pub env: &'static str,
-    /// Default value, as it would be written in the environment.
+    /// Default value: as it would be written in the environment, or, for a
+    /// default derived from another knob, how it is derived.
     pub default: &'static str,
-    /// Accepted syntax.
+    /// Accepted syntax and range.
     pub syntax: &'static str,
     /// What it does.
     pub meaning: &'static str,
@@ -36,55 +88,83 @@ pub struct Knob {
 /// explicit `libucp` to load).
 pub const NOT_SERVICE_KNOBS: &[&str] = &["NIXL_KEEPALIVE_REQUIRE_REAL", "NIXL_KEEPALIVE_UCX_LIB"];
 
+const INTERVAL: &str = "NIXL_KEEPALIVE_INTERVAL";
+const JITTER: &str = "NIXL_KEEPALIVE_JITTER";
+const RATE_PERIOD: &str = "NIXL_KEEPALIVE_RATE_PERIOD";
+const RATE_BURST: &str = "NIXL_KEEPALIVE_RATE_BURST";
+const EVENT_CAPACITY: &str = "NIXL_KEEPALIVE_EVENT_CAPACITY";
+const SHUTDOWN_DRAIN: &str = "NIXL_KEEPALIVE_SHUTDOWN_DRAIN";
+const METRICS_PERIOD: &str = "NIXL_KEEPALIVE_METRICS_PERIOD";
+const READ_STALL: &str = "NIXL_KEEPALIVE_READ_STALL";
+const READ_STALL_ACTION: &str = "NIXL_KEEPALIVE_READ_STALL_ACTION";
+
 /// Every knob the service reads from the environment.
 pub const KNOBS: &[Knob] = &[
     Knob {
-        env: "NIXL_KEEPALIVE_INTERVAL",
+        env: INTERVAL,
         default: "5s",
-        syntax: "UCX time (TIME_UNITS): `inf` disables periodic heartbeats",
+        syntax: "UCX time (TIME_UNITS), 10ms to 1 day (86400s); `inf` disables periodic heartbeats",
         meaning: "How often every known prefill engine gets a heartbeat (`HB:` + lease ids). \
                   The crash-detection bound follows it.",
     },
     Knob {
-        env: "NIXL_KEEPALIVE_JITTER",
-        default: "500ms",
-        syntax: "UCX time (TIME), less than the interval",
+        env: JITTER,
+        default: "interval / 10",
+        syntax: "UCX time (TIME), 0 up to (not including) the interval",
         meaning: "Each engine's next heartbeat is drawn uniformly within +/- this of the \
                   interval, so engines registered together do not beat together.",
     },
     Knob {
-        env: "NIXL_KEEPALIVE_RATE_PERIOD",
-        default: "1s",
-        syntax: "UCX time (TIME), above zero, at most the interval",
+        env: RATE_PERIOD,
+        default: "min(interval, 1s)",
+        syntax: "UCX time (TIME), 10ms up to the interval (1 day at most)",
         meaning: "Per-engine rate cap: on average at most one notification round per period \
                   to one engine, heartbeats and runtime-requested lease renewals together.",
     },
     Knob {
-        env: "NIXL_KEEPALIVE_RATE_BURST",
+        env: RATE_BURST,
         default: "2",
-        syntax: "integer, 1 or more",
+        syntax: "integer, 1 to 1000",
         meaning: "How many rounds one engine may get back to back before the rate cap applies.",
     },
     Knob {
-        env: "NIXL_KEEPALIVE_EVENT_CAPACITY",
+        env: EVENT_CAPACITY,
         default: "1024",
-        syntax: "integer, 1 or more",
+        syntax: "integer, 1 to 1048576 (2^20)",
         meaning: "Events buffered per subscriber; a slower subscriber skips the oldest and is \
                   told how many it missed.",
     },
     Knob {
-        env: "NIXL_KEEPALIVE_SHUTDOWN_DRAIN",
+        env: SHUTDOWN_DRAIN,
         default: "5s",
-        syntax: "UCX time (TIME)",
+        syntax: "UCX time (TIME), 0 to 1 day (86400s)",
         meaning: "At shutdown, how long reads in flight may go on: every engine is marked at \
                   once (no new reads), each is released as its reads end, and what still has \
                   reads after this is handed back unreleased.",
     },
     Knob {
-        env: "NIXL_KEEPALIVE_METRICS_PERIOD",
+        env: METRICS_PERIOD,
         default: "1s",
-        syntax: "UCX time (TIME_UNITS): `inf` disables",
+        syntax: "UCX time (TIME_UNITS), 10ms to 1 day (86400s); `inf` disables",
         meaning: "How often the engines-by-state and reads-in-flight gauges are refreshed.",
+    },
+    Knob {
+        env: READ_STALL,
+        default: "10s",
+        syntax: "UCX time (TIME_UNITS), 100ms to 1 day (86400s); `inf` disables",
+        meaning: "An engine whose reads in flight have not completed for this long, while the \
+                  decoder's other reads still complete, is hung (frozen, deadlocked, lost its \
+                  NIC: UCX reports none of these on shm/tcp). 10s: far above a KV read's \
+                  time, twice the default heartbeat interval, and no later than a 5s decode \
+                  read timeout twice over. Checked four times per bound.",
+    },
+    Knob {
+        env: READ_STALL_ACTION,
+        default: "fail",
+        syntax: "`fail` or `report`",
+        meaning: "What a stall does: `fail` marks the engine stalled, fails its reads (their \
+                  guards say `is_failed`) and releases it once they end; `report` only emits \
+                  the event, the metric and a log line, once per stall.",
     },
 ];
 
@@ -120,12 +200,15 @@ pub struct Config {
     pub seed: Option<u64>,
 }
 
+/// The defaults: a 5 s interval and the jitter and rate period derived
+/// from it (500 ms, 1 s).
 impl Default for Config {
     fn default() -> Self {
+        let interval = Some(Duration::from_secs(5));
         Config {
-            heartbeat_interval: Some(Duration::from_secs(5)),
-            jitter: Duration::from_millis(500),
-            rate_period: Duration::from_secs(1),
+            heartbeat_interval: interval,
+            jitter: derived_jitter(interval),
+            rate_period: derived_rate_period(interval),
             rate_burst: 2,
             event_capacity: 1024,
             metrics_period: Some(Duration::from_secs(1)),
@@ -157,7 +240,20 @@ impl StallAction {
     }
 }
 
-/// A configuration value that was not accepted. Nothing was started.
+
+/// The jitter used when none is set: 10% of the interval (nothing when
+/// periodic heartbeats are off: it only spreads them).
+pub fn derived_jitter(interval: Option<Duration>) -> Duration {
+    interval.map_or(Duration::ZERO, |i| i / DERIVED_JITTER_DIVISOR)
+}
+
+/// The rate period used when none is set: the interval, capped at
+/// [`DERIVED_RATE_PERIOD_CAP`] (the cap alone when heartbeats are off).
+pub fn derived_rate_period(interval: Option<Duration>) -> Duration {
+    interval.map_or(DERIVED_RATE_PERIOD_CAP, |i| i.min(DERIVED_RATE_PERIOD_CAP))
+}
+
+/// One configuration value that was not accepted.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
     /// An environment variable's value did not parse.
@@ -172,66 +268,162 @@ pub enum ConfigError {
         /// The accepted syntax.
         expected: &'static str,
     },
-    /// A value parsed but does not make sense (e.g. jitter not below the
-    /// interval).
-    #[error("{setting} = {value} is not accepted: {reason}")]
+    /// A value parsed but is out of its range or does not fit the others
+    /// (e.g. jitter not below the interval).
+    #[error("{setting}={value} is not accepted: {reason}; expected {expected}")]
     Invalid {
         /// The setting, by its environment name.
         setting: &'static str,
-        /// Its value.
+        /// Its value, in UCX syntax.
         value: String,
         /// Why it is not accepted.
         reason: String,
+        /// What is accepted (syntax and range, as in [`KNOBS`]).
+        expected: &'static str,
     },
 }
 
+impl ConfigError {
+    /// The environment variable the error is about.
+    pub fn setting(&self) -> &'static str {
+        match self {
+            ConfigError::Env { var, .. } => var,
+            ConfigError::Invalid { setting, .. } => setting,
+        }
+    }
+}
+
+/// Every configuration value that was not accepted, in [`KNOBS`] order, so
+/// that one start-up reports them all. Never empty.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigErrors(Vec<ConfigError>);
+
+impl ConfigErrors {
+    /// The errors, one per refused value (a value can fail more than one
+    /// rule only when it is out of range; then only the range is reported).
+    pub fn errors(&self) -> &[ConfigError] {
+        &self.0
+    }
+
+    /// The error about `setting`, if any.
+    pub fn about(&self, setting: &str) -> Option<&ConfigError> {
+        self.0.iter().find(|e| e.setting() == setting)
+    }
+
+    fn check(errors: Vec<ConfigError>) -> Result<(), ConfigErrors> {
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigErrors(errors))
+        }
+    }
+}
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.as_slice() {
+            [one] => write!(f, "{one}"),
+            all => {
+                write!(f, "{} configuration values are not accepted:", all.len())?;
+                for e in all {
+                    write!(f, "\n  - {e}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+impl From<ConfigError> for ConfigErrors {
+    fn from(e: ConfigError) -> Self {
+        ConfigErrors(vec![e])
+    }
+}
+
+impl IntoIterator for ConfigErrors {
+    type Item = ConfigError;
+    type IntoIter = std::vec::IntoIter<ConfigError>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
 impl Config {
-    /// A builder starting from the defaults.
+    /// A builder starting from the defaults. The jitter and the rate
+    /// period derive from the interval unless they are set explicitly.
     pub fn builder() -> ConfigBuilder {
         ConfigBuilder {
             config: Config::default(),
+            jitter_set: false,
+            rate_period_set: false,
         }
     }
 
     /// Reads `NIXL_KEEPALIVE_*` from the process environment over the
-    /// defaults. See [`KNOBS`].
-    pub fn from_env() -> Result<Config, ConfigError> {
+    /// defaults (see [`KNOBS`]), deriving the jitter and the rate period
+    /// from the interval where they are not set. Every refused value is
+    /// in the error.
+    pub fn from_env() -> Result<Config, ConfigErrors> {
         Self::from_lookup(|var| std::env::var(var).ok())
     }
 
     /// Reads the knobs through `lookup` (the environment, or a map in
     /// tests) over the defaults, then validates.
-    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-        let mut config = Config::default();
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigErrors> {
+        let mut builder = Config::builder();
+        let mut errors = Vec::new();
+        // Knobs whose value did not parse: no other rule is checked
+        // against their (default) stand-in.
+        let mut unparsed = BTreeSet::new();
         for knob in KNOBS {
             let Some(value) = lookup(knob.env) else {
                 continue;
             };
-            match knob.env {
-                "NIXL_KEEPALIVE_INTERVAL" => {
-                    config.heartbeat_interval = env_time(knob, &value, TimeField::TimeUnits, true)?
+            let read = match knob.env {
+                INTERVAL => env_time(knob, &value, TimeField::TimeUnits, true)
+                    .map(|d| builder.config.heartbeat_interval = d),
+                JITTER => env_time(knob, &value, TimeField::Time, false).map(|d| {
+                    builder.config.jitter = required(d);
+                    builder.jitter_set = true;
+                }),
+                RATE_PERIOD => env_time(knob, &value, TimeField::Time, false).map(|d| {
+                    builder.config.rate_period = required(d);
+                    builder.rate_period_set = true;
+                }),
+                RATE_BURST => env_count(knob, &value, u64::from(MAX_RATE_BURST))
+                    .map(|n| builder.config.rate_burst = n as u32),
+                EVENT_CAPACITY => env_count(knob, &value, MAX_EVENT_CAPACITY as u64)
+                    .map(|n| builder.config.event_capacity = n as usize),
+                SHUTDOWN_DRAIN => env_time(knob, &value, TimeField::Time, false)
+                    .map(|d| builder.config.shutdown_drain = required(d)),
+                METRICS_PERIOD => env_time(knob, &value, TimeField::TimeUnits, true)
+                    .map(|d| builder.config.metrics_period = d),
+                READ_STALL => env_time(knob, &value, TimeField::TimeUnits, true)
+                    .map(|d| builder.config.read_stall = d),
+                READ_STALL_ACTION => match value.trim() {
+                    "fail" => Ok(StallAction::Fail),
+                    "report" => Ok(StallAction::Report),
+                    _ => Err(ConfigError::Env {
+                        var: knob.env,
+                        value: value.clone(),
+                        reason: "not a stall action".into(),
+                        expected: "`fail` or `report`",
+                    }),
                 }
-                "NIXL_KEEPALIVE_JITTER" => {
-                    config.jitter = required(env_time(knob, &value, TimeField::Time, false)?)
-                }
-                "NIXL_KEEPALIVE_RATE_PERIOD" => {
-                    config.rate_period = required(env_time(knob, &value, TimeField::Time, false)?)
-                }
-                "NIXL_KEEPALIVE_RATE_BURST" => config.rate_burst = env_count(knob, &value)?,
-                "NIXL_KEEPALIVE_EVENT_CAPACITY" => {
-                    config.event_capacity = env_count(knob, &value)? as usize
-                }
-                "NIXL_KEEPALIVE_SHUTDOWN_DRAIN" => {
-                    config.shutdown_drain =
-                        required(env_time(knob, &value, TimeField::Time, false)?)
-                }
-                "NIXL_KEEPALIVE_METRICS_PERIOD" => {
-                    config.metrics_period = env_time(knob, &value, TimeField::TimeUnits, true)?
-                }
+                .map(|a| builder.config.stall_action = a),
                 other => unreachable!("knob {other} has no reader"),
+            };
+            if let Err(e) = read {
+                unparsed.insert(knob.env);
+                errors.push(e);
             }
         }
-        config.validate()?;
+        errors.extend(builder.problems(&unparsed));
+        let config = builder.derive();
+        errors.sort_by_key(|e| KNOBS.iter().position(|k| k.env == e.setting()));
+        ConfigErrors::check(errors)?;
         Ok(config)
     }
 
@@ -249,63 +441,148 @@ impl Config {
             .collect()
     }
 
-    /// Checks that the values make sense together.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        if let Some(interval) = self.heartbeat_interval {
-            if interval.is_zero() {
-                return Err(invalid(
-                    "NIXL_KEEPALIVE_INTERVAL",
-                    "0s",
-                    "must be above zero (use `inf` to disable periodic heartbeats)",
-                ));
-            }
-            if self.rate_period > interval {
-                return Err(invalid(
-                    "NIXL_KEEPALIVE_RATE_PERIOD",
-                    &format!("{:?}", self.rate_period),
-                    &format!(
-                        "must not exceed the heartbeat interval ({interval:?}): the rate cap would \
-                         silently stretch every heartbeat to one per rate period"
-                    ),
-                ));
-            }
+    /// Checks every value against its range and the others; every value
+    /// refused is in the error.
+    pub fn validate(&self) -> Result<(), ConfigErrors> {
+        ConfigErrors::check(self.problems(&BTreeSet::new()))
+    }
+
+    /// One error per refused value, in [`KNOBS`] order. The knobs in
+    /// `unparsed` hold stand-ins for values that did not parse (already
+    /// reported): nothing is checked about them or against them.
+    fn problems(&self, unparsed: &BTreeSet<&str>) -> Vec<ConfigError> {
+        let mut errors = Vec::new();
+        let mut refuse = |setting: &'static str, value: String, reason: String| {
+            errors.push(invalid(setting, value, reason));
+        };
+
+        let interval_ok = !unparsed.contains(INTERVAL)
+            && match self.heartbeat_interval {
+                Some(interval) if interval.is_zero() => {
+                    refuse(
+                        INTERVAL,
+                        time_text(interval),
+                        "must be above zero (use `inf` to disable periodic heartbeats)".into(),
+                    );
+                    false
+                }
+                Some(interval) => match period_problem(interval) {
+                    Some(reason) => {
+                        refuse(INTERVAL, time_text(interval), reason);
+                        false
+                    }
+                    None => true,
+                },
+                None => true,
+            };
+
+        if self.jitter > MAX_TIME_KNOB {
+            refuse(
+                JITTER,
+                time_text(self.jitter),
+                format!("must be at most {}", time_text(MAX_TIME_KNOB)),
+            );
+        } else if let (Some(interval), true) = (self.heartbeat_interval, interval_ok) {
             if self.jitter >= interval {
-                return Err(invalid(
-                    "NIXL_KEEPALIVE_JITTER",
-                    &format!("{:?}", self.jitter),
-                    &format!("must be below the interval ({interval:?})"),
-                ));
+                refuse(
+                    JITTER,
+                    time_text(self.jitter),
+                    format!("must be below the interval ({})", time_text(interval)),
+                );
             }
         }
+
         if self.rate_period.is_zero() {
-            return Err(invalid(
-                "NIXL_KEEPALIVE_RATE_PERIOD",
-                "0s",
-                "must be above zero",
-            ));
+            refuse(RATE_PERIOD, "0s".into(), "must be above zero".into());
+        } else if let Some(reason) = period_problem(self.rate_period) {
+            refuse(RATE_PERIOD, time_text(self.rate_period), reason);
+        } else if let (Some(interval), true) = (self.heartbeat_interval, interval_ok) {
+            if self.rate_period > interval {
+                refuse(
+                    RATE_PERIOD,
+                    time_text(self.rate_period),
+                    format!(
+                        "must not exceed the interval ({}): the rate cap would silently \
+                         stretch every heartbeat to one per rate period",
+                        time_text(interval)
+                    ),
+                );
+            }
         }
-        if self.rate_burst == 0 {
-            return Err(invalid(
-                "NIXL_KEEPALIVE_RATE_BURST",
-                "0",
-                "must be 1 or more",
-            ));
+
+        if self.rate_burst == 0 || self.rate_burst > MAX_RATE_BURST {
+            refuse(
+                RATE_BURST,
+                self.rate_burst.to_string(),
+                format!("must be from 1 to {MAX_RATE_BURST}"),
+            );
         }
-        if self.event_capacity == 0 {
-            return Err(invalid(
-                "NIXL_KEEPALIVE_EVENT_CAPACITY",
-                "0",
-                "must be 1 or more",
-            ));
+        if self.event_capacity == 0 || self.event_capacity > MAX_EVENT_CAPACITY {
+            refuse(
+                EVENT_CAPACITY,
+                self.event_capacity.to_string(),
+                format!(
+                    "must be from 1 to {MAX_EVENT_CAPACITY}: every slot is allocated at start-up"
+                ),
+            );
         }
-        if self.metrics_period.is_some_and(|p| p.is_zero()) {
-            return Err(invalid(
-                "NIXL_KEEPALIVE_METRICS_PERIOD",
-                "0s",
-                "must be above zero (use `inf` to disable)",
-            ));
+        if self.shutdown_drain > MAX_TIME_KNOB {
+            refuse(
+                SHUTDOWN_DRAIN,
+                time_text(self.shutdown_drain),
+                format!("must be at most {}", time_text(MAX_TIME_KNOB)),
+            );
         }
-        Ok(())
+        match self.metrics_period {
+            Some(p) if p.is_zero() => refuse(
+                METRICS_PERIOD,
+                "0s".into(),
+                "must be above zero (use `inf` to disable)".into(),
+            ),
+            Some(p) => {
+                if let Some(reason) = period_problem(p) {
+                    refuse(METRICS_PERIOD, time_text(p), reason);
+                }
+            }
+            None => {}
+        }
+        if let Some(bound) = self.read_stall {
+            if !(MIN_READ_STALL..=MAX_TIME_KNOB).contains(&bound) {
+                refuse(
+                    READ_STALL,
+                    time_text(bound),
+                    format!(
+                        "must be from {} to {} (use `inf` to disable)",
+                        time_text(MIN_READ_STALL),
+                        time_text(MAX_TIME_KNOB)
+                    ),
+                );
+            }
+        }
+        errors.retain(|e| !unparsed.contains(e.setting()));
+        errors
+    }
+}
+
+/// Why a period (interval, rate period, metrics period) is outside
+/// [`MIN_PERIOD`]..=[`MAX_TIME_KNOB`], if it is.
+fn period_problem(d: Duration) -> Option<String> {
+    (!(MIN_PERIOD..=MAX_TIME_KNOB).contains(&d)).then(|| {
+        format!(
+            "must be from {} to {}",
+            time_text(MIN_PERIOD),
+            time_text(MAX_TIME_KNOB)
+        )
+    })
+}
+
+/// A refused value, with what its knob accepts.
+fn invalid(setting: &'static str, value: String, reason: String) -> ConfigError {
+    ConfigError::Invalid {
+        setting,
+        value,
+        reason,
+        expected: knob(setting).syntax,
     }
 }
 
@@ -323,12 +600,17 @@ impl fmt::Display for Config {
     }
 }
 
-fn invalid(setting: &'static str, value: &str, reason: &str) -> ConfigError {
-    ConfigError::Invalid {
-        setting,
-        value: value.to_string(),
-        reason: reason.to_string(),
-    }
+fn knob(env: &str) -> &'static Knob {
+    KNOBS
+        .iter()
+        .find(|k| k.env == env)
+        .expect("every setting is a knob")
+}
+
+/// A duration in UCX syntax (`86400s`, `250ms`, `1ns`): what an operator
+/// would write back into the environment.
+fn time_text(d: Duration) -> String {
+    UcxTime::Finite(d).to_string()
 }
 
 /// Where `allow_inf` is false the field is a plain TIME field, which the
@@ -343,9 +625,11 @@ fn env_time(
         var: knob.env,
         value: value.to_string(),
         reason,
-        expected: field.syntax_help(),
+        expected: knob.syntax,
     };
-    match parse_time(value, field).map_err(|e| env_error(e.issue.describe().to_string()))? {
+    match parse_time(value, field)
+        .map_err(|e| env_error(format!("{} ({})", e.issue.describe(), field.syntax_help())))?
+    {
         UcxTime::Finite(d) => Ok(Some(d)),
         UcxTime::Infinite if allow_inf => Ok(None),
         UcxTime::Infinite | UcxTime::Auto => Err(env_error(format!(
@@ -359,22 +643,35 @@ fn required(value: Option<Duration>) -> Duration {
     value.expect("TIME fields never parse to inf")
 }
 
-fn env_count(knob: &Knob, value: &str) -> Result<u32, ConfigError> {
-    match value.trim().parse::<u32>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(ConfigError::Env {
-            var: knob.env,
-            value: value.to_string(),
-            reason: "not a whole number of 1 or more".to_string(),
-            expected: "a decimal integer from 1 to 4294967295",
-        }),
+/// A whole number from 1 to `max`; anything else is refused with the
+/// range. Numbers too large for the setting's type are out of range, not
+/// a syntax error.
+fn env_count(knob: &Knob, value: &str, max: u64) -> Result<u64, ConfigError> {
+    let text = value.trim();
+    let error = |reason: String| ConfigError::Env {
+        var: knob.env,
+        value: value.to_string(),
+        reason,
+        expected: knob.syntax,
+    };
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(error("not a whole decimal number".into()));
+    }
+    match text.parse::<u64>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(error(format!("must be from 1 to {max}"))),
     }
 }
 
-/// Builds a [`Config`]; [`ConfigBuilder::build`] validates.
+/// Builds a [`Config`]; [`ConfigBuilder::build`] validates. Values set
+/// here are taken as they are; the jitter and the rate period, when not
+/// set, derive from the interval at [`ConfigBuilder::build`] (10% of it,
+/// and the interval capped at 1 s), whatever order the calls came in.
 #[derive(Clone, Debug)]
 pub struct ConfigBuilder {
     config: Config,
+    jitter_set: bool,
+    rate_period_set: bool,
 }
 
 impl ConfigBuilder {
@@ -384,16 +681,20 @@ impl ConfigBuilder {
         self
     }
 
-    /// Jitter of each engine's next heartbeat.
+    /// Jitter of each engine's next heartbeat (not derived from the
+    /// interval once set).
     pub fn jitter(mut self, jitter: Duration) -> Self {
         self.config.jitter = jitter;
+        self.jitter_set = true;
         self
     }
 
-    /// Per-engine rate cap: period and burst.
+    /// Per-engine rate cap: period and burst (the period is not derived
+    /// from the interval once set).
     pub fn rate_limit(mut self, period: Duration, burst: u32) -> Self {
         self.config.rate_period = period;
         self.config.rate_burst = burst;
+        self.rate_period_set = true;
         self
     }
 
@@ -429,10 +730,39 @@ impl ConfigBuilder {
         self
     }
 
-    /// Validates and returns the configuration.
-    pub fn build(self) -> Result<Config, ConfigError> {
-        self.config.validate()?;
-        Ok(self.config)
+    /// The configuration with the unset jitter and rate period derived
+    /// from the interval; not validated.
+    fn derive(mut self) -> Config {
+        if !self.jitter_set {
+            self.config.jitter = derived_jitter(self.config.heartbeat_interval);
+        }
+        if !self.rate_period_set {
+            self.config.rate_period = derived_rate_period(self.config.heartbeat_interval);
+        }
+        self.config
+    }
+
+    /// What [`Config::validate`] refuses in the derived configuration,
+    /// less what only follows from a refused interval: a jitter or rate
+    /// period derived from an out-of-range interval was never the
+    /// operator's value.
+    fn problems(&self, unparsed: &BTreeSet<&str>) -> Vec<ConfigError> {
+        let mut errors = self.clone().derive().problems(unparsed);
+        if errors.iter().any(|e| e.setting() == INTERVAL) {
+            errors.retain(|e| match e.setting() {
+                JITTER => self.jitter_set,
+                RATE_PERIOD => self.rate_period_set,
+                _ => true,
+            });
+        }
+        errors
+    }
+
+    /// Derives what is unset, validates, and returns the configuration;
+    /// every refused value is in the error.
+    pub fn build(self) -> Result<Config, ConfigErrors> {
+        ConfigErrors::check(self.problems(&BTreeSet::new()))?;
+        Ok(self.derive())
     }
 }
 
@@ -441,12 +771,27 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn from(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+    fn from(vars: &[(&str, &str)]) -> Result<Config, ConfigErrors> {
         let map: HashMap<String, String> = vars
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         Config::from_lookup(|k| map.get(k).cloned())
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    const NS: Duration = Duration::from_nanos(1);
+
+    /// The one error `vars` gives, which must be about `setting`.
+    fn refused(vars: &[(&str, &str)], setting: &str) -> ConfigError {
+        let errors = from(vars).expect_err(&format!("{vars:?} must be refused"));
+        assert_eq!(errors.errors().len(), 1, "{errors}");
+        let e = errors.errors()[0].clone();
+        assert_eq!(e.setting(), setting, "{errors}");
+        e
     }
 
     #[test]
@@ -466,17 +811,107 @@ mod tests {
     }
 
     #[test]
+    fn the_defaults_are_the_derivations_at_the_default_interval() {
+        let d = Config::default();
+        assert_eq!(d.heartbeat_interval, Some(Duration::from_secs(5)));
+        assert_eq!(d.jitter, ms(500));
+        assert_eq!(d.rate_period, Duration::from_secs(1));
+        assert!(d.validate().is_ok());
+        // Each literal default in the table reads back to the default.
+        for knob in KNOBS {
+            if parse_time(knob.default, TimeField::TimeUnits).is_ok()
+                || knob.default.parse::<u64>().is_ok()
+            {
+                assert_eq!(
+                    from(&[(knob.env, knob.default)]).unwrap(),
+                    Config::default(),
+                    "{}",
+                    knob.env
+                );
+            }
+        }
+        assert_eq!(knob(JITTER).default, "interval / 10");
+        assert_eq!(knob(RATE_PERIOD).default, "min(interval, 1s)");
+    }
+
+    #[test]
+    fn setting_only_a_250ms_interval_is_accepted_with_derived_jitter_and_rate_period() {
+        let c = from(&[("NIXL_KEEPALIVE_INTERVAL", "250ms")]).unwrap();
+        assert_eq!(c.heartbeat_interval, Some(ms(250)));
+        assert_eq!(c.jitter, ms(25));
+        assert_eq!(c.rate_period, ms(250));
+
+        let c = from(&[("NIXL_KEEPALIVE_INTERVAL", "2s")]).unwrap();
+        assert_eq!((c.jitter, c.rate_period), (ms(200), ms(1000)));
+        // At the smallest interval too.
+        let c = from(&[("NIXL_KEEPALIVE_INTERVAL", "10ms")]).unwrap();
+        assert_eq!((c.jitter, c.rate_period), (ms(1), ms(10)));
+        // Heartbeats off: nothing to spread, the cap alone.
+        let c = from(&[("NIXL_KEEPALIVE_INTERVAL", "inf")]).unwrap();
+        assert_eq!(c.heartbeat_interval, None);
+        assert_eq!((c.jitter, c.rate_period), (Duration::ZERO, ms(1000)));
+    }
+
+    #[test]
+    fn explicit_values_are_taken_as_they_are_not_derived() {
+        let c = from(&[
+            ("NIXL_KEEPALIVE_INTERVAL", "250ms"),
+            ("NIXL_KEEPALIVE_JITTER", "10ms"),
+        ])
+        .unwrap();
+        assert_eq!((c.jitter, c.rate_period), (ms(10), ms(250)));
+        let c = from(&[
+            ("NIXL_KEEPALIVE_INTERVAL", "250ms"),
+            ("NIXL_KEEPALIVE_RATE_PERIOD", "100ms"),
+        ])
+        .unwrap();
+        assert_eq!((c.jitter, c.rate_period), (ms(25), ms(100)));
+        // An explicit value that does not fit is refused, not replaced.
+        refused(
+            &[
+                ("NIXL_KEEPALIVE_INTERVAL", "250ms"),
+                ("NIXL_KEEPALIVE_RATE_PERIOD", "1s"),
+            ],
+            RATE_PERIOD,
+        );
+    }
+
+    #[test]
+    fn the_builder_derives_what_is_not_set_whatever_the_order() {
+        let c = Config::builder()
+            .heartbeat_interval(Some(ms(250)))
+            .build()
+            .unwrap();
+        assert_eq!((c.jitter, c.rate_period), (ms(25), ms(250)));
+        let c = Config::builder()
+            .jitter(ms(100))
+            .heartbeat_interval(Some(ms(250)))
+            .build()
+            .unwrap();
+        assert_eq!((c.jitter, c.rate_period), (ms(100), ms(250)));
+        let c = Config::builder()
+            .rate_limit(ms(50), 3)
+            .heartbeat_interval(Some(Duration::from_secs(60)))
+            .build()
+            .unwrap();
+        assert_eq!(
+            (c.jitter, c.rate_period, c.rate_burst),
+            (ms(6000), ms(50), 3)
+        );
+        let e = Config::builder()
+            .heartbeat_interval(Some(ms(250)))
+            .jitter(ms(250))
+            .build()
+            .unwrap_err();
+        assert!(e.about(JITTER).is_some(), "{e}");
+    }
+
+    #[test]
     fn inf_disables_the_heartbeat_but_not_the_jitter() {
         let c = from(&[("NIXL_KEEPALIVE_INTERVAL", "inf")]).unwrap();
         assert_eq!(c.heartbeat_interval, None);
-        let e = from(&[("NIXL_KEEPALIVE_JITTER", "inf")]).unwrap_err();
-        assert!(matches!(
-            e,
-            ConfigError::Env {
-                var: "NIXL_KEEPALIVE_JITTER",
-                ..
-            }
-        ));
+        let e = refused(&[("NIXL_KEEPALIVE_JITTER", "inf")], JITTER);
+        assert!(matches!(e, ConfigError::Env { .. }), "{e}");
     }
 
     #[test]
@@ -486,53 +921,201 @@ mod tests {
         assert!(text.contains("NIXL_KEEPALIVE_INTERVAL"), "{text}");
         assert!(text.contains("\"5h\""), "{text}");
         assert!(text.contains(TimeField::TimeUnits.syntax_help()), "{text}");
+        assert!(text.contains(knob(INTERVAL).syntax), "{text}");
         assert_eq!(text.matches("expected").count(), 1, "{text}");
         let e = from(&[("NIXL_KEEPALIVE_RATE_BURST", "zero")]).unwrap_err();
         assert!(e.to_string().contains("NIXL_KEEPALIVE_RATE_BURST"));
     }
 
-    #[test]
-    fn jitter_must_stay_below_the_interval() {
-        let e = from(&[
-            ("NIXL_KEEPALIVE_INTERVAL", "1s"),
-            ("NIXL_KEEPALIVE_JITTER", "1s"),
-        ])
-        .unwrap_err();
-        assert!(matches!(
-            e,
-            ConfigError::Invalid {
-                setting: "NIXL_KEEPALIVE_JITTER",
-                ..
-            }
-        ));
-        assert!(Config::builder()
-            .rate_limit(Duration::ZERO, 1)
-            .build()
-            .is_err());
+    /// `lo` and `hi` are accepted, one nanosecond outside each is refused
+    /// with the bound in the error.
+    fn time_edges(setting: &str, extra: &[(&str, &str)], lo: Duration, hi: Duration) {
+        let with = |d: Duration| {
+            let text = time_text(d);
+            let mut vars = extra.to_vec();
+            vars.push((setting, &text));
+            from(&vars).map(|_| ()).map_err(|e| (e, text.clone()))
+        };
+        assert!(with(lo).is_ok(), "{setting}={lo:?}: {:?}", with(lo));
+        assert!(with(hi).is_ok(), "{setting}={hi:?}: {:?}", with(hi));
+        let mut outside = vec![hi + NS];
+        if !lo.is_zero() {
+            outside.push(lo - NS);
+        }
+        for d in outside {
+            let (errors, text) = with(d).expect_err(&format!("{setting}={d:?} must be refused"));
+            assert_eq!(errors.errors().len(), 1, "{errors}");
+            let e = &errors.errors()[0];
+            assert_eq!(e.setting(), setting, "{errors}");
+            let shown = e.to_string();
+            assert!(shown.contains(&format!("{setting}={text}")), "{shown}");
+            let bound = if d > hi { hi } else { lo };
+            assert!(shown.contains(&time_text(bound)), "{shown}");
+            assert!(shown.contains(knob(setting).syntax), "{shown}");
+        }
     }
 
     #[test]
-    fn a_rate_cap_slower_than_the_heartbeat_is_refused() {
+    fn every_time_knob_is_bounded_at_both_edges() {
+        time_edges(INTERVAL, &[], MIN_PERIOD, MAX_TIME_KNOB);
+        time_edges(METRICS_PERIOD, &[], MIN_PERIOD, MAX_TIME_KNOB);
+        time_edges(SHUTDOWN_DRAIN, &[], Duration::ZERO, MAX_TIME_KNOB);
+        // Rate period: its own range, with the interval at its top so the
+        // interval is not what limits it.
+        time_edges(
+            RATE_PERIOD,
+            &[(INTERVAL, "86400s")],
+            MIN_PERIOD,
+            MAX_TIME_KNOB,
+        );
+        // With heartbeats off the jitter is only range-checked.
+        time_edges(JITTER, &[(INTERVAL, "inf")], Duration::ZERO, MAX_TIME_KNOB);
+        // With heartbeats on it must stay below the interval.
+        assert!(from(&[(INTERVAL, "1s"), (JITTER, "999999999ns")]).is_ok());
+        let e = refused(&[(INTERVAL, "1s"), (JITTER, "1s")], JITTER);
+        assert!(e.to_string().contains("below the interval (1s)"), "{e}");
+        // The rate period must not exceed the interval.
+        assert!(from(&[(INTERVAL, "250ms"), (RATE_PERIOD, "250ms")]).is_ok());
+        refused(
+            &[(INTERVAL, "250ms"), (RATE_PERIOD, "250000001ns")],
+            RATE_PERIOD,
+        );
+    }
+
+    #[test]
+    fn the_values_that_killed_the_service_are_refused_with_their_bound() {
+        let e = refused(&[(INTERVAL, "100000000s")], INTERVAL);
+        assert!(e.to_string().contains("86400s"), "{e}");
+        let e = refused(&[(METRICS_PERIOD, "1ns")], METRICS_PERIOD);
+        assert!(e.to_string().contains("10ms"), "{e}");
+        let e = refused(&[(EVENT_CAPACITY, "4294967295")], EVENT_CAPACITY);
+        assert!(e.to_string().contains("1048576"), "{e}");
+        // Zero periods keep their own explanation.
+        let e = refused(&[(INTERVAL, "0s")], INTERVAL);
+        assert!(e.to_string().contains("`inf`"), "{e}");
+        let e = refused(&[(METRICS_PERIOD, "0")], METRICS_PERIOD);
+        assert!(e.to_string().contains("`inf`"), "{e}");
+        refused(&[(RATE_PERIOD, "0s")], RATE_PERIOD);
+        assert!(from(&[(METRICS_PERIOD, "inf")])
+            .unwrap()
+            .metrics_period
+            .is_none());
+    }
+
+    #[test]
+    fn every_count_knob_is_bounded_at_both_edges() {
+        for (setting, max) in [
+            (RATE_BURST, u64::from(MAX_RATE_BURST)),
+            (EVENT_CAPACITY, MAX_EVENT_CAPACITY as u64),
+        ] {
+            for ok in [1, max] {
+                assert!(
+                    from(&[(setting, &ok.to_string())]).is_ok(),
+                    "{setting}={ok}"
+                );
+            }
+            for bad in [
+                "0".to_string(),
+                (max + 1).to_string(),
+                "4294967296".into(),
+                "99999999999999999999999".into(),
+            ] {
+                let e = refused(&[(setting, &bad)], setting);
+                let shown = e.to_string();
+                assert!(shown.contains(&format!("from 1 to {max}")), "{shown}");
+                assert!(shown.contains(&bad), "{shown}");
+            }
+            for bad in ["", "-1", "1.5", "1e3", "zero"] {
+                let e = refused(&[(setting, bad)], setting);
+                assert!(e.to_string().contains(knob(setting).syntax), "{e}");
+            }
+        }
+        let c = from(&[(RATE_BURST, "1000"), (EVENT_CAPACITY, "1048576")]).unwrap();
+        assert_eq!((c.rate_burst, c.event_capacity), (1000, 1 << 20));
+        // The builder holds the same bounds.
+        assert!(Config::builder()
+            .event_capacity(MAX_EVENT_CAPACITY + 1)
+            .build()
+            .is_err());
+        assert!(Config::builder()
+            .rate_limit(ms(10), MAX_RATE_BURST + 1)
+            .build()
+            .is_err());
+        assert!(Config::builder().rate_limit(ms(10), 0).build().is_err());
+    }
+
+    #[test]
+    fn several_wrong_values_are_all_reported_at_once() {
         let e = from(&[
-            ("NIXL_KEEPALIVE_INTERVAL", "250ms"),
-            ("NIXL_KEEPALIVE_JITTER", "10ms"),
+            (INTERVAL, "100000000s"),
+            (EVENT_CAPACITY, "4294967295"),
+            (METRICS_PERIOD, "1ns"),
+            (RATE_BURST, "zero"),
+            (SHUTDOWN_DRAIN, "2d"),
         ])
         .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                ConfigError::Invalid {
-                    setting: "NIXL_KEEPALIVE_RATE_PERIOD",
-                    ..
-                }
-            ),
+        let settings: Vec<&str> = e.errors().iter().map(ConfigError::setting).collect();
+        // In table order, one each.
+        assert_eq!(
+            settings,
+            [
+                INTERVAL,
+                RATE_BURST,
+                EVENT_CAPACITY,
+                SHUTDOWN_DRAIN,
+                METRICS_PERIOD
+            ],
             "{e}"
         );
-        assert!(from(&[
-            ("NIXL_KEEPALIVE_INTERVAL", "250ms"),
-            ("NIXL_KEEPALIVE_JITTER", "10ms"),
-            ("NIXL_KEEPALIVE_RATE_PERIOD", "100ms"),
-        ])
-        .is_ok());
+        let text = e.to_string();
+        assert!(
+            text.starts_with("5 configuration values are not accepted:"),
+            "{text}"
+        );
+        for (var, value) in [
+            (INTERVAL, "100000000s"),
+            (EVENT_CAPACITY, "4294967295"),
+            (METRICS_PERIOD, "1ns"),
+            (RATE_BURST, "zero"),
+            (SHUTDOWN_DRAIN, "2d"),
+        ] {
+            let line = text
+                .lines()
+                .find(|l| l.contains(var))
+                .unwrap_or_else(|| panic!("{var} missing: {text}"));
+            assert!(line.contains(value), "{line}");
+            assert!(line.contains("expected"), "{line}");
+            assert!(line.contains(knob(var).syntax), "{line}");
+        }
+        // The jitter and the rate period, both wrong against the interval,
+        // come together too.
+        let e = from(&[(INTERVAL, "100ms"), (JITTER, "1s"), (RATE_PERIOD, "2s")]).unwrap_err();
+        let settings: Vec<&str> = e.errors().iter().map(ConfigError::setting).collect();
+        assert_eq!(settings, [JITTER, RATE_PERIOD], "{e}");
+    }
+
+    #[test]
+    fn an_interval_that_did_not_parse_is_not_held_against_the_others() {
+        // Against the 5s stand-in the jitter would be refused too: only
+        // the interval is reported.
+        let e = from(&[(INTERVAL, "5h"), (JITTER, "6s")]).unwrap_err();
+        assert_eq!(e.errors().len(), 1, "{e}");
+        assert_eq!(e.errors()[0].setting(), INTERVAL);
+        // Out of range (parsed) still checks the rest on their own.
+        let e = from(&[(INTERVAL, "100000000s"), (JITTER, "2d")]).unwrap_err();
+        let settings: Vec<&str> = e.errors().iter().map(ConfigError::setting).collect();
+        assert_eq!(settings, [INTERVAL, JITTER], "{e}");
+    }
+
+    #[test]
+    fn the_event_capacity_bound_keeps_the_buffer_allocation_bounded() {
+        // tokio allocates every slot at start: an event plus its slot
+        // bookkeeping (a lock, a position, a count), a few words.
+        let slot = std::mem::size_of::<crate::event::Event>() + 4 * std::mem::size_of::<usize>();
+        let bytes = MAX_EVENT_CAPACITY.next_power_of_two() * slot;
+        assert!(
+            bytes <= 256 << 20,
+            "{slot} B per slot: {bytes} B at the cap"
+        );
     }
 }

@@ -107,7 +107,7 @@ pub mod ucx_settings;
 pub mod ucx_time;
 
 pub use crate::core::{heartbeat_message, HEARTBEAT_SLOT};
-pub use config::{Config, ConfigBuilder, ConfigError, StallAction};
+pub use config::{Config, ConfigBuilder, ConfigError, ConfigErrors, StallAction};
 pub use engine::{EngineRef, ReadGuard};
 pub use error::{ReadRefused, RegisterError, ServiceStopped};
 pub use event::{Event, ReleaseReason, Source, WaitedFor};

@@ -27,11 +27,17 @@
 //! - **Silent** (partition, or a NIC that stops answering): UCX must send
 //!   a keepalive (`KEEPALIVE_INTERVAL`) and the transport must give up on
 //!   it: UD after `UD_TIMEOUT`; RC after about
-//!   `RC_TIMEOUT * (RC_RETRY_COUNT + 1)`; TCP after
-//!   `TCP_KEEPIDLE + TCP_KEEPINTVL * TCP_KEEPCNT` (with `auto`, Linux's
-//!   default of 9 probes). The bound is keepalive + the slowest enabled
-//!   network transport + one heartbeat + slack. Unbounded when keepalive is
-//!   `inf` or `KEEPALIVE_NUM_EPS` is 0.
+//!   `RC_TIMEOUT * (RC_RETRY_COUNT + 1)`; TCP after `TCP_USER_TIMEOUT`, or
+//!   when that is left to the kernel (`auto`, the default), after Linux's
+//!   retransmission limit (`tcp_retries2` = 15: about 924.6 s). Not TCP
+//!   keepalive: the heartbeats keep data in flight, and Linux sends no
+//!   keepalive probe while data is unacknowledged (measured on a real
+//!   partition: with `TCP_KEEPIDLE=1s`, `KEEPINTVL=1s`, `KEEPCNT=3` and no
+//!   user timeout, nothing was reported in 40 s; with
+//!   `UCX_TCP_USER_TIMEOUT=3s`, REMOTE_DISCONNECT after about 3.4 s). The
+//!   bound is keepalive + the slowest enabled network transport + one
+//!   heartbeat + slack. Unbounded when keepalive is `inf` or
+//!   `KEEPALIVE_NUM_EPS` is 0.
 //! - Not covered: a *frozen* process (SIGSTOP, deadlock) on shared memory
 //!   or TCP: its kernel still answers, and UCX never reports it (measured:
 //!   60 s of successful notifications). Only an application-level reply
@@ -50,6 +56,12 @@ pub const SLACK: Duration = Duration::from_secs(1);
 /// Linux's default `tcp_keepalive_probes`, what `UCX_TCP_KEEPCNT=auto`
 /// leaves in force.
 pub const LINUX_TCP_KEEPCNT: u32 = 9;
+
+/// How long Linux retransmits unacknowledged data before it aborts the
+/// connection, with its default `tcp_retries2` of 15 and the 200 ms
+/// minimum retransmission timeout: `(2^10 - 1) * 0.2 s + 6 * 120 s`. What
+/// `UCX_TCP_USER_TIMEOUT=auto` leaves in force for a silent TCP peer.
+pub const LINUX_TCP_RETRANSMIT_LIMIT: Duration = Duration::from_millis(924_600);
 
 /// Where a value came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,6 +146,10 @@ pub struct UcxSettings {
     pub tcp_keepintvl: Setting<UcxTime>,
     /// `UCX_TCP_KEEPCNT` (default auto).
     pub tcp_keepcnt: Setting<KeepCount>,
+    /// `UCX_TCP_USER_TIMEOUT` (TIME_UNITS, default auto): how long sent
+    /// data may stay unacknowledged before the kernel aborts the
+    /// connection. What bounds a silent peer over TCP.
+    pub tcp_user_timeout: Setting<UcxTime>,
     /// `UCX_CUDA_IPC_CACHE` (default y).
     pub cuda_ipc_cache: Setting<bool>,
     /// `UCX_TLS` (default `all`), as a list.
@@ -294,6 +310,7 @@ impl UcxSettings {
             tcp_keepidle: time("UCX_TCP_KEEPIDLE", None, "10s", TimeField::TimeUnits)?,
             tcp_keepintvl: time("UCX_TCP_KEEPINTVL", None, "2s", TimeField::TimeUnits)?,
             tcp_keepcnt,
+            tcp_user_timeout: time("UCX_TCP_USER_TIMEOUT", None, "auto", TimeField::TimeUnits)?,
             cuda_ipc_cache,
             tls,
             error_handling: Setting {
@@ -321,7 +338,8 @@ impl UcxSettings {
         format!(
             "KEEPALIVE_INTERVAL={}({}) KEEPALIVE_NUM_EPS={}({}) UD_TIMEOUT={}({}) \
              RC_TIMEOUT={}({}) RC_RETRY_COUNT={}({}) TCP_KEEPIDLE={}({}) \
-             TCP_KEEPINTVL={}({}) TCP_KEEPCNT={}({}) CUDA_IPC_CACHE={}({}) TLS={}({}) \
+             TCP_KEEPINTVL={}({}) TCP_KEEPCNT={}({}) TCP_USER_TIMEOUT={}({}) \
+             CUDA_IPC_CACHE={}({}) TLS={}({}) \
              ERR_MODE={}({})",
             self.keepalive_interval.value,
             self.keepalive_interval.source,
@@ -339,6 +357,8 @@ impl UcxSettings {
             self.tcp_keepintvl.source,
             self.tcp_keepcnt.raw,
             self.tcp_keepcnt.source,
+            self.tcp_user_timeout.value,
+            self.tcp_user_timeout.source,
             if self.cuda_ipc_cache.value { "y" } else { "n" },
             self.cuda_ipc_cache.source,
             self.tls.raw,
@@ -463,30 +483,23 @@ pub fn detection_bound(settings: &UcxSettings, heartbeat_gap: Duration) -> Detec
         consider(rc, format!("rc {}", ms(rc)));
     }
     if settings.tl_enabled(&["tcp"]) {
-        let cnt = match settings.tcp_keepcnt.value {
-            KeepCount::Probes(n) => n,
-            KeepCount::Auto => LINUX_TCP_KEEPCNT,
-        };
-        let tcp = match (settings.tcp_keepidle.value, settings.tcp_keepintvl.value) {
-            (UcxTime::Finite(idle), UcxTime::Finite(intvl)) => {
-                Some(idle + intvl.saturating_mul(cnt))
+        // Heartbeats keep data in flight: once the peer is silent, the next
+        // one stays unacknowledged, and Linux sends no keepalive probe while
+        // data is unacknowledged. The connection is aborted after the user
+        // timeout, or the kernel's retransmission limit. (TCP keepalive can
+        // only end it sooner, between heartbeats: not a bound.)
+        match settings.tcp_user_timeout.value {
+            UcxTime::Finite(d) if !d.is_zero() => {
+                consider(d, format!("tcp user timeout {}", ms(d)))
             }
-            // `auto` leaves the kernel defaults: 7200s idle, 75s interval.
-            (idle, intvl) => {
-                let idle = idle.finite().unwrap_or(Duration::from_secs(7200));
-                let intvl = intvl.finite().unwrap_or(Duration::from_secs(75));
-                if settings.tcp_keepidle.value == UcxTime::Infinite
-                    || settings.tcp_keepintvl.value == UcxTime::Infinite
-                {
-                    None
-                } else {
-                    Some(idle + intvl.saturating_mul(cnt))
-                }
-            }
-        };
-        match tcp {
-            Some(d) => consider(d, format!("tcp keepalive {}", ms(d))),
-            None => consider(Duration::MAX, "tcp keepalive off".into()),
+            _ => consider(
+                LINUX_TCP_RETRANSMIT_LIMIT,
+                format!(
+                    "tcp retransmission limit {} (UCX_TCP_USER_TIMEOUT={})",
+                    ms(LINUX_TCP_RETRANSMIT_LIMIT),
+                    settings.tcp_user_timeout.value
+                ),
+            ),
         }
     }
 
@@ -561,6 +574,18 @@ pub fn warnings(settings: &UcxSettings) -> Vec<String> {
             "UCX error handling mode is none: UCX reports no endpoint failures and runs no keepalive"
                 .to_owned(),
         );
+    }
+    if settings.tl_enabled(&["tcp"])
+        && !matches!(settings.tcp_user_timeout.value, UcxTime::Finite(d) if !d.is_zero())
+    {
+        w.push(format!(
+            "UCX_TCP_USER_TIMEOUT={} ({}): a partitioned peer reached over TCP is reported only \
+             after the kernel's retransmission limit (about {}; TCP keepalive sends no probe \
+             while heartbeats are unacknowledged); set UCX_TCP_USER_TIMEOUT, e.g. 10s",
+            settings.tcp_user_timeout.value,
+            settings.tcp_user_timeout.source,
+            secs_text(LINUX_TCP_RETRANSMIT_LIMIT)
+        ));
     }
     if settings.cuda_ipc_cache.value {
         w.push(format!(
@@ -662,13 +687,51 @@ mod tests {
     fn silent_peer_bound_follows_keepalive_and_the_slowest_transport() {
         let s = with_env(&[("UCX_TLS", "tcp,sm,self")]).unwrap();
         let b = detection_bound(&s, secs(2.2));
-        // 20s keepalive + tcp 10s + 2s * 9 probes + heartbeat 2.2s + 1s.
-        assert_eq!(b.silent, Some(secs(20.0 + 28.0 + 2.2 + 1.0)));
+        // 20s keepalive + Linux's retransmission limit (no user timeout)
+        // + heartbeat 2.2s + 1s; TCP keepalive does not bound it.
+        assert_eq!(b.silent, Some(secs(20.0 + 924.6 + 2.2 + 1.0)));
         assert!(
-            b.silent_terms.contains("tcp keepalive 28s"),
+            b.silent_terms
+                .contains("tcp retransmission limit 924.6s (UCX_TCP_USER_TIMEOUT=auto)"),
             "{}",
             b.silent_terms
         );
+        // Keepalive probes tuned down change nothing while data is in
+        // flight.
+        let tuned = with_env(&[
+            ("UCX_TLS", "tcp"),
+            ("UCX_TCP_KEEPIDLE", "1s"),
+            ("UCX_TCP_KEEPINTVL", "1s"),
+            ("UCX_TCP_KEEPCNT", "3"),
+        ])
+        .unwrap();
+        assert_eq!(detection_bound(&tuned, secs(2.2)).silent, b.silent);
+        // The user timeout is what bounds it (the partition test's
+        // settings).
+        let s = with_env(&[
+            ("UCX_TLS", "tcp"),
+            ("UCX_KEEPALIVE_INTERVAL", "1s"),
+            ("UCX_TCP_USER_TIMEOUT", "3s"),
+        ])
+        .unwrap();
+        let b = detection_bound(&s, secs(0.55));
+        assert_eq!(b.silent, Some(secs(1.0 + 3.0 + 0.55 + 1.0)));
+        assert!(
+            b.silent_terms.contains("tcp user timeout 3s"),
+            "{}",
+            b.silent_terms
+        );
+        // `inf` and 0 leave it to the kernel, as `auto` does.
+        for v in ["inf", "0"] {
+            let s = with_env(&[("UCX_TLS", "tcp"), ("UCX_TCP_USER_TIMEOUT", v)]).unwrap();
+            let b = detection_bound(&s, secs(1.0));
+            assert!(
+                b.silent_terms.contains("retransmission limit"),
+                "{v}: {}",
+                b.silent_terms
+            );
+        }
+        assert!(with_env(&[("UCX_TCP_USER_TIMEOUT", "3h")]).is_err());
 
         // The GB200 tuning: keepalive 2s, UD 5s, on IB.
         let s = with_env(&[
@@ -689,7 +752,12 @@ mod tests {
             ("UCX_KEEPALIVE_INTERVAL", "inf"),
             ("UCX_KEEPALIVE_NUM_EPS", "0"),
         ] {
-            let s = with_env(&[env, ("UCX_CUDA_IPC_CACHE", "n")]).unwrap();
+            let s = with_env(&[
+                env,
+                ("UCX_CUDA_IPC_CACHE", "n"),
+                ("UCX_TCP_USER_TIMEOUT", "10s"),
+            ])
+            .unwrap();
             let b = detection_bound(&s, secs(2.0));
             assert_eq!(b.silent, None);
             assert!(b.to_string().contains("never if silent"), "{b}");
@@ -704,11 +772,43 @@ mod tests {
         let mut s = UcxSettings::defaults();
         s.error_handling.value = ErrorHandling::None;
         let w = warnings(&s);
-        assert_eq!(w.len(), 2, "{w:?}");
+        assert_eq!(w.len(), 3, "{w:?}");
         assert!(w.iter().any(|l| l.contains("mode is none")));
         assert!(w.iter().any(|l| l.contains("UCX_CUDA_IPC_CACHE=y")));
+        assert!(w.iter().any(|l| l.contains("UCX_TCP_USER_TIMEOUT=auto")));
         assert_eq!(detection_bound(&s, secs(1.0)).silent, None);
-        assert!(warnings(&with_env(&[("UCX_CUDA_IPC_CACHE", "no")]).unwrap()).is_empty());
+        assert!(warnings(
+            &with_env(&[
+                ("UCX_CUDA_IPC_CACHE", "no"),
+                ("UCX_TCP_USER_TIMEOUT", "10s")
+            ])
+            .unwrap()
+        )
+        .is_empty());
+    }
+
+    #[test]
+    fn tcp_without_a_user_timeout_warns_that_partitions_take_minutes() {
+        let quiet = [("UCX_CUDA_IPC_CACHE", "n")];
+        for v in ["auto", "inf", "0"] {
+            let s = with_env(&[quiet[0], ("UCX_TLS", "tcp"), ("UCX_TCP_USER_TIMEOUT", v)]).unwrap();
+            let w = warnings(&s);
+            assert_eq!(w.len(), 1, "{v}: {w:?}");
+            assert!(
+                w[0].contains("924.6s") && w[0].contains("set UCX_TCP_USER_TIMEOUT"),
+                "{w:?}"
+            );
+        }
+        // Set, or TCP not in use: nothing to say.
+        let s = with_env(&[
+            quiet[0],
+            ("UCX_TLS", "tcp"),
+            ("UCX_TCP_USER_TIMEOUT", "10s"),
+        ])
+        .unwrap();
+        assert!(warnings(&s).is_empty());
+        let s = with_env(&[quiet[0], ("UCX_TLS", "rc,ud,sm")]).unwrap();
+        assert!(warnings(&s).is_empty());
     }
 
     #[test]
@@ -719,6 +819,39 @@ mod tests {
         assert!(line.starts_with("dead peer released within "), "{line}");
         let s = UcxSettings::defaults().summary();
         assert!(s.contains("KEEPALIVE_INTERVAL=20s(default)"), "{s}");
+    }
+
+    #[test]
+    fn the_largest_values_ucx_syntax_allows_do_not_overflow_the_bound() {
+        // Every time at the parser's maximum (10^9 s), the retry count at
+        // u32::MAX, every transport on, and the longest heartbeat gap the
+        // configuration allows (two days): the sums stay far inside
+        // `Duration` (rc: 10^9 s * 2^32 is about 4.3 * 10^18 s < 1.8 * 10^19).
+        let max = "1000000000s";
+        let s = with_env(&[
+            ("UCX_TLS", "all"),
+            ("UCX_KEEPALIVE_INTERVAL", max),
+            ("UCX_UD_TIMEOUT", max),
+            ("UCX_RC_TIMEOUT", max),
+            ("UCX_RC_RETRY_COUNT", "4294967295"),
+            ("UCX_TCP_USER_TIMEOUT", max),
+            ("UCX_TCP_KEEPIDLE", max),
+            ("UCX_TCP_KEEPINTVL", max),
+            ("UCX_TCP_KEEPCNT", "4294967295"),
+        ])
+        .unwrap();
+        let gap = crate::config::MAX_TIME_KNOB * 2;
+        let b = detection_bound(&s, gap);
+        // retries + 1 saturates at u32::MAX.
+        let rc = Duration::from_secs(1_000_000_000) * 4_294_967_295;
+        assert_eq!(
+            b.silent,
+            Some(Duration::from_secs(1_000_000_000) + rc + gap + SLACK)
+        );
+        assert!(b.crashed >= gap + SLACK);
+        assert!(!b.to_string().is_empty());
+        // One more second is refused by the parser, before any sum.
+        assert!(with_env(&[("UCX_UD_TIMEOUT", "1000000001s")]).is_err());
     }
 
     #[test]

@@ -23,7 +23,7 @@ use std::ffi::{c_int, c_void, CStr, CString};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::error::{check, NixlError, StatusSource, WithDetail};
+use crate::error::{check, check_agent_name, NixlError, WithDetail};
 use crate::runtime::{CapiAgentConfig, Raw, Runtime};
 use crate::status::NixlStatus;
 
@@ -148,6 +148,15 @@ fn op(operation: &'static str, raw: Raw) -> Result<NixlStatus, NixlError> {
     check(operation, raw.0, raw.1)
 }
 
+/// Refuses a remote agent name NIXL would cut at a NUL byte (the V1 C API
+/// takes C strings; with the shim the whole name would arrive, but no such
+/// name is ever loaded, see [`Agent::load_remote_metadata`]).
+fn remote_name(operation: &'static str, remote: &str) -> Result<(), NixlError> {
+    check_agent_name(remote.as_bytes())
+        .map(|_| ())
+        .map_err(|p| NixlError::agent_name(operation, remote.as_bytes(), p))
+}
+
 /// A NIXL agent with the UCX backend. Cheap to clone (shared handle);
 /// destroyed when the last clone and the last handle made from it drop.
 #[derive(Clone)]
@@ -166,12 +175,9 @@ impl std::fmt::Debug for Agent {
 impl Agent {
     /// Creates an agent named `name` with the UCX backend.
     pub fn new(rt: &'static Runtime, name: &str, config: &AgentConfig) -> Result<Agent, NixlError> {
-        let cname = CString::new(name).map_err(|_| NixlError {
-            operation: "createAgent",
-            status: NixlStatus::ERR_INVALID_PARAM,
-            source: StatusSource::Crate,
-            detail: Some("agent name contains a NUL byte".into()),
-        })?;
+        check_agent_name(name.as_bytes())
+            .map_err(|p| NixlError::agent_name("createAgent", name.as_bytes(), p))?;
+        let cname = CString::new(name).expect("checked: no NUL byte");
         let (prog, delay) = match config.progress_thread {
             ProgressThread::Off => (false, 0),
             ProgressThread::Polling { delay } => {
@@ -255,20 +261,43 @@ impl Agent {
         }
     }
 
-    /// Loads a peer's metadata; returns the peer's agent name.
-    /// `NOT_ALLOWED` when that agent's metadata is already loaded
-    /// (invalidate it first).
+    /// Loads a peer's metadata; returns the peer's agent name, exactly as
+    /// NIXL holds it. `NOT_ALLOWED` when that agent's metadata is already
+    /// loaded (invalidate it first).
+    ///
+    /// Metadata whose agent name NIXL's C interfaces would cut (a NUL
+    /// byte inside) or that is not UTF-8 is refused
+    /// ([`NixlError::is_refused_agent_name`]) and unloaded again by its
+    /// exact bytes, so that no caller ever holds a name that addresses
+    /// another agent: `victim-rank0\0zz` must never come back as the live
+    /// `victim-rank0`, whose metadata the caller's undo would invalidate.
+    /// (With the V1 C API, which returns names as C strings, the cut
+    /// happens inside NIXL and cannot be seen; the 1.5.x runtime goes
+    /// through the shim, which returns the length.)
     pub fn load_remote_metadata(&self, metadata: &[u8]) -> Result<String, NixlError> {
+        let rt = self.inner.rt;
         // Safety: live agent.
-        let (raw, name) = unsafe { self.inner.rt.load_remote_md(self.inner.capi, metadata) };
+        let (raw, name) = unsafe { rt.load_remote_md(self.inner.capi, metadata) };
         op("loadRemoteMD", raw)?;
-        Ok(name.unwrap_or_default())
+        let name = name.unwrap_or_default();
+        match check_agent_name(&name) {
+            Ok(n) => Ok(n.to_owned()),
+            Err(problem) => {
+                if rt.names_have_length() {
+                    // Safety: live agent. The shim passes the name with its
+                    // length, so this reaches exactly the agent just loaded.
+                    let _ = unsafe { rt.invalidate_remote_md(self.inner.capi, &name) };
+                }
+                Err(NixlError::agent_name("loadRemoteMD", &name, problem))
+            }
+        }
     }
 
     /// Forgets a peer's metadata and disconnects from it. `NOT_FOUND` for
     /// an agent this one does not know (already invalidated, or dropped by
     /// NIXL): for a release, treat that as done.
     pub fn invalidate_remote_metadata(&self, remote: &str) -> Result<(), NixlError> {
+        remote_name("invalidateRemoteMD", remote)?;
         // Safety: live agent.
         let raw = unsafe {
             self.inner
@@ -287,6 +316,7 @@ impl Agent {
 
     /// As [`Agent::gen_notif`], returning the raw success status too.
     pub fn gen_notif_status(&self, remote: &str, message: &[u8]) -> Result<NixlStatus, NixlError> {
+        remote_name("genNotif", remote)?;
         // Safety: live agent.
         let raw = unsafe {
             self.inner
@@ -372,6 +402,9 @@ impl Agent {
     }
 
     fn prep(&self, remote: Option<&str>, descs: &[Desc]) -> Result<DlistHandle, NixlError> {
+        if let Some(r) = remote {
+            remote_name("prepXferDlist", r)?;
+        }
         let rt = self.inner.rt;
         let c = rt.capi();
         let mut dl: P = std::ptr::null_mut();

@@ -42,6 +42,6 @@ pub use agent::{
     Agent, AgentConfig, Desc, DlistHandle, DramRegistration, Notification, ProgressThread,
     ThreadSync, XferRequest, XferState,
 };
-pub use error::{LoadError, NixlError, StatusSource};
+pub use error::{check_agent_name, AgentNameProblem, LoadError, NixlError, Refusal, StatusSource};
 pub use runtime::{ApiKind, Runtime, DEFAULT_RUNTIME_DIR, PREFIX_ENV};
 pub use status::NixlStatus;

@@ -495,22 +495,28 @@ impl Runtime {
         }
     }
 
-    /// On success returns the remote agent's name.
+    /// On success returns the remote agent's name, every byte of it: with
+    /// the shim, the length NIXL's `std::string` has (a NUL inside is
+    /// kept, so the caller can refuse it); with the V1 C API, which hands
+    /// back only a C string, up to its first NUL.
     ///
     /// Safety: `agent` is a live C API agent handle.
-    pub(crate) unsafe fn load_remote_md(&self, agent: P, md: &[u8]) -> (Raw, Option<String>) {
+    pub(crate) unsafe fn load_remote_md(&self, agent: P, md: &[u8]) -> (Raw, Option<Vec<u8>>) {
         let mut name: *mut c_char = std::ptr::null_mut();
+        let mut len = None;
         let raw = match &self.flavor {
             Flavor::Collapsed(m) => {
-                let mut len = 0usize;
-                cpp(nks_load_remote_md(
+                let mut n = 0usize;
+                let raw = cpp(nks_load_remote_md(
                     m.load_remote_md.0,
                     first_member(agent),
                     md.as_ptr().cast(),
                     md.len(),
                     &mut name,
-                    &mut len,
-                ))
+                    &mut n,
+                ));
+                len = Some(n);
+                raw
             }
             Flavor::V1 => self.capi_status((self.capi.load_remote_md)(
                 agent,
@@ -522,11 +528,21 @@ impl Runtime {
         let out = if name.is_null() {
             None
         } else {
-            let s = CStr::from_ptr(name).to_string_lossy().into_owned();
+            let bytes = match len {
+                // The shim's copy holds `n` bytes plus a terminator.
+                Some(n) => std::slice::from_raw_parts(name.cast::<u8>(), n).to_vec(),
+                None => CStr::from_ptr(name).to_bytes().to_vec(),
+            };
             self.free(name.cast());
-            Some(s)
+            Some(bytes)
         };
         (raw, out)
+    }
+
+    /// Whether names come back from NIXL with their length (the shim), so
+    /// that a NUL inside one can be seen.
+    pub(crate) fn names_have_length(&self) -> bool {
+        matches!(self.flavor, Flavor::Collapsed(_))
     }
 
     /// Prepares a dlist handle over `xfer_dlist` (a C API xfer dlist).

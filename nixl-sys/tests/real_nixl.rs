@@ -362,3 +362,102 @@ fn measure_progress_thread_cpu() {
         eprintln!("CPU {pt:?}: two idle connected agents: {pct:.1}% of one core");
     }
 }
+
+#[test]
+fn an_agent_name_with_a_nul_is_refused_before_it_reaches_nixl() {
+    let Some(rt) = runtime_or_skip() else { return };
+    for name in ["victim-rank0\0zz", "\0", "a\0"] {
+        let e = Agent::new(rt, name, &AgentConfig::default()).expect_err(name);
+        assert!(e.is_refused_agent_name(), "{e}");
+        assert_eq!(e.source, StatusSource::Crate, "{e}");
+        assert_eq!(e.status, NixlStatus::ERR_INVALID_PARAM, "{e}");
+    }
+    // Names addressing a remote agent are refused the same way.
+    let a = agent(rt, &unique("nul-caller"));
+    let victim = unique("victim");
+    let cut = format!("{victim}\0zz");
+    for e in [
+        a.gen_notif(&cut, b"HB:").unwrap_err(),
+        a.invalidate_remote_metadata(&cut).unwrap_err(),
+        a.prep_remote_dlist(&cut, &[]).err().expect("refused"),
+    ] {
+        assert!(e.is_refused_agent_name(), "{e}");
+        assert!(e.to_string().contains("NUL byte at offset"), "{e}");
+    }
+}
+
+/// A hostile peer hands out metadata whose agent name is a live agent's
+/// name plus `\0zz`. NIXL loads it under the whole name; the name must not
+/// come back cut (it would name the victim, and the caller's undo would
+/// invalidate the victim's metadata). It is refused, unloaded by its exact
+/// name, and the victim stays usable.
+#[test]
+fn metadata_whose_agent_name_has_a_nul_is_refused_and_the_victim_is_untouched() {
+    let Some(rt) = runtime_or_skip() else { return };
+    if rt.api_kind() != ApiKind::CollapsedCapiWithShim {
+        eprintln!(
+            "SKIPPED: the {:?} C API returns agent names as C strings; a cut cannot be seen",
+            rt.api_kind()
+        );
+        return;
+    }
+    let decode = agent(rt, &unique("nul-decode"));
+    let victim_name = unique("victim-rank0");
+    let victim = agent(rt, &victim_name);
+    let rv = victim.register_dram(4096).unwrap();
+    assert_eq!(
+        decode
+            .load_remote_metadata(&victim.local_metadata().unwrap())
+            .unwrap(),
+        victim_name
+    );
+
+    // The attacker: an agent whose name has the victim's as prefix and the
+    // same length as `victim\0zz`; its metadata with that byte patched.
+    let hostile_name = format!("{victim_name}Xzz");
+    let hostile = agent(rt, &hostile_name);
+    let _rh = hostile.register_dram(4096).unwrap();
+    let mut md = hostile.local_metadata().unwrap();
+    let at = md
+        .windows(hostile_name.len())
+        .position(|w| w == hostile_name.as_bytes())
+        .expect("the agent name is in its metadata");
+    md[at + victim_name.len()] = 0;
+
+    let e = decode.load_remote_metadata(&md).unwrap_err();
+    assert!(e.is_refused_agent_name(), "{e}");
+    match &e.refusal {
+        Some(nixl_sys::Refusal::AgentName { name, problem }) => {
+            assert_eq!(name, format!("{victim_name}\0zz").as_bytes());
+            assert_eq!(
+                *problem,
+                nixl_sys::AgentNameProblem::Nul {
+                    at: victim_name.len()
+                }
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // Unloaded by its exact name: other metadata under the same name (a
+    // second agent of that name, patched alike) loads and is refused by
+    // name again; were the first still loaded, NIXL would answer
+    // NOT_ALLOWED (metadata is not updated in place).
+    let hostile2 = agent(rt, &hostile_name);
+    let _rh2 = hostile2.register_dram(4096).unwrap();
+    let mut md2 = hostile2.local_metadata().unwrap();
+    assert_ne!(md2, hostile.local_metadata().unwrap());
+    let at = md2
+        .windows(hostile_name.len())
+        .position(|w| w == hostile_name.as_bytes())
+        .expect("the agent name is in its metadata");
+    md2[at + victim_name.len()] = 0;
+    let again = decode.load_remote_metadata(&md2).unwrap_err();
+    assert!(again.is_refused_agent_name(), "{again}");
+
+    // The victim's metadata is still loaded and usable.
+    decode.gen_notif(&victim_name, b"still-here").unwrap();
+    wait_for_notif(&victim, &decode, decode.name(), b"still-here");
+    if let Err(e) = decode.prep_remote_dlist(&victim_name, &[rv.desc()]) {
+        panic!("the victim's metadata must survive: {e}");
+    }
+}

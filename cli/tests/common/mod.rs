@@ -80,6 +80,9 @@ pub struct PrefillSpec {
     pub ranks: Option<u16>,
     /// Extra environment (UCX settings).
     pub env: Vec<(String, String)>,
+    /// Run it inside this network namespace (`ip netns exec`, which execs
+    /// the prefill: the pid is the prefill's own).
+    pub netns: Option<String>,
 }
 
 impl PrefillProc {
@@ -87,7 +90,15 @@ impl PrefillProc {
     pub fn start(spec: &PrefillSpec) -> PrefillProc {
         let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("{}.log", unique("prefill")));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nixl-keepalive"));
+        let bin = env!("CARGO_BIN_EXE_nixl-keepalive");
+        let mut cmd = match &spec.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin]);
+                c
+            }
+            None => Command::new(bin),
+        };
         cmd.arg("prefill")
             .args(["--listen", spec.listen.as_deref().unwrap_or("127.0.0.1:0")])
             .args(["--blocks", &spec.blocks.unwrap_or(8).to_string()])
