@@ -240,7 +240,6 @@ impl StallAction {
     }
 }
 
-
 /// The jitter used when none is set: 10% of the interval (nothing when
 /// periodic heartbeats are off: it only spreads them).
 pub fn derived_jitter(interval: Option<Duration>) -> Duration {

@@ -223,8 +223,11 @@ async fn a_read_on_the_wire_when_the_peer_dies_ends_with_backend() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_frozen_peer_is_detected_after_the_keepalive_interval() {
-    let (ucx, hs) = one_peer(FakeConfig::default());
+async fn a_frozen_peer_is_detected_after_the_keepalive_interval_when_opted_in() {
+    let (ucx, hs) = one_peer(FakeConfig {
+        frozen_peers_detected: true,
+        ..FakeConfig::default()
+    });
     ucx.freeze(&hs.engine);
     advance(19 * S).await;
     assert_eq!(notify_status(&ucx, &hs.agents[0]), NixlStatus::SUCCESS);

@@ -84,11 +84,13 @@
 //! - **Frozen peers.** Measured with NIXL 1.5.1 on shared-memory and TCP
 //!   transports, a SIGSTOPped prefill was never reported: `genNotif`
 //!   returned `SUCCESS` for 60 s, with `UCX_KEEPALIVE_INTERVAL=2s` too (its
-//!   kernel still answers TCP, its shared memory is still there). By default
-//!   the fake follows the project's rule instead (detection once the
-//!   keepalive interval has passed), which is what a silent peer on a
-//!   network transport gets. Set [`FakeConfig::frozen_peers_detected`] to
-//!   `false` to get the measured behaviour: a frozen peer is never detected.
+//!   kernel still answers TCP, its shared memory is still there). The fake
+//!   does the same by default: a frozen peer is never detected by UCX; its
+//!   notifies succeed and its reads stay in progress (the service's
+//!   read-stall check is what catches one with reads in flight). Set
+//!   [`FakeConfig::frozen_peers_detected`] to `true` for an unmeasured
+//!   model of a network transport that times it out after the keepalive
+//!   interval, as it does a partitioned peer.
 //! - **Keepalive timing** is exact: an endpoint fails exactly one interval
 //!   after the peer went silent (or after the endpoint was loaded, if
 //!   later). Real UCX checks endpoints in rounds (`UCX_KEEPALIVE_NUM_EPS`)
@@ -143,8 +145,11 @@ pub struct FakeConfig {
     /// never. Default: 20 s, as UCX.
     pub keepalive_interval: Option<Duration>,
     /// Whether a frozen (SIGSTOPped) peer is detected like a silent one.
-    /// Default `true` (the project's rule); `false` is what was measured on
-    /// shared-memory and TCP transports: never detected.
+    /// Default `false`: what was measured with NIXL 1.5.1 on shared-memory
+    /// and TCP transports (never detected: notifies succeed, reads stay in
+    /// progress). `true` is an opt-in model of a network transport that
+    /// times a frozen peer out after the keepalive interval; it is not
+    /// measured.
     pub frozen_peers_detected: bool,
     /// Whether a read ending in `REMOTE_DISCONNECT` drops the agent's remote
     /// metadata, as NIXL 0.6+ does; a later call then gets `NOT_FOUND` and
@@ -160,7 +165,7 @@ impl Default for FakeConfig {
     fn default() -> Self {
         Self {
             keepalive_interval: Some(Duration::from_secs(20)),
-            frozen_peers_detected: true,
+            frozen_peers_detected: false,
             drop_metadata_on_disconnect: false,
             record_calls: true,
         }

@@ -19,9 +19,14 @@ pub(super) struct Bounds {
     /// A crashed (or restarted) prefill: the next heartbeat or read sees the
     /// reset. `None` with periodic heartbeats off.
     pub(super) crash: Option<Duration>,
-    /// A frozen or partitioned prefill: UCX's keepalive fails the endpoint,
-    /// the next heartbeat or read sees it. `None` when never.
+    /// A partitioned prefill: UCX's keepalive fails the endpoint, the next
+    /// heartbeat or read sees it. `None` when never.
     pub(super) silent: Option<Duration>,
+    /// A frozen prefill with reads in flight: UCX never reports it (as
+    /// measured on shm/tcp); the service's read-stall check finds it, its
+    /// reads fail, and it is released. `None` with the check off: then a
+    /// frozen prefill is kept, as the service cannot know.
+    pub(super) stalled: Option<Duration>,
     /// The simulated UCX keepalive interval.
     pub(super) ucx_keepalive: Option<Duration>,
 }
@@ -40,9 +45,15 @@ impl Bounds {
             (Some(h), Some(k)) => Some(k + h + max_read + slack),
             _ => None,
         };
+        // Found within 1.25 bounds (checked four times per bound), once a
+        // read is in flight there (the readers pick prefills at random).
+        let stalled = config
+            .read_stall
+            .map(|b| b + b / 4 + max_read + slack + Duration::from_secs(2));
         Bounds {
             crash,
             silent,
+            stalled,
             ucx_keepalive,
         }
     }
@@ -54,6 +65,13 @@ impl Bounds {
             .or(self.crash)
             .unwrap_or(Duration::from_secs(10))
             .max(self.crash.unwrap_or_default())
+            .max(self.stalled.unwrap_or_default())
+    }
+
+    /// A freeze this long is surely found stalled (or, with the check off,
+    /// long enough to show it is kept).
+    fn long_freeze(&self) -> Duration {
+        self.stalled.unwrap_or(Duration::from_secs(30)) + Duration::from_secs(5)
     }
 
     /// A partition or freeze this long is surely detected.
@@ -81,7 +99,8 @@ pub(super) enum Fault {
     /// Killed with a READ on the wire: that read ends with an I/O error
     /// (not a disconnect), the rest see the reset.
     KillDuringRead,
-    /// Frozen (SIGSTOP): silent until UCX's keepalive gives up.
+    /// Frozen (SIGSTOP): UCX never reports it on shm/tcp; its reads in
+    /// flight stop completing and the read-stall check fails them.
     Freeze,
     /// Cut off the network: silent until UCX's keepalive gives up.
     Partition,
@@ -312,7 +331,8 @@ impl Scenario {
 
     fn recovery_time(&self, fault: Fault) -> Duration {
         match fault {
-            Fault::Freeze | Fault::Partition => self.bounds.long_silence(),
+            Fault::Freeze => self.bounds.long_freeze(),
+            Fault::Partition => self.bounds.long_silence(),
             Fault::ShortPartition => self.bounds.short_silence(),
             _ => Duration::ZERO,
         }
@@ -347,7 +367,14 @@ impl Scenario {
             Fault::Kill | Fault::KillDuringRead | Fault::Restart | Fault::RestartSameId => {
                 (Expect::Release, b.crash)
             }
-            Fault::Freeze | Fault::Partition => match b.ucx_keepalive {
+            // UCX never reports a frozen process on shm/tcp (measured): the
+            // reads in flight there stop completing, and the read-stall
+            // check fails them; with the check off it is kept.
+            Fault::Freeze => match b.stalled {
+                Some(bound) => (Expect::Release, Some(bound)),
+                None => (Expect::Keep, None),
+            },
+            Fault::Partition => match b.ucx_keepalive {
                 // Reads or heartbeats see the failed endpoint (no bound
                 // when periodic heartbeats are off).
                 Some(_) => (Expect::Release, b.silent),
@@ -383,7 +410,7 @@ impl Scenario {
             }
             Fault::Freeze => {
                 ucx.freeze(&engine);
-                let back = b.long_silence() + rng_pick(0.0, 20.0);
+                let back = b.long_freeze() + rng_pick(0.0, 20.0);
                 self.push(at + back, prefill, Step::Thaw);
             }
             Fault::Partition => {
