@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use crate::config::Config;
 
 #[derive(Clone, Default)]
-struct LimiterKeys(Arc<Mutex<HashMap<u64, Nanos>>>);
+struct LimiterKeys(Arc<Mutex<HashMap<u64, Nanos, foldhash::fast::RandomState>>>);
 
 impl StateStore for LimiterKeys {
     type Key = u64;
