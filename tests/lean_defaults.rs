@@ -33,10 +33,12 @@ fn the_default_features_pull_neither_tokio_test_util_nor_the_cli_nor_the_fake() 
         "serde_json",
         "tracing-subscriber",
         "metrics-exporter-prometheus",
-        "nixl-keepalive feature \"fake\"",
     ] {
         assert!(!all.contains(absent), "{absent} is in the default graph:\n{all}");
     }
+    let own = tree(&["-i", "nixl-keepalive"]);
+    assert!(own.contains("nixl-keepalive feature \"default\""), "{own}");
+    assert!(!own.contains("nixl-keepalive feature \"fake\""), "{own}");
     // The check itself sees what it looks for: the graph is there.
     for present in ["tokio feature \"time\"", "governor", "nixl-sys", "ucx-sys"] {
         assert!(all.contains(present), "{present} missing from:\n{all}");
