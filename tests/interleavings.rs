@@ -518,8 +518,17 @@ fn run(ops: Vec<Op>, seed: u64) -> Vec<String> {
     })
 }
 
+/// Cases per run: `INTERLEAVINGS_CASES` (default 64, a few thousand
+/// operations, what CI runs). The soak below runs a million operations.
+fn cases() -> u32 {
+    std::env::var("INTERLEAVINGS_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
     fn no_release_under_a_read_no_read_on_a_marked_engine_dead_engines_released_nothing_leaked(
@@ -529,6 +538,41 @@ proptest! {
         let violations = run(ops, seed);
         prop_assert!(violations.is_empty(), "{:#?}", violations);
     }
+}
+
+/// The soak: random interleavings, one per seed from `SOAK_SEED` (default
+/// 0) on, until `SOAK_OPS` operations (default 1,000,000) have run; every
+/// run must end with no violation. Deterministic per seed, so a failure
+/// names the seed that reproduces it.
+#[test]
+#[ignore = "a soak of 1e6 operations (minutes in a release build): cargo test --release --test interleavings -- --ignored soak"]
+fn soak() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::{RngAlgorithm, TestRng, TestRunner};
+    let env = |name: &str, default: u64| -> u64 {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let target = env("SOAK_OPS", 1_000_000);
+    let first = env("SOAK_SEED", 0);
+    let strategy = prop::collection::vec(op(), 1..120);
+    let (mut ops_run, mut seed) = (0u64, first);
+    while ops_run < target {
+        let mut bytes = [0u8; 32];
+        bytes[..8].copy_from_slice(&seed.to_le_bytes());
+        let mut runner = TestRunner::new_with_rng(
+            ProptestConfig::default(),
+            TestRng::from_seed(RngAlgorithm::ChaCha, &bytes),
+        );
+        let ops = strategy.new_tree(&mut runner).unwrap().current();
+        ops_run += ops.len() as u64;
+        let violations = run(ops, seed);
+        assert!(violations.is_empty(), "seed {seed}: {violations:#?}");
+        seed += 1;
+    }
+    println!("SOAK ops={ops_run} seeds={first}..{} violations=0", seed - 1);
 }
 
 #[test]
