@@ -90,6 +90,8 @@ mod error;
 mod event;
 #[cfg(feature = "fake")]
 pub mod fake;
+#[cfg(feature = "membership")]
+pub mod membership;
 pub mod nixl_transport;
 mod offload;
 mod service;
