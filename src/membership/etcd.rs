@@ -30,7 +30,9 @@ pub struct EtcdOptions {
     /// lease calls.
     pub timeout: Duration,
     /// HTTP/2 keep-alive of the connection: a silent etcd (frozen, or a
-    /// dead link) is an outage after `keep_alive + timeout`.
+    /// dead link) is an outage after `keep_alive + timeout`. At least 5 s:
+    /// etcd answers pings more frequent than its
+    /// `--grpc-keepalive-min-time` (5 s by default) with a GOAWAY.
     pub keep_alive: Duration,
     /// First pause between reconnection attempts; doubles per failure.
     pub min_backoff: Duration,
@@ -39,14 +41,14 @@ pub struct EtcdOptions {
 }
 
 impl EtcdOptions {
-    /// Defaults for `endpoints` under `prefix`: 2 s timeouts, 1 s
+    /// Defaults for `endpoints` under `prefix`: 2 s timeouts, 10 s
     /// keep-alive, back-off from 100 ms to 2 s.
     pub fn new(endpoints: Vec<String>, prefix: impl Into<String>) -> Self {
         EtcdOptions {
             endpoints,
             prefix: prefix.into(),
             timeout: Duration::from_secs(2),
-            keep_alive: Duration::from_secs(1),
+            keep_alive: Duration::from_secs(10),
             min_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(2),
         }
