@@ -221,10 +221,13 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
             ..DecodeOptions::default()
         };
         let decoder = Decoder::new(keepalive.clone(), transport.clone(), options);
+        // Readers stop first at shutdown, so no read is in flight when the
+        // service stops and releases every engine.
+        let stop_readers = CancellationToken::new();
         let mut readers: HashMap<PeerAddr, Reader> = HashMap::new();
         for a in &args.prefill {
             let address = PeerAddr::from(a.as_str());
-            let stop = shutdown.child_token();
+            let stop = stop_readers.child_token();
             let task = decoder.spawn(address.clone(), stop.clone());
             readers.insert(address, Reader { stop, task, pinned: true });
         }
@@ -243,7 +246,7 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
                 },
                 Some(update) = next_update(&mut updates) => {
                     print_update(&update);
-                    follow_membership(&update, &decoder, &mut readers, &shutdown);
+                    follow_membership(&update, &decoder, &mut readers, &stop_readers);
                 }
                 _ = summary.tick() => {
                     let s = decoder.stats();
@@ -260,10 +263,11 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
             }
         }
         println!("decode stopping");
-        shutdown.cancel();
+        stop_readers.cancel();
         for (_, r) in readers {
             let _ = r.task.await;
         }
+        shutdown.cancel();
         let stopped = task.await;
         match stopped {
             Ok(s) if s.unreleased.is_empty() => ExitCode::SUCCESS,
@@ -337,7 +341,7 @@ fn follow_membership(
     update: &MembershipUpdate,
     decoder: &Arc<Decoder>,
     readers: &mut HashMap<PeerAddr, Reader>,
-    shutdown: &CancellationToken,
+    stop_readers: &CancellationToken,
 ) {
     match update {
         MembershipUpdate::Joined(member) => {
@@ -347,7 +351,7 @@ fn follow_membership(
                     return;
                 }
             }
-            let stop = shutdown.child_token();
+            let stop = stop_readers.child_token();
             let task = decoder.spawn(address.clone(), stop.clone());
             readers.insert(
                 address,

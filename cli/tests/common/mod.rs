@@ -3,6 +3,8 @@
 //! that shows in CI logs even for passing tests.
 #![allow(dead_code)]
 
+pub mod etcd;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -62,6 +64,9 @@ pub struct PrefillProc {
     pub pid: u32,
     /// Where its stderr goes.
     pub log: std::path::PathBuf,
+    /// Its stdout lines after the READY line (read on, so the pipe never
+    /// fills).
+    pub lines: std::sync::mpsc::Receiver<String>,
     gone: bool,
 }
 
@@ -80,6 +85,8 @@ pub struct PrefillSpec {
     pub ranks: Option<u16>,
     /// Extra environment (UCX settings).
     pub env: Vec<(String, String)>,
+    /// Extra arguments (`--etcd-endpoint ...`).
+    pub args: Vec<String>,
 }
 
 impl PrefillProc {
@@ -105,6 +112,7 @@ impl PrefillProc {
         for (k, v) in &spec.env {
             cmd.env(k, v);
         }
+        cmd.args(&spec.args);
         let mut child = cmd.spawn().expect("spawn nixl-keepalive prefill");
         let out = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
@@ -136,6 +144,7 @@ impl PrefillProc {
             pid: child.id(),
             child,
             log,
+            lines: rx,
             gone: false,
         }
     }
