@@ -10,11 +10,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The `etcd` binary: `NIXL_KEEPALIVE_ETCD`, else `etcd` on the PATH.
+/// The `etcd` binary on the PATH.
 pub fn etcd_binary() -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("NIXL_KEEPALIVE_ETCD") {
-        return Some(PathBuf::from(p));
-    }
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .map(|d| d.join("etcd"))
