@@ -114,8 +114,13 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, axum::Json(json!({ "error": message }))).into_response()
 }
 
-/// Checks the bearer token when this request needs one.
-fn authorize(state: &Control, method: &Method, headers: &HeaderMap) -> Result<(), Response> {
+/// Checks the bearer token when this request needs one; the refusal is
+/// the status and the message for [`error`].
+fn authorize(
+    state: &Control,
+    method: &Method,
+    headers: &HeaderMap,
+) -> Result<(), (StatusCode, &'static str)> {
     let Some(token) = &state.token else {
         return Ok(());
     };
@@ -123,7 +128,7 @@ fn authorize(state: &Control, method: &Method, headers: &HeaderMap) -> Result<()
         return Ok(());
     }
     let Some(value) = headers.get(header::AUTHORIZATION) else {
-        return Err(error(
+        return Err((
             StatusCode::UNAUTHORIZED,
             "missing token: send the header 'Authorization: Bearer <token>' with the token of --control-token-file",
         ));
@@ -134,7 +139,7 @@ fn authorize(state: &Control, method: &Method, headers: &HeaderMap) -> Result<()
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
     if !same(given.as_bytes(), token.as_bytes()) {
-        return Err(error(
+        return Err((
             StatusCode::UNAUTHORIZED,
             "bad token: 'Authorization: Bearer <token>' does not match --control-token-file",
         ));
@@ -159,8 +164,8 @@ async fn not_found(method: Method, uri: axum::http::Uri) -> Response {
 }
 
 async fn metrics(State(state): State<Control>, method: Method, headers: HeaderMap) -> Response {
-    if let Err(r) = authorize(&state, &method, &headers) {
-        return r;
+    if let Err((status, message)) = authorize(&state, &method, &headers) {
+        return error(status, message);
     }
     match &state.metrics {
         Some(m) => (
@@ -189,8 +194,8 @@ async fn peer_gone(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(r) = authorize(&state, &method, &headers) {
-        return r;
+    if let Err((status, message)) = authorize(&state, &method, &headers) {
+        return error(status, message);
     }
     let request: PeerGoneRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
@@ -263,8 +268,8 @@ async fn peer_gone(
 }
 
 async fn snapshot(State(state): State<Control>, method: Method, headers: HeaderMap) -> Response {
-    if let Err(r) = authorize(&state, &method, &headers) {
-        return r;
+    if let Err((status, message)) = authorize(&state, &method, &headers) {
+        return error(status, message);
     }
     match state.handle.snapshot().await {
         Ok(s) => axum::Json(snapshot_json(&s)).into_response(),
