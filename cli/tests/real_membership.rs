@@ -652,3 +652,34 @@ fn the_router_endpoint_retires_in_drain_and_fail_modes_and_refuses_bad_requests_
         "{err}"
     );
 }
+
+#[test]
+fn a_prefill_that_would_register_an_unspecified_address_refuses_to_start() {
+    let out = Command::new(env!("CARGO_BIN_EXE_nixl-keepalive"))
+        .args([
+            "prefill",
+            "--listen",
+            "0.0.0.0:0",
+            "--etcd-endpoint",
+            "http://127.0.0.1:1",
+        ])
+        .output()
+        .expect("run prefill");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--listen 0.0.0.0:0") && err.contains("--etcd-endpoint"),
+        "{err}"
+    );
+}
+
+#[test]
+fn decode_needs_a_prefill_list_or_etcd() {
+    let out = Command::new(env!("CARGO_BIN_EXE_nixl-keepalive"))
+        .args(["decode"])
+        .output()
+        .expect("run decode");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--prefill"), "{err}");
+}

@@ -83,6 +83,14 @@ pub(crate) struct PrefillArgs {
 }
 
 pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
+    if !args.etcd_endpoint.is_empty() && args.listen.ip().is_unspecified() {
+        // The address goes into etcd for decoders to connect to.
+        eprintln!(
+            "error: --listen {} is not an address a decoder can connect to; with --etcd-endpoint give the host's own address",
+            args.listen
+        );
+        return ExitCode::from(2);
+    }
     super::init_tracing();
     let rt = match nixl_sys::Runtime::get() {
         Ok(rt) => rt,
