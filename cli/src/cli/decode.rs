@@ -21,10 +21,10 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use nixl_keepalive::membership::{self, MembershipConfig, MembershipUpdate, RetireWhy};
+use nixl_keepalive::membership::{self, MembershipUpdate, RetireWhy};
 use nixl_keepalive::nixl_transport::NixlTransport;
 use nixl_keepalive::ucx_settings::UcxSettings;
-use nixl_keepalive::{Config, Event, GoneMode, Keepalive, PeerAddr};
+use nixl_keepalive::{Config, Event, Keepalive, PeerAddr};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder};
 use nixl_sys::{Agent, AgentConfig};
 use tokio::sync::mpsc;
@@ -295,6 +295,8 @@ fn start_membership(
     #[cfg(feature = "etcd")]
     {
         use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdSource};
+        use nixl_keepalive::membership::MembershipConfig;
+        use nixl_keepalive::GoneMode;
         let options = EtcdOptions::new(args.etcd_endpoint.clone(), args.etcd_prefix.clone());
         let source = EtcdSource::spawn(options, shutdown.clone());
         let gone_mode = match args.gone_mode {
