@@ -585,8 +585,15 @@ fn the_router_endpoint_retires_in_drain_and_fail_modes_and_refuses_bad_requests_
     assert_eq!(status, 404);
     assert!(json(&text)["error"].as_str().unwrap().contains("routes"));
     let oversized = format!(r#"{{"engine": "{}"}}"#, "x".repeat(64 * 1024));
-    let (status, _) = gone(&d, &oversized, token);
-    assert_eq!(status, 413, "a body over the limit");
+    let (status, text) = gone(&d, &oversized, token);
+    assert_eq!(status, 413, "a body over the limit: {text}");
+    assert!(json(&text)["error"].as_str().unwrap().contains("body over"));
+    let (status, text) = d.http("GET", "/v1/peer_gone", None, None);
+    assert_eq!(status, 405, "{text}");
+    assert!(json(&text)["error"]
+        .as_str()
+        .unwrap()
+        .contains("POST /v1/peer_gone"));
     assert!(
         d.matching(&["event: retiring"]).is_empty(),
         "no refused request retired anything"
@@ -630,7 +637,7 @@ fn the_router_endpoint_retires_in_drain_and_fail_modes_and_refuses_bad_requests_
         "POST peer_gone drain -> released {}; fail -> released {}; {} bad requests refused with 4xx JSON errors",
         ms(drained - posted),
         ms(failed - posted2),
-        cases.len() + 2
+        cases.len() + 3
     ));
     d.stop();
 

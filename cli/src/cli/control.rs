@@ -17,8 +17,8 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::body::Body;
+use axum::extract::State;
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -102,7 +102,7 @@ pub(crate) fn router(state: Control) -> Router {
             .route("/v1/snapshot", get(snapshot));
     }
     r.fallback(not_found)
-        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -163,6 +163,13 @@ async fn not_found(method: Method, uri: axum::http::Uri) -> Response {
     )
 }
 
+async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> Response {
+    error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{method} is not accepted on {}; routes: POST /v1/peer_gone, GET /v1/snapshot, GET /metrics", uri.path()),
+    )
+}
+
 async fn metrics(State(state): State<Control>, method: Method, headers: HeaderMap) -> Response {
     if let Err((status, message)) = authorize(&state, &method, &headers) {
         return error(status, message);
@@ -192,11 +199,17 @@ async fn peer_gone(
     State(state): State<Control>,
     method: Method,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Response {
     if let Err((status, message)) = authorize(&state, &method, &headers) {
         return error(status, message);
     }
+    let Ok(body) = axum::body::to_bytes(body, MAX_BODY).await else {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("body over {MAX_BODY} bytes (or cut short); {PEER_GONE_SHAPE}"),
+        );
+    };
     let request: PeerGoneRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
