@@ -690,3 +690,121 @@ fn decode_needs_a_prefill_list_or_etcd() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--prefill"), "{err}");
 }
+
+/// The etcd source alone against the real etcd: the first list, a
+/// replacement at the same address, a bad value, a deletion, a lease
+/// expiry, all in revision order, through the reconciler's rules.
+#[test]
+fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_revision_order() {
+    use nixl_keepalive::membership::etcd::etcd_client::{Client, PutOptions};
+    use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdSource};
+    use nixl_keepalive::membership::{
+        Action, Member, MembershipSource, Reconciler, RetireWhy, SourceEvent,
+    };
+
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    async fn next(source: &mut EtcdSource) -> SourceEvent {
+        tokio::time::timeout(PATIENCE, source.next())
+            .await
+            .expect("an event in time")
+            .expect("source running")
+    }
+    let prefix = "/t/prefill/";
+    common::block_on(async move {
+        let mut client = Client::connect([etcd.url()], None).await.expect("etcd");
+        let m1 = Member::new("e1", "127.0.0.1:7001", 2);
+        client
+            .put(format!("{prefix}e1"), m1.to_json(), None)
+            .await
+            .unwrap();
+        client
+            .put(format!("{prefix}junk"), "not json", None)
+            .await
+            .unwrap();
+        client
+            .put("/elsewhere/e9", m1.to_json(), None)
+            .await
+            .unwrap();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let mut source =
+            EtcdSource::spawn(EtcdOptions::new(vec![etcd.url()], prefix), shutdown.clone());
+        let mut reconciler = Reconciler::new();
+        let listed = next(&mut source).await;
+        let SourceEvent::Listed { revision, entries } = &listed else {
+            panic!("{listed:?}")
+        };
+        assert_eq!(entries.len(), 2, "only the prefix: {entries:?}");
+        let list_rev = *revision;
+        let actions = reconciler.apply(listed);
+        assert!(
+            actions.contains(&Action::Announce(m1.clone())),
+            "{actions:?}"
+        );
+        assert!(actions
+            .iter()
+            .any(|a| matches!(a, Action::BadValue { key, .. } if key.ends_with("junk"))));
+
+        // A restart under a new id at the same address.
+        let m2 = Member::new("e2", "127.0.0.1:7001", 2);
+        client
+            .put(format!("{prefix}e2"), m2.to_json(), None)
+            .await
+            .unwrap();
+        let put = next(&mut source).await;
+        assert!(
+            matches!(&put, SourceEvent::Put { revision, .. } if *revision > list_rev),
+            "{put:?}"
+        );
+        let actions = reconciler.apply(put);
+        assert_eq!(
+            actions,
+            vec![
+                Action::Retire {
+                    member: m1.clone(),
+                    why: RetireWhy::Replaced { by: m2.engine() }
+                },
+                Action::Announce(m2.clone())
+            ]
+        );
+        // The old key goes later: nothing more to do.
+        client.delete(format!("{prefix}e1"), None).await.unwrap();
+        assert!(reconciler.apply(next(&mut source).await).is_empty());
+
+        // Under a 1 s lease that nobody keeps alive: etcd deletes it.
+        let lease = client.lease_grant(1, None).await.unwrap().id();
+        let m3 = Member::new("e3", "127.0.0.1:7003", 1);
+        client
+            .put(
+                format!("{prefix}e3"),
+                m3.to_json(),
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await
+            .unwrap();
+        let put_at = Instant::now();
+        assert_eq!(
+            reconciler.apply(next(&mut source).await),
+            vec![Action::Announce(m3.clone())]
+        );
+        let expired = next(&mut source).await;
+        let expired_after = put_at.elapsed();
+        assert!(
+            matches!(&expired, SourceEvent::Deleted { key, .. } if key.ends_with("e3")),
+            "{expired:?}"
+        );
+        assert_eq!(
+            reconciler.apply(expired),
+            vec![Action::Retire {
+                member: m3,
+                why: RetireWhy::Deleted
+            }]
+        );
+        report(&format!(
+            "etcd source: list, replacement, deletion, bad value; a 1 s lease left alone was deleted {} after the put",
+            ms(expired_after)
+        ));
+        shutdown.cancel();
+    });
+}
