@@ -63,7 +63,8 @@ impl EtcdOptions {
     }
 }
 
-/// Doubling back-off with a cap.
+/// Doubling back-off with a cap. Warnings back off too: one at failures
+/// 1, 2, 4, 8, ... of an outage, the others at debug level.
 struct Backoff {
     next: Duration,
     min: Duration,
@@ -158,7 +159,11 @@ async fn watch_loop(
                     }
                 }
                 let pause = backoff.step();
-                tracing::warn!(%error, retry_in_ms = pause.as_millis() as u64, failures = backoff.failures, "etcd unreachable: engines kept, retrying");
+                if backoff.failures.is_power_of_two() {
+                    tracing::warn!(%error, retry_in_ms = pause.as_millis() as u64, failures = backoff.failures, "etcd unreachable: engines kept, retrying");
+                } else {
+                    tracing::debug!(%error, retry_in_ms = pause.as_millis() as u64, failures = backoff.failures, "etcd unreachable: engines kept, retrying");
+                }
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     _ = tokio::time::sleep(pause) => {}
@@ -357,7 +362,11 @@ async fn register_loop(
             last_error = Some(error.clone());
         }
         let pause = backoff.step();
-        tracing::warn!(%error, retry_in_ms = pause.as_millis() as u64, "etcd registration: retrying");
+        if backoff.failures.is_power_of_two() {
+            tracing::warn!(%error, retry_in_ms = pause.as_millis() as u64, failures = backoff.failures, "etcd registration: retrying");
+        } else {
+            tracing::debug!(%error, retry_in_ms = pause.as_millis() as u64, failures = backoff.failures, "etcd registration: retrying");
+        }
         tokio::select! {
             _ = stop.cancelled() => break,
             _ = tokio::time::sleep(pause) => {}
