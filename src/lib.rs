@@ -95,6 +95,8 @@ mod event;
 #[cfg(feature = "fake")]
 pub mod fake;
 mod handle;
+#[cfg(feature = "membership")]
+pub mod membership;
 pub mod nixl_transport;
 mod offload;
 mod registration;

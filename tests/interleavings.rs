@@ -572,7 +572,10 @@ fn soak() {
         assert!(violations.is_empty(), "seed {seed}: {violations:#?}");
         seed += 1;
     }
-    println!("SOAK ops={ops_run} seeds={first}..{} violations=0", seed - 1);
+    println!(
+        "SOAK ops={ops_run} seeds={first}..{} violations=0",
+        seed - 1
+    );
 }
 
 #[test]

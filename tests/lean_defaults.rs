@@ -34,7 +34,10 @@ fn the_default_features_pull_neither_tokio_test_util_nor_the_cli_nor_the_fake() 
         "tracing-subscriber",
         "metrics-exporter-prometheus",
     ] {
-        assert!(!all.contains(absent), "{absent} is in the default graph:\n{all}");
+        assert!(
+            !all.contains(absent),
+            "{absent} is in the default graph:\n{all}"
+        );
     }
     let own = tree(&["-i", "nixl-keepalive"]);
     assert!(own.contains("nixl-keepalive feature \"default\""), "{own}");

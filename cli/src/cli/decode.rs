@@ -1,35 +1,77 @@
 //! `nixl-keepalive decode`: a real decode engine on the NIXL runtime.
 //!
 //! Runs the keepalive service over a [`NixlTransport`] and one reader per
-//! `--prefill` address (handshake, random READs with every byte checked,
-//! re-handshake after a release), prints the service's events one per
-//! line, a read summary every 5 s, and with `--metrics-addr` serves
-//! Prometheus metrics at `http://ADDR/metrics`. An operator can kill a
-//! prefill and watch the decoder release it. Service settings come from
+//! prefill (handshake, random READs with every byte checked, re-handshake
+//! after a release), prints the service's events one per line, a read
+//! summary every 5 s. The prefills come from `--prefill` addresses, from
+//! etcd (`--etcd-endpoint`: every engine registered under the prefix;
+//! removals retire the engine), or both. One HTTP server (axum) serves the
+//! router's control endpoint with `--control-addr` (`POST /v1/peer_gone`,
+//! `GET /v1/snapshot`, `GET /metrics`; see `control.rs`), and
+//! `--metrics-addr` serves `/metrics` alone. Service settings come from
 //! the `NIXL_KEEPALIVE_*` environment variables; UCX's from `UCX_*`.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use nixl_keepalive::membership::{self, MembershipUpdate, RetireWhy};
 use nixl_keepalive::nixl_transport::NixlTransport;
 use nixl_keepalive::ucx_settings::UcxSettings;
 use nixl_keepalive::{Config, Event, Keepalive, PeerAddr};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder};
 use nixl_sys::{Agent, AgentConfig};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+
+use super::control::{self, Control};
+
+/// What a membership removal does to reads in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum GoneModeArg {
+    /// Let reads in flight finish, then release.
+    Drain,
+    /// Fail reads in flight at once, release when their guards drop.
+    Fail,
+}
 
 /// `decode`'s flags.
 #[derive(Debug, Args)]
 pub(crate) struct DecodeArgs {
-    /// Prefill side-channel addresses (`host:port`), one or more.
-    #[arg(long, required = true, num_args = 1..)]
+    /// Prefill side-channel addresses (`host:port`). Needed unless
+    /// `--etcd-endpoint` is given; both may be.
+    #[arg(long, num_args = 1.., required_unless_present = "etcd_endpoint")]
     prefill: Vec<String>,
+
+    /// etcd client URL (`http://host:port`, repeatable): learn the prefills
+    /// registered under `--etcd-prefix`, and retire those whose key goes.
+    #[arg(long)]
+    etcd_endpoint: Vec<String>,
+
+    /// The etcd key prefix prefills register under.
+    #[arg(long, default_value = membership::DEFAULT_PREFIX)]
+    etcd_prefix: String,
+
+    /// What an etcd removal does to reads in flight.
+    #[arg(long, value_enum, default_value = "drain")]
+    gone_mode: GoneModeArg,
+
+    /// Serve the control endpoint (`POST /v1/peer_gone`, `GET
+    /// /v1/snapshot`) and `/metrics` here. Loopback unless
+    /// `--control-token-file` is given.
+    #[arg(long)]
+    control_addr: Option<SocketAddr>,
+
+    /// A file holding the bearer token every POST (and, on a non-loopback
+    /// bind, every request) to the control endpoint must carry.
+    #[arg(long, requires = "control_addr")]
+    control_token_file: Option<PathBuf>,
 
     /// Serve Prometheus metrics on this address (`/metrics`).
     #[arg(long)]
@@ -53,6 +95,14 @@ pub(crate) struct DecodeArgs {
     progress_ms: u64,
 }
 
+/// One reader per prefill address.
+struct Reader {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+    /// From `--prefill`: kept whatever etcd says.
+    pinned: bool,
+}
+
 pub(crate) fn run(args: DecodeArgs) -> ExitCode {
     // A bad environment value stops here, before anything starts.
     let config = match Config::from_env() {
@@ -61,6 +111,16 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
+    };
+    let token = match args.control_addr {
+        Some(addr) => match control::load_token(addr, args.control_token_file.as_deref()) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        None => None,
     };
     super::init_tracing();
     let rt = match nixl_sys::Runtime::get() {
@@ -79,15 +139,16 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let metrics = match args.metrics_addr {
-        Some(_) => match PrometheusBuilder::new().install_recorder() {
+    let metrics = if args.metrics_addr.is_some() || args.control_addr.is_some() {
+        match PrometheusBuilder::new().install_recorder() {
             Ok(h) => Some(h),
             Err(e) => {
                 eprintln!("error: cannot install the metrics recorder: {e}");
                 return ExitCode::FAILURE;
             }
-        },
-        None => None,
+        }
+    } else {
+        None
     };
     let name = format!("decode-{}-{}", std::process::id(), rand::random::<u32>());
     let agent = match Agent::new(rt, &name, &AgentConfig::default()) {
@@ -112,20 +173,40 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
     };
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
-        if let (Some(addr), Some(handle)) = (args.metrics_addr, metrics) {
-            match tokio::net::TcpListener::bind(addr).await {
-                Ok(l) => {
-                    println!("metrics on http://{}/metrics", l.local_addr().map_or(addr, |a| a));
-                    tokio::spawn(serve_metrics(l, handle, shutdown.clone()));
-                }
+        println!("decode agent {name}; service: {config}");
+        let (service, keepalive) = Keepalive::new(transport.clone(), config);
+        if let Some(handle) = &metrics {
+            spawn_upkeep(handle.clone(), shutdown.clone());
+        }
+        let servers = [
+            (args.control_addr, true, "control"),
+            (args.metrics_addr, false, "metrics"),
+        ];
+        for (addr, control, what) in servers {
+            let Some(addr) = addr else { continue };
+            let listener = match tokio::net::TcpListener::bind(addr).await {
+                Ok(l) => l,
                 Err(e) => {
                     eprintln!("error: cannot listen on {addr}: {e}");
                     return ExitCode::FAILURE;
                 }
+            };
+            let local = listener.local_addr().map_or(addr, |a| a);
+            let state = Control {
+                handle: keepalive.clone(),
+                token: if control { token.clone() } else { None },
+                token_for_reads: control && !local.ip().is_loopback(),
+                metrics: metrics.clone(),
+                control,
+            };
+            if control {
+                println!("control on http://{local}/v1/ (and /metrics)");
+            } else {
+                println!("metrics on http://{local}/metrics");
             }
+            tracing::info!(%local, what, "HTTP server listening");
+            tokio::spawn(control::serve(listener, control::router(state), shutdown.clone()));
         }
-        println!("decode agent {name}; service: {config}");
-        let (service, keepalive) = Keepalive::new(transport.clone(), config);
         // Its start-up line (stderr) gives the detection bound.
         let task = tokio::spawn(
             service
@@ -140,11 +221,17 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
             ..DecodeOptions::default()
         };
         let decoder = Decoder::new(keepalive.clone(), transport.clone(), options);
-        let readers: Vec<_> = args
-            .prefill
-            .iter()
-            .map(|a| decoder.spawn(PeerAddr::from(a.as_str()), shutdown.clone()))
-            .collect();
+        // Readers stop first at shutdown, so no read is in flight when the
+        // service stops and releases every engine.
+        let stop_readers = CancellationToken::new();
+        let mut readers: HashMap<PeerAddr, Reader> = HashMap::new();
+        for a in &args.prefill {
+            let address = PeerAddr::from(a.as_str());
+            let stop = stop_readers.child_token();
+            let task = decoder.spawn(address.clone(), stop.clone());
+            readers.insert(address, Reader { stop, task, pinned: true });
+        }
+        let mut updates = start_membership(&args, &keepalive, &shutdown);
         let mut summary = tokio::time::interval(Duration::from_secs(5));
         summary.tick().await;
         let signal = super::wait_for_signal();
@@ -157,6 +244,10 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => println!("event: ({n} events missed)"),
                     Err(_) => break,
                 },
+                Some(update) = next_update(&mut updates) => {
+                    print_update(&update);
+                    follow_membership(&update, &decoder, &mut readers, &stop_readers);
+                }
                 _ = summary.tick() => {
                     let s = decoder.stats();
                     println!(
@@ -172,10 +263,11 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
             }
         }
         println!("decode stopping");
-        shutdown.cancel();
-        for r in readers {
-            let _ = r.await;
+        stop_readers.cancel();
+        for (_, r) in readers {
+            let _ = r.task.await;
         }
+        shutdown.cancel();
         let stopped = task.await;
         match stopped {
             Ok(s) if s.unreleased.is_empty() => ExitCode::SUCCESS,
@@ -189,6 +281,146 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
             }
         }
     })
+}
+
+/// Starts the etcd watch and the membership driver, with `--etcd-endpoint`.
+fn start_membership(
+    args: &DecodeArgs,
+    keepalive: &nixl_keepalive::KeepaliveHandle<nixl_keepalive::nixl_transport::RemoteDlists>,
+    shutdown: &CancellationToken,
+) -> Option<mpsc::UnboundedReceiver<MembershipUpdate>> {
+    if args.etcd_endpoint.is_empty() {
+        return None;
+    }
+    #[cfg(feature = "etcd")]
+    {
+        use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdSource};
+        use nixl_keepalive::membership::MembershipConfig;
+        use nixl_keepalive::GoneMode;
+        let options = EtcdOptions::new(args.etcd_endpoint.clone(), args.etcd_prefix.clone());
+        let source = EtcdSource::spawn(options, shutdown.clone());
+        let gone_mode = match args.gone_mode {
+            GoneModeArg::Drain => GoneMode::Drain,
+            GoneModeArg::Fail => GoneMode::Fail,
+        };
+        println!(
+            "membership: watching etcd {:?} prefix {} (removal: {:?})",
+            args.etcd_endpoint, args.etcd_prefix, gone_mode
+        );
+        let (updates, _task) = membership::spawn(
+            source,
+            keepalive.clone(),
+            MembershipConfig { gone_mode },
+            shutdown.clone(),
+        );
+        Some(updates)
+    }
+    #[cfg(not(feature = "etcd"))]
+    {
+        let _ = (keepalive, shutdown);
+        eprintln!(
+            "error: --etcd-endpoint needs the `etcd` feature (built without it); ignoring it"
+        );
+        None
+    }
+}
+
+async fn next_update(
+    updates: &mut Option<mpsc::UnboundedReceiver<MembershipUpdate>>,
+) -> Option<MembershipUpdate> {
+    match updates {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A joined engine gets a reader (unless its address has one); a left
+/// engine's reader stops (unless `--prefill` named its address, or the
+/// engine was replaced at the same address, where the reader goes on with
+/// the new one). Its NIXL state is released by the service after
+/// `peer_gone`, not here.
+fn follow_membership(
+    update: &MembershipUpdate,
+    decoder: &Arc<Decoder>,
+    readers: &mut HashMap<PeerAddr, Reader>,
+    stop_readers: &CancellationToken,
+) {
+    match update {
+        MembershipUpdate::Joined(member) => {
+            let address = member.peer_addr();
+            if let Some(r) = readers.get(&address) {
+                if !r.task.is_finished() {
+                    return;
+                }
+            }
+            let stop = stop_readers.child_token();
+            let task = decoder.spawn(address.clone(), stop.clone());
+            readers.insert(
+                address,
+                Reader {
+                    stop,
+                    task,
+                    pinned: false,
+                },
+            );
+        }
+        MembershipUpdate::Left { member, why } => {
+            if let RetireWhy::Replaced { .. } = why {
+                return;
+            }
+            let address = member.peer_addr();
+            if readers.get(&address).is_some_and(|r| !r.pinned) {
+                let r = readers.remove(&address).expect("checked");
+                r.stop.cancel();
+            }
+        }
+        _ => {}
+    }
+}
+
+/// One line per membership update: `membership: <kind> key=value ...`.
+fn print_update(update: &MembershipUpdate) {
+    match update {
+        MembershipUpdate::Joined(m) => println!(
+            "membership: joined engine={} address={} ranks={}",
+            m.engine_id, m.address, m.ranks
+        ),
+        MembershipUpdate::Left { member, why } => println!(
+            "membership: left engine={} address={} why={}",
+            member.engine_id,
+            member.address,
+            why.as_str()
+        ),
+        MembershipUpdate::BadValue { key, error } => {
+            println!("membership: bad_value key={key} error={error}")
+        }
+        MembershipUpdate::Outage { error } => println!("membership: outage error={error}"),
+        MembershipUpdate::Restored { outage } => {
+            println!("membership: restored outage_ms={}", outage.as_millis())
+        }
+        MembershipUpdate::Released {
+            engine,
+            after,
+            reason,
+        } => println!(
+            "membership: released engine={engine} after_ms={} reason={}",
+            after.as_millis(),
+            reason.as_str()
+        ),
+    }
+}
+
+/// The Prometheus recorder's periodic upkeep (histogram buckets).
+fn spawn_upkeep(handle: PrometheusHandle, shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        let mut t = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = t.tick() => handle.run_upkeep(),
+            }
+        }
+    });
 }
 
 /// One line per event, greppable: `event: <kind> key=value ...`.
@@ -229,56 +461,5 @@ fn print_event(event: &Event) {
             waited_for.reads_in_flight_at_mark,
             waited_for.handshake
         ),
-    }
-}
-
-/// A minimal HTTP/1.1 endpoint: every request gets the rendered metrics.
-async fn serve_metrics(
-    listener: tokio::net::TcpListener,
-    handle: PrometheusHandle,
-    shutdown: CancellationToken,
-) {
-    let upkeep = handle.clone();
-    let stop = shutdown.clone();
-    tokio::spawn(async move {
-        let mut t = tokio::time::interval(Duration::from_secs(5));
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                _ = t.tick() => upkeep.run_upkeep(),
-            }
-        }
-    });
-    loop {
-        let (mut stream, _) = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            a = listener.accept() => match a { Ok(a) => a, Err(_) => continue },
-        };
-        let handle = handle.clone();
-        tokio::spawn(async move {
-            // Read the request head (bounded), ignore its contents.
-            let mut buf = vec![0u8; 4096];
-            let mut n = 0;
-            let read = tokio::time::timeout(Duration::from_secs(5), async {
-                while n < buf.len() {
-                    match stream.read(&mut buf[n..]).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(k) => n += k,
-                    }
-                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-            });
-            let _ = read.await;
-            let body = handle.render();
-            let head = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = stream.write_all(head.as_bytes()).await;
-            let _ = stream.write_all(body.as_bytes()).await;
-            let _ = stream.shutdown().await;
-        });
     }
 }

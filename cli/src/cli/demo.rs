@@ -26,6 +26,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 mod decoder;
+mod membership;
 mod report;
 mod scenario;
 mod view;
@@ -165,6 +166,9 @@ async fn simulate(args: &DemoArgs, config: Config) -> Outcome {
     let ucx = FakeUcx::new(FakeConfig {
         keepalive_interval: args.ucx_keepalive.0,
         record_calls: false,
+        // As measured on shared memory and TCP: UCX never reports a frozen
+        // peer; its lease expiry in the membership plane does.
+        frozen_peers_detected: false,
         ..FakeConfig::default()
     });
     let addrs: Vec<PeerAddr> = (0..args.prefills)
@@ -193,6 +197,14 @@ async fn simulate(args: &DemoArgs, config: Config) -> Outcome {
         args.seed.unwrap_or(0),
     );
     let watcher = decoder.clone().watch_events(handle.subscribe());
+    let membership = membership::DemoMembership::start(
+        ucx.clone(),
+        addrs.clone(),
+        args.ranks,
+        handle.clone(),
+        timeline.clone(),
+        shutdown.clone(),
+    );
 
     if live {
         let clock = if args.real_time {
@@ -236,7 +248,7 @@ async fn simulate(args: &DemoArgs, config: Config) -> Outcome {
         Some(seed) => Scenario::random(seed, args.prefills as usize, args.duration, bounds),
         None => Scenario::script(args.prefills as usize, args.duration, bounds),
     };
-    let interrupted = scenario.run(&decoder, &timeline, origin).await;
+    let interrupted = scenario.run(&decoder, &membership, &timeline, origin).await;
 
     // Stop the traffic and the reconnects, so that every guard is dropped;
     // then stop the service and take back what it could not release.

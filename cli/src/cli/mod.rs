@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+mod control;
 mod decode;
 mod demo;
 mod prefill;

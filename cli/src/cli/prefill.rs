@@ -5,6 +5,14 @@
 //! notifications (logged). Prints one line
 //! `PREFILL READY engine=<id> listen=<addr> pid=<pid> incarnation=<n>` on
 //! stdout once it answers handshakes; runs until SIGINT or SIGTERM.
+//!
+//! With `--etcd-endpoint`, it registers itself under
+//! `<--etcd-prefix><engine id>` with a lease of `--etcd-ttl` seconds, kept
+//! alive every TTL/3, and written again under a new lease when it finds
+//! the old one expired (after a freeze, or an etcd outage longer than the
+//! TTL); one stdout line per change (`ETCD registered key=.. lease=..`,
+//! `ETCD lease_lost lease=..`, `ETCD unreachable error=..`). A graceful
+//! stop deletes the key before the side channel closes.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -55,12 +63,34 @@ pub(crate) struct PrefillArgs {
     #[arg(long)]
     progress_thread_us: Option<u64>,
 
+    /// etcd client URL (`http://host:port`, repeatable): register this
+    /// engine there under a lease.
+    #[arg(long)]
+    etcd_endpoint: Vec<String>,
+
+    /// The etcd key prefix to register under.
+    #[arg(long, default_value = nixl_keepalive::membership::DEFAULT_PREFIX)]
+    etcd_prefix: String,
+
+    /// The etcd lease's TTL in seconds: a decoder retires this engine when
+    /// the lease is not kept alive for this long.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    etcd_ttl: u64,
+
     /// Lease of a request's KV blocks without renewal, in seconds.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     lease_secs: u64,
 }
 
-pub(crate) fn run(args: PrefillArgs) -> ExitCode {
+pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
+    if !args.etcd_endpoint.is_empty() && args.listen.ip().is_unspecified() {
+        // The address goes into etcd for decoders to connect to.
+        eprintln!(
+            "error: --listen {} is not an address a decoder can connect to; with --etcd-endpoint give the host's own address",
+            args.listen
+        );
+        return ExitCode::from(2);
+    }
     super::init_tracing();
     let rt = match nixl_sys::Runtime::get() {
         Ok(rt) => rt,
@@ -69,7 +99,7 @@ pub(crate) fn run(args: PrefillArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let engine = match args.engine_id {
+    let engine = match args.engine_id.take() {
         Some(id) if !id.is_empty() && id.len() <= 200 => EngineId::from(id),
         Some(_) => {
             eprintln!("error: --engine-id must be 1 to 200 bytes");
@@ -125,12 +155,77 @@ pub(crate) fn run(args: PrefillArgs) -> ExitCode {
             prefill.incarnation()
         );
         tracing::info!(%engine, listen = %local, ranks = args.ranks, blocks = args.blocks, "prefill ready");
+        let registration = register(&args, &engine, local);
         super::wait_for_signal().await;
         tracing::info!("prefill stopping");
+        // The key goes first, so decoders retire this engine before its
+        // side channel closes.
+        if let Some(r) = registration {
+            r.stop().await;
+            println!("ETCD deleted");
+        }
         shutdown.cancel();
         let _ = server.await;
         stop.store(true, std::sync::atomic::Ordering::Release);
         let _ = tokio::task::spawn_blocking(move || poller.join()).await;
         ExitCode::SUCCESS
     })
+}
+
+#[cfg(feature = "etcd")]
+type Registration = nixl_keepalive::membership::etcd::EtcdRegistration;
+#[cfg(not(feature = "etcd"))]
+type Registration = NoRegistration;
+
+/// Without the `etcd` feature there is nothing to stop.
+#[cfg(not(feature = "etcd"))]
+pub(crate) struct NoRegistration;
+
+#[cfg(not(feature = "etcd"))]
+impl NoRegistration {
+    async fn stop(self) {}
+}
+
+/// Registers in etcd with `--etcd-endpoint`, printing each change.
+fn register(args: &PrefillArgs, engine: &EngineId, local: SocketAddr) -> Option<Registration> {
+    if args.etcd_endpoint.is_empty() {
+        return None;
+    }
+    #[cfg(feature = "etcd")]
+    {
+        use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdRegistration, RegistrationEvent};
+        use nixl_keepalive::membership::Member;
+        let options = EtcdOptions::new(args.etcd_endpoint.clone(), args.etcd_prefix.clone());
+        let member = Member::new(engine.as_str(), local.to_string(), args.ranks);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(e) = rx.recv().await {
+                match e {
+                    RegistrationEvent::Registered { key, lease } => {
+                        println!("ETCD registered key={key} lease={lease}")
+                    }
+                    RegistrationEvent::LeaseLost { lease } => {
+                        println!("ETCD lease_lost lease={lease}")
+                    }
+                    RegistrationEvent::Unreachable { error } => {
+                        println!("ETCD unreachable error={error}")
+                    }
+                }
+            }
+        });
+        Some(EtcdRegistration::start(
+            options,
+            member,
+            Duration::from_secs(args.etcd_ttl),
+            tx,
+        ))
+    }
+    #[cfg(not(feature = "etcd"))]
+    {
+        let _ = (engine, local);
+        eprintln!(
+            "error: --etcd-endpoint needs the `etcd` feature (built without it); not registering"
+        );
+        None
+    }
 }

@@ -3,6 +3,8 @@
 //! that shows in CI logs even for passing tests.
 #![allow(dead_code)]
 
+pub mod etcd;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -62,6 +64,9 @@ pub struct PrefillProc {
     pub pid: u32,
     /// Where its stderr goes.
     pub log: std::path::PathBuf,
+    /// Its stdout lines after the READY line (read on, so the pipe never
+    /// fills).
+    pub lines: std::sync::mpsc::Receiver<String>,
     gone: bool,
 }
 
@@ -83,6 +88,8 @@ pub struct PrefillSpec {
     /// Run it inside this network namespace (`ip netns exec`, which execs
     /// the prefill: the pid is the prefill's own).
     pub netns: Option<String>,
+    /// Extra arguments (`--etcd-endpoint ...`).
+    pub args: Vec<String>,
 }
 
 impl PrefillProc {
@@ -116,6 +123,7 @@ impl PrefillProc {
         for (k, v) in &spec.env {
             cmd.env(k, v);
         }
+        cmd.args(&spec.args);
         let mut child = cmd.spawn().expect("spawn nixl-keepalive prefill");
         let out = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
@@ -147,6 +155,7 @@ impl PrefillProc {
             pid: child.id(),
             child,
             log,
+            lines: rx,
             gone: false,
         }
     }

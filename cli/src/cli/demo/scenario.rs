@@ -11,6 +11,7 @@ use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
 
 use super::decoder::Decoder;
+use super::membership::{DemoMembership, LEASE_TTL};
 use super::report::{Expect, Timeline};
 
 /// How long the service may take, fault to release, with these settings.
@@ -29,6 +30,9 @@ pub(super) struct Bounds {
     pub(super) stalled: Option<Duration>,
     /// The simulated UCX keepalive interval.
     pub(super) ucx_keepalive: Option<Duration>,
+    /// A frozen prefill (UCX blind, as measured): its lease expires within
+    /// the TTL, then its reads are failed and it is released.
+    pub(super) lease: Duration,
 }
 
 impl Bounds {
@@ -55,6 +59,7 @@ impl Bounds {
             silent,
             stalled,
             ucx_keepalive,
+            lease: LEASE_TTL + slack,
         }
     }
 
@@ -112,6 +117,9 @@ pub(super) enum Fault {
     RestartSameId,
     /// Transient errors that are not disconnects (UCS_ERR_NO_RESOURCE).
     Transient,
+    /// etcd (the membership plane) is down for three lease TTLs: nothing
+    /// may be released for it.
+    EtcdOutage,
 }
 
 impl Fault {
@@ -125,10 +133,11 @@ impl Fault {
             Fault::Restart => "restart (new id)",
             Fault::RestartSameId => "restart (same id)",
             Fault::Transient => "transient errors",
+            Fault::EtcdOutage => "etcd outage",
         }
     }
 
-    const ALL: [Fault; 8] = [
+    const ALL: [Fault; 9] = [
         Fault::Kill,
         Fault::KillDuringRead,
         Fault::Freeze,
@@ -137,6 +146,7 @@ impl Fault {
         Fault::Restart,
         Fault::RestartSameId,
         Fault::Transient,
+        Fault::EtcdOutage,
     ];
 }
 
@@ -147,6 +157,8 @@ enum Step {
     /// The process at the address runs again / is reachable again.
     Thaw,
     Heal,
+    /// etcd is back.
+    EtcdBack,
     /// Start a process at the (dead) address and announce it, as a router
     /// would: with a new id or the same one.
     Start {
@@ -184,13 +196,14 @@ impl Scenario {
     /// over the scenario.
     pub(super) fn script(prefills: usize, duration: Duration, bounds: Bounds) -> Self {
         let mut s = Scenario::new(duration, bounds, None);
-        let script: [(f64, usize, Fault); 10] = [
+        let script: [(f64, usize, Fault); 11] = [
             (0.05, 0, Fault::Kill),
             (0.14, 1, Fault::Freeze),
             (0.23, 2, Fault::Restart),
             (0.32, 3, Fault::RestartSameId),
             (0.41, 4, Fault::Partition),
             (0.50, 5, Fault::ShortPartition),
+            (0.54, 4, Fault::EtcdOutage),
             (0.58, 6, Fault::Transient),
             (0.66, 7, Fault::KillDuringRead),
             (0.76, 2, Fault::Kill),
@@ -222,6 +235,7 @@ impl Scenario {
     pub(super) async fn run(
         mut self,
         decoder: &Decoder,
+        membership: &DemoMembership,
         timeline: &Timeline,
         origin: Instant,
     ) -> bool {
@@ -246,7 +260,7 @@ impl Scenario {
             }
             let key = next.expect("a step is due");
             let (prefill, step) = self.steps.remove(&key).expect("present");
-            self.play(key.0, prefill, step, decoder, timeline);
+            self.play(key.0, prefill, step, decoder, membership, timeline);
         }
     }
 
@@ -256,6 +270,7 @@ impl Scenario {
         prefill: usize,
         step: Step,
         decoder: &Decoder,
+        membership: &DemoMembership,
         timeline: &Timeline,
     ) {
         let ucx = decoder.ucx();
@@ -295,9 +310,10 @@ impl Scenario {
                     ));
                     return;
                 }
-                self.fault(at, prefill, fault, decoder, timeline);
+                self.fault(at, prefill, fault, decoder, membership, timeline);
             }
             Step::Thaw => {
+                membership.thaw(prefill);
                 if let Some(engine) = ucx.engine_at(decoder.addr(prefill)) {
                     ucx.thaw(&engine);
                     timeline.log(format!("{} at {} thawed", engine, decoder.addr(prefill)));
@@ -312,6 +328,10 @@ impl Scenario {
                         decoder.addr(prefill)
                     ));
                 }
+            }
+            Step::EtcdBack => {
+                membership.restore();
+                timeline.log("etcd is back".into());
             }
             Step::Start { same_id } => {
                 let addr = decoder.addr(prefill);
@@ -334,6 +354,7 @@ impl Scenario {
             Fault::Freeze => self.bounds.long_freeze(),
             Fault::Partition => self.bounds.long_silence(),
             Fault::ShortPartition => self.bounds.short_silence(),
+            Fault::EtcdOutage => LEASE_TTL * 3,
             _ => Duration::ZERO,
         }
     }
@@ -344,6 +365,7 @@ impl Scenario {
         prefill: usize,
         fault: Fault,
         decoder: &Decoder,
+        membership: &DemoMembership,
         timeline: &Timeline,
     ) {
         let ucx = decoder.ucx();
@@ -367,13 +389,27 @@ impl Scenario {
             Fault::Kill | Fault::KillDuringRead | Fault::Restart | Fault::RestartSameId => {
                 (Expect::Release, b.crash)
             }
-            // UCX never reports a frozen process on shm/tcp (measured): the
-            // reads in flight there stop completing, and the read-stall
-            // check fails them; with the check off it is kept.
-            Fault::Freeze => match b.stalled {
-                Some(bound) => (Expect::Release, Some(bound)),
-                None => (Expect::Keep, None),
-            },
+            // UCX is blind to a frozen prefill (as measured): its lease
+            // expires and membership retires it, or (with reads in flight)
+            // the read-stall check fails its reads, whichever comes first.
+            Fault::Freeze if membership.in_outage() => {
+                timeline.log(format!(
+                    "freeze on {addr}: skipped (etcd is down: no lease can expire, the bound would not hold)"
+                ));
+                return;
+            }
+            Fault::Freeze => (
+                Expect::Release,
+                Some(b.stalled.map_or(b.lease, |s| s.min(b.lease))),
+            ),
+            Fault::EtcdOutage if membership.in_outage() || membership.any_frozen() => {
+                timeline.log(
+                    "etcd outage: skipped (etcd is already down, or a frozen prefill waits for its lease to expire)"
+                        .into(),
+                );
+                return;
+            }
+            Fault::EtcdOutage => (Expect::Keep, None),
             Fault::Partition => match b.ucx_keepalive {
                 // Reads or heartbeats see the failed endpoint (no bound
                 // when periodic heartbeats are off).
@@ -410,7 +446,8 @@ impl Scenario {
             }
             Fault::Freeze => {
                 ucx.freeze(&engine);
-                let back = b.long_freeze() + rng_pick(0.0, 20.0);
+                membership.freeze(prefill);
+                let back = b.long_freeze().max(b.long_silence()) + rng_pick(0.0, 20.0);
                 self.push(at + back, prefill, Step::Thaw);
             }
             Fault::Partition => {
@@ -439,6 +476,10 @@ impl Scenario {
             }
             Fault::Transient => {
                 ucx.inject(&engine, UcsStatus::ERR_NO_RESOURCE, 5);
+            }
+            Fault::EtcdOutage => {
+                membership.outage();
+                self.push(at + LEASE_TTL * 3, prefill, Step::EtcdBack);
             }
         }
     }

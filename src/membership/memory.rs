@@ -1,0 +1,286 @@
+//! An in-memory membership plane: a key-value store with revisions and
+//! leases on tokio's clock, and the [`MembershipSource`] that watches it.
+//! For tests and the demo on the paused clock; it behaves as the etcd
+//! source does at the trait: a `Listed` first, then puts and deletions in
+//! revision order, an `Outage` while the store is down, a `Listed` when it
+//! is back or after a compaction.
+//!
+//! Leases follow etcd: a key attached to a lease is deleted when the lease
+//! is not kept alive for its TTL; a store that is down expires nothing,
+//! and when it comes back every lease gets its full TTL again (etcd
+//! extends leases when a leader takes over after a restart).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{Member, MembershipSource, SourceEvent};
+
+/// A lease of the in-memory store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LeaseId(pub u64);
+
+struct Lease {
+    ttl: Duration,
+    deadline: Instant,
+}
+
+#[derive(Default)]
+struct Inner {
+    kv: BTreeMap<String, (Vec<u8>, Option<LeaseId>)>,
+    revision: i64,
+    up: bool,
+    watchers: Vec<mpsc::UnboundedSender<SourceEvent>>,
+    leases: HashMap<LeaseId, Lease>,
+    next_lease: u64,
+}
+
+impl Inner {
+    fn send(&mut self, event: SourceEvent) {
+        if self.up {
+            self.watchers.retain(|w| w.send(event.clone()).is_ok());
+        }
+    }
+
+    fn listing(&self) -> SourceEvent {
+        SourceEvent::Listed {
+            revision: self.revision,
+            entries: self
+                .kv
+                .iter()
+                .map(|(k, (v, _))| (k.clone(), v.clone()))
+                .collect(),
+        }
+    }
+
+    fn delete(&mut self, key: &str) -> bool {
+        if self.kv.remove(key).is_none() {
+            return false;
+        }
+        self.revision += 1;
+        let revision = self.revision;
+        self.send(SourceEvent::Deleted {
+            key: key.to_string(),
+            revision,
+        });
+        true
+    }
+}
+
+/// The store. Cheap to clone; every clone is the same store.
+#[derive(Clone, Default)]
+pub struct InMemoryStore {
+    inner: Arc<Mutex<Inner>>,
+}
+
+/// Watches an [`InMemoryStore`]'s keys (all of them: one store, one prefix).
+pub struct InMemorySource {
+    rx: mpsc::UnboundedReceiver<SourceEvent>,
+}
+
+impl MembershipSource for InMemorySource {
+    async fn next(&mut self) -> Option<SourceEvent> {
+        // `recv` is cancel safe.
+        self.rx.recv().await
+    }
+}
+
+impl InMemoryStore {
+    /// An empty store that is up.
+    pub fn new() -> Self {
+        let store = InMemoryStore::default();
+        store.lock().up = true;
+        store
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A watcher: it gets the whole store at once (`Listed`), then every
+    /// change. While the store is down it gets the listing when it is back.
+    pub fn watch(&self) -> InMemorySource {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut inner = self.lock();
+        if inner.up {
+            let _ = tx.send(inner.listing());
+        } else {
+            let _ = tx.send(SourceEvent::Outage {
+                error: "in-memory store down".into(),
+            });
+        }
+        inner.watchers.push(tx);
+        InMemorySource { rx }
+    }
+
+    /// Writes `value` under `key` (no lease). Refused (false) while down.
+    pub fn put(&self, key: &str, value: impl Into<Vec<u8>>) -> bool {
+        self.put_inner(key, value.into(), None)
+    }
+
+    /// Writes `member`'s JSON under `key`, attached to `lease`. Refused
+    /// (false) while down or when the lease is gone.
+    pub fn put_member(&self, key: &str, member: &Member, lease: Option<LeaseId>) -> bool {
+        self.put_inner(key, member.to_json().into_bytes(), lease)
+    }
+
+    fn put_inner(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> bool {
+        let mut inner = self.lock();
+        if !inner.up || lease.is_some_and(|l| !inner.leases.contains_key(&l)) {
+            return false;
+        }
+        inner.revision += 1;
+        let revision = inner.revision;
+        inner.kv.insert(key.to_string(), (value.clone(), lease));
+        inner.send(SourceEvent::Put {
+            key: key.to_string(),
+            value,
+            revision,
+        });
+        true
+    }
+
+    /// Deletes `key`; false when absent or the store is down.
+    pub fn delete(&self, key: &str) -> bool {
+        let mut inner = self.lock();
+        inner.up && inner.delete(key)
+    }
+
+    /// A new lease of `ttl`, or `None` while down.
+    pub fn grant_lease(&self, ttl: Duration) -> Option<LeaseId> {
+        let mut inner = self.lock();
+        if !inner.up {
+            return None;
+        }
+        inner.next_lease += 1;
+        let id = LeaseId(inner.next_lease);
+        inner.leases.insert(
+            id,
+            Lease {
+                ttl,
+                deadline: Instant::now() + ttl,
+            },
+        );
+        Some(id)
+    }
+
+    /// Keeps `lease` alive for another TTL; false when it expired (or the
+    /// store is down: the caller retries).
+    pub fn keep_alive(&self, lease: LeaseId) -> bool {
+        let mut inner = self.lock();
+        if !inner.up {
+            return false;
+        }
+        match inner.leases.get_mut(&lease) {
+            Some(l) => {
+                l.deadline = Instant::now() + l.ttl;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Expires the leases whose TTL has passed, deleting their keys (one
+    /// deletion each, as etcd does). Nothing expires while down.
+    pub fn expire_leases(&self) {
+        let mut inner = self.lock();
+        if !inner.up {
+            return;
+        }
+        let now = Instant::now();
+        let expired: Vec<LeaseId> = inner
+            .leases
+            .iter()
+            .filter(|(_, l)| l.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            inner.leases.remove(&id);
+            let keys: Vec<String> = inner
+                .kv
+                .iter()
+                .filter(|(_, (_, l))| *l == Some(id))
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in keys {
+                inner.delete(&k);
+            }
+        }
+    }
+
+    /// Expires leases every `tick` until `shutdown` (on tokio's clock).
+    pub fn spawn_lease_expiry(
+        &self,
+        tick: Duration,
+        shutdown: CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(tick);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = t.tick() => store.expire_leases(),
+                }
+            }
+        })
+    }
+
+    /// The store goes down: watchers get an `Outage`, writes are refused,
+    /// leases stop counting.
+    pub fn outage(&self, error: &str) {
+        let mut inner = self.lock();
+        if !inner.up {
+            return;
+        }
+        let event = SourceEvent::Outage {
+            error: error.to_string(),
+        };
+        inner.send(event);
+        inner.up = false;
+    }
+
+    /// The store is back: every lease gets its full TTL again, and
+    /// watchers get the whole store (`Listed`).
+    pub fn restore(&self) {
+        let mut inner = self.lock();
+        if inner.up {
+            return;
+        }
+        inner.up = true;
+        let now = Instant::now();
+        for l in inner.leases.values_mut() {
+            l.deadline = now + l.ttl;
+        }
+        let listing = inner.listing();
+        inner.send(listing);
+    }
+
+    /// A compaction overtook the watchers: they list again (what the etcd
+    /// source does when its watch is cancelled for a compacted revision).
+    pub fn compact(&self) {
+        let mut inner = self.lock();
+        let listing = inner.listing();
+        inner.send(listing);
+    }
+
+    /// Deletes `key` without telling watchers, as if the deletion fell into
+    /// a compacted range they never saw; only a later list shows it.
+    pub fn delete_unseen(&self, key: &str) -> bool {
+        let mut inner = self.lock();
+        if inner.kv.remove(key).is_none() {
+            return false;
+        }
+        inner.revision += 1;
+        true
+    }
+
+    /// Whether `key` exists.
+    pub fn contains(&self, key: &str) -> bool {
+        self.lock().kv.contains_key(key)
+    }
+}
