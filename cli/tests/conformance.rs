@@ -45,6 +45,11 @@ trait Stage {
     fn spawn(&mut self, pinned: Option<&str>) -> PeerAddr;
     /// Kills the prefill at `addr` (SIGKILL for the real one).
     fn kill(&mut self, addr: &PeerAddr);
+    /// Freezes the prefill at `addr` (SIGSTOP for the real one): alive,
+    /// its threads stopped.
+    fn freeze(&mut self, addr: &PeerAddr);
+    /// Lets a frozen prefill run again (SIGCONT).
+    fn thaw(&mut self, addr: &PeerAddr);
     /// Starts a new prefill at `addr` (the old one is killed if alive),
     /// with a fresh engine id or the same one.
     fn restart(&mut self, addr: &PeerAddr, same_id: bool);
@@ -59,7 +64,11 @@ trait Stage {
     fn release(&self, loaded: &Self::Loaded) -> Vec<ReleaseStep>;
     /// One READ from rank 0, to its end: SUCCESS (bytes checked, for the
     /// real one), or the failure status.
-    fn read(&self, loaded: &Self::Loaded) -> NixlStatus;
+    fn read(&self, loaded: &Self::Loaded) -> NixlStatus {
+        self.read_within(loaded, Duration::from_secs(5))
+    }
+    /// The same, given up (`IN_PROG`) if still in progress after `limit`.
+    fn read_within(&self, loaded: &Self::Loaded, limit: Duration) -> NixlStatus;
 }
 
 // ---------------------------------------------------------------------
@@ -182,6 +191,52 @@ fn a_crashed_peer_gets_remote_disconnect_then_release_then_not_found<S: Stage>(
         stage.name()
     );
     took
+}
+
+/// Measured on shm/tcp (`facts/hang.md`), and the fake's default: a frozen
+/// peer is never reported. Its notifies succeed, its READs stay in
+/// progress; once it runs again, they complete.
+fn a_frozen_peer_keeps_answering_notify_and_its_reads_stay_in_progress<S: Stage>(
+    stage: &mut S,
+) -> String {
+    let addr = stage.spawn(None);
+    let loaded = stage.handshake(&addr).expect("handshake");
+    assert_eq!(stage.read(&loaded), NixlStatus::SUCCESS, "{}", stage.name());
+    stage.freeze(&addr);
+    let frozen = Instant::now();
+    let mut notifies = 0;
+    while frozen.elapsed() < Duration::from_millis(1500) || notifies < 3 {
+        for agent in stage.agents(&loaded) {
+            stage
+                .notify(&agent)
+                .unwrap_or_else(|e| panic!("{}: notify to a frozen peer: {e}", stage.name()));
+            notifies += 1;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let read = stage.read_within(&loaded, Duration::from_secs(1));
+    assert_eq!(
+        read,
+        NixlStatus::IN_PROG,
+        "{}: a READ from a frozen peer",
+        stage.name()
+    );
+    stage.thaw(&addr);
+    assert_eq!(
+        stage.read(&loaded),
+        NixlStatus::SUCCESS,
+        "{}: after the thaw",
+        stage.name()
+    );
+    let steps = stage.release(&loaded);
+    assert!(
+        statuses(&steps).iter().all(|s| *s == NixlStatus::SUCCESS),
+        "{}: {steps:?}",
+        stage.name()
+    );
+    format!(
+        "{notifies} notifies to the frozen peer all SUCCESS; a READ still in progress after 1 s"
+    )
 }
 
 fn a_restart_with_a_new_id_loads_beside_the_old_one<S: Stage>(stage: &mut S) {
@@ -329,6 +384,16 @@ impl Stage for FakeStage {
         self.ucx.crash(&engine);
     }
 
+    fn freeze(&mut self, addr: &PeerAddr) {
+        let engine = self.ucx.engine_at(addr).expect("a prefill listens");
+        self.ucx.freeze(&engine);
+    }
+
+    fn thaw(&mut self, addr: &PeerAddr) {
+        let engine = self.ucx.engine_at(addr).expect("a prefill listens");
+        self.ucx.thaw(&engine);
+    }
+
     fn restart(&mut self, addr: &PeerAddr, same_id: bool) {
         if same_id {
             self.ucx.restart_with_same_id(addr);
@@ -360,7 +425,7 @@ impl Stage for FakeStage {
         Transport::release(&self.ucx, &l.engine, &l.agents, l.resources.clone())
     }
 
-    fn read(&self, l: &FakeHandshake) -> NixlStatus {
+    fn read_within(&self, l: &FakeHandshake, _limit: Duration) -> NixlStatus {
         self.ucx.read(&l.engine)
     }
 }
@@ -419,6 +484,14 @@ impl Stage for RealStage {
         self.prefills.get_mut(addr).expect("spawned").0.kill();
     }
 
+    fn freeze(&mut self, addr: &PeerAddr) {
+        self.prefills.get(addr).expect("spawned").0.signal("STOP");
+    }
+
+    fn thaw(&mut self, addr: &PeerAddr) {
+        self.prefills.get(addr).expect("spawned").0.signal("CONT");
+    }
+
     fn restart(&mut self, addr: &PeerAddr, same_id: bool) {
         let (mut old, pinned) = self.prefills.remove(addr).expect("spawned");
         old.kill();
@@ -464,14 +537,8 @@ impl Stage for RealStage {
             .release(&l.engine, &l.agents, l.dlists.clone())
     }
 
-    fn read(&self, l: &RemoteEngine) -> NixlStatus {
-        match l.read_block(
-            self.transport.agent(),
-            0,
-            0,
-            Duration::from_secs(5),
-            &|| false,
-        ) {
+    fn read_within(&self, l: &RemoteEngine, limit: Duration) -> NixlStatus {
+        match l.read_block(self.transport.agent(), 0, 0, limit, &|| false) {
             ReadOutcome::Verified => NixlStatus::SUCCESS,
             ReadOutcome::Corrupt { .. } => NixlStatus::ERR_MISMATCH,
             ReadOutcome::Failed(s) => s,
@@ -523,6 +590,11 @@ both!(
     a_crashed_peer_gets_remote_disconnect_then_release_then_not_found,
     fake_crashed_peer,
     real_crashed_peer
+);
+both!(
+    a_frozen_peer_keeps_answering_notify_and_its_reads_stay_in_progress,
+    fake_frozen_peer,
+    real_frozen_peer
 );
 both!(
     a_restart_with_a_new_id_loads_beside_the_old_one,
