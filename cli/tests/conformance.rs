@@ -467,6 +467,7 @@ impl Stage for RealStage {
     fn read(&self, l: &RemoteEngine) -> NixlStatus {
         match l.read_block(
             self.transport.agent(),
+            "conformance-read",
             0,
             0,
             Duration::from_secs(5),

@@ -131,6 +131,7 @@ pub(crate) fn run(args: PrefillArgs) -> ExitCode {
         let _ = server.await;
         stop.store(true, std::sync::atomic::Ordering::Release);
         let _ = tokio::task::spawn_blocking(move || poller.join()).await;
+        prefill.log_lease_counts();
         ExitCode::SUCCESS
     })
 }

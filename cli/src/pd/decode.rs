@@ -23,7 +23,6 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use super::pattern;
-use super::prefill::request_id;
 use super::wire::{self, HandshakeReply, WireError};
 use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
 use nixl_keepalive::KeepaliveHandle;
@@ -290,13 +289,15 @@ impl RemoteEngine {
         self.agents.len() as u16
     }
 
-    /// Reads block `block` of rank `rank` (blocking): creates and posts a
-    /// READ (its completion notification is `RD:req-<block>`), polls it
-    /// until done, failed, `timeout`, or `abandon()` says to give up, then
-    /// checks the bytes. Never hangs past `timeout`.
+    /// Reads block `block` of rank `rank` for `request` (blocking):
+    /// schedules the request at the rank's agent (`RQ:<request>`), creates
+    /// and posts a READ whose completion notification is `RD:<request>`,
+    /// polls it until done, failed, `timeout`, or `abandon()` says to give
+    /// up, then checks the bytes. Never hangs past `timeout`.
     pub fn read_block(
         &self,
         agent: &Agent,
+        request: &str,
         rank: u16,
         block: u32,
         timeout: Duration,
@@ -311,7 +312,7 @@ impl RemoteEngine {
         else {
             return ReadOutcome::NoSlot;
         };
-        let outcome = self.read_into(agent, slot, rank, block, timeout, abandon);
+        let outcome = self.read_into(agent, request, slot, rank, block, timeout, abandon);
         self.local
             .free
             .lock()
@@ -320,16 +321,18 @@ impl RemoteEngine {
         outcome
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn read_into(
         &self,
         agent: &Agent,
+        request: &str,
         slot: usize,
         rank: u16,
         block: u32,
         timeout: Duration,
         abandon: &dyn Fn() -> bool,
     ) -> ReadOutcome {
-        let notif = format!("RD:{}", request_id(block));
+        let notif = format!("RD:{request}");
         let created = self.dlists.with_handle(rank as usize, |remote| {
             agent.create_read(
                 &self.local.dlist,
@@ -344,6 +347,13 @@ impl RemoteEngine {
             Some(Err(e)) => return ReadOutcome::Failed(e.status),
             Some(Ok(r)) => r,
         };
+        // The request reaches P before its READ does (the same pair of
+        // agents, in order): P leases its blocks from now.
+        if let Some(to) = self.agents.get(rank as usize) {
+            if let Err(e) = agent.gen_notif(to.as_str(), format!("RQ:{request}").as_bytes()) {
+                return ReadOutcome::Failed(e.status);
+            }
+        }
         let start = Instant::now();
         let mut state = match req.post() {
             Ok(s) => s,
@@ -389,8 +399,6 @@ pub struct DecodeOptions {
     pub probe_interval: Duration,
     /// Pause between rounds of reads (`reads_in_flight` reads each).
     pub read_pause: Duration,
-    /// Request ids leased per engine and renewed by the heartbeats.
-    pub leases: u32,
 }
 
 impl Default for DecodeOptions {
@@ -402,7 +410,6 @@ impl Default for DecodeOptions {
             retry: Duration::from_millis(250),
             probe_interval: Duration::from_secs(2),
             read_pause: Duration::from_millis(20),
-            leases: 4,
         }
     }
 }
@@ -447,6 +454,9 @@ pub struct Decoder {
     transport: Arc<NixlTransport>,
     options: DecodeOptions,
     stats: Arc<ReadStats>,
+    /// Request ids are `<decode agent>-<n>`: unique per request, and per
+    /// decoder across decoders (agent names are unique).
+    next_request: AtomicU64,
 }
 
 impl Decoder {
@@ -461,7 +471,14 @@ impl Decoder {
             transport,
             options,
             stats: Arc::default(),
+            next_request: AtomicU64::new(0),
         })
+    }
+
+    /// A fresh request id, never used before by this decoder.
+    pub fn next_request_id(&self) -> String {
+        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
+        format!("{}-{n}", self.transport.agent().name())
     }
 
     /// The service's handle.
@@ -518,12 +535,6 @@ impl Decoder {
                 resources: remote.dlists.clone(),
             })
             .await?;
-        let leases: Vec<String> = (0..self.options.leases.min(remote.blocks))
-            .map(request_id)
-            .collect();
-        if !leases.is_empty() {
-            self.handle.add_leases(&remote.engine, leases, true);
-        }
         guard.finish();
         self.stats.handshakes.fetch_add(1, Ordering::Relaxed);
         tracing::info!(engine = %remote.engine, %address, ranks = remote.agents.len(), "engine loaded and registered");
@@ -533,9 +544,14 @@ impl Decoder {
         }))
     }
 
-    /// One read of `block` of `rank`, under a read guard: refused at once
-    /// when the engine is not live; otherwise posted and polled on a
-    /// blocking thread, and its status reported to the service.
+    /// One request: a read of `block` of `rank`, as vLLM's decode does it.
+    /// Under a read guard (refused at once when the engine is not live),
+    /// the request gets a fresh id, which is leased (the service's
+    /// heartbeats name it) from now until its read has ended; the read is
+    /// posted and polled on a blocking thread (`RQ:` before it, `RD:` on
+    /// completion, see the [protocol](super)), its status reported to the
+    /// service, and then the lease is removed. No lease outlives its read,
+    /// so heartbeats name exactly the requests still pending.
     pub async fn read(&self, connected: &Connected, rank: u16, block: u32) -> ReadOutcome {
         let guard = match connected.engine.begin_read() {
             Ok(g) => g,
@@ -544,11 +560,17 @@ impl Decoder {
                 return ReadOutcome::Released;
             }
         };
+        let request = self.next_request_id();
+        let engine = connected.remote.engine.clone();
+        self.handle
+            .add_leases(&engine, vec![request.clone()], false);
         let remote = connected.remote.clone();
         let agent = self.transport.agent().clone();
         let timeout = self.options.read_timeout;
+        let id = request.clone();
         let outcome = tokio::task::spawn_blocking(move || {
-            let outcome = remote.read_block(&agent, rank, block, timeout, &|| guard.is_failed());
+            let outcome =
+                remote.read_block(&agent, &id, rank, block, timeout, &|| guard.is_failed());
             match outcome.status() {
                 Some(status) => guard.finish(status),
                 None => drop(guard),
@@ -557,6 +579,7 @@ impl Decoder {
         })
         .await
         .expect("reads do not panic");
+        self.handle.remove_leases(&engine, vec![request]);
         let counter = match outcome {
             ReadOutcome::Verified => &self.stats.verified,
             ReadOutcome::Corrupt { offset } => {

@@ -42,11 +42,26 @@
 //!
 //! # Notifications (over NIXL, not the side channel)
 //!
-//! - `HB:req-1,req-2`: D's heartbeat, vLLM's lease renewal. P extends the
-//!   lease of each named request it knows; unknown ids are ignored.
-//! - `RD:req-<block>`: sent by NIXL to P when one of D's READs completes.
+//! A read belongs to a request; its id (`<decode agent>-<n>`, unique per
+//! request) is leased at P from when D schedules it until its read
+//! completes, with vLLM's rules ([`lease`]; the lease length is P's
+//! `--lease-secs`, 30 s by default):
+//!
+//! - `RQ:<request>`: D schedules a request, just before posting its READ
+//!   (it stands in for the router handing the request to P: in vLLM, P
+//!   knows the request first). P holds its blocks until now + lease.
+//! - `HB:<request>,<request>`: D's heartbeat, vLLM's lease renewal, built
+//!   by the keepalive service from D's lease set: exactly the requests
+//!   still pending at that engine (none: `HB:`). P sets each named live
+//!   request's expiry to max(old, now + 2/3 lease); unknown ids are
+//!   ignored.
+//! - `RD:<request>`: sent by NIXL to P when the request's READ completes;
+//!   then D removes the lease. P frees the request's blocks. An `RD:`
+//!   after the lease ran out is a read of freed blocks: P logs it as an
+//!   error and counts it (`late_reads` in its lease summary).
 
 pub mod decode;
+pub mod lease;
 pub mod pattern;
 pub mod prefill;
 pub mod wire;

@@ -1,7 +1,10 @@
 //! A prefill engine on the real runtime: one NIXL agent per rank, each
 //! with a DRAM "KV cache" filled with the known pattern, a side channel
-//! that answers handshakes, and a loop that serves peers' READs and
-//! extends leases on `HB:` notifications.
+//! that answers handshakes, and a loop that serves peers' READs and keeps
+//! request leases with vLLM's rules ([`super::lease`]): `RQ:` schedules a
+//! request, `HB:` extends, `RD:` completes, and a lease that runs out
+//! frees the request's blocks (logged; a read completed after that is
+//! logged as an error and counted).
 //!
 //! # Progress
 //!
@@ -17,7 +20,6 @@
 //! for two agents at 1 ms; our poller at a fixed 1 ms: 3.5% for two ranks,
 //! idle). A READ posted to an idle prefill may wait one idle interval.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -27,6 +29,7 @@ use nixl_sys::{Agent, AgentConfig, DramRegistration, NixlError, Runtime};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use super::lease::{LeaseCounts, Leases, ReadDone};
 use super::pattern;
 use super::wire::{self, HandshakeReply, RankInfo};
 use nixl_keepalive::EngineId;
@@ -91,11 +94,6 @@ pub fn agent_name(engine: &EngineId, rank: u16) -> String {
     format!("{engine}-rank{rank}")
 }
 
-/// The request id a block is leased under.
-pub fn request_id(block: u32) -> String {
-    format!("req-{block}")
-}
-
 struct Rank {
     agent: Agent,
     _memory: DramRegistration,
@@ -106,8 +104,6 @@ struct Rank {
 pub struct PrefillStats {
     /// `HB:` notifications received.
     pub heartbeats: AtomicU64,
-    /// Lease extensions made (one per known id per heartbeat).
-    pub extended: AtomicU64,
     /// `RD:` (read done) notifications received.
     pub reads_done: AtomicU64,
     /// Other notifications.
@@ -124,7 +120,7 @@ pub struct Prefill {
     ranks: Vec<Rank>,
     reply: Vec<u8>,
     incarnation: u64,
-    leases: Mutex<HashMap<String, Instant>>,
+    leases: Mutex<Leases>,
     stats: PrefillStats,
 }
 
@@ -158,10 +154,7 @@ impl Prefill {
             blocks: config.blocks,
             ranks: infos,
         });
-        let now = Instant::now();
-        let leases = (0..config.blocks)
-            .map(|b| (request_id(b), now + config.lease))
-            .collect();
+        let leases = Leases::new(config.lease);
         Ok(Arc::new(Prefill {
             config,
             ranks,
@@ -194,13 +187,16 @@ impl Prefill {
 
     /// Requests whose lease has not expired.
     pub fn live_leases(&self) -> usize {
-        let now = Instant::now();
-        self.leases
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .filter(|&&t| t > now)
-            .count()
+        self.lock_leases().live(Instant::now())
+    }
+
+    /// What the leases saw so far (late reads among them).
+    pub fn lease_counts(&self) -> LeaseCounts {
+        self.lock_leases().counts()
+    }
+
+    fn lock_leases(&self) -> std::sync::MutexGuard<'_, Leases> {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Starts the polling thread (see the module docs). It stops when
@@ -225,7 +221,7 @@ impl Prefill {
                             Err(e) => tracing::warn!(error = %e, "getNotifs failed"),
                         }
                     }
-                    if last_sweep.elapsed() >= Duration::from_secs(1) {
+                    if last_sweep.elapsed() >= me.sweep_interval() {
                         last_sweep = Instant::now();
                         me.expire_leases();
                     }
@@ -240,29 +236,53 @@ impl Prefill {
             .expect("spawn prefill poller")
     }
 
+    /// How often leases are swept: a tenth of a lease, at most 1 s, so an
+    /// expiry is logged within 10% of the lease after it happens.
+    fn sweep_interval(&self) -> Duration {
+        (self.config.lease / 10).min(Duration::from_secs(1))
+    }
+
     fn on_notification(&self, rank_agent: &str, from: &str, message: &[u8]) {
         let text = String::from_utf8_lossy(message);
-        if let Some(ids) = text.strip_prefix("HB:") {
+        let now = Instant::now();
+        if let Some(id) = text.strip_prefix("RQ:") {
+            self.lock_leases().schedule(id, now);
+            tracing::debug!(
+                to = rank_agent,
+                from,
+                request = id,
+                "request scheduled: blocks leased"
+            );
+        } else if let Some(ids) = text.strip_prefix("HB:") {
             self.stats.heartbeats.fetch_add(1, Ordering::Relaxed);
-            let now = Instant::now();
-            let until = now + self.config.lease * 2 / 3;
-            let mut extended = Vec::new();
-            let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
-            for id in ids.split(',').filter(|s| !s.is_empty()) {
-                if let Some(t) = leases.get_mut(id) {
-                    if *t < until {
-                        *t = until;
-                    }
-                    extended.push(id);
-                }
-            }
-            self.stats
-                .extended
-                .fetch_add(extended.len() as u64, Ordering::Relaxed);
-            tracing::info!(to = rank_agent, from, extended = ?extended, "heartbeat: leases extended");
-        } else if text.starts_with("RD:") {
+            let named: Vec<&str> = ids.split(',').filter(|s| !s.is_empty()).collect();
+            let extended = self.lock_leases().heartbeat(named.iter().copied(), now);
+            tracing::info!(to = rank_agent, from, named = named.len(), extended = ?extended, "heartbeat: leases extended");
+        } else if let Some(id) = text.strip_prefix("RD:") {
             self.stats.reads_done.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(to = rank_agent, from, %text, "read done");
+            match self.lock_leases().read_done(id, now) {
+                ReadDone::InTime => {
+                    tracing::debug!(
+                        to = rank_agent,
+                        from,
+                        request = id,
+                        "read done: blocks freed"
+                    )
+                }
+                ReadDone::AfterExpiry { expired_for } => tracing::error!(
+                    to = rank_agent,
+                    from,
+                    request = id,
+                    ?expired_for,
+                    "read completed after its lease expired: a read of freed KV blocks"
+                ),
+                ReadDone::Unknown => tracing::warn!(
+                    to = rank_agent,
+                    from,
+                    request = id,
+                    "read completed for a request not scheduled here (or already completed)"
+                ),
+            }
         } else {
             self.stats.other.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(to = rank_agent, from, %text, "notification ignored");
@@ -270,19 +290,25 @@ impl Prefill {
     }
 
     fn expire_leases(&self) {
-        let now = Instant::now();
-        let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
-        let before = leases.len();
-        leases.retain(|id, t| {
-            let keep = *t > now;
-            if !keep {
-                tracing::info!(request = %id, "lease expired: KV blocks no longer held for it");
-            }
-            keep
-        });
-        if leases.len() != before {
-            tracing::debug!(remaining = leases.len(), "leases swept");
+        let gone = self.lock_leases().expire(Instant::now());
+        for (id, ago) in gone {
+            tracing::info!(request = %id, ?ago, "lease expired: the request's KV blocks are freed");
         }
+    }
+
+    /// Logs the lease counts (at stop).
+    pub fn log_lease_counts(&self) {
+        let c = self.lease_counts();
+        tracing::info!(
+            scheduled = c.scheduled,
+            extended = c.extended,
+            ignored = c.ignored,
+            completed = c.completed,
+            expired = c.expired,
+            late_reads = c.late_reads,
+            unknown_reads = c.unknown_reads,
+            "lease summary"
+        );
     }
 
     /// Answers handshakes on `listener` until `shutdown`.

@@ -80,6 +80,8 @@ pub struct PrefillSpec {
     pub ranks: Option<u16>,
     /// Extra environment (UCX settings).
     pub env: Vec<(String, String)>,
+    /// Extra flags (`--lease-secs 2`).
+    pub args: Vec<String>,
 }
 
 impl PrefillProc {
@@ -105,6 +107,7 @@ impl PrefillProc {
         for (k, v) in &spec.env {
             cmd.env(k, v);
         }
+        cmd.args(&spec.args);
         let mut child = cmd.spawn().expect("spawn nixl-keepalive prefill");
         let out = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
@@ -152,6 +155,30 @@ impl PrefillProc {
         let _ = self.child.wait();
         self.gone = true;
         at
+    }
+
+    /// Its log (stderr) so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, and waits (at most 20 s) for it to exit; returns its exit
+    /// status and its whole log.
+    pub fn stop(&mut self) -> (std::process::ExitStatus, String) {
+        self.signal("TERM");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(s) = self.child.try_wait().expect("wait prefill") {
+                break s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "prefill did not stop within 20 s of SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        self.gone = true;
+        (status, self.log_text())
     }
 
     /// Sends a signal with the `kill` command (`STOP`, `CONT`).
