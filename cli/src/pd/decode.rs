@@ -68,9 +68,42 @@ pub enum HandshakeError {
         /// The agent the metadata named.
         got: String,
     },
+    /// Two ranks of the reply name one agent (see the protocol). Caught by
+    /// the wire decoder; checked again for replies built in code.
+    #[error("{engine}: ranks {first} and {second} both name agent {agent:?}; each rank must have its own agent")]
+    DuplicateAgent {
+        /// The engine.
+        engine: EngineId,
+        /// The first rank naming it.
+        first: usize,
+        /// The second.
+        second: usize,
+        /// The agent.
+        agent: String,
+    },
     /// The keepalive service has stopped.
     #[error(transparent)]
     Stopped(#[from] ServiceStopped),
+}
+
+impl HandshakeError {
+    /// The `reason` label of `nixl_keepalive_pd_handshake_failures_total`
+    /// (see [the list](super#what-is-counted)).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            HandshakeError::Connect { .. } => "connect",
+            HandshakeError::Wire { source, .. } => match source {
+                WireError::Io(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => "eof",
+                WireError::Io(_) => "io",
+                WireError::Timeout(_) => "timeout",
+                _ => "bad_frame",
+            },
+            HandshakeError::Load { .. } => "load",
+            HandshakeError::AgentMismatch { .. } => "agent_mismatch",
+            HandshakeError::DuplicateAgent { .. } => "duplicate_agent",
+            HandshakeError::Stopped(_) => "stopped",
+        }
+    }
 }
 
 /// Asks the prefill at `address` for its engine id, metadata and layout.
@@ -204,6 +237,14 @@ impl RemoteEngine {
         slots: usize,
     ) -> Result<RemoteEngine, HandshakeError> {
         let engine = EngineId::new(reply.engine.as_str());
+        if let Some((first, second)) = wire::find_duplicate_agent(reply) {
+            return Err(HandshakeError::DuplicateAgent {
+                engine,
+                first,
+                second,
+                agent: reply.ranks[first].agent.clone(),
+            });
+        }
         let mut loaded: Vec<String> = Vec::new();
         let undo = |loaded: &[String]| {
             for name in loaded {
@@ -392,8 +433,14 @@ pub struct DecodeOptions {
     pub read_timeout: Duration,
     /// Side-channel connect and reply timeout.
     pub handshake_timeout: Duration,
-    /// Pause between handshake attempts while nobody answers.
+    /// First pause after a failed handshake; it doubles with each failure
+    /// in a row, up to `retry_max` ([`super::retry`]).
     pub retry: Duration,
+    /// The longest pause between handshake attempts.
+    pub retry_max: Duration,
+    /// At most one WARN per this long about a prefill that keeps failing
+    /// (it says how many failures it stands for).
+    pub warn_every: Duration,
     /// How often a connected address is asked again who is there (a new
     /// engine id or incarnation there is a replacement).
     pub probe_interval: Duration,
@@ -408,6 +455,8 @@ impl Default for DecodeOptions {
             read_timeout: Duration::from_secs(5),
             handshake_timeout: Duration::from_secs(2),
             retry: Duration::from_millis(250),
+            retry_max: Duration::from_secs(4),
+            warn_every: Duration::from_secs(30),
             probe_interval: Duration::from_secs(2),
             read_pause: Duration::from_millis(20),
         }
@@ -497,9 +546,26 @@ impl Decoder {
     /// the service still holds is released first (`prepare_reload`): NIXL
     /// must not load metadata over loaded metadata.
     ///
+    /// A handshake that fails is counted in
+    /// `nixl_keepalive_pd_handshake_failures_total{reason}`.
+    ///
     /// Cancel safety: a cancelled handshake may leave metadata loaded and
     /// unregistered; run it to the end.
     pub async fn connect(
+        &self,
+        address: &PeerAddr,
+        current: Option<&Connected>,
+    ) -> Result<Handshake, HandshakeError> {
+        let result = self.handshake(address, current).await;
+        if let Err(e) = &result {
+            metrics::counter!("nixl_keepalive_pd_handshake_failures_total", "reason" => e.reason())
+                .increment(1);
+        }
+        result
+    }
+
+    /// The handshake and registration calls themselves (see `connect`).
+    async fn handshake(
         &self,
         address: &PeerAddr,
         current: Option<&Connected>,
@@ -615,7 +681,8 @@ impl Decoder {
     async fn reader_loop(self: Arc<Self>, address: PeerAddr, shutdown: CancellationToken) {
         let mut current: Option<Connected> = None;
         let mut last_probe: Option<Instant> = None;
-        let mut last_error: Option<String> = None;
+        let o = &self.options;
+        let mut retry = super::retry::Retry::new(o.retry, o.retry_max, o.warn_every);
         while !shutdown.is_cancelled() {
             if let Some(c) = &current {
                 if c.engine.state() != EngineState::Live {
@@ -634,21 +701,32 @@ impl Decoder {
             if current.is_none() || probe_due {
                 last_probe = Some(Instant::now());
                 match self.connect(&address, current.as_ref()).await {
-                    Ok(Handshake::New(c)) => {
-                        last_error = None;
-                        current = Some(c);
+                    Ok(h) => {
+                        let failures = retry.succeeded();
+                        if failures > 0 {
+                            tracing::info!(%address, failures, "handshake succeeded after failures");
+                        }
+                        if let Handshake::New(c) = h {
+                            current = Some(c);
+                        }
                     }
-                    Ok(Handshake::Unchanged) => {}
                     Err(e) => {
-                        let text = e.to_string();
-                        if last_error.as_deref() != Some(&text) {
-                            tracing::info!(%address, error = %text, "handshake failed; retrying");
-                            last_error = Some(text);
+                        let after = retry.failed(tokio::time::Instant::now());
+                        if let Some(not_logged) = after.warn {
+                            tracing::warn!(
+                                %address,
+                                error = %e,
+                                reason = e.reason(),
+                                in_a_row = after.in_a_row,
+                                not_logged,
+                                next_try_in = ?after.pause,
+                                "handshake failed; retrying with back-off"
+                            );
                         }
                         if current.is_none() {
                             tokio::select! {
                                 _ = shutdown.cancelled() => break,
-                                _ = tokio::time::sleep(self.options.retry) => {}
+                                _ = tokio::time::sleep(after.pause) => {}
                             }
                             continue;
                         }

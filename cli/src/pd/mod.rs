@@ -28,12 +28,37 @@
 //!              metadata:bytes32       the agent's NIXL metadata blob
 //! ```
 //!
+//! Every rank names its own agent: a reply in which two ranks name one
+//! agent is refused (NIXL keeps one metadata entry per agent name, so both
+//! ranks would read one rank's memory).
+//!
 //! Block `b` of rank `r` lives at `base_r + b * block_size` and holds the
 //! byte pattern [`pattern::fill`] derives from the engine id, `r` and `b`,
 //! so D can check every byte it reads. Nothing may follow the last field.
 //! A frame that breaks any rule is refused with a [`wire::WireError`]: the
-//! connection is closed, the error is logged and counted
-//! (`nixl_keepalive_pd_bad_frames_total{side}`), never a panic.
+//! connection is closed, the error is logged, never a panic.
+//!
+//! # What is counted
+//!
+//! - `nixl_keepalive_pd_bad_frames_total{side}`: frames that arrived whole
+//!   (or announced a length over the limit) and broke the format: bad
+//!   magic, version or kind, too long, truncated fields, trailing bytes,
+//!   out-of-range fields, two ranks naming one agent. `side="prefill"`: a
+//!   bad request reached a prefill; `side="decode"`: a bad reply reached a
+//!   decoder. A connection that fails, closes early or times out is not a
+//!   bad frame: see the next metric and `..._side_channel_drops_total`.
+//! - `nixl_keepalive_pd_handshake_failures_total{reason}` (decode side):
+//!   every handshake that did not register an engine, once, by its first
+//!   cause: `connect` (nobody answered: refused, reset, connect timeout),
+//!   `io` (the connection failed mid-frame), `eof` (closed before the whole
+//!   reply), `timeout` (no whole reply within the handshake timeout),
+//!   `bad_frame` (also counted above), `load` (NIXL refused the metadata or
+//!   a dlist), `agent_mismatch` (the metadata names another agent than the
+//!   reply), `stopped` (the service stopped).
+//! - `nixl_keepalive_pd_side_channel_drops_total{reason}` (prefill side):
+//!   connections closed unanswered: `busy` (over the connection cap),
+//!   `io`, `eof`, `timeout` (no whole request within the per-connection
+//!   deadline).
 //!
 //! The `incarnation` tells D whether the process behind an engine id is
 //! the one it loaded: the same engine id with a new incarnation is a
@@ -64,9 +89,10 @@ pub mod decode;
 pub mod lease;
 pub mod pattern;
 pub mod prefill;
+pub mod retry;
 pub mod wire;
 
-/// Counts and logs a frame a peer got wrong. `side` is `prefill` (a bad
+/// Counts and logs a frame a peer got wrong (see "What is counted"). `side` is `prefill` (a bad
 /// request reached a prefill) or `decode` (a bad reply reached a decoder).
 pub(crate) fn bad_frame(side: &'static str, peer: &str, error: &wire::WireError) {
     metrics::counter!("nixl_keepalive_pd_bad_frames_total", "side" => side).increment(1);
