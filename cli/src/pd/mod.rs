@@ -56,9 +56,12 @@
 //!   a dlist), `agent_mismatch` (the metadata names another agent than the
 //!   reply), `stopped` (the service stopped).
 //! - `nixl_keepalive_pd_side_channel_drops_total{reason}` (prefill side):
-//!   connections closed unanswered: `busy` (over the connection cap),
-//!   `io`, `eof`, `timeout` (no whole request within the per-connection
-//!   deadline).
+//!   connections closed unanswered: `evicted` (the oldest connection
+//!   still waiting for its request, closed to make room when every slot
+//!   was taken), `busy` (every slot was answering a request), `io`, `eof`
+//!   (closed before a whole request), `timeout` (no whole request, or the
+//!   reply not taken, within the per-connection deadline). See
+//!   [`prefill::Prefill::serve`].
 //!
 //! The `incarnation` tells D whether the process behind an engine id is
 //! the one it loaded: the same engine id with a new incarnation is a

@@ -20,6 +20,7 @@
 //! for two agents at 1 ms; our poller at a fixed 1 ms: 3.5% for two ranks,
 //! idle). A READ posted to an idle prefill may wait one idle interval.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -53,12 +54,17 @@ pub struct PrefillConfig {
     pub idle_poll_interval: Duration,
     /// The agents' configuration.
     pub agent: AgentConfig,
+    /// Side-channel connections handled at once (see [`Prefill::serve`]).
+    pub max_connections: usize,
+    /// How long one side-channel connection may take, from accept to the
+    /// reply written.
+    pub connection_timeout: Duration,
 }
 
 impl PrefillConfig {
     /// Defaults for `engine`: 16 blocks of 64 KiB, one rank, 30 s leases,
     /// polling every 1 ms when busy and 10 ms when idle, no NIXL progress
-    /// thread.
+    /// thread, at most 64 side-channel connections of at most 2 s each.
     pub fn new(engine: EngineId) -> Self {
         PrefillConfig {
             engine,
@@ -69,6 +75,8 @@ impl PrefillConfig {
             poll_interval: Duration::from_millis(1),
             idle_poll_interval: Duration::from_millis(10),
             agent: AgentConfig::default(),
+            max_connections: 64,
+            connection_timeout: Duration::from_secs(2),
         }
     }
 }
@@ -112,6 +120,9 @@ pub struct PrefillStats {
     pub handshakes: AtomicU64,
     /// Bad side-channel requests refused.
     pub bad_requests: AtomicU64,
+    /// Side-channel connections closed unanswered (busy, evicted, I/O
+    /// error, early EOF, timeout).
+    pub dropped: AtomicU64,
 }
 
 /// A running prefill engine. See the module docs.
@@ -313,9 +324,25 @@ impl Prefill {
 
     /// Answers handshakes on `listener` until `shutdown`.
     ///
+    /// At most [`PrefillConfig::max_connections`] connections are handled
+    /// at once, each for at most [`PrefillConfig::connection_timeout`], so
+    /// idle connections cannot exhaust the process's file descriptors. When
+    /// every slot is taken, the connection that has waited longest for its
+    /// request is closed to make room (`evicted`): a decoder sends its
+    /// request as soon as it connects, so under a flood of idle connections
+    /// the flood is evicted and decoders are answered. When every slot is
+    /// answering a request, the newcomer is closed (`busy`); the decoder
+    /// retries. Each drop is counted in
+    /// `nixl_keepalive_pd_side_channel_drops_total{reason}`.
+    ///
     /// Cancel safety: cancel with the token; connections in progress are
     /// dropped.
     pub async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: CancellationToken) {
+        let max = self.config.max_connections.max(1);
+        let slots = Arc::new(tokio::sync::Semaphore::new(max));
+        // Connections still waiting for their request, oldest first.
+        let waiting: Arc<Mutex<VecDeque<(u64, CancellationToken)>>> = Arc::default();
+        let mut next_id = 0u64;
         loop {
             let (stream, peer) = tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -328,26 +355,104 @@ impl Prefill {
                     }
                 },
             };
+            let permit = match slots.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => {
+                    let oldest = waiting
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .pop_front();
+                    let Some((_, evict)) = oldest else {
+                        self.dropped(&peer, "busy");
+                        continue;
+                    };
+                    evict.cancel();
+                    // The evicted task gives its slot back when it next
+                    // runs; wait for that, briefly.
+                    match tokio::time::timeout(
+                        Duration::from_millis(100),
+                        slots.clone().acquire_owned(),
+                    )
+                    .await
+                    {
+                        Ok(Ok(p)) => p,
+                        _ => {
+                            self.dropped(&peer, "busy");
+                            continue;
+                        }
+                    }
+                }
+            };
+            let id = next_id;
+            next_id += 1;
+            let evict = shutdown.child_token();
+            waiting
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push_back((id, evict.clone()));
             let me = self.clone();
-            tokio::spawn(async move { me.answer(stream, peer).await });
+            let waiting = waiting.clone();
+            tokio::spawn(async move {
+                me.answer(stream, peer, id, evict, &waiting).await;
+                drop(permit);
+            });
         }
     }
 
-    async fn answer(&self, mut stream: tokio::net::TcpStream, peer: SocketAddr) {
-        let request = wire::read_frame(&mut stream, wire::MAX_REQUEST, Duration::from_secs(5))
-            .await
-            .and_then(|p| wire::decode_request(&p));
-        if let Err(e) = request {
-            self.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
-            super::bad_frame("prefill", &peer.to_string(), &e);
-            return;
+    fn dropped(&self, peer: &SocketAddr, reason: &'static str) {
+        self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("nixl_keepalive_pd_side_channel_drops_total", "reason" => reason)
+            .increment(1);
+        tracing::debug!(%peer, reason, "side-channel connection closed unanswered");
+    }
+
+    async fn answer(
+        &self,
+        mut stream: tokio::net::TcpStream,
+        peer: SocketAddr,
+        id: u64,
+        evict: CancellationToken,
+        waiting: &Mutex<VecDeque<(u64, CancellationToken)>>,
+    ) {
+        let deadline = tokio::time::Instant::now() + self.config.connection_timeout;
+        let request = tokio::select! {
+            _ = evict.cancelled() => {
+                self.dropped(&peer, "evicted");
+                return;
+            }
+            r = wire::read_frame(&mut stream, wire::MAX_REQUEST, self.config.connection_timeout) => r,
+        };
+        waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(i, _)| *i != id);
+        let request = request.and_then(|p| wire::decode_request(&p));
+        match request {
+            Ok(()) => {}
+            Err(wire::WireError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return self.dropped(&peer, "eof")
+            }
+            Err(wire::WireError::Io(_)) => return self.dropped(&peer, "io"),
+            Err(wire::WireError::Timeout(_)) => return self.dropped(&peer, "timeout"),
+            Err(e) => {
+                self.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+                super::bad_frame("prefill", &peer.to_string(), &e);
+                return;
+            }
         }
-        match wire::write_frame(&mut stream, &self.reply).await {
-            Ok(()) => {
+        match tokio::time::timeout_at(deadline, wire::write_frame(&mut stream, &self.reply)).await {
+            Ok(Ok(())) => {
                 self.stats.handshakes.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(%peer, engine = %self.config.engine, "handshake answered");
             }
-            Err(e) => tracing::warn!(%peer, error = %e, "handshake reply not sent"),
+            Ok(Err(e)) => {
+                tracing::warn!(%peer, error = %e, "handshake reply not sent");
+                self.dropped(&peer, "io");
+            }
+            Err(_) => {
+                tracing::warn!(%peer, "handshake reply not taken within the connection timeout");
+                self.dropped(&peer, "timeout");
+            }
         }
     }
 }
