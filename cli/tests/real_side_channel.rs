@@ -2,6 +2,7 @@
 //! `nixl-keepalive prefill` process limited to 256 file descriptors, 400
 //! idle loopback connections held (and re-opened when closed) by the test,
 //! and a well-behaved decoder whose handshakes must all complete.
+//! And a hostile prefill that names one agent for two ranks.
 
 mod common;
 
@@ -114,4 +115,87 @@ fn handshakes_complete_while_an_attacker_holds_400_idle_connections_to_a_prefill
         opened - FLOOD as u64,
         ms(slowest)
     ));
+}
+
+/// A hostile prefill on the side channel: it replays a real prefill's
+/// rank-0 agent and metadata for both of its ranks (rank 1 pointed at
+/// other memory). The decoder refuses the reply before loading anything;
+/// `RemoteEngine::load` refuses it too when handed it directly.
+#[test]
+fn a_hostile_reply_naming_one_agent_for_two_ranks_is_refused_and_nothing_is_loaded() {
+    use nixl_keepalive::EngineId;
+    use nixl_keepalive_cli::pd::decode::{DecodeOptions, Handshake, HandshakeError, RemoteEngine};
+    use nixl_keepalive_cli::pd::wire;
+    use nixl_sys::NixlStatus;
+
+    let Some(rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let p = PrefillProc::start(&PrefillSpec {
+        ranks: Some(2),
+        ..Default::default()
+    });
+    common::block_on(async move {
+        let real = fetch(&p.addr, Duration::from_secs(5))
+            .await
+            .expect("real reply");
+        let mut hostile = real.clone();
+        hostile.ranks[1].agent = hostile.ranks[0].agent.clone();
+        hostile.ranks[1].metadata = hostile.ranks[0].metadata.clone();
+        let payload = wire::encode_reply(&hostile);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let fake =
+            nixl_keepalive::PeerAddr::from(listener.local_addr().unwrap().to_string().as_str());
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let _ = wire::read_frame(&mut s, wire::MAX_REQUEST, Duration::from_secs(5)).await;
+                let _ = wire::write_frame(&mut s, &payload).await;
+            }
+        });
+        let d = common::DecodeSide::start(
+            rt,
+            common::config(Duration::from_millis(500)),
+            DecodeOptions::default(),
+        );
+        let e = match d.decoder.connect(&fake, None).await {
+            Err(e) => e,
+            Ok(_) => panic!("a reply naming one agent for two ranks was accepted"),
+        };
+        assert_eq!(e.reason(), "bad_frame", "{e}");
+        assert!(e.to_string().contains("ranks 0 and 1"), "{e}");
+        let engine = EngineId::from(p.engine.as_str());
+        assert!(
+            d.decoder.handle().engine(&engine).is_none(),
+            "registered anyway"
+        );
+        // Handed to the loader directly, it is refused before any load.
+        let agent = d.transport.agent().clone();
+        let err = RemoteEngine::load(&agent, fake.clone(), &hostile, 1).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                HandshakeError::DuplicateAgent {
+                    first: 0,
+                    second: 1,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let e = agent
+            .invalidate_remote_metadata(&hostile.ranks[0].agent)
+            .expect_err("nothing may be loaded");
+        assert_eq!(e.status, NixlStatus::ERR_NOT_FOUND, "{e}");
+        // The honest prefill still loads and registers.
+        match d
+            .decoder
+            .connect(&p.addr, None)
+            .await
+            .expect("honest handshake")
+        {
+            Handshake::New(c) => assert_eq!(c.remote.agents.len(), 2),
+            Handshake::Unchanged => panic!("expected a new engine"),
+        }
+        d.stop().await;
+        report("hostile reply (one agent for ranks 0 and 1, real metadata): refused by the wire decoder and by RemoteEngine::load; nothing loaded; the honest prefill then registered");
+    });
 }
