@@ -42,6 +42,11 @@ fn over_three_leases_no_block_is_read_after_its_lease_expired_and_completed_requ
 ) {
     let Some(rt) = runtime_or_skip() else { return };
     let _serial = serial();
+    // The reader loop's logs (its handshake failures), shown on failure.
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter("info")
+        .try_init();
     common::block_on(async move {
         let mut p = PrefillProc::start(&PrefillSpec {
             ranks: Some(2),

@@ -11,6 +11,10 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+/// The most requests held at once, and the most expired ones remembered:
+/// a peer that schedules without end cannot grow the table past this.
+pub const MAX_REQUESTS: usize = 100_000;
+
 /// How a read completion (`RD:`) matched the leases.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReadDone {
@@ -43,6 +47,8 @@ pub struct LeaseCounts {
     pub late_reads: u64,
     /// Read completions of requests never scheduled or already completed.
     pub unknown_reads: u64,
+    /// Requests refused because [`MAX_REQUESTS`] were already held.
+    pub refused: u64,
 }
 
 /// The leases of one prefill process. See the module docs.
@@ -81,13 +87,19 @@ impl Leases {
     }
 
     /// `RQ:<id>`: the request's blocks are held until `now + lease`. A
-    /// request scheduled again keeps the later expiry.
-    pub fn schedule(&mut self, id: &str, now: Instant) {
+    /// request scheduled again keeps the later expiry. Returns false (and
+    /// holds nothing) when [`MAX_REQUESTS`] are already held.
+    pub fn schedule(&mut self, id: &str, now: Instant) -> bool {
+        if self.live.len() >= MAX_REQUESTS && !self.live.contains_key(id) {
+            self.counts.refused += 1;
+            return false;
+        }
         self.counts.scheduled += 1;
         self.expired.remove(id);
         let until = now + self.lease;
         let t = self.live.entry(id.to_string()).or_insert(until);
         *t = (*t).max(until);
+        true
     }
 
     /// `HB:<ids>`: each live id's expiry becomes `max(old, now + 2/3
@@ -149,7 +161,10 @@ impl Leases {
             false
         });
         for (id, ago) in &gone {
-            self.expired.insert(id.clone(), now - *ago);
+            // Past the bound a late completion counts as unknown instead.
+            if self.expired.len() < MAX_REQUESTS {
+                self.expired.insert(id.clone(), now - *ago);
+            }
         }
         self.counts.expired += gone.len() as u64;
         let history = self.history;
@@ -237,6 +252,26 @@ mod tests {
         );
         let c = l.counts();
         assert_eq!((c.late_reads, c.expired, c.completed), (2, 2, 0));
+    }
+
+    #[test]
+    fn a_peer_scheduling_without_end_is_capped() {
+        let t0 = Instant::now();
+        let mut l = Leases::new(LEASE);
+        for i in 0..MAX_REQUESTS {
+            assert!(l.schedule(&i.to_string(), t0));
+        }
+        assert!(!l.schedule("one-more", t0), "over the cap");
+        assert!(
+            l.schedule("0", t0),
+            "rescheduling a held request is no growth"
+        );
+        assert_eq!(l.counts().refused, 1);
+        assert_eq!(l.live(t0), MAX_REQUESTS);
+        // Expired, they are remembered up to the same bound, then freed.
+        assert_eq!(l.expire(t0 + LEASE).len(), MAX_REQUESTS);
+        assert!(l.schedule("after", t0 + LEASE));
+        assert!(l.expired.len() <= MAX_REQUESTS);
     }
 
     #[test]

@@ -257,13 +257,22 @@ impl Prefill {
         let text = String::from_utf8_lossy(message);
         let now = Instant::now();
         if let Some(id) = text.strip_prefix("RQ:") {
-            self.lock_leases().schedule(id, now);
-            tracing::debug!(
-                to = rank_agent,
-                from,
-                request = id,
-                "request scheduled: blocks leased"
-            );
+            if self.lock_leases().schedule(id, now) {
+                tracing::debug!(
+                    to = rank_agent,
+                    from,
+                    request = id,
+                    "request scheduled: blocks leased"
+                );
+            } else {
+                tracing::warn!(
+                    to = rank_agent,
+                    from,
+                    request = id,
+                    max = super::lease::MAX_REQUESTS,
+                    "request refused: too many requests held"
+                );
+            }
         } else if let Some(ids) = text.strip_prefix("HB:") {
             self.stats.heartbeats.fetch_add(1, Ordering::Relaxed);
             let named: Vec<&str> = ids.split(',').filter(|s| !s.is_empty()).collect();
@@ -318,6 +327,7 @@ impl Prefill {
             expired = c.expired,
             late_reads = c.late_reads,
             unknown_reads = c.unknown_reads,
+            refused = c.refused,
             "lease summary"
         );
     }
