@@ -117,7 +117,7 @@ fn stop_once(p: &PrefillProc, sig: &str) -> Duration {
 fn stop_several_times(sig: &str) {
     let Some(_rt) = runtime_or_skip() else { return };
     let _serial = serial();
-    let p = PrefillProc::start(&PrefillSpec {
+    let mut p = PrefillProc::start(&PrefillSpec {
         blocks: Some(8),
         block_size: Some(4 << 20),
         ..Default::default()
@@ -127,6 +127,17 @@ fn stop_several_times(sig: &str) {
     for _ in 0..trials {
         worst = worst.max(stop_once(&p, sig));
     }
+    // The prefill saw every request's read complete within its lease, and
+    // none it had not been told of.
+    let (status, log) = p.stop();
+    assert!(status.success(), "prefill exited with {status}");
+    let summary = log
+        .lines()
+        .rev()
+        .find(|l| l.contains("lease summary"))
+        .unwrap_or_else(|| panic!("no lease summary:\n{log}"));
+    assert!(summary.contains(" late_reads=0 "), "{summary}");
+    assert!(summary.contains(" unknown_reads=0 "), "{summary}");
     report(&format!(
         "SIG{sig} of decode with 4 reads of 4 MiB back to back: {trials}/{trials} exit 0 with the engine released; slowest signal->exit {}",
         ms(worst)

@@ -7,6 +7,10 @@
 //! Prometheus metrics at `http://ADDR/metrics`. An operator can kill a
 //! prefill and watch the decoder release it. Service settings come from
 //! the `NIXL_KEEPALIVE_*` environment variables; UCX's from `UCX_*`.
+//!
+//! SIGINT or SIGTERM stops it gracefully (see `stop_gracefully`): no new
+//! reads, the reads in flight end (bounded), then the service releases
+//! every engine; exit 0 when none is left held.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;

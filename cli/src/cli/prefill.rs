@@ -1,8 +1,10 @@
 //! `nixl-keepalive prefill`: a real prefill engine on the NIXL runtime.
 //!
 //! One NIXL agent per rank with a DRAM "KV cache" filled with the known
-//! pattern, a side channel on `--listen`, leases extended on `HB:`
-//! notifications (logged). Prints one line
+//! pattern, a side channel on `--listen` (at most `--max-connections` at
+//! once), request leases kept with vLLM's rules (`--lease-secs`; expiries
+//! and reads after expiry logged, a `lease summary` line at stop). Prints
+//! one line
 //! `PREFILL READY engine=<id> listen=<addr> pid=<pid> incarnation=<n>` on
 //! stdout once it answers handshakes; runs until SIGINT or SIGTERM.
 

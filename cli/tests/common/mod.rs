@@ -111,21 +111,27 @@ impl PrefillProc {
         let mut child = cmd.spawn().expect("spawn nixl-keepalive prefill");
         let out = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
+        // Drains stdout for the process's life: UCX logs there too (its
+        // ERROR lines can come before ours), and a closed pipe would make
+        // its later writes fail.
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
+                let _ = tx.send(line);
             }
         });
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|e| {
-                panic!(
-                    "prefill never got ready ({e}); log: {}",
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut before = Vec::new();
+        let line = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(l) if l.starts_with("PREFILL READY") => break l,
+                Ok(l) => before.push(l),
+                Err(e) => panic!(
+                    "prefill never got ready ({e}); stdout: {before:#?}; log: {}",
                     std::fs::read_to_string(&log).unwrap_or_default()
-                )
-            });
+                ),
+            }
+        };
         let field = |k: &str| {
             line.split_whitespace()
                 .find_map(|w| w.strip_prefix(k))
