@@ -15,7 +15,8 @@ use nixl_keepalive_cli::pd::decode::DecodeOptions;
 use nixl_keepalive_cli::pd::prefill::agent_name;
 use nixl_sys::testing::runtime_or_skip;
 
-const LEASE: Duration = Duration::from_secs(2);
+/// Renewals extend to 2/3 of it (2 s): four heartbeat intervals.
+const LEASE: Duration = Duration::from_secs(3);
 
 /// The `key=value` of the prefill's last "lease summary" log line.
 fn summary(log: &str, key: &str) -> u64 {
@@ -72,9 +73,26 @@ fn over_three_leases_no_block_is_read_after_its_lease_expired_and_completed_requ
         // "held" stays leased at the decode (the heartbeats must keep it
         // alive past its lease); "orphan" is never leased (it must expire,
         // and a completion sent after that must be caught as a late read).
-        let agent = d.transport.agent().clone();
-        let held = format!("{}-held", agent.name());
-        let orphan = format!("{}-orphan", agent.name());
+        // The controls' own notifications come from an agent of their own
+        // (with NIXL's progress thread), so they never share the decode
+        // agent with the service's heartbeats and the reads.
+        let mut cfg = nixl_sys::AgentConfig::default();
+        cfg.progress_thread = nixl_sys::ProgressThread::Polling {
+            delay: Duration::from_millis(1),
+        };
+        let agent = nixl_sys::Agent::new(rt, &common::unique("planter"), &cfg).expect("agent");
+        let reply = nixl_keepalive_cli::pd::decode::fetch(&p.addr, Duration::from_secs(5))
+            .await
+            .expect("handshake");
+        assert_eq!(
+            agent
+                .load_remote_metadata(&reply.ranks[0].metadata)
+                .expect("load"),
+            rank0
+        );
+        let tag = d.transport.agent().name().to_string();
+        let held = format!("{tag}-held");
+        let orphan = format!("{tag}-orphan");
         for id in [&held, &orphan] {
             agent
                 .gen_notif(&rank0, format!("RQ:{id}").as_bytes())
@@ -107,10 +125,8 @@ fn over_three_leases_no_block_is_read_after_its_lease_expired_and_completed_requ
             late_sent,
             "the orphan request's lease never expired at the prefill"
         );
-        assert!(
-            !expired(&p.log_text(), &held),
-            "a request renewed by heartbeats expired within 3 leases"
-        );
+        assert!(!expired(&p.log_text(), &held), "a request renewed by heartbeats expired within 3 leases; heartbeats the prefill saw:\n{}",
+            p.log_text().lines().filter(|l| l.contains("heartbeat") || l.contains("expired")).collect::<Vec<_>>().join("\n"));
         reading.cancel();
         reader.await.expect("reader");
         // Reads ended: the only lease left is the held control; once it is
