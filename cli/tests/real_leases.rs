@@ -76,9 +76,11 @@ fn over_three_leases_no_block_is_read_after_its_lease_expired_and_completed_requ
         // The controls' own notifications come from an agent of their own
         // (with NIXL's progress thread), so they never share the decode
         // agent with the service's heartbeats and the reads.
-        let mut cfg = nixl_sys::AgentConfig::default();
-        cfg.progress_thread = nixl_sys::ProgressThread::Polling {
-            delay: Duration::from_millis(1),
+        let cfg = nixl_sys::AgentConfig {
+            progress_thread: nixl_sys::ProgressThread::Polling {
+                delay: Duration::from_millis(1),
+            },
+            ..Default::default()
         };
         let agent = nixl_sys::Agent::new(rt, &common::unique("planter"), &cfg).expect("agent");
         let reply = nixl_keepalive_cli::pd::decode::fetch(&p.addr, Duration::from_secs(5))
