@@ -102,7 +102,6 @@ async fn run(rt: &'static nixl_sys::Runtime, interval: Duration, kills: usize) {
         handle,
         transport,
         DecodeOptions {
-            leases: 0,
             ..DecodeOptions::default()
         },
     );

@@ -538,7 +538,14 @@ impl Stage for RealStage {
     }
 
     fn read_within(&self, l: &RemoteEngine, limit: Duration) -> NixlStatus {
-        match l.read_block(self.transport.agent(), 0, 0, limit, &|| false) {
+        match l.read_block(
+            self.transport.agent(),
+            "conformance-read",
+            0,
+            0,
+            limit,
+            &|| false,
+        ) {
             ReadOutcome::Verified => NixlStatus::SUCCESS,
             ReadOutcome::Corrupt { .. } => NixlStatus::ERR_MISMATCH,
             ReadOutcome::Failed(s) => s,

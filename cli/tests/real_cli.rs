@@ -32,11 +32,19 @@ fn an_operator_kills_a_prefill_and_the_decode_command_releases_it() {
         .unwrap()
         .port();
     let metrics = format!("127.0.0.1:{port}");
+    // A second prefill address where nobody listens: its failed handshakes
+    // must show in the metrics, by reason.
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
     let mut decode = Command::new(env!("CARGO_BIN_EXE_nixl-keepalive"))
         .args([
             "decode",
             "--prefill",
             p.addr.as_str(),
+            &nobody,
             "--metrics-addr",
             &metrics,
         ])
@@ -75,6 +83,10 @@ fn an_operator_kills_a_prefill_and_the_decode_command_releases_it() {
     assert!(
         before.contains("nixl_keepalive_pd_reads_total{outcome=\"verified\"}"),
         "{before}"
+    );
+    assert!(
+        before.contains("nixl_keepalive_pd_handshake_failures_total{reason=\"connect\"}"),
+        "failed handshakes to {nobody} not counted: {before}"
     );
     let killed = p.kill();
     let released = wait(

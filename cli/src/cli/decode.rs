@@ -10,6 +10,10 @@
 //! `GET /v1/snapshot`, `GET /metrics`; see `control.rs`), and
 //! `--metrics-addr` serves `/metrics` alone. Service settings come from
 //! the `NIXL_KEEPALIVE_*` environment variables; UCX's from `UCX_*`.
+//!
+//! SIGINT or SIGTERM stops it gracefully (see `stop_gracefully`): no new
+//! reads, the reads in flight end (bounded), then the service releases
+//! every engine; exit 0 when none is left held.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -220,14 +224,15 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
             probe_interval: Duration::from_millis(args.probe_ms),
             ..DecodeOptions::default()
         };
+        // Readers stop on their own token, before the service's: see
+        // `stop_gracefully`.
+        let reading = CancellationToken::new();
+        let reader_drain = options.read_timeout + options.handshake_timeout * 2;
         let decoder = Decoder::new(keepalive.clone(), transport.clone(), options);
-        // Readers stop first at shutdown, so no read is in flight when the
-        // service stops and releases every engine.
-        let stop_readers = CancellationToken::new();
         let mut readers: HashMap<PeerAddr, Reader> = HashMap::new();
         for a in &args.prefill {
             let address = PeerAddr::from(a.as_str());
-            let stop = stop_readers.child_token();
+            let stop = reading.child_token();
             let task = decoder.spawn(address.clone(), stop.clone());
             readers.insert(address, Reader { stop, task, pinned: true });
         }
@@ -246,7 +251,7 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
                 },
                 Some(update) = next_update(&mut updates) => {
                     print_update(&update);
-                    follow_membership(&update, &decoder, &mut readers, &stop_readers);
+                    follow_membership(&update, &decoder, &mut readers, &reading);
                 }
                 _ = summary.tick() => {
                     let s = decoder.stats();
@@ -263,23 +268,22 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
             }
         }
         println!("decode stopping");
-        stop_readers.cancel();
-        for (_, r) in readers {
-            let _ = r.task.await;
-        }
-        shutdown.cancel();
-        let stopped = task.await;
-        match stopped {
-            Ok(s) if s.unreleased.is_empty() => ExitCode::SUCCESS,
-            Ok(s) => {
-                eprintln!("stopped with {} engines still held", s.unreleased.len());
-                ExitCode::FAILURE
-            }
-            Err(e) => {
-                eprintln!("error: the service task failed: {e}");
-                ExitCode::FAILURE
+        let readers = readers.into_values().map(|r| r.task).collect();
+        let code = stop_gracefully(reading, readers, reader_drain, shutdown, task).await;
+        // The releases of the stop itself, sent before the task returned.
+        loop {
+            match events.try_recv() {
+                Ok(e) => print_event(&e),
+                Err(tokio::sync::broadcast::error::TryRecvError::Lagged(n)) => {
+                    println!("event: ({n} events missed)")
+                }
+                Err(_) => break,
             }
         }
+        if code == ExitCode::SUCCESS {
+            println!("decode stopped: every engine released");
+        }
+        code
     })
 }
 
@@ -343,7 +347,7 @@ fn follow_membership(
     update: &MembershipUpdate,
     decoder: &Arc<Decoder>,
     readers: &mut HashMap<PeerAddr, Reader>,
-    stop_readers: &CancellationToken,
+    reading: &CancellationToken,
 ) {
     match update {
         MembershipUpdate::Joined(member) => {
@@ -353,7 +357,7 @@ fn follow_membership(
                     return;
                 }
             }
-            let stop = stop_readers.child_token();
+            let stop = reading.child_token();
             let task = decoder.spawn(address.clone(), stop.clone());
             readers.insert(
                 address,
@@ -421,6 +425,59 @@ fn spawn_upkeep(handle: PrometheusHandle, shutdown: CancellationToken) {
             }
         }
     });
+}
+
+/// A graceful stop, in this order:
+/// 1. the readers' token is cancelled: no new read or handshake starts;
+/// 2. the readers are awaited, at most `reader_drain` (a read in flight
+///    ends within its read timeout, a handshake within two handshake
+///    timeouts) or until a second SIGINT/SIGTERM: reads end by themselves
+///    and their guards are dropped;
+/// 3. only then is the service cancelled and awaited: it releases every
+///    engine (no read in flight is left to wait for).
+///
+/// Cancelling the service first would find reads in flight, and a service
+/// that returns such engines unreleased left "stopped with N engines still
+/// held" and exit 1. Exit 0 when every engine was released.
+async fn stop_gracefully(
+    reading: CancellationToken,
+    readers: Vec<tokio::task::JoinHandle<()>>,
+    reader_drain: Duration,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<
+        nixl_keepalive::Stopped<nixl_keepalive::nixl_transport::RemoteDlists>,
+    >,
+) -> ExitCode {
+    reading.cancel();
+    let all = futures_join_all(readers);
+    tokio::select! {
+        _ = all => tracing::info!("readers stopped; no read in flight"),
+        _ = tokio::time::sleep(reader_drain) => {
+            tracing::warn!(?reader_drain, "readers still busy after the drain bound; stopping the service anyway");
+        }
+        _ = super::wait_for_signal() => {
+            tracing::warn!("second signal: not waiting for reads in flight");
+        }
+    }
+    shutdown.cancel();
+    match task.await {
+        Ok(s) if s.unreleased.is_empty() => ExitCode::SUCCESS,
+        Ok(s) => {
+            eprintln!("stopped with {} engines still held", s.unreleased.len());
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("error: the service task failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Awaits every reader task (their results carry nothing).
+async fn futures_join_all(readers: Vec<tokio::task::JoinHandle<()>>) {
+    for r in readers {
+        let _ = r.await;
+    }
 }
 
 /// One line per event, greppable: `event: <kind> key=value ...`.

@@ -1,8 +1,10 @@
 //! `nixl-keepalive prefill`: a real prefill engine on the NIXL runtime.
 //!
 //! One NIXL agent per rank with a DRAM "KV cache" filled with the known
-//! pattern, a side channel on `--listen`, leases extended on `HB:`
-//! notifications (logged). Prints one line
+//! pattern, a side channel on `--listen` (at most `--max-connections` at
+//! once), request leases kept with vLLM's rules (`--lease-secs`; expiries
+//! and reads after expiry logged, a `lease summary` line at stop). Prints
+//! one line
 //! `PREFILL READY engine=<id> listen=<addr> pid=<pid> incarnation=<n>` on
 //! stdout once it answers handshakes; runs until SIGINT or SIGTERM.
 //!
@@ -77,9 +79,19 @@ pub(crate) struct PrefillArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
     etcd_ttl: u64,
 
-    /// Lease of a request's KV blocks without renewal, in seconds.
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Lease of a request's KV blocks without renewal, in seconds (vLLM:
+    /// 30). An `HB:` extends a request to now + 2/3 of it.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     lease_secs: u64,
+
+    /// Side-channel connections handled at once; when all are taken, the
+    /// one waiting longest for its request is closed to make room.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    max_connections: u64,
+
+    /// How long one side-channel connection may take, in ms.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    connection_timeout_ms: u64,
 }
 
 pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
@@ -112,6 +124,8 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
     config.block_size = args.block_size as usize;
     config.ranks = args.ranks;
     config.lease = Duration::from_secs(args.lease_secs);
+    config.max_connections = args.max_connections as usize;
+    config.connection_timeout = Duration::from_millis(args.connection_timeout_ms);
     config.poll_interval = Duration::from_millis(args.poll_ms);
     if let Some(us) = args.progress_thread_us {
         config.agent.progress_thread = nixl_sys::ProgressThread::Polling {
@@ -168,6 +182,7 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
         let _ = server.await;
         stop.store(true, std::sync::atomic::Ordering::Release);
         let _ = tokio::task::spawn_blocking(move || poller.join()).await;
+        prefill.log_lease_counts();
         ExitCode::SUCCESS
     })
 }

@@ -23,7 +23,6 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use super::pattern;
-use super::prefill::request_id;
 use super::wire::{self, HandshakeReply, WireError};
 use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
 use nixl_keepalive::{
@@ -69,6 +68,19 @@ pub enum HandshakeError {
         /// The agent the metadata named.
         got: String,
     },
+    /// Two ranks of the reply name one agent (see the protocol). Caught by
+    /// the wire decoder; checked again for replies built in code.
+    #[error("{engine}: ranks {first} and {second} both name agent {agent:?}; each rank must have its own agent")]
+    DuplicateAgent {
+        /// The engine.
+        engine: EngineId,
+        /// The first rank naming it.
+        first: usize,
+        /// The second.
+        second: usize,
+        /// The agent.
+        agent: String,
+    },
     /// The keepalive service has stopped.
     #[error(transparent)]
     Stopped(#[from] ServiceStopped),
@@ -76,6 +88,27 @@ pub enum HandshakeError {
     /// was given back).
     #[error("{0}")]
     Refused(String),
+}
+
+impl HandshakeError {
+    /// The `reason` label of `nixl_keepalive_pd_handshake_failures_total`
+    /// (see [the list](super#what-is-counted)).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            HandshakeError::Connect { .. } => "connect",
+            HandshakeError::Wire { source, .. } => match source {
+                WireError::Io(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => "eof",
+                WireError::Io(_) => "io",
+                WireError::Timeout(_) => "timeout",
+                _ => "bad_frame",
+            },
+            HandshakeError::Load { .. } => "load",
+            HandshakeError::AgentMismatch { .. } => "agent_mismatch",
+            HandshakeError::DuplicateAgent { .. } => "duplicate_agent",
+            HandshakeError::Stopped(_) => "stopped",
+            HandshakeError::Refused(_) => "refused",
+        }
+    }
 }
 
 /// Asks the prefill at `address` for its engine id, metadata and layout.
@@ -209,6 +242,14 @@ impl RemoteEngine {
         slots: usize,
     ) -> Result<RemoteEngine, HandshakeError> {
         let engine = EngineId::new(reply.engine.as_str());
+        if let Some((first, second)) = wire::find_duplicate_agent(reply) {
+            return Err(HandshakeError::DuplicateAgent {
+                engine,
+                first,
+                second,
+                agent: reply.ranks[first].agent.clone(),
+            });
+        }
         let mut loaded: Vec<String> = Vec::new();
         let undo = |loaded: &[String]| {
             for name in loaded {
@@ -294,13 +335,15 @@ impl RemoteEngine {
         self.agents.len() as u16
     }
 
-    /// Reads block `block` of rank `rank` (blocking): creates and posts a
-    /// READ (its completion notification is `RD:req-<block>`), polls it
-    /// until done, failed, `timeout`, or `abandon()` says to give up, then
-    /// checks the bytes. Never hangs past `timeout`.
+    /// Reads block `block` of rank `rank` for `request` (blocking):
+    /// schedules the request at the rank's agent (`RQ:<request>`), creates
+    /// and posts a READ whose completion notification is `RD:<request>`,
+    /// polls it until done, failed, `timeout`, or `abandon()` says to give
+    /// up, then checks the bytes. Never hangs past `timeout`.
     pub fn read_block(
         &self,
         agent: &Agent,
+        request: &str,
         rank: u16,
         block: u32,
         timeout: Duration,
@@ -315,7 +358,7 @@ impl RemoteEngine {
         else {
             return ReadOutcome::NoSlot;
         };
-        let outcome = self.read_into(agent, slot, rank, block, timeout, abandon);
+        let outcome = self.read_into(agent, request, slot, rank, block, timeout, abandon);
         self.local
             .free
             .lock()
@@ -324,16 +367,18 @@ impl RemoteEngine {
         outcome
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn read_into(
         &self,
         agent: &Agent,
+        request: &str,
         slot: usize,
         rank: u16,
         block: u32,
         timeout: Duration,
         abandon: &dyn Fn() -> bool,
     ) -> ReadOutcome {
-        let notif = format!("RD:{}", request_id(block));
+        let notif = format!("RD:{request}");
         let created = self.dlists.with_handle(rank as usize, |remote| {
             agent.create_read(
                 &self.local.dlist,
@@ -348,6 +393,13 @@ impl RemoteEngine {
             Some(Err(e)) => return ReadOutcome::Failed(e.status),
             Some(Ok(r)) => r,
         };
+        // The request reaches P before its READ does (the same pair of
+        // agents, in order): P leases its blocks from now.
+        if let Some(to) = self.agents.get(rank as usize) {
+            if let Err(e) = agent.gen_notif(to.as_str(), format!("RQ:{request}").as_bytes()) {
+                return ReadOutcome::Failed(e.status);
+            }
+        }
         let start = Instant::now();
         let mut state = match req.post() {
             Ok(s) => s,
@@ -386,15 +438,19 @@ pub struct DecodeOptions {
     pub read_timeout: Duration,
     /// Side-channel connect and reply timeout.
     pub handshake_timeout: Duration,
-    /// Pause between handshake attempts while nobody answers.
+    /// First pause after a failed handshake; it doubles with each failure
+    /// in a row, up to `retry_max` ([`super::retry`]).
     pub retry: Duration,
+    /// The longest pause between handshake attempts.
+    pub retry_max: Duration,
+    /// At most one WARN per this long about a prefill that keeps failing
+    /// (it says how many failures it stands for).
+    pub warn_every: Duration,
     /// How often a connected address is asked again who is there (a new
     /// engine id or incarnation there is a replacement).
     pub probe_interval: Duration,
     /// Pause between rounds of reads (`reads_in_flight` reads each).
     pub read_pause: Duration,
-    /// Request ids leased per engine and renewed by the heartbeats.
-    pub leases: u32,
 }
 
 impl Default for DecodeOptions {
@@ -404,9 +460,10 @@ impl Default for DecodeOptions {
             read_timeout: Duration::from_secs(5),
             handshake_timeout: Duration::from_secs(2),
             retry: Duration::from_millis(250),
+            retry_max: Duration::from_secs(4),
+            warn_every: Duration::from_secs(30),
             probe_interval: Duration::from_secs(2),
             read_pause: Duration::from_millis(20),
-            leases: 4,
         }
     }
 }
@@ -451,6 +508,9 @@ pub struct Decoder {
     transport: Arc<NixlTransport>,
     options: DecodeOptions,
     stats: Arc<ReadStats>,
+    /// Request ids are `<decode agent>-<n>`: unique per request, and per
+    /// decoder across decoders (agent names are unique).
+    next_request: AtomicU64,
 }
 
 impl Decoder {
@@ -465,7 +525,14 @@ impl Decoder {
             transport,
             options,
             stats: Arc::default(),
+            next_request: AtomicU64::new(0),
         })
+    }
+
+    /// A fresh request id, never used before by this decoder.
+    pub fn next_request_id(&self) -> String {
+        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
+        format!("{}-{n}", self.transport.agent().name())
     }
 
     /// The service's handle.
@@ -485,9 +552,26 @@ impl Decoder {
     /// (`ready_to_load`), whatever its state: NIXL must not load metadata
     /// over loaded metadata.
     ///
+    /// A handshake that fails is counted in
+    /// `nixl_keepalive_pd_handshake_failures_total{reason}`.
+    ///
     /// Cancel safety: a cancelled handshake may leave metadata loaded and
     /// unregistered; run it to the end.
     pub async fn connect(
+        &self,
+        address: &PeerAddr,
+        current: Option<&Connected>,
+    ) -> Result<Handshake, HandshakeError> {
+        let result = self.handshake(address, current).await;
+        if let Err(e) = &result {
+            metrics::counter!("nixl_keepalive_pd_handshake_failures_total", "reason" => e.reason())
+                .increment(1);
+        }
+        result
+    }
+
+    /// The handshake and registration calls themselves (see `connect`).
+    async fn handshake(
         &self,
         address: &PeerAddr,
         current: Option<&Connected>,
@@ -536,12 +620,6 @@ impl Decoder {
                 return Err(HandshakeError::Refused(text));
             }
         };
-        let leases: Vec<String> = (0..self.options.leases.min(remote.blocks))
-            .map(request_id)
-            .collect();
-        if !leases.is_empty() {
-            self.handle.add_leases(&remote.engine, leases, true);
-        }
         self.stats.handshakes.fetch_add(1, Ordering::Relaxed);
         tracing::info!(engine = %remote.engine, %address, ranks = remote.agents.len(), "engine loaded and registered");
         Ok(Handshake::New(Connected {
@@ -550,9 +628,14 @@ impl Decoder {
         }))
     }
 
-    /// One read of `block` of `rank`, under a read guard: refused at once
-    /// when the engine is not live; otherwise posted and polled on a
-    /// blocking thread, and its status reported to the service.
+    /// One request: a read of `block` of `rank`, as vLLM's decode does it.
+    /// Under a read guard (refused at once when the engine is not live),
+    /// the request gets a fresh id, which is leased (the service's
+    /// heartbeats name it) from now until its read has ended; the read is
+    /// posted and polled on a blocking thread (`RQ:` before it, `RD:` on
+    /// completion, see the [protocol](super)), its status reported to the
+    /// service, and then the lease is removed. No lease outlives its read,
+    /// so heartbeats name exactly the requests still pending.
     pub async fn read(&self, connected: &Connected, rank: u16, block: u32) -> ReadOutcome {
         let guard = match connected.engine.begin_read() {
             Ok(g) => g,
@@ -561,11 +644,17 @@ impl Decoder {
                 return ReadOutcome::Released;
             }
         };
+        let request = self.next_request_id();
+        let engine = connected.remote.engine.clone();
+        self.handle
+            .add_leases(&engine, vec![request.clone()], false);
         let remote = connected.remote.clone();
         let agent = self.transport.agent().clone();
         let timeout = self.options.read_timeout;
+        let id = request.clone();
         let outcome = tokio::task::spawn_blocking(move || {
-            let outcome = remote.read_block(&agent, rank, block, timeout, &|| guard.is_failed());
+            let outcome =
+                remote.read_block(&agent, &id, rank, block, timeout, &|| guard.is_failed());
             match outcome.status() {
                 Some(status) => guard.finish(status),
                 None => drop(guard),
@@ -574,6 +663,7 @@ impl Decoder {
         })
         .await
         .expect("reads do not panic");
+        self.handle.remove_leases(&engine, vec![request]);
         let counter = match outcome {
             ReadOutcome::Verified => &self.stats.verified,
             ReadOutcome::Corrupt { offset } => {
@@ -609,7 +699,8 @@ impl Decoder {
     async fn reader_loop(self: Arc<Self>, address: PeerAddr, shutdown: CancellationToken) {
         let mut current: Option<Connected> = None;
         let mut last_probe: Option<Instant> = None;
-        let mut last_error: Option<String> = None;
+        let o = &self.options;
+        let mut retry = super::retry::Retry::new(o.retry, o.retry_max, o.warn_every);
         while !shutdown.is_cancelled() {
             if let Some(c) = &current {
                 if c.engine.state() != EngineState::Live {
@@ -628,21 +719,32 @@ impl Decoder {
             if current.is_none() || probe_due {
                 last_probe = Some(Instant::now());
                 match self.connect(&address, current.as_ref()).await {
-                    Ok(Handshake::New(c)) => {
-                        last_error = None;
-                        current = Some(c);
+                    Ok(h) => {
+                        let failures = retry.succeeded();
+                        if failures > 0 {
+                            tracing::info!(%address, failures, "handshake succeeded after failures");
+                        }
+                        if let Handshake::New(c) = h {
+                            current = Some(c);
+                        }
                     }
-                    Ok(Handshake::Unchanged) => {}
                     Err(e) => {
-                        let text = e.to_string();
-                        if last_error.as_deref() != Some(&text) {
-                            tracing::info!(%address, error = %text, "handshake failed; retrying");
-                            last_error = Some(text);
+                        let after = retry.failed(tokio::time::Instant::now());
+                        if let Some(not_logged) = after.warn {
+                            tracing::warn!(
+                                %address,
+                                error = %e,
+                                reason = e.reason(),
+                                in_a_row = after.in_a_row,
+                                not_logged,
+                                next_try_in = ?after.pause,
+                                "handshake failed; retrying with back-off"
+                            );
                         }
                         if current.is_none() {
                             tokio::select! {
                                 _ = shutdown.cancelled() => break,
-                                _ = tokio::time::sleep(self.options.retry) => {}
+                                _ = tokio::time::sleep(after.pause) => {}
                             }
                             continue;
                         }

@@ -28,12 +28,40 @@
 //!              metadata:bytes32       the agent's NIXL metadata blob
 //! ```
 //!
+//! Every rank names its own agent: a reply in which two ranks name one
+//! agent is refused (NIXL keeps one metadata entry per agent name, so both
+//! ranks would read one rank's memory).
+//!
 //! Block `b` of rank `r` lives at `base_r + b * block_size` and holds the
 //! byte pattern [`pattern::fill`] derives from the engine id, `r` and `b`,
 //! so D can check every byte it reads. Nothing may follow the last field.
 //! A frame that breaks any rule is refused with a [`wire::WireError`]: the
-//! connection is closed, the error is logged and counted
-//! (`nixl_keepalive_pd_bad_frames_total{side}`), never a panic.
+//! connection is closed, the error is logged, never a panic.
+//!
+//! # What is counted
+//!
+//! - `nixl_keepalive_pd_bad_frames_total{side}`: frames that arrived whole
+//!   (or announced a length over the limit) and broke the format: bad
+//!   magic, version or kind, too long, truncated fields, trailing bytes,
+//!   out-of-range fields, two ranks naming one agent. `side="prefill"`: a
+//!   bad request reached a prefill; `side="decode"`: a bad reply reached a
+//!   decoder. A connection that fails, closes early or times out is not a
+//!   bad frame: see the next metric and `..._side_channel_drops_total`.
+//! - `nixl_keepalive_pd_handshake_failures_total{reason}` (decode side):
+//!   every handshake that did not register an engine, once, by its first
+//!   cause: `connect` (nobody answered: refused, reset, connect timeout),
+//!   `io` (the connection failed mid-frame), `eof` (closed before the whole
+//!   reply), `timeout` (no whole reply within the handshake timeout),
+//!   `bad_frame` (also counted above), `load` (NIXL refused the metadata or
+//!   a dlist), `agent_mismatch` (the metadata names another agent than the
+//!   reply), `stopped` (the service stopped).
+//! - `nixl_keepalive_pd_side_channel_drops_total{reason}` (prefill side):
+//!   connections closed unanswered: `evicted` (the oldest connection
+//!   still waiting for its request, closed to make room when every slot
+//!   was taken), `busy` (every slot was answering a request), `io`, `eof`
+//!   (closed before a whole request), `timeout` (no whole request, or the
+//!   reply not taken, within the per-connection deadline). See
+//!   [`prefill::Prefill::serve`].
 //!
 //! The `incarnation` tells D whether the process behind an engine id is
 //! the one it loaded: the same engine id with a new incarnation is a
@@ -42,16 +70,32 @@
 //!
 //! # Notifications (over NIXL, not the side channel)
 //!
-//! - `HB:req-1,req-2`: D's heartbeat, vLLM's lease renewal. P extends the
-//!   lease of each named request it knows; unknown ids are ignored.
-//! - `RD:req-<block>`: sent by NIXL to P when one of D's READs completes.
+//! A read belongs to a request; its id (`<decode agent>-<n>`, unique per
+//! request) is leased at P from when D schedules it until its read
+//! completes, with vLLM's rules ([`lease`]; the lease length is P's
+//! `--lease-secs`, 30 s by default):
+//!
+//! - `RQ:<request>`: D schedules a request, just before posting its READ
+//!   (it stands in for the router handing the request to P: in vLLM, P
+//!   knows the request first). P holds its blocks until now + lease.
+//! - `HB:<request>,<request>`: D's heartbeat, vLLM's lease renewal, built
+//!   by the keepalive service from D's lease set: exactly the requests
+//!   still pending at that engine (none: `HB:`). P sets each named live
+//!   request's expiry to max(old, now + 2/3 lease); unknown ids are
+//!   ignored.
+//! - `RD:<request>`: sent by NIXL to P when the request's READ completes;
+//!   then D removes the lease. P frees the request's blocks. An `RD:`
+//!   after the lease ran out is a read of freed blocks: P logs it as an
+//!   error and counts it (`late_reads` in its lease summary).
 
 pub mod decode;
+pub mod lease;
 pub mod pattern;
 pub mod prefill;
+pub mod retry;
 pub mod wire;
 
-/// Counts and logs a frame a peer got wrong. `side` is `prefill` (a bad
+/// Counts and logs a frame a peer got wrong (see "What is counted"). `side` is `prefill` (a bad
 /// request reached a prefill) or `decode` (a bad reply reached a decoder).
 pub(crate) fn bad_frame(side: &'static str, peer: &str, error: &wire::WireError) {
     metrics::counter!("nixl_keepalive_pd_bad_frames_total", "side" => side).increment(1);

@@ -1,7 +1,10 @@
 //! A prefill engine on the real runtime: one NIXL agent per rank, each
 //! with a DRAM "KV cache" filled with the known pattern, a side channel
-//! that answers handshakes, and a loop that serves peers' READs and
-//! extends leases on `HB:` notifications.
+//! that answers handshakes, and a loop that serves peers' READs and keeps
+//! request leases with vLLM's rules ([`super::lease`]): `RQ:` schedules a
+//! request, `HB:` extends, `RD:` completes, and a lease that runs out
+//! frees the request's blocks (logged; a read completed after that is
+//! logged as an error and counted).
 //!
 //! # Progress
 //!
@@ -17,7 +20,7 @@
 //! for two agents at 1 ms; our poller at a fixed 1 ms: 3.5% for two ranks,
 //! idle). A READ posted to an idle prefill may wait one idle interval.
 
-use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -27,6 +30,7 @@ use nixl_sys::{Agent, AgentConfig, DramRegistration, NixlError, Runtime};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use super::lease::{LeaseCounts, Leases, ReadDone};
 use super::pattern;
 use super::wire::{self, HandshakeReply, RankInfo};
 use nixl_keepalive::EngineId;
@@ -50,12 +54,17 @@ pub struct PrefillConfig {
     pub idle_poll_interval: Duration,
     /// The agents' configuration.
     pub agent: AgentConfig,
+    /// Side-channel connections handled at once (see [`Prefill::serve`]).
+    pub max_connections: usize,
+    /// How long one side-channel connection may take, from accept to the
+    /// reply written.
+    pub connection_timeout: Duration,
 }
 
 impl PrefillConfig {
     /// Defaults for `engine`: 16 blocks of 64 KiB, one rank, 30 s leases,
     /// polling every 1 ms when busy and 10 ms when idle, no NIXL progress
-    /// thread.
+    /// thread, at most 64 side-channel connections of at most 2 s each.
     pub fn new(engine: EngineId) -> Self {
         PrefillConfig {
             engine,
@@ -66,6 +75,8 @@ impl PrefillConfig {
             poll_interval: Duration::from_millis(1),
             idle_poll_interval: Duration::from_millis(10),
             agent: AgentConfig::default(),
+            max_connections: 64,
+            connection_timeout: Duration::from_secs(2),
         }
     }
 }
@@ -91,11 +102,6 @@ pub fn agent_name(engine: &EngineId, rank: u16) -> String {
     format!("{engine}-rank{rank}")
 }
 
-/// The request id a block is leased under.
-pub fn request_id(block: u32) -> String {
-    format!("req-{block}")
-}
-
 struct Rank {
     agent: Agent,
     _memory: DramRegistration,
@@ -106,8 +112,6 @@ struct Rank {
 pub struct PrefillStats {
     /// `HB:` notifications received.
     pub heartbeats: AtomicU64,
-    /// Lease extensions made (one per known id per heartbeat).
-    pub extended: AtomicU64,
     /// `RD:` (read done) notifications received.
     pub reads_done: AtomicU64,
     /// Other notifications.
@@ -116,6 +120,9 @@ pub struct PrefillStats {
     pub handshakes: AtomicU64,
     /// Bad side-channel requests refused.
     pub bad_requests: AtomicU64,
+    /// Side-channel connections closed unanswered (busy, evicted, I/O
+    /// error, early EOF, timeout).
+    pub dropped: AtomicU64,
 }
 
 /// A running prefill engine. See the module docs.
@@ -124,7 +131,7 @@ pub struct Prefill {
     ranks: Vec<Rank>,
     reply: Vec<u8>,
     incarnation: u64,
-    leases: Mutex<HashMap<String, Instant>>,
+    leases: Mutex<Leases>,
     stats: PrefillStats,
 }
 
@@ -158,10 +165,7 @@ impl Prefill {
             blocks: config.blocks,
             ranks: infos,
         });
-        let now = Instant::now();
-        let leases = (0..config.blocks)
-            .map(|b| (request_id(b), now + config.lease))
-            .collect();
+        let leases = Leases::new(config.lease);
         Ok(Arc::new(Prefill {
             config,
             ranks,
@@ -194,13 +198,16 @@ impl Prefill {
 
     /// Requests whose lease has not expired.
     pub fn live_leases(&self) -> usize {
-        let now = Instant::now();
-        self.leases
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .filter(|&&t| t > now)
-            .count()
+        self.lock_leases().live(Instant::now())
+    }
+
+    /// What the leases saw so far (late reads among them).
+    pub fn lease_counts(&self) -> LeaseCounts {
+        self.lock_leases().counts()
+    }
+
+    fn lock_leases(&self) -> std::sync::MutexGuard<'_, Leases> {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Starts the polling thread (see the module docs). It stops when
@@ -225,7 +232,7 @@ impl Prefill {
                             Err(e) => tracing::warn!(error = %e, "getNotifs failed"),
                         }
                     }
-                    if last_sweep.elapsed() >= Duration::from_secs(1) {
+                    if last_sweep.elapsed() >= me.sweep_interval() {
                         last_sweep = Instant::now();
                         me.expire_leases();
                     }
@@ -240,29 +247,62 @@ impl Prefill {
             .expect("spawn prefill poller")
     }
 
+    /// How often leases are swept: a tenth of a lease, at most 1 s, so an
+    /// expiry is logged within 10% of the lease after it happens.
+    fn sweep_interval(&self) -> Duration {
+        (self.config.lease / 10).min(Duration::from_secs(1))
+    }
+
     fn on_notification(&self, rank_agent: &str, from: &str, message: &[u8]) {
         let text = String::from_utf8_lossy(message);
-        if let Some(ids) = text.strip_prefix("HB:") {
-            self.stats.heartbeats.fetch_add(1, Ordering::Relaxed);
-            let now = Instant::now();
-            let until = now + self.config.lease * 2 / 3;
-            let mut extended = Vec::new();
-            let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
-            for id in ids.split(',').filter(|s| !s.is_empty()) {
-                if let Some(t) = leases.get_mut(id) {
-                    if *t < until {
-                        *t = until;
-                    }
-                    extended.push(id);
-                }
+        let now = Instant::now();
+        if let Some(id) = text.strip_prefix("RQ:") {
+            if self.lock_leases().schedule(id, now) {
+                tracing::debug!(
+                    to = rank_agent,
+                    from,
+                    request = id,
+                    "request scheduled: blocks leased"
+                );
+            } else {
+                tracing::warn!(
+                    to = rank_agent,
+                    from,
+                    request = id,
+                    max = super::lease::MAX_REQUESTS,
+                    "request refused: too many requests held"
+                );
             }
-            self.stats
-                .extended
-                .fetch_add(extended.len() as u64, Ordering::Relaxed);
-            tracing::info!(to = rank_agent, from, extended = ?extended, "heartbeat: leases extended");
-        } else if text.starts_with("RD:") {
+        } else if let Some(ids) = text.strip_prefix("HB:") {
+            self.stats.heartbeats.fetch_add(1, Ordering::Relaxed);
+            let named: Vec<&str> = ids.split(',').filter(|s| !s.is_empty()).collect();
+            let extended = self.lock_leases().heartbeat(named.iter().copied(), now);
+            tracing::info!(to = rank_agent, from, named = named.len(), extended = ?extended, "heartbeat: leases extended");
+        } else if let Some(id) = text.strip_prefix("RD:") {
             self.stats.reads_done.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(to = rank_agent, from, %text, "read done");
+            match self.lock_leases().read_done(id, now) {
+                ReadDone::InTime => {
+                    tracing::debug!(
+                        to = rank_agent,
+                        from,
+                        request = id,
+                        "read done: blocks freed"
+                    )
+                }
+                ReadDone::AfterExpiry { expired_for } => tracing::error!(
+                    to = rank_agent,
+                    from,
+                    request = id,
+                    ?expired_for,
+                    "read completed after its lease expired: a read of freed KV blocks"
+                ),
+                ReadDone::Unknown => tracing::warn!(
+                    to = rank_agent,
+                    from,
+                    request = id,
+                    "read completed for a request not scheduled here (or already completed)"
+                ),
+            }
         } else {
             self.stats.other.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(to = rank_agent, from, %text, "notification ignored");
@@ -270,26 +310,49 @@ impl Prefill {
     }
 
     fn expire_leases(&self) {
-        let now = Instant::now();
-        let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
-        let before = leases.len();
-        leases.retain(|id, t| {
-            let keep = *t > now;
-            if !keep {
-                tracing::info!(request = %id, "lease expired: KV blocks no longer held for it");
-            }
-            keep
-        });
-        if leases.len() != before {
-            tracing::debug!(remaining = leases.len(), "leases swept");
+        let gone = self.lock_leases().expire(Instant::now());
+        for (id, ago) in gone {
+            tracing::info!(request = %id, ?ago, "lease expired: the request's KV blocks are freed");
         }
+    }
+
+    /// Logs the lease counts (at stop).
+    pub fn log_lease_counts(&self) {
+        let c = self.lease_counts();
+        tracing::info!(
+            scheduled = c.scheduled,
+            extended = c.extended,
+            ignored = c.ignored,
+            completed = c.completed,
+            expired = c.expired,
+            late_reads = c.late_reads,
+            unknown_reads = c.unknown_reads,
+            refused = c.refused,
+            "lease summary"
+        );
     }
 
     /// Answers handshakes on `listener` until `shutdown`.
     ///
+    /// At most [`PrefillConfig::max_connections`] connections are handled
+    /// at once, each for at most [`PrefillConfig::connection_timeout`], so
+    /// idle connections cannot exhaust the process's file descriptors. When
+    /// every slot is taken, the connection that has waited longest for its
+    /// request is closed to make room (`evicted`): a decoder sends its
+    /// request as soon as it connects, so under a flood of idle connections
+    /// the flood is evicted and decoders are answered. When every slot is
+    /// answering a request, the newcomer is closed (`busy`); the decoder
+    /// retries. Each drop is counted in
+    /// `nixl_keepalive_pd_side_channel_drops_total{reason}`.
+    ///
     /// Cancel safety: cancel with the token; connections in progress are
     /// dropped.
     pub async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: CancellationToken) {
+        let max = self.config.max_connections.max(1);
+        let slots = Arc::new(tokio::sync::Semaphore::new(max));
+        // Connections still waiting for their request, oldest first.
+        let waiting: Arc<Mutex<VecDeque<(u64, CancellationToken)>>> = Arc::default();
+        let mut next_id = 0u64;
         loop {
             let (stream, peer) = tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -302,26 +365,104 @@ impl Prefill {
                     }
                 },
             };
+            let permit = match slots.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => {
+                    let oldest = waiting
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .pop_front();
+                    let Some((_, evict)) = oldest else {
+                        self.dropped(&peer, "busy");
+                        continue;
+                    };
+                    evict.cancel();
+                    // The evicted task gives its slot back when it next
+                    // runs; wait for that, briefly.
+                    match tokio::time::timeout(
+                        Duration::from_millis(100),
+                        slots.clone().acquire_owned(),
+                    )
+                    .await
+                    {
+                        Ok(Ok(p)) => p,
+                        _ => {
+                            self.dropped(&peer, "busy");
+                            continue;
+                        }
+                    }
+                }
+            };
+            let id = next_id;
+            next_id += 1;
+            let evict = shutdown.child_token();
+            waiting
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push_back((id, evict.clone()));
             let me = self.clone();
-            tokio::spawn(async move { me.answer(stream, peer).await });
+            let waiting = waiting.clone();
+            tokio::spawn(async move {
+                me.answer(stream, peer, id, evict, &waiting).await;
+                drop(permit);
+            });
         }
     }
 
-    async fn answer(&self, mut stream: tokio::net::TcpStream, peer: SocketAddr) {
-        let request = wire::read_frame(&mut stream, wire::MAX_REQUEST, Duration::from_secs(5))
-            .await
-            .and_then(|p| wire::decode_request(&p));
-        if let Err(e) = request {
-            self.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
-            super::bad_frame("prefill", &peer.to_string(), &e);
-            return;
+    fn dropped(&self, peer: &SocketAddr, reason: &'static str) {
+        self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("nixl_keepalive_pd_side_channel_drops_total", "reason" => reason)
+            .increment(1);
+        tracing::debug!(%peer, reason, "side-channel connection closed unanswered");
+    }
+
+    async fn answer(
+        &self,
+        mut stream: tokio::net::TcpStream,
+        peer: SocketAddr,
+        id: u64,
+        evict: CancellationToken,
+        waiting: &Mutex<VecDeque<(u64, CancellationToken)>>,
+    ) {
+        let deadline = tokio::time::Instant::now() + self.config.connection_timeout;
+        let request = tokio::select! {
+            _ = evict.cancelled() => {
+                self.dropped(&peer, "evicted");
+                return;
+            }
+            r = wire::read_frame(&mut stream, wire::MAX_REQUEST, self.config.connection_timeout) => r,
+        };
+        waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(i, _)| *i != id);
+        let request = request.and_then(|p| wire::decode_request(&p));
+        match request {
+            Ok(()) => {}
+            Err(wire::WireError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return self.dropped(&peer, "eof")
+            }
+            Err(wire::WireError::Io(_)) => return self.dropped(&peer, "io"),
+            Err(wire::WireError::Timeout(_)) => return self.dropped(&peer, "timeout"),
+            Err(e) => {
+                self.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+                super::bad_frame("prefill", &peer.to_string(), &e);
+                return;
+            }
         }
-        match wire::write_frame(&mut stream, &self.reply).await {
-            Ok(()) => {
+        match tokio::time::timeout_at(deadline, wire::write_frame(&mut stream, &self.reply)).await {
+            Ok(Ok(())) => {
                 self.stats.handshakes.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(%peer, engine = %self.config.engine, "handshake answered");
             }
-            Err(e) => tracing::warn!(%peer, error = %e, "handshake reply not sent"),
+            Ok(Err(e)) => {
+                tracing::warn!(%peer, error = %e, "handshake reply not sent");
+                self.dropped(&peer, "io");
+            }
+            Err(_) => {
+                tracing::warn!(%peer, "handshake reply not taken within the connection timeout");
+                self.dropped(&peer, "timeout");
+            }
         }
     }
 }

@@ -168,6 +168,9 @@ pub fn decode_reply(payload: &[u8]) -> Result<HandshakeReply, WireError> {
         if metadata.is_empty() {
             return Err(field("metadata", "empty".into()));
         }
+        if let Some(first) = ranks.iter().position(|r: &RankInfo| r.agent == agent) {
+            return Err(duplicate_agent(first, ranks.len(), &agent));
+        }
         ranks.push(RankInfo {
             agent,
             base,
@@ -215,6 +218,29 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     tokio::time::timeout(timeout, read)
         .await
         .map_err(|_| WireError::Timeout(timeout))?
+}
+
+/// The error for two ranks naming one agent: NIXL keeps one metadata entry
+/// per agent name, so both ranks' reads would go to one rank's memory
+/// (wrong bytes while the engine looks live), and releasing either would
+/// invalidate both.
+pub fn duplicate_agent(first: usize, second: usize, agent: &str) -> WireError {
+    field(
+        "agent",
+        format!(
+            "ranks {first} and {second} both name agent {agent:?}; each rank must have its own agent"
+        ),
+    )
+}
+
+/// The first two ranks of `reply` that name the same agent, if any.
+pub fn find_duplicate_agent(reply: &HandshakeReply) -> Option<(usize, usize)> {
+    reply.ranks.iter().enumerate().find_map(|(j, b)| {
+        reply.ranks[..j]
+            .iter()
+            .position(|a| a.agent == b.agent)
+            .map(|i| (i, j))
+    })
 }
 
 fn field(field: &'static str, reason: String) -> WireError {
@@ -354,6 +380,31 @@ mod tests {
             decode_request(b"NKPD\x01\x02"),
             Err(WireError::Kind(2))
         ));
+    }
+
+    #[test]
+    fn two_ranks_naming_one_agent_are_refused_with_both_ranks_named() {
+        let mut r = reply();
+        let mut second = r.ranks[0].clone();
+        second.base = 0x9000;
+        r.ranks.push(RankInfo {
+            agent: "e-1-rank1".into(),
+            ..second.clone()
+        });
+        decode_reply(&encode_reply(&r)).expect("distinct agents are fine");
+        // Rank 2 names rank 0's agent (not adjacent: every pair is checked).
+        r.ranks.push(second);
+        assert_eq!(find_duplicate_agent(&r), Some((0, 2)));
+        match decode_reply(&encode_reply(&r)) {
+            Err(WireError::Field {
+                field: "agent",
+                reason,
+            }) => {
+                assert!(reason.contains("ranks 0 and 2"), "{reason}");
+                assert!(reason.contains("e-1-rank0"), "{reason}");
+            }
+            other => panic!("accepted or wrong error: {other:?}"),
+        }
     }
 
     #[test]

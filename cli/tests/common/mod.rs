@@ -88,7 +88,7 @@ pub struct PrefillSpec {
     /// Run it inside this network namespace (`ip netns exec`, which execs
     /// the prefill: the pid is the prefill's own).
     pub netns: Option<String>,
-    /// Extra arguments (`--etcd-endpoint ...`).
+    /// Extra flags (`--etcd-endpoint ...`, `--lease-secs 2`).
     pub args: Vec<String>,
 }
 
@@ -127,21 +127,27 @@ impl PrefillProc {
         let mut child = cmd.spawn().expect("spawn nixl-keepalive prefill");
         let out = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
+        // Drains stdout for the process's life: UCX logs there too (its
+        // ERROR lines can come before ours), and a closed pipe would make
+        // its later writes fail.
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
+                let _ = tx.send(line);
             }
         });
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|e| {
-                panic!(
-                    "prefill never got ready ({e}); log: {}",
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut before = Vec::new();
+        let line = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(l) if l.starts_with("PREFILL READY") => break l,
+                Ok(l) => before.push(l),
+                Err(e) => panic!(
+                    "prefill never got ready ({e}); stdout: {before:#?}; log: {}",
                     std::fs::read_to_string(&log).unwrap_or_default()
-                )
-            });
+                ),
+            }
+        };
         let field = |k: &str| {
             line.split_whitespace()
                 .find_map(|w| w.strip_prefix(k))
@@ -172,6 +178,30 @@ impl PrefillProc {
         let _ = self.child.wait();
         self.gone = true;
         at
+    }
+
+    /// Its log (stderr) so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, and waits (at most 20 s) for it to exit; returns its exit
+    /// status and its whole log.
+    pub fn stop(&mut self) -> (std::process::ExitStatus, String) {
+        self.signal("TERM");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(s) = self.child.try_wait().expect("wait prefill") {
+                break s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "prefill did not stop within 20 s of SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        self.gone = true;
+        (status, self.log_text())
     }
 
     /// Sends a signal with the `kill` command (`STOP`, `CONT`).

@@ -1,0 +1,155 @@
+//! A graceful stop of the `nixl-keepalive decode` process: SIGTERM or
+//! SIGINT with reads in flight stops new reads, lets the reads in flight
+//! end, releases every engine and exits 0. Its logs, written to a pipe,
+//! carry no ANSI colour escapes.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::{ms, report, serial, PrefillProc, PrefillSpec};
+use nixl_sys::testing::runtime_or_skip;
+
+/// Starts `decode` against `p` with reads always in flight (4 at once, no
+/// pause, 4 MiB blocks), waits until it registered the engine and read for
+/// a while, sends `sig`, and checks the stop: exit 0, the engine released,
+/// no "still held", no ESC byte in stderr. Returns signal -> exit.
+fn stop_once(p: &PrefillProc, sig: &str) -> Duration {
+    let mut decode = Command::new(env!("CARGO_BIN_EXE_nixl-keepalive"))
+        .args([
+            "decode",
+            "--prefill",
+            p.addr.as_str(),
+            "--reads",
+            "4",
+            "--read-pause-ms",
+            "0",
+        ])
+        .env("NIXL_KEEPALIVE_INTERVAL", "500ms")
+        .env("NIXL_KEEPALIVE_RATE_PERIOD", "100ms")
+        .env("NIXL_KEEPALIVE_JITTER", "50ms")
+        .env("RUST_LOG", "info")
+        .env_remove("NO_COLOR")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn decode");
+    let (tx, rx) = mpsc::channel::<String>();
+    let out = decode.stdout.take().unwrap();
+    let stdout = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line.clone());
+            all.push(line);
+        }
+        all
+    });
+    let mut err = decode.stderr.take().unwrap();
+    let stderr = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = err.read_to_end(&mut v);
+        v
+    });
+    let registered = format!("event: registered engine={}", p.engine);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) if l.contains(&registered) => break,
+            Ok(_) => {}
+            Err(e) => panic!("decode never registered {}: {e}", p.engine),
+        }
+    }
+    // Reads run back to back from here on: some are in flight at the signal.
+    std::thread::sleep(Duration::from_millis(700));
+    let sent = Instant::now();
+    let st = Command::new("kill")
+        .args([&format!("-{sig}"), &decode.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(st.success());
+    // Bounded: the stop must end within the reader drain and the service's.
+    let exit = loop {
+        if let Some(s) = decode.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(30),
+            "decode still running 30 s after SIG{sig}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = sent.elapsed();
+    let lines = stdout.join().unwrap();
+    let stderr = stderr.join().unwrap();
+    let text = String::from_utf8_lossy(&stderr);
+    assert!(
+        exit.success(),
+        "decode exited with {exit} after SIG{sig}; stderr:\n{text}"
+    );
+    assert!(!text.contains("still held"), "{text}");
+    assert!(
+        !stderr.contains(&0x1b),
+        "ANSI escape in logs written to a pipe:\n{text}"
+    );
+    assert!(
+        text.contains("readers stopped"),
+        "readers were not awaited before the service stopped:\n{text}"
+    );
+    let released = format!("event: released engine={}", p.engine);
+    assert!(
+        lines.iter().any(|l| l.contains(&released)),
+        "no release of {} printed: {lines:#?}",
+        p.engine
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l == "decode stopped: every engine released"),
+        "{lines:#?}"
+    );
+    took
+}
+
+fn stop_several_times(sig: &str) {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let mut p = PrefillProc::start(&PrefillSpec {
+        blocks: Some(8),
+        block_size: Some(4 << 20),
+        ..Default::default()
+    });
+    let trials = 4;
+    let mut worst = Duration::ZERO;
+    for _ in 0..trials {
+        worst = worst.max(stop_once(&p, sig));
+    }
+    // The prefill saw every request's read complete within its lease, and
+    // none it had not been told of.
+    let (status, log) = p.stop();
+    assert!(status.success(), "prefill exited with {status}");
+    let summary = log
+        .lines()
+        .rev()
+        .find(|l| l.contains("lease summary"))
+        .unwrap_or_else(|| panic!("no lease summary:\n{log}"));
+    assert!(summary.contains(" late_reads=0 "), "{summary}");
+    assert!(summary.contains(" unknown_reads=0 "), "{summary}");
+    report(&format!(
+        "SIG{sig} of decode with 4 reads of 4 MiB back to back: {trials}/{trials} exit 0 with the engine released; slowest signal->exit {}",
+        ms(worst)
+    ));
+}
+
+#[test]
+fn sigterm_with_reads_in_flight_releases_every_engine_and_exits_0() {
+    stop_several_times("TERM");
+}
+
+#[test]
+fn sigint_with_reads_in_flight_releases_every_engine_and_exits_0() {
+    stop_several_times("INT");
+}
