@@ -674,7 +674,7 @@ async fn a_blocked_notify_reports_the_status_of_the_moment_it_is_let_go() {
 async fn a_notify_on_a_blocking_thread_follows_the_paused_clock() {
     let (ucx, hs) = one_peer(FakeConfig::default());
     let start = Instant::now();
-    ucx.freeze(&hs.engine);
+    ucx.partition(&hs.engine);
     advance(20 * S).await;
     let (u, agent) = (ucx.clone(), hs.agents[0].clone());
     let err = tokio::task::spawn_blocking(move || u.notify(&agent, b"HB:"))
