@@ -549,7 +549,7 @@ impl Stage for RealStage {
             ReadOutcome::Verified => NixlStatus::SUCCESS,
             ReadOutcome::Corrupt { .. } => NixlStatus::ERR_MISMATCH,
             ReadOutcome::Failed(s) => s,
-            ReadOutcome::TimedOut | ReadOutcome::Abandoned => NixlStatus::IN_PROG,
+            ReadOutcome::TimedOut { .. } | ReadOutcome::Abandoned { .. } => NixlStatus::IN_PROG,
             ReadOutcome::Released => NixlStatus::ERR_NOT_FOUND,
             ReadOutcome::NoSlot => NixlStatus::ERR_NOT_ALLOWED,
         }

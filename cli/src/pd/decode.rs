@@ -158,10 +158,19 @@ pub enum ReadOutcome {
     },
     /// NIXL refused or failed the transfer with this raw status.
     Failed(NixlStatus),
-    /// Still in progress at the deadline; the request was released.
-    TimedOut,
-    /// The service failed the engine's reads; the request was released.
-    Abandoned,
+    /// Still in progress at the deadline; the request was released
+    /// (`releaseXferReq`, which aborts it where the backend can), with
+    /// this raw status.
+    TimedOut {
+        /// What `releaseXferReq` returned for the request in progress.
+        release: NixlStatus,
+    },
+    /// The service failed the engine's reads (unreachable, stalled, gone in
+    /// fail mode); the request was released, with this raw status.
+    Abandoned {
+        /// What `releaseXferReq` returned for the request in progress.
+        release: NixlStatus,
+    },
     /// The engine's dlists were already released: nothing was posted.
     Released,
     /// Every landing slot was busy: nothing was posted.
@@ -184,8 +193,8 @@ impl ReadOutcome {
             ReadOutcome::Verified => "verified",
             ReadOutcome::Corrupt { .. } => "corrupt",
             ReadOutcome::Failed(_) => "failed",
-            ReadOutcome::TimedOut => "timed_out",
-            ReadOutcome::Abandoned => "abandoned",
+            ReadOutcome::TimedOut { .. } => "timed_out",
+            ReadOutcome::Abandoned { .. } => "abandoned",
             ReadOutcome::Released => "released",
             ReadOutcome::NoSlot => "no_slot",
         }
@@ -406,12 +415,22 @@ impl RemoteEngine {
             Err(e) => return ReadOutcome::Failed(e.status),
         };
         let mut pause = Duration::from_micros(50);
+        // Giving up on a READ in progress: release the request, which asks
+        // the backend to abort it, and keep what NIXL said.
+        let give_up = |req: nixl_sys::XferRequest| match req.release() {
+            Ok(()) => NixlStatus::SUCCESS,
+            Err(e) => e.status,
+        };
         while state == XferState::InProgress {
             if abandon() {
-                return ReadOutcome::Abandoned;
+                return ReadOutcome::Abandoned {
+                    release: give_up(req),
+                };
             }
             if start.elapsed() >= timeout {
-                return ReadOutcome::TimedOut;
+                return ReadOutcome::TimedOut {
+                    release: give_up(req),
+                };
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_micros(100));
@@ -479,6 +498,9 @@ pub struct ReadStats {
     pub failed: AtomicU64,
     /// Reads abandoned (timed out, or failed by the service).
     pub abandoned: AtomicU64,
+    /// What `releaseXferReq` returned for abandoned reads: raw status ->
+    /// count.
+    pub abandoned_release: Mutex<std::collections::BTreeMap<i32, u64>>,
     /// Reads refused before posting (engine not live, released, no slot).
     pub refused: AtomicU64,
     /// Handshakes that registered an engine.
@@ -674,7 +696,19 @@ impl Decoder {
                 tracing::debug!(engine = %connected.remote.engine, %status, "read failed");
                 &self.stats.failed
             }
-            ReadOutcome::TimedOut | ReadOutcome::Abandoned => &self.stats.abandoned,
+            ReadOutcome::TimedOut { release } | ReadOutcome::Abandoned { release } => {
+                tracing::info!(engine = %connected.remote.engine, %release, raw = release.raw(), "read given up: its request released");
+                metrics::counter!("nixl_keepalive_pd_abandoned_release_total", "status" => release.name())
+                    .increment(1);
+                *self
+                    .stats
+                    .abandoned_release
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .entry(release.raw())
+                    .or_default() += 1;
+                &self.stats.abandoned
+            }
             ReadOutcome::Released | ReadOutcome::NoSlot => &self.stats.refused,
         };
         counter.fetch_add(1, Ordering::Relaxed);
