@@ -438,7 +438,7 @@ async fn a_hung_engine_with_ucx_keepalive_inf_is_never_released_and_the_snapshot
     );
     assert!(
         e.why
-            .contains("frozen or silent peer is reported only by UCX"),
+            .contains("only a membership signal or the router (peer_gone) can retire it"),
         "{}",
         e.why
     );
