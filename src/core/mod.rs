@@ -560,10 +560,6 @@ impl<R> Core<R> {
             resources,
         } = registration;
         tracing::info!(%engine, %address, agents = agents.len(), serial, "engine registered");
-        self.emit(Event::Registered {
-            engine: engine.clone(),
-            address: address.clone(),
-        });
         self.by_id.insert(engine.clone(), serial);
         for agent in &agents {
             self.by_agent.insert(agent.clone(), serial);
@@ -579,7 +575,12 @@ impl<R> Core<R> {
             let offset = interval.mul_f64(self.rng.random::<f64>());
             self.schedule_heartbeat(serial, now + offset);
         }
+        // Activated first: whoever sees the event finds the engine by id.
         self.actions.push_back(Action::Activated { request, cell });
+        self.emit(Event::Registered {
+            engine: engine.clone(),
+            address: address.clone(),
+        });
         if let Some(old) = previous.filter(|&old| old != serial) {
             if let Some(old_peer) = self.peers.get(&old) {
                 let old_id = old_peer.id().clone();
