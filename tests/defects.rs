@@ -31,6 +31,17 @@ fn config(interval: Duration) -> Config {
         .unwrap()
 }
 
+type Task = tokio::task::JoinHandle<nixl_keepalive::Stopped<FakeResources>>;
+
+/// The fake UCX and a service over it, heartbeating every `interval`.
+fn service(interval: Duration) -> (FakeUcx, Handle, Task, CancellationToken) {
+    let ucx = FakeUcx::new(FakeConfig::default());
+    let shutdown = CancellationToken::new();
+    let (handle, task) =
+        nixl_keepalive::spawn(Arc::new(ucx.clone()), config(interval), shutdown.clone());
+    (ucx, handle, task, shutdown)
+}
+
 /// The library's reconnect protocol, as every caller uses it.
 async fn connect(handle: &Handle, ucx: &FakeUcx, address: &PeerAddr) -> EngineRef {
     let handshake = handle.handshake(address.clone());
@@ -60,13 +71,7 @@ async fn released(events: &mut broadcast::Receiver<Event>, engine: &EngineId) ->
 /// never resolved: the release waited for the caller's own handshake.
 #[tokio::test(start_paused = true)]
 async fn a_reconnect_to_a_pinned_id_that_went_unreachable_meanwhile_does_not_deadlock() {
-    let ucx = FakeUcx::new(FakeConfig::default());
-    let shutdown = CancellationToken::new();
-    let (handle, task) = nixl_keepalive::spawn(
-        Arc::new(ucx.clone()),
-        config(Duration::from_secs(5)),
-        shutdown.clone(),
-    );
+    let (ucx, handle, task, shutdown) = service(Duration::from_secs(5));
     let p = ucx.spawn_prefill(addr(1), 2);
     let engine = connect(&handle, &ucx, &addr(1)).await;
     let first = engine.begin_read().unwrap();
@@ -114,11 +119,8 @@ async fn until(handle: &Handle, what: &str, done: impl Fn() -> bool) {
 /// same burst never finished.
 #[tokio::test(start_paused = true)]
 async fn two_notifies_that_hang_in_one_burst_hold_neither_a_release_nor_a_healthy_engine() {
-    let ucx = FakeUcx::new(FakeConfig::default());
-    let shutdown = CancellationToken::new();
     let interval = Duration::from_millis(200);
-    let (handle, task) =
-        nixl_keepalive::spawn(Arc::new(ucx.clone()), config(interval), shutdown.clone());
+    let (ucx, handle, task, shutdown) = service(interval);
     let mut events = handle.subscribe();
     let hung: Vec<EngineId> = (1..=2).map(|i| ucx.spawn_prefill(addr(i), 1)).collect();
     let healthy = ucx.spawn_prefill(addr(3), 1);
@@ -169,13 +171,7 @@ async fn two_notifies_that_hang_in_one_burst_hold_neither_a_release_nor_a_health
 #[tokio::test(start_paused = true)]
 async fn shutdown_refuses_a_registration_queued_behind_a_draining_engine_and_hands_back_nothing_twice(
 ) {
-    let ucx = FakeUcx::new(FakeConfig::default());
-    let shutdown = CancellationToken::new();
-    let (handle, task) = nixl_keepalive::spawn(
-        Arc::new(ucx.clone()),
-        config(Duration::from_secs(5)),
-        shutdown.clone(),
-    );
+    let (ucx, handle, task, shutdown) = service(Duration::from_secs(5));
     let p = ucx.spawn_prefill(addr(1), 1);
     // Two handshakes race for the same id: both may load (the id is free),
     // the second registration queues behind the first.
@@ -230,13 +226,7 @@ async fn shutdown_refuses_a_registration_queued_behind_a_draining_engine_and_han
 /// process of a pinned id marked its correctly reloaded successor.
 #[tokio::test(start_paused = true)]
 async fn a_late_report_from_the_old_process_of_a_pinned_id_never_marks_the_reloaded_engine() {
-    let ucx = FakeUcx::new(FakeConfig::default());
-    let shutdown = CancellationToken::new();
-    let (handle, task) = nixl_keepalive::spawn(
-        Arc::new(ucx.clone()),
-        config(Duration::from_secs(5)),
-        shutdown.clone(),
-    );
+    let (ucx, handle, task, shutdown) = service(Duration::from_secs(5));
     ucx.spawn_prefill(addr(1), 1);
     let old = connect(&handle, &ucx, &addr(1)).await;
     ucx.restart_with_same_id(&addr(1));
