@@ -104,6 +104,7 @@ mod service;
 mod snapshot;
 mod state;
 pub mod telemetry;
+pub mod text;
 pub mod transport;
 pub mod ucx_settings;
 pub mod ucx_time;

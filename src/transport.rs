@@ -36,9 +36,11 @@ macro_rules! name_type {
             }
         }
 
+        /// Printable text as it is; control characters escaped (`\n`,
+        /// `\u{1b}`), so a name from a peer can never forge a log line.
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(&self.0)
+                crate::text::write_escaped_uncut(f, &self.0)
             }
         }
 

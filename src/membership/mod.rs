@@ -73,10 +73,9 @@ pub mod memory;
 /// The key prefix prefills register under unless told otherwise.
 pub const DEFAULT_PREFIX: &str = "/nixl-keepalive/prefill/";
 
-/// Longest engine id a value may carry, in bytes.
-pub const MAX_ENGINE_ID: usize = 256;
-/// Most ranks a value may carry.
-pub const MAX_RANKS: u16 = 64;
+/// Longest engine id a value may carry (bytes), and most ranks: the
+/// library's bounds, the same for every source.
+pub use crate::text::{MAX_ENGINE_ID, MAX_RANKS};
 
 /// One prefill engine as the membership plane knows it: the JSON value of
 /// its key (see the module docs for the schema).

@@ -9,10 +9,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 pub const MAX_FRAME: u32 = 16 << 20;
 /// The largest request payload accepted.
 pub const MAX_REQUEST: u32 = 64;
-/// The largest engine id.
-pub const MAX_ENGINE_ID: usize = 256;
-/// The most ranks a reply may list.
-pub const MAX_RANKS: u16 = 64;
+/// The largest engine id, and the most ranks a reply may list: the
+/// library's bounds, the same for every source.
+pub use nixl_keepalive::text::{MAX_ENGINE_ID, MAX_RANKS};
 /// The largest block size.
 pub const MAX_BLOCK_SIZE: u64 = 64 << 20;
 
