@@ -16,6 +16,7 @@ use crate::core::{EngineCell, Input, Wake, WakeSink};
 use crate::engine::{EngineRef, ReadGuard};
 use crate::error::{ReadRefused, RegisterError, ServiceStopped};
 use crate::event::Event;
+use crate::lease::{check_request_id, RequestIdError};
 use crate::registration::{GoneMode, PeerRef, Registration};
 use crate::snapshot::Snapshot;
 use crate::state::EngineState;
@@ -152,17 +153,34 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
     /// Renews these lease request ids with every heartbeat to `engine`
     /// until removed. With `renew_now`, a renewal goes out as soon as the
     /// engine's rate cap allows.
-    pub fn add_leases(&self, engine: &EngineId, requests: Vec<String>, renew_now: bool) {
+    ///
+    /// Each id must be 1 to [`crate::lease::MAX_REQUEST_ID`] bytes of
+    /// printable text without `,` (the separator of `HB:`'s ids): the
+    /// first id that is not is in the error, and none of them is added.
+    pub fn add_leases(
+        &self,
+        engine: &EngineId,
+        requests: Vec<String>,
+        renew_now: bool,
+    ) -> Result<(), RequestIdError> {
+        for id in &requests {
+            check_request_id(id)?;
+        }
         self.input(Input::AddLeases {
             engine: engine.clone(),
             requests,
             renew_now,
         });
+        Ok(())
     }
 
     /// Asks for a lease renewal to `engine` as soon as its rate cap allows.
     pub fn renew_leases(&self, engine: &EngineId) {
-        self.add_leases(engine, Vec::new(), true);
+        self.input(Input::AddLeases {
+            engine: engine.clone(),
+            requests: Vec::new(),
+            renew_now: true,
+        });
     }
 
     /// Stops renewing these lease request ids.

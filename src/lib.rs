@@ -95,6 +95,7 @@ mod event;
 #[cfg(feature = "fake")]
 pub mod fake;
 mod handle;
+pub mod lease;
 #[cfg(feature = "membership")]
 pub mod membership;
 pub mod nixl_transport;
@@ -109,15 +110,18 @@ pub mod transport;
 pub mod ucx_settings;
 pub mod ucx_time;
 
-pub use crate::core::{heartbeat_message, HEARTBEAT_SLOT};
+pub use crate::core::{heartbeat_messages, HEARTBEAT_SLOT, MAX_HEARTBEAT_BYTES};
 pub use config::{Config, ConfigBuilder, ConfigError, ConfigErrors, StallAction};
 pub use engine::{EngineRef, ReadGuard};
 pub use error::{ReadRefused, RegisterError, ServiceStopped};
 pub use event::{Event, ReleaseReason, Source, WaitedFor};
 pub use handle::{Handshake, KeepaliveHandle, ReadyToLoad};
+pub use offload::{HUNG_AFTER, TRANSPORT_THREADS_CAP};
 pub use registration::{GoneMode, PeerRef, Registration};
 pub use service::{spawn, Keepalive, Stopped};
-pub use snapshot::{DetectionSummary, EngineSnapshot, HeartbeatSnapshot, Snapshot};
+pub use snapshot::{
+    CallInFlight, DetectionSummary, EngineSnapshot, HeartbeatSnapshot, Snapshot, TransportSnapshot,
+};
 pub use state::EngineState;
 
 pub use nixl_sys::NixlStatus;

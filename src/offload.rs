@@ -1,89 +1,224 @@
-//! Transport calls off the async threads: one queue, served by as few
-//! blocking workers as keep every call isolated, watched by a timer of its
-//! own.
+//! Transport calls off the async threads, on a pool of threads the service
+//! owns and bounds.
 //!
-//! Transport calls are blocking FFI and may never return. The driver hands
-//! the calls of one wake-up over as one batch; workers (tokio blocking
-//! tasks) take them one at a time and exit when the queue is empty. One
-//! rule keeps a hung call from holding anything else:
+//! Transport calls are blocking FFI and may never return: a hung call holds
+//! its thread for as long as it hangs, and nothing can take it back. So the
+//! pool cannot be a fixed set of workers (a few hung calls would take them
+//! all), nor tokio's blocking pool (shared with the runtime's own blocking
+//! work, and capped at 512 threads by default: past that, every heartbeat
+//! of every healthy engine waited behind the hung calls). Its rules:
 //!
-//! > while a call is queued, a worker is free to take it, or one will be
-//! > within [`STUCK`].
+//! - **Every call waiting gets a thread within [`STUCK`] of every thread
+//!   being stuck.** A batch goes to an idle thread (or a new one), which
+//!   takes its calls one at a time. A thread that takes a call while
+//!   others still wait asks the watchdog to watch: when every busy thread
+//!   has been inside its current call for [`STUCK`] or more, the watchdog
+//!   gives each waiting call a thread of its own (idle ones first, then new
+//!   ones), all at once: a burst of N hung calls costs N thread starts,
+//!   not N x [`STUCK`].
+//! - **Newest batch first.** A free thread takes the oldest call of the
+//!   newest batch, so a batch whose calls hang holds back only its own
+//!   tail (which the watchdog serves), never a later batch: the next
+//!   slot's heartbeats and a release decided since go ahead. Releases go
+//!   first within their batch.
+//! - **Bounded.** At most [`TRANSPORT_THREADS_CAP`] threads (plus the
+//!   watchdog). The core never sends an engine a heartbeat round while its
+//!   previous one is in flight, and releases a registration once, so a
+//!   registration holds at most two threads however long its calls hang.
+//!   At the cap, calls wait for a thread to come back (logged, and visible
+//!   in the snapshot). A thread idle for [`KEEP_ALIVE`] exits.
+//! - **Visible.** A call in flight for [`HUNG_AFTER`] is hung: counted once
+//!   (`nixl_keepalive_transport_calls_hung_total`), in the gauge
+//!   `nixl_keepalive_transport_calls_hung`, and listed with its engine and
+//!   age in the snapshot ([`TransportSnapshot`]). The watchdog looks at
+//!   most once per [`HUNG_AFTER`] while the pool has threads.
 //!
-//! A submit that finds no free worker starts one. A worker that takes a
-//! call while others still wait arms the watchdog: a thread of the service
-//! that, while calls wait and every worker has been inside its current call
-//! for [`STUCK`] or more, starts a spare. So any number of hung calls,
-//! started together or not, each hold one thread; what waits behind them
-//! gets a worker within `STUCK` per hung call. The watchdog sleeps on the
-//! wall clock, which is what a hung call is hung in (tokio's clock may be
-//! paused, and does not move while a blocking task runs); it wakes only
-//! while calls are queued behind busy workers, so at most once per batch
-//! when calls are fast.
-//!
-//! Results are handed back in batches: a worker adds its result to the
+//! Results are handed back in batches: a thread adds its result to the
 //! shared list and wakes the driver only when no call is left queued (the
-//! worker that takes the last queued call wakes it too if results wait), so
+//! thread that takes the last queued call wakes it too if results wait), so
 //! one wake-up of the driver serves a batch, and a result never waits
 //! behind a hung call.
 //!
-//! Workers are tokio blocking tasks, not bare threads: on a paused clock
-//! tokio does not advance time while a blocking task runs, and each worker
-//! hands its result over before it exits, so every result reaches the
-//! driver before virtual time can move. Tests stay deterministic.
+//! The watchdog and the threads sleep on the wall clock, which is what a
+//! hung call is hung in. On a current-thread runtime (the only kind whose
+//! clock can be paused) a blocking task of tokio's stands by while calls
+//! are queued or running, so that tokio does not advance a paused clock
+//! while a call runs on one of our threads: every result reaches the driver
+//! before virtual time can move, and tests stay deterministic. A
+//! multi-threaded runtime needs none and gets none.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use tokio::runtime::Handle;
+use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::Notify;
 
 use crate::core::{Call, CallOutcome, Panicked, RoundResults};
-use crate::transport::Transport;
+use crate::snapshot::{CallInFlight, TransportSnapshot};
+use crate::telemetry;
+use crate::transport::{EngineId, Transport};
 
 /// A call lasting this long (wall clock) with calls queued behind it and
-/// no free worker gets a spare worker started for those calls.
+/// no free thread gets those calls threads of their own.
 pub(crate) const STUCK: Duration = Duration::from_millis(1);
+
+/// The most threads the pool runs transport calls on at once (the
+/// watchdog is one more). Each holds a stack of 2 MiB of address space,
+/// of which a blocked call touches a few KiB: at the cap, on the order of
+/// 50 MiB of memory. A registration holds at most two of them (a heartbeat
+/// round and its release), so the cap is reached only with about a thousand
+/// engines hung at once; past it, calls wait for a thread to come back.
+pub const TRANSPORT_THREADS_CAP: usize = 2048;
+
+/// A call in flight this long is hung: counted, logged and listed in the
+/// snapshot. Far beyond any NIXL call's time (microseconds for a
+/// notification, milliseconds for a release).
+pub const HUNG_AFTER: Duration = Duration::from_secs(1);
+
+/// A thread idle this long exits.
+pub(crate) const KEEP_ALIVE: Duration = Duration::from_secs(10);
+
+/// After the system refuses a thread, no new one is asked for this long.
+const REFUSED_BACKOFF: Duration = Duration::from_millis(100);
 
 /// The driver's side: submits batches, receives results.
 pub(crate) struct Offload<T: Transport> {
     shared: Arc<Shared<T>>,
 }
 
-/// What the driver, the workers and the watchdog share.
+/// What the driver, the threads and the watchdog share.
 struct Shared<T: Transport> {
     transport: Arc<T>,
     state: Mutex<State<T::Resources>>,
+    /// Idle threads wait here for calls.
+    work: Condvar,
     /// Wakes the watchdog.
     watchdog: Condvar,
+    /// Wakes the stand-by blocking task: nothing is queued or running.
+    drained: Condvar,
     /// Wakes the driver: results are waiting.
     results: Notify,
-    /// The runtime workers are started on; set at the first submit.
+    /// The runtime: the stand-by task runs on it, and the threads run in
+    /// its context; set at the first submit.
     runtime: OnceLock<Handle>,
+    limits: Limits,
 }
 
-/// Calls waiting, results waiting, and the workers. Changed only under the
+/// The pool's timings and bound (constants in the service; unit tests
+/// shorten them).
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    cap: usize,
+    stuck: Duration,
+    hung_after: Duration,
+    keep_alive: Duration,
+}
+
+const LIMITS: Limits = Limits {
+    cap: TRANSPORT_THREADS_CAP,
+    stuck: STUCK,
+    hung_after: HUNG_AFTER,
+    keep_alive: KEEP_ALIVE,
+};
+
+/// What a call is about, for the snapshot.
+#[derive(Clone, Debug)]
+struct CallInfo {
+    engine: EngineId,
+    call: &'static str,
+}
+
+/// A thread inside a call.
+struct InCall {
+    thread: u64,
+    since: Instant,
+    info: CallInfo,
+    /// Counted as hung already.
+    hung: bool,
+}
+
+/// Calls waiting, results waiting, and the threads. Changed only under the
 /// lock.
 struct State<R> {
-    calls: VecDeque<Call<R>>,
+    /// Calls waiting, one queue per batch, the newest last.
+    batches: VecDeque<VecDeque<Call<R>>>,
+    queued: usize,
     results: Vec<CallOutcome>,
-    /// Workers started and not yet exited.
-    workers: usize,
-    /// Workers inside a call, with when the call began.
-    in_call: Vec<(u64, Instant)>,
-    next_worker: u64,
-    /// The watchdog is watching (a timed wait), or has been asked to.
+    /// Threads started and not yet exited.
+    threads: usize,
+    /// Threads waiting for a call.
+    idle: usize,
+    /// Idle threads woken to take calls that have not woken up yet.
+    permits: usize,
+    /// New threads that have not taken a call yet.
+    starting: usize,
+    in_call: Vec<InCall>,
+    next_thread: u64,
+    /// The watchdog has been asked to watch for stuck threads.
     watching: bool,
+    /// The watchdog sleeps until woken (no call was in flight when it last
+    /// looked): the next call to start wakes it, so that it looks again
+    /// when that call could turn hung.
+    watchdog_asleep: bool,
     watchdog_started: bool,
+    /// The stand-by blocking task is running (current-thread runtimes).
+    standing_by: bool,
     /// The driver is gone: heartbeats are dropped, releases still run.
     closed: bool,
+    /// The system refused a thread: no new one is asked for before this.
+    refused_until: Option<Instant>,
+    /// Calls ever counted hung.
+    hung_total: u64,
+    /// Calls hung now (in flight for at least `hung_after`).
+    hung_now: usize,
+    /// The cap has been reached and said so; cleared when a thread comes
+    /// back.
+    at_cap_logged: bool,
 }
 
 impl<R> State<R> {
-    fn free_workers(&self) -> usize {
-        self.workers - self.in_call.len()
+    /// The oldest call of the newest batch.
+    fn take(&mut self) -> Option<Call<R>> {
+        let batch = self.batches.back_mut()?;
+        let call = batch.pop_front();
+        if batch.is_empty() {
+            self.batches.pop_back();
+        }
+        if call.is_some() {
+            self.queued -= 1;
+        }
+        call
+    }
+
+    /// Calls queued or running: while there are any, a paused clock must
+    /// not move.
+    fn pending(&self) -> usize {
+        self.queued + self.in_call.len()
+    }
+
+    /// Threads on their way to take a call.
+    fn coming(&self) -> usize {
+        self.permits + self.starting
+    }
+
+    /// Calls queued that no thread is on its way to take.
+    fn unserved(&self) -> usize {
+        self.queued.saturating_sub(self.coming())
+    }
+
+    /// Idle threads nobody has woken yet.
+    fn unclaimed_idle(&self) -> usize {
+        self.idle.saturating_sub(self.permits)
+    }
+
+    /// How many more threads may be started now.
+    fn room(&self, cap: usize, now: Instant) -> usize {
+        if self.refused_until.is_some_and(|t| now < t) {
+            return 0;
+        }
+        cap.saturating_sub(self.threads)
     }
 }
 
@@ -91,22 +226,39 @@ impl<T: Transport> Offload<T> {
     /// An idle offload over `transport`. Starts nothing and needs no runtime
     /// until the first submit.
     pub(crate) fn new(transport: Arc<T>) -> Self {
+        Self::with_limits(transport, LIMITS)
+    }
+
+    fn with_limits(transport: Arc<T>, limits: Limits) -> Self {
         Offload {
             shared: Arc::new(Shared {
                 transport,
                 state: Mutex::new(State {
-                    calls: VecDeque::new(),
+                    batches: VecDeque::new(),
+                    queued: 0,
                     results: Vec::new(),
-                    workers: 0,
+                    threads: 0,
+                    idle: 0,
+                    permits: 0,
+                    starting: 0,
                     in_call: Vec::new(),
-                    next_worker: 0,
+                    next_thread: 0,
                     watching: false,
+                    watchdog_asleep: false,
                     watchdog_started: false,
+                    standing_by: false,
                     closed: false,
+                    refused_until: None,
+                    hung_total: 0,
+                    hung_now: 0,
+                    at_cap_logged: false,
                 }),
+                work: Condvar::new(),
                 watchdog: Condvar::new(),
+                drained: Condvar::new(),
                 results: Notify::new(),
                 runtime: OnceLock::new(),
+                limits,
             }),
         }
     }
@@ -115,30 +267,66 @@ impl<T: Transport> Offload<T> {
     /// [`Offload::recv`]. Must be called within the tokio runtime.
     pub(crate) fn submit(&self, calls: impl IntoIterator<Item = Call<T::Resources>>) {
         let shared = &self.shared;
-        shared.runtime.get_or_init(Handle::current);
-        let (start, start_watchdog) = {
-            let mut state = shared.lock();
-            state.calls.extend(calls);
-            if state.calls.is_empty() {
-                return;
+        let runtime = shared.runtime.get_or_init(Handle::current);
+        // Releases first: a release must not wait behind heartbeats that
+        // may hang.
+        let mut batch: VecDeque<Call<T::Resources>> = VecDeque::new();
+        for call in calls {
+            match call {
+                Call::Release { .. } => batch.push_front(call),
+                Call::Heartbeat { .. } => batch.push_back(call),
             }
-            let start = state.free_workers() == 0;
-            if start {
-                state.workers += 1;
+        }
+        if batch.is_empty() {
+            return;
+        }
+        let (start, start_watchdog, stand_by) = {
+            let mut state = shared.lock();
+            let was_pending = state.pending();
+            state.queued += batch.len();
+            state.batches.push_back(batch);
+            // The batch needs a taker unless one is on its way (it takes
+            // the newest batch first): an idle thread, else a new one.
+            let mut start = false;
+            if state.coming() == 0 {
+                if state.unclaimed_idle() > 0 {
+                    state.permits += 1;
+                    shared.work.notify_one();
+                } else if state.room(shared.limits.cap, Instant::now()) > 0 {
+                    state.threads += 1;
+                    state.starting += 1;
+                    start = true;
+                }
+                // Else every thread is busy: the busy ones come back for
+                // it, and the watchdog watches.
             }
             let start_watchdog = !state.watchdog_started;
             state.watchdog_started = true;
-            (start, start_watchdog)
+            let stand_by = was_pending == 0
+                && !state.standing_by
+                && runtime.runtime_flavor() == RuntimeFlavor::CurrentThread;
+            if stand_by {
+                state.standing_by = true;
+            }
+            (start, start_watchdog, stand_by)
         };
+        if stand_by {
+            let watched = shared.clone();
+            // The task ends on its own once nothing is queued or running.
+            drop(runtime.spawn_blocking(move || watched.stand_by()));
+        }
         if start_watchdog {
             let watched = shared.clone();
-            std::thread::Builder::new()
+            let started = std::thread::Builder::new()
                 .name("nixl-keepalive-watchdog".into())
-                .spawn(move || watched.watch())
-                .expect("the watchdog thread starts");
+                .spawn(move || watched.watch());
+            if let Err(e) = started {
+                tracing::error!(error = %e, "the transport watchdog thread did not start: calls queued behind a hung call wait for it; retried at the next batch");
+                shared.lock().watchdog_started = false;
+            }
         }
         if start {
-            Shared::start_worker(shared);
+            Shared::start_threads(shared, 1);
         }
     }
 
@@ -158,6 +346,36 @@ impl<T: Transport> Offload<T> {
             self.shared.results.notified().await;
         }
     }
+
+    /// The pool as it is now: threads, calls waiting, calls in flight
+    /// (the longest first) and which of them are hung.
+    pub(crate) fn snapshot(&self) -> TransportSnapshot {
+        let now = Instant::now();
+        let state = self.shared.lock();
+        let hung_after = self.shared.limits.hung_after;
+        let mut in_flight: Vec<CallInFlight> = state
+            .in_call
+            .iter()
+            .map(|c| {
+                let age = now.saturating_duration_since(c.since);
+                CallInFlight {
+                    engine: c.info.engine.clone(),
+                    call: c.info.call,
+                    age,
+                    hung: c.hung || age >= hung_after,
+                }
+            })
+            .collect();
+        in_flight.sort_by_key(|c| std::cmp::Reverse(c.age));
+        TransportSnapshot {
+            threads: state.threads,
+            idle: state.idle,
+            cap: self.shared.limits.cap,
+            queued: state.queued,
+            hung_total: state.hung_total,
+            in_flight,
+        }
+    }
 }
 
 impl<T: Transport> Drop for Offload<T> {
@@ -166,99 +384,297 @@ impl<T: Transport> Drop for Offload<T> {
     fn drop(&mut self) {
         let mut state = self.shared.lock();
         state.closed = true;
-        state
-            .calls
-            .retain(|call| matches!(call, Call::Release { .. }));
+        for batch in state.batches.iter_mut() {
+            batch.retain(|call| matches!(call, Call::Release { .. }));
+        }
+        state.batches.retain(|b| !b.is_empty());
+        state.queued = state.batches.iter().map(VecDeque::len).sum();
+        let start = state.queued > 0 && state.threads == 0;
+        if start {
+            // Nobody would run them: one thread for the releases.
+            state.threads += 1;
+            state.starting += 1;
+        }
+        self.shared.work.notify_all();
         self.shared.watchdog.notify_one();
+        self.shared.drained.notify_all();
+        drop(state);
+        if start {
+            Shared::start_threads(&self.shared, 1);
+        }
     }
 }
 
 impl<T: Transport> Shared<T> {
     fn lock(&self) -> MutexGuard<'_, State<T::Resources>> {
         // Nothing that can panic runs under the lock.
-        self.state.lock().expect("offload state poisoned")
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Starts a worker already counted in `workers`.
-    fn start_worker(shared: &Arc<Self>) {
-        let runtime = shared.runtime.get().expect("set at the first submit");
-        let worker = shared.clone();
-        drop(runtime.spawn_blocking(move || worker.work()));
-    }
-
-    /// A worker: takes calls until none is queued, then exits.
-    fn work(self: &Arc<Self>) {
-        let mut state = self.lock();
-        let me = state.next_worker;
-        state.next_worker += 1;
-        loop {
-            let Some(call) = state.calls.pop_front() else {
-                state.workers -= 1;
+    /// Starts `count` threads already counted in `threads` and `starting`.
+    /// A thread the system refuses (out of threads or memory) is
+    /// uncounted, no other is asked for during a short back-off, and the
+    /// calls wait for the threads there are.
+    fn start_threads(shared: &Arc<Self>, count: usize) {
+        for started in 0..count {
+            let worker = shared.clone();
+            let result = std::thread::Builder::new()
+                .name("nixl-keepalive-call".into())
+                .spawn(move || worker.work());
+            if let Err(e) = result {
+                let refused = count - started;
+                let mut state = shared.lock();
+                state.threads -= refused;
+                state.starting -= refused;
+                state.refused_until = Some(Instant::now() + REFUSED_BACKOFF);
+                let threads = state.threads;
+                drop(state);
+                tracing::error!(error = %e, threads, "the system refused a transport thread: calls wait for the threads there are");
                 return;
+            }
+        }
+        telemetry::transport_threads(shared.lock().threads);
+    }
+
+    /// A thread: takes calls, newest batch first; waits for more while
+    /// idle; exits after [`KEEP_ALIVE`] idle, or once the driver is gone
+    /// and nothing is queued.
+    fn work(self: Arc<Self>) {
+        // In the runtime's context, as tokio's own blocking threads are: a
+        // transport that reads tokio's clock (the fake UCX does) reads the
+        // runtime's, paused or not.
+        let _context = self.runtime.get().map(Handle::enter);
+        let mut state = self.lock();
+        let me = state.next_thread;
+        state.next_thread += 1;
+        state.starting -= 1;
+        loop {
+            let Some(call) = state.take() else {
+                if state.closed {
+                    state.threads -= 1;
+                    return;
+                }
+                state.idle += 1;
+                let (s, waited) = self
+                    .work
+                    .wait_timeout(state, self.limits.keep_alive)
+                    .unwrap_or_else(|e| e.into_inner());
+                state = s;
+                state.idle -= 1;
+                if state.permits > 0 {
+                    // Woken to take a call (or another idle thread was,
+                    // and this one came first: either takes it).
+                    state.permits -= 1;
+                } else if waited.timed_out() && state.queued == 0 {
+                    state.threads -= 1;
+                    let threads = state.threads;
+                    drop(state);
+                    telemetry::transport_threads(threads);
+                    return;
+                }
+                continue;
             };
-            state.in_call.push((me, Instant::now()));
-            if state.calls.is_empty() {
+            let info = match &call {
+                Call::Heartbeat { engine, .. } => CallInfo {
+                    engine: engine.clone(),
+                    call: "genNotif",
+                },
+                Call::Release { engine, .. } => CallInfo {
+                    engine: engine.clone(),
+                    call: "release",
+                },
+            };
+            state.in_call.push(InCall {
+                thread: me,
+                since: Instant::now(),
+                info,
+                hung: false,
+            });
+            if state.queued == 0 {
                 if !state.results.is_empty() {
                     // This call may hang: what is done goes to the driver now.
                     self.results.notify_one();
                 }
             } else if !state.watching {
                 // Calls wait behind this one: the watchdog makes sure they
-                // get a worker if it hangs.
+                // get a thread if it hangs.
                 state.watching = true;
+                state.watchdog_asleep = false;
+                self.watchdog.notify_one();
+            }
+            if state.watchdog_asleep {
+                // Once per busy stretch: the watchdog looks again when this
+                // call could turn hung.
+                state.watchdog_asleep = false;
                 self.watchdog.notify_one();
             }
             drop(state);
             let outcome = self.call(call);
             state = self.lock();
-            state.in_call.retain(|(id, _)| *id != me);
+            if let Some(i) = state.in_call.iter().position(|c| c.thread == me) {
+                let done = state.in_call.swap_remove(i);
+                if done.hung {
+                    state.hung_now -= 1;
+                    telemetry::transport_calls_hung(state.hung_now);
+                    tracing::debug!(engine = %done.info.engine, call = done.info.call, after = ?done.since.elapsed(), "a hung transport call came back");
+                }
+            }
+            state.at_cap_logged = false;
             state.results.push(outcome);
-            if state.calls.is_empty() {
+            if state.queued == 0 {
                 self.results.notify_one();
+            }
+            if state.pending() == 0 && state.standing_by {
+                // After the driver was told: it runs before time can move.
+                self.drained.notify_all();
             }
         }
     }
 
-    /// The watchdog: starts a spare worker whenever calls wait, no worker is
-    /// free, and every worker has been inside its call for [`STUCK`].
+    /// The stand-by blocking task (current-thread runtimes): returns once
+    /// nothing is queued or running. While it runs, tokio does not advance
+    /// a paused clock.
+    fn stand_by(self: Arc<Self>) {
+        let mut state = self.lock();
+        while state.pending() > 0 && !(state.closed && state.queued == 0) {
+            state = self.drained.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+        state.standing_by = false;
+    }
+
+    /// The watchdog: whenever calls wait, no thread is on its way to them,
+    /// and every busy thread has been inside its call for [`STUCK`], gives
+    /// each waiting call a thread; counts calls hung for [`HUNG_AFTER`].
     fn watch(self: Arc<Self>) {
+        let limits = self.limits;
         let mut state = self.lock();
         loop {
-            if state.closed && state.calls.is_empty() {
+            if state.closed && state.queued == 0 {
                 return;
             }
-            let blocked = !state.calls.is_empty() && state.free_workers() == 0;
-            if !blocked {
-                state.watching = false;
-                state = self.watchdog.wait(state).expect("offload state poisoned");
-                continue;
-            }
-            state.watching = true;
             let now = Instant::now();
-            let newest = state
+            self.count_hung(&mut state, now);
+            let unserved = state.unserved();
+            let mut wait = None;
+            if unserved > 0 {
+                state.watching = true;
+                let newest = state.in_call.iter().map(|c| c.since).max();
+                let stuck_at = newest.map_or(now, |n| n + limits.stuck);
+                if now < stuck_at {
+                    wait = Some(stuck_at - now);
+                } else {
+                    let (wake, start) = self.takers(&mut state, unserved, now);
+                    if wake + start > 0 {
+                        drop(state);
+                        Self::start_threads(&self, start);
+                        state = self.lock();
+                        continue;
+                    }
+                    // At the cap (or refused): a thread that comes back
+                    // takes the calls itself; look again after a back-off.
+                    wait = state
+                        .refused_until
+                        .map(|t| t.saturating_duration_since(now).max(limits.stuck));
+                }
+            } else {
+                state.watching = false;
+            }
+            // Look for hung calls when the next one could turn hung.
+            let hung_check = state
                 .in_call
                 .iter()
-                .map(|(_, since)| *since)
-                .max()
-                .unwrap_or(now);
-            let stuck_at = newest + STUCK;
-            if now >= stuck_at {
-                state.workers += 1;
-                tracing::debug!(
-                    queued = state.calls.len(),
-                    workers = state.workers,
-                    "every worker is inside a call that may be hung: a spare takes the calls behind them"
-                );
-                drop(state);
-                Self::start_worker(&self);
-                state = self.lock();
-                continue;
+                .filter(|c| !c.hung)
+                .map(|c| (c.since + limits.hung_after).saturating_duration_since(now))
+                .min()
+                .map(|d| d.max(limits.stuck));
+            let wait = match (wait, hung_check) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            state = match wait {
+                Some(wait) => {
+                    self.watchdog
+                        .wait_timeout(state, wait)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+                None => {
+                    state.watchdog_asleep = true;
+                    let mut state = self.watchdog.wait(state).unwrap_or_else(|e| e.into_inner());
+                    state.watchdog_asleep = false;
+                    state
+                }
+            };
+        }
+    }
+
+    /// Gives `count` waiting calls a thread each: idle threads are woken
+    /// first, then new ones counted up to the cap (the caller starts them
+    /// without the lock). Returns how many were woken and how many to
+    /// start.
+    fn takers(
+        &self,
+        state: &mut State<T::Resources>,
+        count: usize,
+        now: Instant,
+    ) -> (usize, usize) {
+        let wake = count.min(state.unclaimed_idle());
+        state.permits += wake;
+        for _ in 0..wake {
+            self.work.notify_one();
+        }
+        let start = (count - wake).min(state.room(self.limits.cap, now));
+        state.threads += start;
+        state.starting += start;
+        if start > 0 {
+            tracing::debug!(
+                queued = state.queued,
+                threads = state.threads,
+                started = start,
+                "every busy transport thread is inside a call that may be hung: the calls behind them get threads of their own"
+            );
+        }
+        if wake + start < count && !state.at_cap_logged && state.threads >= self.limits.cap {
+            state.at_cap_logged = true;
+            tracing::warn!(
+                threads = state.threads,
+                queued = state.queued,
+                hung = state.hung_now,
+                cap = self.limits.cap,
+                "every transport thread is inside a call: the calls queued wait for one to come back"
+            );
+        }
+        (wake, start)
+    }
+
+    /// Counts calls in flight for [`HUNG_AFTER`], once each: one WARN per
+    /// look, however many turned hung.
+    fn count_hung(&self, state: &mut State<T::Resources>, now: Instant) {
+        let hung_after = self.limits.hung_after;
+        let mut newly = 0u64;
+        let mut example = None;
+        for c in state.in_call.iter_mut() {
+            let age = now.saturating_duration_since(c.since);
+            if !c.hung && age >= hung_after {
+                c.hung = true;
+                newly += 1;
+                example.get_or_insert((c.info.clone(), age));
             }
-            state = self
-                .watchdog
-                .wait_timeout(state, stuck_at - now)
-                .expect("offload state poisoned")
-                .0;
+        }
+        if let Some((info, age)) = example {
+            state.hung_total += newly;
+            state.hung_now += newly as usize;
+            telemetry::transport_calls_hung_counted(newly);
+            telemetry::transport_calls_hung(state.hung_now);
+            tracing::warn!(
+                newly_hung = newly,
+                hung = state.hung_now,
+                threads = state.threads,
+                engine = %info.engine,
+                call = info.call,
+                after = ?age,
+                "transport calls hung: each holds a thread until it returns, and its engine gets no other heartbeat meanwhile (the snapshot lists them)"
+            );
         }
     }
 
@@ -269,17 +685,29 @@ impl<T: Transport> Shared<T> {
             Call::Heartbeat {
                 serial,
                 agents,
-                message,
+                messages,
+                ..
             } => {
                 let mut results = RoundResults::default();
                 for agent in agents.iter() {
-                    match catch_unwind(AssertUnwindSafe(|| self.transport.notify(agent, &message)))
-                    {
-                        Ok(Ok(())) => results.sent += 1,
-                        Ok(Err(e)) => results.failed.push((agent.clone(), e)),
-                        Err(payload) => results
-                            .panicked
-                            .push((agent.clone(), Panicked::from_payload(&*payload))),
+                    for message in messages.iter() {
+                        match catch_unwind(AssertUnwindSafe(|| {
+                            self.transport.notify(agent, message)
+                        })) {
+                            Ok(Ok(())) => results.sent += 1,
+                            Ok(Err(e)) => {
+                                results.failed.push((agent.clone(), e));
+                                // The agent's other notifications of this
+                                // round would fail the same way.
+                                break;
+                            }
+                            Err(payload) => {
+                                results
+                                    .panicked
+                                    .push((agent.clone(), Panicked::from_payload(&*payload)));
+                                break;
+                            }
+                        }
                     }
                 }
                 CallOutcome::Heartbeat { serial, results }
@@ -296,6 +724,238 @@ impl<T: Transport> Shared<T> {
                 .map_err(|payload| Panicked::from_payload(&*payload));
                 CallOutcome::Release { serial, steps }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::transport::{AgentName, ReleaseStep, TransportError};
+
+    /// Notifies to agents named `hung-*` block until the gate opens; the
+    /// rest return at once. Counts calls per kind.
+    #[derive(Default)]
+    struct Gated {
+        open: Mutex<bool>,
+        opened: Condvar,
+        notifies: AtomicUsize,
+        releases: AtomicUsize,
+    }
+
+    impl Gated {
+        fn open(&self) {
+            *self.open.lock().unwrap() = true;
+            self.opened.notify_all();
+        }
+    }
+
+    impl Transport for Gated {
+        type Resources = ();
+
+        fn notify(&self, agent: &AgentName, _message: &[u8]) -> Result<(), TransportError> {
+            if agent.as_str().starts_with("hung") {
+                let mut open = self.open.lock().unwrap();
+                while !*open {
+                    open = self.opened.wait(open).unwrap();
+                }
+            }
+            self.notifies.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+
+        fn release(&self, _: &EngineId, _: &[AgentName], _: ()) -> Vec<ReleaseStep> {
+            self.releases.fetch_add(1, Ordering::SeqCst);
+            Vec::new()
+        }
+    }
+
+    fn heartbeat(serial: u64, agent: &str) -> Call<()> {
+        Call::Heartbeat {
+            serial,
+            engine: EngineId::new(format!("e-{serial}")),
+            agents: Arc::from(vec![AgentName::new(agent)]),
+            messages: Arc::from(vec![b"HB:".to_vec().into_boxed_slice()]),
+        }
+    }
+
+    fn release(serial: u64) -> Call<()> {
+        Call::Release {
+            serial,
+            engine: EngineId::new(format!("e-{serial}")),
+            agents: Arc::from(vec![AgentName::new(format!("a-{serial}"))]),
+            resources: (),
+        }
+    }
+
+    fn serial(outcome: &CallOutcome) -> u64 {
+        match outcome {
+            CallOutcome::Heartbeat { serial, .. } | CallOutcome::Release { serial, .. } => *serial,
+        }
+    }
+
+    /// Receives results until `want` says it has what it needs, for at
+    /// most `within` (wall clock); returns the serials seen.
+    async fn results_until(
+        offload: &Offload<Gated>,
+        within: Duration,
+        want: impl Fn(&[u64]) -> bool,
+    ) -> Vec<u64> {
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + within;
+        while !want(&seen) {
+            let mut out = Vec::new();
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, offload.recv(&mut out)).await {
+                Ok(()) => seen.extend(out.iter().map(serial)),
+                Err(_) => panic!("results after {within:?}: {seen:?}"),
+            }
+        }
+        seen
+    }
+
+    fn limits(cap: usize) -> Limits {
+        Limits {
+            cap,
+            stuck: STUCK,
+            hung_after: Duration::from_millis(20),
+            keep_alive: Duration::from_secs(10),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_calls_behind_a_burst_of_hung_calls_and_a_later_batch_all_complete_while_they_hang()
+    {
+        let transport = Arc::new(Gated::default());
+        let offload = Offload::with_limits(transport.clone(), limits(TRANSPORT_THREADS_CAP));
+        // One batch: 64 hung heartbeats with 10 healthy ones behind them.
+        offload.submit(
+            (0..64)
+                .map(|i| heartbeat(i, "hung"))
+                .chain((100..110).map(|i| heartbeat(i, "ok"))),
+        );
+        // A later batch, with a release.
+        offload.submit([heartbeat(200, "ok"), release(201)]);
+        let healthy: Vec<u64> = (100..110).chain([200, 201]).collect();
+        let seen = results_until(&offload, Duration::from_secs(30), |s| {
+            healthy.iter().all(|h| s.contains(h))
+        })
+        .await;
+        assert!(
+            seen.iter().all(|s| *s >= 100),
+            "a hung call came back: {seen:?}"
+        );
+        let pool = offload.snapshot();
+        // Each hung call holds a thread of its own, and no more than that
+        // plus the threads the healthy calls used.
+        let hung: Vec<_> = pool
+            .in_flight
+            .iter()
+            .filter(|c| c.call == "genNotif")
+            .collect();
+        assert_eq!(hung.len(), 64, "{pool:?}");
+        assert!(pool.threads >= 64 && pool.threads <= 64 + 12, "{pool:?}");
+        assert_eq!(pool.queued, 0);
+        transport.open();
+        let all = results_until(&offload, Duration::from_secs(30), |s| s.len() >= 64).await;
+        assert_eq!(all.len(), 64);
+        assert_eq!(transport.releases.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_release_goes_first_in_its_batch() {
+        let transport = Arc::new(Gated::default());
+        let offload = Offload::with_limits(transport.clone(), limits(1));
+        // One thread only: the release must be the call it takes first,
+        // although it comes after a hung heartbeat in the batch.
+        offload.submit([heartbeat(1, "hung"), release(2)]);
+        let seen = results_until(&offload, Duration::from_secs(30), |s| s.contains(&2)).await;
+        assert_eq!(seen, [2]);
+        transport.open();
+        results_until(&offload, Duration::from_secs(30), |s| s.contains(&1)).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn at_the_cap_calls_wait_for_a_thread_to_come_back_and_no_more_start() {
+        let transport = Arc::new(Gated::default());
+        let offload = Offload::with_limits(transport.clone(), limits(4));
+        offload.submit((0..4).map(|i| heartbeat(i, "hung")));
+        // Wait until all four are inside their calls.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while offload.snapshot().in_flight.len() < 4 {
+            assert!(Instant::now() < deadline, "{:?}", offload.snapshot());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        offload.submit([heartbeat(10, "ok")]);
+        // Past many STUCK periods: still four threads, the call waits.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let pool = offload.snapshot();
+        assert_eq!((pool.threads, pool.queued), (4, 1), "{pool:?}");
+        transport.open();
+        let seen = results_until(&offload, Duration::from_secs(30), |s| s.len() == 5).await;
+        assert!(seen.contains(&10));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_in_flight_past_the_hung_threshold_is_counted_once_and_listed_with_its_engine() {
+        let transport = Arc::new(Gated::default());
+        let offload = Offload::with_limits(transport.clone(), limits(8));
+        offload.submit([heartbeat(7, "hung")]);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let pool = offload.snapshot();
+            if pool.hung_total == 1 {
+                let hung: Vec<_> = pool.hung().collect();
+                assert_eq!(hung.len(), 1, "{pool:?}");
+                assert_eq!(hung[0].engine.as_str(), "e-7");
+                assert_eq!(hung[0].call, "genNotif");
+                assert!(hung[0].age >= Duration::from_millis(20));
+                break;
+            }
+            assert!(Instant::now() < deadline, "never counted: {pool:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Counted once, however long it hangs.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(offload.snapshot().hung_total, 1);
+        transport.open();
+        results_until(&offload, Duration::from_secs(30), |s| s.contains(&7)).await;
+        let pool = offload.snapshot();
+        assert_eq!((pool.hung_total, pool.hung().count()), (1, 0), "{pool:?}");
+    }
+
+    /// A transport whose every call takes 50 ms of wall time.
+    struct Slow;
+
+    impl Transport for Slow {
+        type Resources = ();
+        fn notify(&self, _: &AgentName, _: &[u8]) -> Result<(), TransportError> {
+            std::thread::sleep(Duration::from_millis(50));
+            Ok(())
+        }
+        fn release(&self, _: &EngineId, _: &[AgentName], _: ()) -> Vec<ReleaseStep> {
+            Vec::new()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn on_a_paused_clock_a_result_arrives_before_virtual_time_moves() {
+        let offload = Offload::new(Arc::new(Slow));
+        for round in 0..3 {
+            let start = tokio::time::Instant::now();
+            offload.submit([heartbeat(round, "ok")]);
+            let mut out = Vec::new();
+            tokio::select! {
+                biased;
+                () = offload.recv(&mut out) => {}
+                () = tokio::time::sleep(Duration::from_secs(3600)) => {
+                    panic!("virtual time moved while the call ran")
+                }
+            }
+            assert_eq!(tokio::time::Instant::now(), start);
+            assert_eq!(out.len(), 1);
         }
     }
 }

@@ -289,6 +289,19 @@ impl<T: Transport> Keepalive<T> {
             Msg::Snapshot(done) => {
                 let mut snapshot = self.core.snapshot(now);
                 snapshot.detection_bound = self.bound;
+                snapshot.transport = self.offload.snapshot();
+                for call in snapshot.transport.hung() {
+                    if let Some(e) = snapshot
+                        .engines
+                        .iter_mut()
+                        .find(|e| e.engine == call.engine)
+                    {
+                        e.why.push_str(&format!(
+                            "; its {} call has been inside the transport for {:?} (hung: it holds one transport thread, and the engine gets no other heartbeat until it returns)",
+                            call.call, call.age
+                        ));
+                    }
+                }
                 let _ = done.send(snapshot);
             }
         }

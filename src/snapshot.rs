@@ -62,6 +62,47 @@ pub struct Snapshot {
     /// The worst-case time to release a dead peer with the settings in
     /// force, when the service was given them.
     pub detection_bound: Option<DetectionSummary>,
+    /// The transport calls' thread pool: threads, calls waiting, calls in
+    /// flight and which of them are hung.
+    pub transport: TransportSnapshot,
+}
+
+/// The pool the service runs transport calls on (see
+/// [`crate::TRANSPORT_THREADS_CAP`]).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct TransportSnapshot {
+    /// Threads started and not exited (busy or idle).
+    pub threads: usize,
+    /// Threads waiting for a call.
+    pub idle: usize,
+    /// The most threads the pool runs.
+    pub cap: usize,
+    /// Calls waiting for a thread.
+    pub queued: usize,
+    /// Calls ever counted hung (in flight for [`crate::HUNG_AFTER`]).
+    pub hung_total: u64,
+    /// Calls in flight, the longest first.
+    pub in_flight: Vec<CallInFlight>,
+}
+
+impl TransportSnapshot {
+    /// The calls in flight that are hung.
+    pub fn hung(&self) -> impl Iterator<Item = &CallInFlight> {
+        self.in_flight.iter().filter(|c| c.hung)
+    }
+}
+
+/// A transport call in flight.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallInFlight {
+    /// The engine it is for.
+    pub engine: EngineId,
+    /// `genNotif` (a heartbeat round) or `release`.
+    pub call: &'static str,
+    /// How long it has been inside the transport (wall clock).
+    pub age: Duration,
+    /// In flight for [`crate::HUNG_AFTER`] or more.
+    pub hung: bool,
 }
 
 /// The detection bound, as numbers.

@@ -24,6 +24,12 @@ pub const TRANSFER_ERRORS: &str = "nixl_keepalive_transfer_errors_total";
 pub const READ_STALLS: &str = "nixl_keepalive_read_stalls_total";
 /// Transport calls that panicked, by `call` (`genNotif`, `release`).
 pub const TRANSPORT_PANICS: &str = "nixl_keepalive_transport_panics_total";
+/// Threads of the transport calls' pool (busy and idle).
+pub const TRANSPORT_THREADS: &str = "nixl_keepalive_transport_threads";
+/// Transport calls in flight for `HUNG_AFTER` or more, now.
+pub const TRANSPORT_CALLS_HUNG: &str = "nixl_keepalive_transport_calls_hung";
+/// Transport calls counted hung, ever (each once).
+pub const TRANSPORT_CALLS_HUNG_TOTAL: &str = "nixl_keepalive_transport_calls_hung_total";
 /// Engines in the table, by `state`.
 pub const ENGINES: &str = "nixl_keepalive_engines";
 /// Releases, by `reason`.
@@ -62,6 +68,18 @@ pub(crate) fn read_stall(action: &'static str) {
 
 pub(crate) fn transport_panicked(call: &'static str) {
     counter!(TRANSPORT_PANICS, "call" => call).increment(1);
+}
+
+pub(crate) fn transport_threads(threads: usize) {
+    gauge!(TRANSPORT_THREADS).set(threads as f64);
+}
+
+pub(crate) fn transport_calls_hung(now: usize) {
+    gauge!(TRANSPORT_CALLS_HUNG).set(now as f64);
+}
+
+pub(crate) fn transport_calls_hung_counted(newly: u64) {
+    counter!(TRANSPORT_CALLS_HUNG_TOTAL).increment(newly);
 }
 
 pub(crate) fn heartbeat_deferred() {

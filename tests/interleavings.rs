@@ -372,7 +372,8 @@ impl Run {
             Op::Lease(i, r) => {
                 if let Some(engine) = self.engine_at(i) {
                     self.handle
-                        .add_leases(&engine, vec![format!("req-{r}")], r % 2 == 0);
+                        .add_leases(&engine, vec![format!("req-{r}")], r % 2 == 0)
+                        .expect("a valid request id");
                 }
             }
             Op::Unlease(i, r) => {

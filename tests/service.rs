@@ -201,7 +201,8 @@ async fn the_per_engine_heartbeat_is_rate_limited_lease_renewals_included() {
     // every 100 ms for ten seconds.
     for i in 0..100 {
         w.handle
-            .add_leases(engine.id(), vec![format!("req-{i}")], true);
+            .add_leases(engine.id(), vec![format!("req-{i}")], true)
+            .expect("a valid request id");
     }
     for _ in 0..100 {
         w.handle.renew_leases(engine.id());

@@ -100,7 +100,9 @@ fn over_three_leases_no_block_is_read_after_its_lease_expired_and_completed_requ
                 .gen_notif(&rank0, format!("RQ:{id}").as_bytes())
                 .expect("RQ");
         }
-        handle.add_leases(&engine, vec![held.clone()], true);
+        handle
+            .add_leases(&engine, vec![held.clone()], true)
+            .expect("a valid request id");
 
         let started = Instant::now();
         let mut max_pending = 0usize;

@@ -9,11 +9,13 @@ use crate::transport::{AgentName, EngineId, ReleaseStep, TransportError};
 /// worker (it is blocking FFI that may never return) and hands the
 /// [`CallOutcome`] back as an input.
 pub(crate) enum Call<R> {
-    /// One heartbeat round: `message` to every agent of the registration.
+    /// One heartbeat round: every one of `messages` (vLLM's `HB:`, split
+    /// to a bounded size) to every agent of the registration.
     Heartbeat {
         serial: u64,
+        engine: EngineId,
         agents: Arc<[AgentName]>,
-        message: Arc<[u8]>,
+        messages: HeartbeatMessages,
     },
     /// Give back a registration's NIXL state.
     Release {
@@ -23,6 +25,10 @@ pub(crate) enum Call<R> {
         resources: R,
     },
 }
+
+/// The notifications of one heartbeat round, shared by the rounds that
+/// follow until the engine's leases change.
+pub(crate) type HeartbeatMessages = Arc<[Box<[u8]>]>;
 
 /// A transport call panicked. The panic is caught at the call (a blocking
 /// worker must not die with jobs behind it) and reported as what it is,
@@ -46,7 +52,9 @@ impl Panicked {
 }
 
 /// One heartbeat round's results: how many notifications NIXL accepted,
-/// and those that failed or panicked, in agent order. A round where every
+/// and those that failed or panicked (the first per agent: an agent's
+/// other notifications of the round are not sent after one fails), in
+/// agent order. A round where every
 /// agent accepted allocates nothing.
 #[derive(Debug, Default)]
 pub(crate) struct RoundResults {

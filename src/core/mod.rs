@@ -50,7 +50,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use tokio::time::Instant;
 
-pub(crate) use calls::{Call, CallOutcome, Panicked, RoundResults};
+pub(crate) use calls::{Call, CallOutcome, HeartbeatMessages, Panicked, RoundResults};
 pub(crate) use cell::{EngineCell, Wake, WakeSink};
 pub(crate) use classify::{classify, Verdict};
 pub use schedule::HEARTBEAT_SLOT;
@@ -216,7 +216,7 @@ pub(crate) struct Core<R> {
     rng: StdRng,
     actions: VecDeque<Action<R>>,
     /// The message of an engine without leases, shared by all of them.
-    idle_message: Arc<[u8]>,
+    idle_message: HeartbeatMessages,
     /// Appended to a live engine's "why not released".
     silent_peer_note: String,
     census_due: Option<Instant>,
@@ -247,7 +247,7 @@ impl<R> Core<R> {
             queued: Map::default(),
             rng,
             actions: VecDeque::new(),
-            idle_message: heartbeat_message(&BTreeSet::new()).into(),
+            idle_message: heartbeat_round(&BTreeSet::new()),
             silent_peer_note: "UCX settings not given to the service".to_string(),
             releases_in_flight: 0,
             stopping: None,
@@ -776,23 +776,25 @@ impl<R> Core<R> {
         let peer = self.peers.get_mut(&serial).expect("live serial");
         peer.heartbeat_in_flight = true;
         peer.renewal_wanted = false;
-        let message = match &peer.message {
-            Some(message) => message.clone(),
+        let messages = match &peer.message {
+            Some(messages) => messages.clone(),
             None => {
-                let message: Arc<[u8]> = if peer.leases.is_empty() {
+                let messages = if peer.leases.is_empty() {
                     self.idle_message.clone()
                 } else {
-                    heartbeat_message(&peer.leases).into()
+                    heartbeat_round(&peer.leases)
                 };
-                peer.message = Some(message.clone());
-                message
+                peer.message = Some(messages.clone());
+                messages
             }
         };
         let agents = peer.agents.clone();
+        let engine = peer.id().clone();
         self.actions.push_back(Action::Call(Call::Heartbeat {
             serial,
+            engine,
             agents,
-            message,
+            messages,
         }));
         match self.config.heartbeat_interval {
             Some(interval) => {
@@ -1187,7 +1189,9 @@ impl<R> Core<R> {
             silent_peer_note: self.silent_peer_note.clone(),
             limiter_keys: self.rate.len(),
             heartbeat_timers: self.schedule.len(),
+            // Filled in by the driver, which holds them.
             detection_bound: None,
+            transport: Default::default(),
         }
     }
 
@@ -1268,15 +1272,55 @@ fn stall_check_period(bound: Duration) -> Duration {
     (bound / 4).max(HEARTBEAT_SLOT)
 }
 
-/// vLLM's lease-renewal text: `HB:` and the comma-separated request ids
-/// (nothing after the colon for an idle engine).
-pub fn heartbeat_message<'a>(requests: impl IntoIterator<Item = &'a String>) -> Vec<u8> {
-    let mut message = b"HB:".to_vec();
-    for (i, r) in requests.into_iter().enumerate() {
-        if i > 0 {
+/// The most bytes of one `HB:` notification. A round whose request ids do
+/// not fit in one is split over several (see [`heartbeat_messages`]): each
+/// notification stays one small message whatever the number of requests
+/// pending (10,000 pending ids once made one notification of 400 KB).
+/// With ids of at most [`crate::lease::MAX_REQUEST_ID`] bytes, each
+/// notification carries at least 31 of them.
+pub const MAX_HEARTBEAT_BYTES: usize = 8 * 1024;
+
+/// vLLM's lease-renewal text for `requests`, split to fit: each
+/// notification is `HB:` and comma-separated request ids, at most
+/// [`MAX_HEARTBEAT_BYTES`] long; the ids go in order, each whole and in
+/// exactly one notification; no ids is one `HB:` (nothing after the
+/// colon). vLLM's prefill extends each id an `HB:` names and ignores
+/// unknown ones, so several notifications renew exactly what one would:
+/// every one of them is a valid `HB:` on its own. The rate cap counts the
+/// round, not its notifications.
+///
+/// Request ids are checked where they enter
+/// ([`crate::KeepaliveHandle::add_leases`]: at most
+/// [`crate::lease::MAX_REQUEST_ID`] bytes, no `,`): an id that could not
+/// fit even alone is not sent.
+pub fn heartbeat_messages<'a>(requests: impl IntoIterator<Item = &'a String>) -> Vec<Vec<u8>> {
+    const PREFIX: &[u8] = b"HB:";
+    let mut messages = Vec::new();
+    let mut message = PREFIX.to_vec();
+    for r in requests {
+        let id = r.as_bytes();
+        if PREFIX.len() + id.len() > MAX_HEARTBEAT_BYTES {
+            continue;
+        }
+        let comma = usize::from(message.len() > PREFIX.len());
+        if message.len() + comma + id.len() > MAX_HEARTBEAT_BYTES {
+            messages.push(std::mem::replace(&mut message, PREFIX.to_vec()));
+        }
+        if message.len() > PREFIX.len() {
             message.push(b',');
         }
-        message.extend_from_slice(r.as_bytes());
+        message.extend_from_slice(id);
     }
-    message
+    if messages.is_empty() || message.len() > PREFIX.len() {
+        messages.push(message);
+    }
+    messages
+}
+
+/// One round's notifications, shared.
+fn heartbeat_round<'a>(requests: impl IntoIterator<Item = &'a String>) -> HeartbeatMessages {
+    heartbeat_messages(requests)
+        .into_iter()
+        .map(Vec::into_boxed_slice)
+        .collect()
 }

@@ -30,7 +30,7 @@ pub(super) struct Peer<R> {
     pub(super) leases: BTreeSet<String>,
     /// The heartbeat message for `leases`, built at the first round after
     /// they change (`None` until then).
-    pub(super) message: Option<Arc<[u8]>>,
+    pub(super) message: Option<super::calls::HeartbeatMessages>,
     /// The schedule slot of the next heartbeat, if one is scheduled: the
     /// token that finds it in the [`super::schedule::Schedule`].
     pub(super) next_heartbeat: Option<Instant>,

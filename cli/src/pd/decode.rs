@@ -668,8 +668,13 @@ impl Decoder {
         };
         let request = self.next_request_id();
         let engine = connected.remote.engine.clone();
-        self.handle
-            .add_leases(&engine, vec![request.clone()], false);
+        if let Err(e) = self
+            .handle
+            .add_leases(&engine, vec![request.clone()], false)
+        {
+            // Our own ids (`<decode agent>-<n>`) are always valid.
+            tracing::error!(error = %e, "lease not added");
+        }
         let remote = connected.remote.clone();
         let agent = self.transport.agent().clone();
         let timeout = self.options.read_timeout;

@@ -461,7 +461,10 @@ impl Decoder {
             request += 1;
             let engine = current.engine.id().clone();
             let lease = format!("req-{}-{request}", rng.random::<u32>());
-            inner.handle.add_leases(&engine, vec![lease.clone()], false);
+            inner
+                .handle
+                .add_leases(&engine, vec![lease.clone()], false)
+                .expect("the demo's request ids are valid");
             let failed = guard.failed();
             tokio::pin!(failed);
             let mut wait = rng.random_range(shape.read.0..=shape.read.1);
