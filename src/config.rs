@@ -169,35 +169,111 @@ pub const KNOBS: &[Knob] = &[
 ];
 
 /// The service's configuration. Build it with [`Config::builder`] or read
-/// it with [`Config::from_env`]; both validate.
+/// it with [`Config::from_env`]; both validate, and there is no other way
+/// to make one: its fields are private, so every `Config` the service is
+/// given is within the bounds of [`KNOBS`] (no value can panic a timer,
+/// abort an allocation or spin the driver). Read the values with the
+/// accessors; change them with [`Config::to_builder`].
+///
+/// ```compile_fail
+/// // A field cannot be set around the validation.
+/// let mut config = nixl_keepalive::Config::default();
+/// config.event_capacity = 0;
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
     /// Heartbeat period per engine; `None` disables periodic heartbeats
     /// (lease renewals requested by the runtime still go out).
-    pub heartbeat_interval: Option<Duration>,
+    pub(crate) heartbeat_interval: Option<Duration>,
     /// Uniform jitter applied to each engine's next heartbeat.
-    pub jitter: Duration,
+    pub(crate) jitter: Duration,
     /// Per-engine rate cap: one notification round per period on average.
-    pub rate_period: Duration,
+    pub(crate) rate_period: Duration,
     /// Per-engine rate cap: rounds allowed back to back.
-    pub rate_burst: u32,
+    pub(crate) rate_burst: u32,
     /// Events buffered per subscriber.
-    pub event_capacity: usize,
+    pub(crate) event_capacity: usize,
     /// Gauge refresh period; `None` disables the refresh.
-    pub metrics_period: Option<Duration>,
+    pub(crate) metrics_period: Option<Duration>,
     /// At shutdown, how long reads in flight may go on before the engines
     /// that still have reads are handed back unreleased.
-    pub shutdown_drain: Duration,
+    pub(crate) shutdown_drain: Duration,
     /// A registration whose reads in flight have not completed for this
     /// long, while the decoder's other reads go on, is stalled (a hung
     /// peer); `None` disables the check.
-    pub read_stall: Option<Duration>,
+    pub(crate) read_stall: Option<Duration>,
     /// What a stall does: fail the engine's reads and release it, or only
     /// report it.
-    pub stall_action: StallAction,
+    pub(crate) stall_action: StallAction,
     /// Seed for the heartbeat jitter; `None` seeds from the OS. Tests and
     /// the demo fix it so that runs repeat.
-    pub seed: Option<u64>,
+    pub(crate) seed: Option<u64>,
+}
+
+impl Config {
+    /// Heartbeat period per engine; `None`: periodic heartbeats are off
+    /// (lease renewals requested by the runtime still go out).
+    pub fn heartbeat_interval(&self) -> Option<Duration> {
+        self.heartbeat_interval
+    }
+
+    /// Uniform jitter applied to each engine's next heartbeat.
+    pub fn jitter(&self) -> Duration {
+        self.jitter
+    }
+
+    /// Per-engine rate cap: one notification round per this period on
+    /// average.
+    pub fn rate_period(&self) -> Duration {
+        self.rate_period
+    }
+
+    /// Per-engine rate cap: rounds allowed back to back.
+    pub fn rate_burst(&self) -> u32 {
+        self.rate_burst
+    }
+
+    /// Events buffered per subscriber.
+    pub fn event_capacity(&self) -> usize {
+        self.event_capacity
+    }
+
+    /// Gauge refresh period; `None`: no refresh.
+    pub fn metrics_period(&self) -> Option<Duration> {
+        self.metrics_period
+    }
+
+    /// At shutdown, how long reads in flight may go on.
+    pub fn shutdown_drain(&self) -> Duration {
+        self.shutdown_drain
+    }
+
+    /// The read-stall bound; `None`: the check is off.
+    pub fn read_stall(&self) -> Option<Duration> {
+        self.read_stall
+    }
+
+    /// What a stall does.
+    pub fn stall_action(&self) -> StallAction {
+        self.stall_action
+    }
+
+    /// The jitter's random seed, when fixed.
+    pub fn seed(&self) -> Option<u64> {
+        self.seed
+    }
+
+    /// A builder holding every value of this configuration, each as if
+    /// set explicitly: changing the interval there does not derive the
+    /// jitter or the rate period again. [`ConfigBuilder::build`] checks
+    /// the result as always.
+    pub fn to_builder(&self) -> ConfigBuilder {
+        ConfigBuilder {
+            config: self.clone(),
+            jitter_set: true,
+            rate_period_set: true,
+        }
+    }
 }
 
 /// The defaults: a 5 s interval and the jitter and rate period derived

@@ -17,10 +17,11 @@ use nixl_sys::testing::runtime_or_skip;
 const STALL: Duration = Duration::from_secs(2);
 
 fn stall_config() -> nixl_keepalive::Config {
-    let mut config = config(Duration::from_millis(500));
-    config.read_stall = Some(STALL);
-    config.stall_action = StallAction::Fail;
-    config
+    config(Duration::from_millis(500))
+        .to_builder()
+        .read_stall(Some(STALL), StallAction::Fail)
+        .build()
+        .expect("valid config")
 }
 
 fn options() -> DecodeOptions {

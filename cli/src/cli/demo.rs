@@ -102,17 +102,21 @@ fn parse_keepalive(value: &str) -> Result<Keepalive, String> {
 pub(crate) fn run(args: DemoArgs) -> ExitCode {
     // The environment is read before anything starts: a bad value stops
     // here, naming the variable and the accepted syntax.
-    let mut config = match Config::from_env() {
+    let config = match Config::from_env().and_then(|config| {
+        config
+            .to_builder()
+            // The jitter's seed: fixed, so that runs repeat.
+            .seed(args.seed.unwrap_or(0))
+            // No metrics recorder is installed: skip the census.
+            .metrics_period(None)
+            .build()
+    }) {
         Ok(config) => config,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
-    // The jitter's seed: fixed, so that runs repeat.
-    config.seed = Some(args.seed.unwrap_or(0));
-    // No metrics recorder is installed: skip the census.
-    config.metrics_period = None;
 
     let runtime = if args.real_time {
         tokio::runtime::Builder::new_multi_thread()

@@ -43,7 +43,7 @@ impl Bounds {
     ) -> Self {
         // Slack: a heartbeat round, a release, and the event reaching us.
         let slack = Duration::from_secs(1);
-        let heartbeat = config.heartbeat_interval.map(|i| i + config.jitter);
+        let heartbeat = config.heartbeat_interval().map(|i| i + config.jitter());
         let crash = heartbeat.map(|h| h + max_read + slack);
         let silent = match (heartbeat, ucx_keepalive) {
             (Some(h), Some(k)) => Some(k + h + max_read + slack),
@@ -52,7 +52,7 @@ impl Bounds {
         // Found within 1.25 bounds (checked four times per bound), once a
         // read is in flight there (the readers pick prefills at random).
         let stalled = config
-            .read_stall
+            .read_stall()
             .map(|b| b + b / 4 + max_read + slack + Duration::from_secs(2));
         Bounds {
             crash,
