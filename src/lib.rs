@@ -96,6 +96,7 @@ mod event;
 pub mod fake;
 mod handle;
 pub mod lease;
+pub mod log_limit;
 #[cfg(feature = "membership")]
 pub mod membership;
 pub mod nixl_transport;

@@ -58,6 +58,7 @@ pub use schedule::HEARTBEAT_SLOT;
 use crate::config::{Config, StallAction};
 use crate::error::RegisterError;
 use crate::event::{Event, ReleaseReason, Source, WaitedFor};
+use crate::log_limit::LogLimiter;
 use crate::registration::{GoneMode, PeerRef, Registration};
 use crate::snapshot::{EngineSnapshot, HeartbeatSnapshot, Snapshot};
 use crate::state::EngineState;
@@ -224,6 +225,9 @@ pub(crate) struct Core<R> {
     stall_check_due: Option<Instant>,
     releases_in_flight: usize,
     stopping: Option<Stopping>,
+    /// Lines about transient errors: one per registration, status and
+    /// source per period.
+    transient_log: LogLimiter<(u64, i32, Source)>,
 }
 
 impl<R> Core<R> {
@@ -251,6 +255,7 @@ impl<R> Core<R> {
             silent_peer_note: "UCX settings not given to the service".to_string(),
             releases_in_flight: 0,
             stopping: None,
+            transient_log: LogLimiter::standard(),
         }
     }
 
@@ -654,7 +659,13 @@ impl<R> Core<R> {
             }
             Verdict::Transient => {
                 peer.transient_errors += 1;
-                tracing::info!(%engine, ?agent, %source, %status, raw = status.raw(), "an error that is not a disconnect: counted, engine kept");
+                // One line per engine, status and source per period, with
+                // the count it stands for; every one is counted and is an
+                // event.
+                let key = (serial, status.raw(), source);
+                if let Some(suppressed) = self.transient_log.admit(key, now) {
+                    tracing::info!(%engine, ?agent, %source, %status, raw = status.raw(), suppressed, total = peer.transient_errors, "an error that is not a disconnect: counted, engine kept");
+                }
                 self.emit(Event::TransientError {
                     engine,
                     status,

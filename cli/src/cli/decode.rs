@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::membership::{self, MembershipUpdate, RetireWhy};
 use nixl_keepalive::nixl_transport::NixlTransport;
 use nixl_keepalive::ucx_settings::UcxSettings;
@@ -218,6 +219,7 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
                 .run(shutdown.clone()),
         );
         let mut events = keepalive.subscribe();
+        let mut quiet = TransientLog::standard();
         let options = DecodeOptions {
             reads_in_flight: args.reads as usize,
             read_pause: Duration::from_millis(args.read_pause_ms),
@@ -245,7 +247,7 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
             tokio::select! {
                 _ = &mut signal => break,
                 event = events.recv() => match event {
-                    Ok(e) => print_event(&e),
+                    Ok(e) => print_event(&e, &mut quiet),
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => println!("event: ({n} events missed)"),
                     Err(_) => break,
                 },
@@ -254,6 +256,7 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
                     follow_membership(&update, &decoder, &mut readers, &reading);
                 }
                 _ = summary.tick() => {
+                    print_untold(&mut quiet);
                     let s = decoder.stats();
                     println!(
                         "reads: verified={} corrupt={} failed={} abandoned={} refused={} handshakes={}",
@@ -273,7 +276,7 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
         // The releases of the stop itself, sent before the task returned.
         loop {
             match events.try_recv() {
-                Ok(e) => print_event(&e),
+                Ok(e) => print_event(&e, &mut quiet),
                 Err(tokio::sync::broadcast::error::TryRecvError::Lagged(n)) => {
                     println!("event: ({n} events missed)")
                 }
@@ -480,8 +483,23 @@ async fn futures_join_all(readers: Vec<tokio::task::JoinHandle<()>>) {
     }
 }
 
-/// One line per event, greppable: `event: <kind> key=value ...`.
-fn print_event(event: &Event) {
+/// Repeated `transient_error` events, by engine, raw status and source.
+type TransientLog = LogLimiter<(nixl_keepalive::EngineId, i32, nixl_keepalive::Source)>;
+
+/// What a burst of `transient_error` events left untold, once its period
+/// is over: `event: transient_error ... suppressed=N` (`N` more like it).
+fn print_untold(quiet: &mut TransientLog) {
+    for ((engine, raw, source), n) in quiet.flush(tokio::time::Instant::now()) {
+        let status = nixl_keepalive::NixlStatus::from_raw(raw);
+        println!(
+            "event: transient_error engine={engine} status={status} source={source} suppressed={n}"
+        );
+    }
+}
+
+/// One line per event, greppable: `event: <kind> key=value ...`; repeated
+/// `transient_error`s are summarised (`quiet`).
+fn print_event(event: &Event, quiet: &mut TransientLog) {
     match event {
         Event::Registered { engine, address } => println!("event: registered engine={engine} address={address}"),
         Event::Unreachable { engine, status, source } => {
@@ -491,7 +509,15 @@ fn print_event(event: &Event) {
         Event::Retiring { engine, fail_reads } => println!("event: retiring engine={engine} fail_reads={fail_reads}"),
         Event::ReadsFailed { engine, count } => println!("event: reads_failed engine={engine} count={count}"),
         Event::TransientError { engine, status, source } => {
-            println!("event: transient_error engine={engine} status={status} source={source}")
+            // One line per engine, status and source per period, with
+            // the count it stands for (a broken prefill once printed
+            // 1,235 of these in 16 s); the rest at the next summary.
+            let key = (engine.clone(), status.raw(), *source);
+            if let Some(suppressed) = quiet.admit(key, tokio::time::Instant::now()) {
+                println!(
+                    "event: transient_error engine={engine} status={status} source={source} suppressed={suppressed}"
+                )
+            }
         }
         Event::Stalled {
             engine,

@@ -24,7 +24,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::pattern;
 use super::wire::{self, HandshakeReply, WireError};
+use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
+use nixl_keepalive::text::Escaped;
 use nixl_keepalive::{
     AgentName, EngineId, EngineRef, EngineState, PeerAddr, Registration, ServiceStopped,
 };
@@ -59,7 +61,11 @@ pub enum HandshakeError {
         source: NixlError,
     },
     /// The metadata named another agent than the reply did.
-    #[error("metadata for rank {rank} names agent {got}, the reply said {expected}")]
+    #[error(
+        "metadata for rank {rank} names agent {}, the reply said {}",
+        Escaped(got),
+        Escaped(expected)
+    )]
     AgentMismatch {
         /// The rank.
         rank: usize,
@@ -70,7 +76,7 @@ pub enum HandshakeError {
     },
     /// Two ranks of the reply name one agent (see the protocol). Caught by
     /// the wire decoder; checked again for replies built in code.
-    #[error("{engine}: ranks {first} and {second} both name agent {agent:?}; each rank must have its own agent")]
+    #[error("{engine}: ranks {first} and {second} both name agent {:?}; each rank must have its own agent", Escaped(agent))]
     DuplicateAgent {
         /// The engine.
         engine: EngineId,
@@ -463,7 +469,8 @@ pub struct DecodeOptions {
     /// The longest pause between handshake attempts.
     pub retry_max: Duration,
     /// At most one WARN per this long about a prefill that keeps failing
-    /// (it says how many failures it stands for).
+    /// for one reason (each reason has its own; each line says how many
+    /// failures it stands for).
     pub warn_every: Duration,
     /// How often a connected address is asked again who is there (a new
     /// engine id or incarnation there is a replacement).
@@ -739,7 +746,10 @@ impl Decoder {
         let mut current: Option<Connected> = None;
         let mut last_probe: Option<Instant> = None;
         let o = &self.options;
-        let mut retry = super::retry::Retry::new(o.retry, o.retry_max, o.warn_every);
+        let mut retry = super::retry::Retry::new(o.retry, o.retry_max);
+        // One WARN per failure reason per period, with the count it
+        // stands for.
+        let mut warnings: LogLimiter<&'static str> = LogLimiter::new(o.warn_every, 32);
         while !shutdown.is_cancelled() {
             if let Some(c) = &current {
                 if c.engine.state() != EngineState::Live {
@@ -760,6 +770,8 @@ impl Decoder {
                 match self.connect(&address, current.as_ref()).await {
                     Ok(h) => {
                         let failures = retry.succeeded();
+                        // The next failure is told at once.
+                        warnings.forget(|_| true);
                         if failures > 0 {
                             tracing::info!(%address, failures, "handshake succeeded after failures");
                         }
@@ -768,14 +780,15 @@ impl Decoder {
                         }
                     }
                     Err(e) => {
-                        let after = retry.failed(tokio::time::Instant::now());
-                        if let Some(not_logged) = after.warn {
+                        let now = tokio::time::Instant::now();
+                        let after = retry.failed();
+                        if let Some(suppressed) = warnings.admit(e.reason(), now) {
                             tracing::warn!(
                                 %address,
                                 error = %e,
                                 reason = e.reason(),
                                 in_a_row = after.in_a_row,
-                                not_logged,
+                                suppressed,
                                 next_try_in = ?after.pause,
                                 "handshake failed; retrying with back-off"
                             );

@@ -33,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use super::lease::{LeaseCounts, Leases, ReadDone};
 use super::pattern;
 use super::wire::{self, HandshakeReply, RankInfo};
+use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::EngineId;
 
 /// How to start a prefill engine.
@@ -133,6 +134,9 @@ pub struct Prefill {
     incarnation: u64,
     leases: Mutex<Leases>,
     stats: PrefillStats,
+    /// Lines about connections closed unanswered: one per client address
+    /// and reason per period.
+    drop_log: Mutex<LogLimiter<(std::net::IpAddr, &'static str)>>,
 }
 
 impl Prefill {
@@ -173,6 +177,7 @@ impl Prefill {
             incarnation,
             leases: Mutex::new(leases),
             stats: PrefillStats::default(),
+            drop_log: Mutex::new(LogLimiter::standard()),
         }))
     }
 
@@ -413,7 +418,15 @@ impl Prefill {
         self.stats.dropped.fetch_add(1, Ordering::Relaxed);
         metrics::counter!("nixl_keepalive_pd_side_channel_drops_total", "reason" => reason)
             .increment(1);
-        tracing::debug!(%peer, reason, "side-channel connection closed unanswered");
+        let now = tokio::time::Instant::now();
+        let told = self
+            .drop_log
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .admit((peer.ip(), reason), now);
+        if let Some(suppressed) = told {
+            tracing::info!(%peer, reason, suppressed, "side-channel connection closed unanswered");
+        }
     }
 
     async fn answer(
@@ -446,7 +459,7 @@ impl Prefill {
             Err(wire::WireError::Timeout(_)) => return self.dropped(&peer, "timeout"),
             Err(e) => {
                 self.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
-                super::bad_frame("prefill", &peer.to_string(), &e);
+                super::bad_frame("prefill", &peer.ip().to_string(), &e);
                 return;
             }
         }

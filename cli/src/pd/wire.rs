@@ -9,11 +9,22 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 pub const MAX_FRAME: u32 = 16 << 20;
 /// The largest request payload accepted.
 pub const MAX_REQUEST: u32 = 64;
-/// The largest engine id, and the most ranks a reply may list: the
-/// library's bounds, the same for every source.
-pub use nixl_keepalive::text::{MAX_ENGINE_ID, MAX_RANKS};
+use nixl_keepalive::text::{check_name, Escaped};
+/// The largest engine id and agent name, and the most ranks a reply may
+/// list: the library's bounds, the same for every source.
+pub use nixl_keepalive::text::{MAX_AGENT_NAME, MAX_ENGINE_ID, MAX_RANKS};
 /// The largest block size.
 pub const MAX_BLOCK_SIZE: u64 = 64 << 20;
+/// The most KV memory one rank may describe (`blocks * block_size`): 1 TiB,
+/// above any accelerator's memory today (a GB300 has 288 GB).
+pub const MAX_RANK_BYTES: u64 = 1 << 40;
+/// The most blocks one rank may list. The decoder builds one descriptor
+/// per block (24 bytes each) when it loads the reply: 2^20 blocks are 24
+/// MiB of descriptors per rank.
+pub const MAX_BLOCKS: u32 = 1 << 20;
+/// The most blocks a whole reply may list over all its ranks (`blocks *
+/// ranks`): 96 MiB of descriptors at most, whatever the peer says.
+pub const MAX_DESCRIPTORS: u64 = 1 << 22;
 
 const MAGIC: &[u8; 4] = b"NKPD";
 const VERSION: u8 = 1;
@@ -127,12 +138,8 @@ pub fn decode_reply(payload: &[u8]) -> Result<HandshakeReply, WireError> {
     let mut r = Reader(payload);
     header(&mut r, KIND_REPLY)?;
     let engine = r.str16("engine_id")?;
-    if engine.is_empty() || engine.len() > MAX_ENGINE_ID {
-        return Err(field(
-            "engine_id",
-            format!("{} bytes, expected 1..={MAX_ENGINE_ID}", engine.len()),
-        ));
-    }
+    check_name("engine id", &engine, MAX_ENGINE_ID)
+        .map_err(|e| field("engine_id", e.to_string()))?;
     let incarnation = r.u64("incarnation")?;
     let block_size = r.u64("block_size")?;
     if block_size == 0 || block_size > MAX_BLOCK_SIZE {
@@ -142,22 +149,40 @@ pub fn decode_reply(payload: &[u8]) -> Result<HandshakeReply, WireError> {
         ));
     }
     let blocks = r.u32("blocks")?;
-    if blocks == 0 {
-        return Err(field("blocks", "0, expected 1 or more".into()));
+    if blocks == 0 || blocks > MAX_BLOCKS {
+        return Err(field(
+            "blocks",
+            format!("{blocks}, expected 1..={MAX_BLOCKS}"),
+        ));
+    }
+    // Both factors are bounded above: no overflow.
+    let span = block_size * u64::from(blocks);
+    if span > MAX_RANK_BYTES {
+        return Err(field(
+            "blocks",
+            format!(
+                "{blocks} blocks of {block_size} bytes are {span} bytes per rank; expected at most {MAX_RANK_BYTES} (1 TiB)"
+            ),
+        ));
     }
     let n = r.u16("ranks")?;
     if n == 0 || n > MAX_RANKS {
         return Err(field("ranks", format!("{n}, expected 1..={MAX_RANKS}")));
     }
-    let span = block_size
-        .checked_mul(u64::from(blocks))
-        .ok_or_else(|| field("blocks", "blocks * block_size overflows".into()))?;
+    let descriptors = u64::from(blocks) * u64::from(n);
+    if descriptors > MAX_DESCRIPTORS {
+        return Err(field(
+            "blocks",
+            format!(
+                "{blocks} blocks x {n} ranks are {descriptors} descriptors; expected at most {MAX_DESCRIPTORS}"
+            ),
+        ));
+    }
     let mut ranks = Vec::with_capacity(n as usize);
     for _ in 0..n {
         let agent = r.str16("agent")?;
-        if agent.is_empty() || agent.contains('\0') {
-            return Err(field("agent", "empty or contains NUL".into()));
-        }
+        check_name("agent name", &agent, MAX_AGENT_NAME)
+            .map_err(|e| field("agent", e.to_string()))?;
         let base = r.u64("base")?;
         if base.checked_add(span).is_none() {
             return Err(field("base", "base + blocks * block_size overflows".into()));
@@ -227,7 +252,8 @@ pub fn duplicate_agent(first: usize, second: usize, agent: &str) -> WireError {
     field(
         "agent",
         format!(
-            "ranks {first} and {second} both name agent {agent:?}; each rank must have its own agent"
+            "ranks {first} and {second} both name agent {:?}; each rank must have its own agent",
+            Escaped(agent)
         ),
     )
 }
@@ -404,6 +430,82 @@ mod tests {
             }
             other => panic!("accepted or wrong error: {other:?}"),
         }
+    }
+
+    fn refused_field(r: &HandshakeReply) -> (&'static str, String) {
+        match decode_reply(&encode_reply(r)) {
+            Err(WireError::Field { field, reason }) => (field, reason),
+            other => panic!("not refused as a bad field: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_reply_that_would_exhaust_the_decoder_is_refused_with_its_bound() {
+        // u32::MAX blocks of one byte passed the parser, and loading it
+        // collected billions of descriptors.
+        let mut r = reply();
+        r.blocks = u32::MAX;
+        r.block_size = 1;
+        let (field, reason) = refused_field(&r);
+        assert_eq!(field, "blocks");
+        assert!(reason.contains(&MAX_BLOCKS.to_string()), "{reason}");
+        // Each factor in range, the product per rank not.
+        let mut r = reply();
+        r.blocks = MAX_BLOCKS;
+        r.block_size = MAX_BLOCK_SIZE;
+        let (field, reason) = refused_field(&r);
+        assert_eq!(field, "blocks");
+        assert!(reason.contains("1 TiB"), "{reason}");
+        // Per rank in range, over all ranks not.
+        let mut r = reply();
+        r.blocks = MAX_BLOCKS;
+        r.block_size = 1;
+        r.ranks = (0..8)
+            .map(|i| RankInfo {
+                agent: format!("e-1-rank{i}"),
+                base: 0x1000,
+                metadata: vec![1],
+            })
+            .collect();
+        let (_, reason) = refused_field(&r);
+        assert!(reason.contains("descriptors"), "{reason}");
+        // At the edges: accepted.
+        let mut r = reply();
+        r.blocks = MAX_BLOCKS;
+        r.block_size = MAX_RANK_BYTES / u64::from(MAX_BLOCKS);
+        r.ranks = (0..4)
+            .map(|i| RankInfo {
+                agent: format!("e-1-rank{i}"),
+                base: 0x1000,
+                metadata: vec![1],
+            })
+            .collect();
+        decode_reply(&encode_reply(&r)).expect("the edge is accepted");
+    }
+
+    #[test]
+    fn names_with_control_characters_or_over_their_bound_are_refused_and_printed_escaped() {
+        // A newline in an engine id printed a forged `event: released` line.
+        let mut r = reply();
+        r.engine = "e-1\nevent: released engine=victim".into();
+        let (field, reason) = refused_field(&r);
+        assert_eq!(field, "engine_id");
+        assert!(reason.contains("e-1\\nevent"), "{reason}");
+        assert!(!reason.contains('\n'), "{reason}");
+        let mut r = reply();
+        r.engine = "e".repeat(MAX_ENGINE_ID + 1);
+        assert_eq!(refused_field(&r).0, "engine_id");
+        let mut r = reply();
+        r.ranks[0].agent = "rank\u{1b}[2J".into();
+        let (field, reason) = refused_field(&r);
+        assert_eq!(field, "agent");
+        assert!(!reason.contains('\u{1b}'), "{reason}");
+        let mut r = reply();
+        r.ranks[0].agent = "a".repeat(MAX_AGENT_NAME + 1);
+        assert_eq!(refused_field(&r).0, "agent");
+        let mut r = reply();
+        r.ranks[0].agent = "victim-rank0\0zz".into();
+        assert_eq!(refused_field(&r).0, "agent");
     }
 
     #[test]

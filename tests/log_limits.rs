@@ -1,0 +1,103 @@
+//! A peer that fails the same way over and over does not flood the log:
+//! one line per engine, status and source per period, saying how many
+//! occurrences it stands for; every occurrence is still counted and is
+//! still an event. Before: a broken prefill produced 1,235
+//! `transient_error` lines in 16 s.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nixl_keepalive::fake::{FakeConfig, FakeUcx};
+use nixl_keepalive::log_limit::LOG_PERIOD;
+use nixl_keepalive::{Config, Event, NixlStatus, PeerAddr};
+use tokio_util::sync::CancellationToken;
+
+/// A log sink the test reads back.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn lines_with(&self, needle: &str) -> Vec<String> {
+        String::from_utf8_lossy(&self.0.lock().unwrap())
+            .lines()
+            .filter(|l| l.contains(needle))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_broken_prefill_s_1235_transient_errors_in_16_s_make_one_line_per_period() {
+    let captured = Captured::default();
+    let sink = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || sink.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let ucx = FakeUcx::new(FakeConfig::default());
+    let shutdown = CancellationToken::new();
+    let config = Config::builder()
+        .event_capacity(4096)
+        .seed(4)
+        .build()
+        .unwrap();
+    let (handle, task) = nixl_keepalive::spawn(Arc::new(ucx.clone()), config, shutdown.clone());
+    let mut events = handle.subscribe();
+    let address = PeerAddr::new("10.0.0.1:5600");
+    ucx.spawn_prefill(address.clone(), 1);
+    let handshake = handle.handshake(address.clone());
+    let metadata = ucx.fetch_metadata(&address).unwrap();
+    let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
+    let engine = ready
+        .register(ucx.load_metadata(&metadata).unwrap().into())
+        .await
+        .unwrap();
+
+    let errors = 1235u32;
+    let span = Duration::from_secs(16);
+    for _ in 0..errors {
+        engine.report_transfer(NixlStatus::ERR_BACKEND);
+        tokio::time::sleep(span / errors).await;
+    }
+    let snapshot = handle.snapshot().await.unwrap();
+    let counted = snapshot.engine(engine.id()).unwrap().transient_errors;
+    shutdown.cancel();
+    task.await.unwrap();
+
+    // Every one counted, every one an event.
+    assert_eq!(counted, u64::from(errors));
+    let mut seen = 0;
+    while let Ok(e) = events.try_recv() {
+        if matches!(e, Event::TransientError { .. }) {
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, errors);
+    // One line per period: 16 s of errors, a 10 s period: two lines, the
+    // second saying how many it stands for.
+    let lines = captured.lines_with("not a disconnect");
+    let periods = (span.as_secs() / LOG_PERIOD.as_secs() + 1) as usize;
+    assert_eq!(lines.len(), periods, "{lines:#?}");
+    assert!(lines[0].contains("suppressed=0"), "{}", lines[0]);
+    let told: u64 = lines[1]
+        .split("suppressed=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .expect("the count is in the line");
+    assert!(told > 700, "{}", lines[1]);
+}
