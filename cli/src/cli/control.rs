@@ -1,5 +1,5 @@
-//! `decode`'s HTTP server (axum): the router's control endpoint and the
-//! Prometheus metrics, from one server.
+//! `decode`'s HTTP server (axum on hyper): the router's control endpoint
+//! and the Prometheus metrics.
 //!
 //! - `POST /v1/peer_gone` with `{"engine": ID}` or `{"address": "host:port"}`
 //!   and an optional `"mode": "drain" | "fail"` (default `drain`): the
@@ -10,27 +10,84 @@
 //!
 //! Loopback by default. With `--control-token-file`, every POST needs
 //! `Authorization: Bearer <token>`; a bind that is not loopback needs a
-//! token, and then every request needs it. Every error is a 4xx with a
+//! token, and then every request needs it, `/metrics` included (a
+//! `--metrics-addr` that is not loopback too, unless `--metrics-public`
+//! says it serves metrics to anyone). Every error is an HTTP status with a
 //! JSON body `{"error": "..."}` that says what was wrong and what is
-//! accepted.
+//! accepted, the ones the server writes before a request reaches a route
+//! (408, 431, 400) included.
+//!
+//! Nothing a client does holds the server's resources for long
+//! ([`LIMITS`]): a request's line and headers must arrive whole within
+//! 5 s and in 8 KiB, its body within 5 s, and a connection lives 30 s at
+//! most and carries one request. At most 64 connections are open at once;
+//! when all are taken, the oldest one still waiting for its request head
+//! is closed to make room (slow-loris and idle connections cannot lock the
+//! router out); when every one is answering a request, the next waits in
+//! the kernel's accept queue until one is done. A connection is accepted
+//! only with a place for it, so the server never holds more than 65
+//! descriptors (64 and the listener), whatever is thrown at it. Each refusal is counted
+//! (`nixl_keepalive_control_errors_total{status}`, and connections closed
+//! early in `nixl_keepalive_control_connections_closed_total{reason}`) and
+//! logged once per client and status per 10 s, with the count it stands
+//! for.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::Router;
+use axum::{Extension, Router};
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
 use metrics_exporter_prometheus::PrometheusHandle;
+use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::nixl_transport::RemoteDlists;
 use nixl_keepalive::{EngineId, GoneMode, KeepaliveHandle, PeerAddr, PeerRef, Snapshot};
 use serde::Deserialize;
 use serde_json::json;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
 
 /// Largest request body accepted.
 pub(crate) const MAX_BODY: usize = 16 * 1024;
+
+/// What the server lets a client hold.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    /// Connections open at once (each holds a file descriptor).
+    pub(crate) max_connections: usize,
+    /// Bytes of the request line and headers.
+    pub(crate) max_head: usize,
+    /// Time for the request line and headers to arrive, from the accept.
+    pub(crate) head_timeout: Duration,
+    /// Time for the body to arrive, once the head has.
+    pub(crate) body_timeout: Duration,
+    /// A connection's whole life: its request, its answer.
+    pub(crate) connection_timeout: Duration,
+}
+
+/// The server's limits (see the module docs).
+pub(crate) const LIMITS: Limits = Limits {
+    max_connections: 64,
+    max_head: 8 * 1024,
+    head_timeout: Duration::from_secs(5),
+    body_timeout: Duration::from_secs(5),
+    connection_timeout: Duration::from_secs(30),
+};
+
+/// Lines about refused requests: one per client and status per period.
+static REFUSALS: LazyLock<Mutex<LogLimiter<(IpAddr, u16)>>> = LazyLock::new(Default::default);
+
+/// The client of a request, put there by the connection.
+#[derive(Clone, Copy, Debug)]
+struct Client(IpAddr);
 
 /// What the handlers share.
 #[derive(Clone)]
@@ -46,6 +103,8 @@ pub(crate) struct Control {
     /// Whether the control routes are served (`--control-addr`); a
     /// `--metrics-addr` server serves `/metrics` only.
     pub(crate) control: bool,
+    /// How long a request body may take to arrive.
+    pub(crate) body_timeout: Duration,
 }
 
 /// A start-up problem with the control flags.
@@ -65,11 +124,36 @@ pub(crate) enum ControlConfigError {
     /// The token file is empty or has characters a header cannot carry.
     #[error("--control-token-file {0}: the token must be 1 to 4096 visible ASCII characters (surrounding whitespace is trimmed)")]
     BadToken(String),
+    /// A non-loopback metrics bind without a token or `--metrics-public`.
+    #[error("--metrics-addr {0} is not a loopback address: give --control-token-file (every scrape must then carry the token), or --metrics-public to serve metrics to anyone who can reach it")]
+    MetricsTokenRequired(SocketAddr),
 }
 
-/// Reads the token file and checks the bind against it.
-pub(crate) fn load_token(
+/// Whether a bind is reachable from other hosts only.
+fn exposed(addr: SocketAddr) -> bool {
+    !addr.ip().is_loopback()
+}
+
+/// The token a `--metrics-addr` server asks for: the control token when
+/// the bind is not loopback (required then, unless `public`), none on
+/// loopback or when `public`.
+pub(crate) fn metrics_token(
     addr: SocketAddr,
+    token: Option<&Arc<str>>,
+    public: bool,
+) -> Result<Option<Arc<str>>, ControlConfigError> {
+    if !exposed(addr) || public {
+        return Ok(None);
+    }
+    match token {
+        Some(t) => Ok(Some(t.clone())),
+        None => Err(ControlConfigError::MetricsTokenRequired(addr)),
+    }
+}
+
+/// Reads the token file and checks the control bind (if any) against it.
+pub(crate) fn load_token(
+    addr: Option<SocketAddr>,
     file: Option<&std::path::Path>,
 ) -> Result<Option<Arc<str>>, ControlConfigError> {
     let token = match file {
@@ -87,7 +171,7 @@ pub(crate) fn load_token(
             Some(Arc::from(t))
         }
     };
-    if token.is_none() && !addr.ip().is_loopback() {
+    if let Some(addr) = addr.filter(|a| token.is_none() && exposed(*a)) {
         return Err(ControlConfigError::TokenRequired(addr));
     }
     Ok(token)
@@ -106,11 +190,22 @@ pub(crate) fn router(state: Control) -> Router {
         .with_state(state)
 }
 
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    let message = message.into();
+/// Counts and logs (once per client and status per period) a refusal.
+fn refused(client: IpAddr, status: StatusCode, message: &str) {
     metrics::counter!("nixl_keepalive_control_errors_total", "status" => status.as_str().to_string())
         .increment(1);
-    tracing::info!(status = status.as_u16(), %message, "control request refused");
+    let told = REFUSALS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .admit((client, status.as_u16()), tokio::time::Instant::now());
+    if let Some(suppressed) = told {
+        tracing::info!(%client, status = status.as_u16(), message = %nixl_keepalive::text::Escaped(message), suppressed, "control request refused");
+    }
+}
+
+fn error(client: Client, status: StatusCode, message: impl Into<String>) -> Response {
+    let message = message.into();
+    refused(client.0, status, &message);
     (status, axum::Json(json!({ "error": message }))).into_response()
 }
 
@@ -153,8 +248,13 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn not_found(method: Method, uri: axum::http::Uri) -> Response {
+async fn not_found(
+    Extension(client): Extension<Client>,
+    method: Method,
+    uri: axum::http::Uri,
+) -> Response {
     error(
+        client,
         StatusCode::NOT_FOUND,
         format!(
             "no route {method} {}; routes: POST /v1/peer_gone, GET /v1/snapshot, GET /metrics",
@@ -163,16 +263,26 @@ async fn not_found(method: Method, uri: axum::http::Uri) -> Response {
     )
 }
 
-async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> Response {
+async fn method_not_allowed(
+    Extension(client): Extension<Client>,
+    method: Method,
+    uri: axum::http::Uri,
+) -> Response {
     error(
+        client,
         StatusCode::METHOD_NOT_ALLOWED,
         format!("{method} is not accepted on {}; routes: POST /v1/peer_gone, GET /v1/snapshot, GET /metrics", uri.path()),
     )
 }
 
-async fn metrics(State(state): State<Control>, method: Method, headers: HeaderMap) -> Response {
+async fn metrics(
+    State(state): State<Control>,
+    Extension(client): Extension<Client>,
+    method: Method,
+    headers: HeaderMap,
+) -> Response {
     if let Err((status, message)) = authorize(&state, &method, &headers) {
-        return error(status, message);
+        return error(client, status, message);
     }
     match &state.metrics {
         Some(m) => (
@@ -180,7 +290,7 @@ async fn metrics(State(state): State<Control>, method: Method, headers: HeaderMa
             m.render(),
         )
             .into_response(),
-        None => error(StatusCode::NOT_FOUND, "metrics are off"),
+        None => error(client, StatusCode::NOT_FOUND, "metrics are off"),
     }
 }
 
@@ -197,23 +307,41 @@ const PEER_GONE_SHAPE: &str = r#"expected {"engine": "<engine id>"} or {"address
 
 async fn peer_gone(
     State(state): State<Control>,
+    Extension(client): Extension<Client>,
     method: Method,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     if let Err((status, message)) = authorize(&state, &method, &headers) {
-        return error(status, message);
+        return error(client, status, message);
     }
-    let Ok(body) = axum::body::to_bytes(body, MAX_BODY).await else {
-        return error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("body over {MAX_BODY} bytes (or cut short); {PEER_GONE_SHAPE}"),
-        );
+    let body = match tokio::time::timeout(state.body_timeout, axum::body::to_bytes(body, MAX_BODY))
+        .await
+    {
+        Ok(Ok(body)) => body,
+        Ok(Err(_)) => {
+            return error(
+                client,
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("body over {MAX_BODY} bytes (or cut short); {PEER_GONE_SHAPE}"),
+            )
+        }
+        Err(_) => {
+            return error(
+                client,
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                "the body did not arrive within {:?}; send it with the request; {PEER_GONE_SHAPE}",
+                state.body_timeout
+            ),
+            )
+        }
     };
     let request: PeerGoneRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
             return error(
+                client,
                 StatusCode::BAD_REQUEST,
                 format!("malformed JSON body ({e}); {PEER_GONE_SHAPE}"),
             )
@@ -224,6 +352,7 @@ async fn peer_gone(
         Some("fail") => GoneMode::Fail,
         Some(other) => {
             return error(
+                client,
                 StatusCode::BAD_REQUEST,
                 format!("mode {other:?} is not one of \"drain\", \"fail\""),
             )
@@ -238,6 +367,7 @@ async fn peer_gone(
             let id = EngineId::from(engine.as_str());
             if state.handle.engine(&id).is_none() {
                 return error(
+                    client,
                     StatusCode::NOT_FOUND,
                     format!("no engine {engine:?} is registered"),
                 );
@@ -247,7 +377,13 @@ async fn peer_gone(
         (None, Some(address)) => {
             let snapshot = match state.handle.snapshot().await {
                 Ok(s) => s,
-                Err(_) => return error(StatusCode::SERVICE_UNAVAILABLE, "the service has stopped"),
+                Err(_) => {
+                    return error(
+                        client,
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the service has stopped",
+                    )
+                }
             };
             let Some(e) = snapshot
                 .engines
@@ -255,6 +391,7 @@ async fn peer_gone(
                 .find(|e| e.address.as_str() == address)
             else {
                 return error(
+                    client,
                     StatusCode::NOT_FOUND,
                     format!("no engine is registered at {address:?}"),
                 );
@@ -266,6 +403,7 @@ async fn peer_gone(
         }
         _ => {
             return error(
+                client,
                 StatusCode::BAD_REQUEST,
                 format!("give exactly one of \"engine\" and \"address\"; {PEER_GONE_SHAPE}"),
             )
@@ -280,13 +418,22 @@ async fn peer_gone(
         .into_response()
 }
 
-async fn snapshot(State(state): State<Control>, method: Method, headers: HeaderMap) -> Response {
+async fn snapshot(
+    State(state): State<Control>,
+    Extension(client): Extension<Client>,
+    method: Method,
+    headers: HeaderMap,
+) -> Response {
     if let Err((status, message)) = authorize(&state, &method, &headers) {
-        return error(status, message);
+        return error(client, status, message);
     }
     match state.handle.snapshot().await {
         Ok(s) => axum::Json(snapshot_json(&s)).into_response(),
-        Err(_) => error(StatusCode::SERVICE_UNAVAILABLE, "the service has stopped"),
+        Err(_) => error(
+            client,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the service has stopped",
+        ),
     }
 }
 
@@ -321,16 +468,546 @@ pub(crate) fn snapshot_json(s: &Snapshot) -> serde_json::Value {
     })
 }
 
-/// Serves `router` on `listener` until `shutdown`.
+/// Serves `router` on `listener` until `shutdown`, within `limits` (see
+/// the module docs).
+///
+/// Cancel safety: stop it with `shutdown`; connections still open are
+/// closed.
 pub(crate) async fn serve(
-    listener: tokio::net::TcpListener,
+    listener: TcpListener,
     router: Router,
-    shutdown: tokio_util::sync::CancellationToken,
+    shutdown: CancellationToken,
+    limits: Limits,
 ) {
-    if let Err(e) = axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
-    {
-        tracing::warn!(error = %e, "HTTP server stopped");
+    let slots = Arc::new(Mutex::new(Slots::default()));
+    // One permit per connection, taken before the accept: the server never
+    // holds more descriptors than this (plus the listener's).
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    let mut accept_log: LogLimiter<&'static str> = LogLimiter::standard();
+    loop {
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                // Full: the oldest connection still waiting for its head is
+                // closed to make room (its task gives its permit back as it
+                // ends); when every one is answering, the next to finish
+                // makes room.
+                if lock(&slots).evict_oldest_waiting() {
+                    closed_early("evicted");
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    p = permits.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+                }
+            }
+        };
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of descriptors, most likely: the process's other
+                // work comes first; try again shortly.
+                if let Some(suppressed) = accept_log.admit("accept", tokio::time::Instant::now()) {
+                    tracing::warn!(error = %e, suppressed, "HTTP server: accept failed");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let (id, stop) = lock(&slots).admit();
+        let router = router.clone();
+        let slots = slots.clone();
+        tokio::spawn(async move {
+            connection(stream, peer, router, &slots, id, stop, limits).await;
+            lock(&slots).close(id);
+            // The stream is closed: the place is free.
+            drop(permit);
+        });
+    }
+    lock(&slots).close_all();
+}
+
+/// One connection: its request head within the limits (else an error of
+/// ours), then hyper and the routes, one request, for at most the
+/// connection timeout.
+async fn connection(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    router: Router,
+    slots: &Mutex<Slots>,
+    id: u64,
+    stop: CancellationToken,
+    limits: Limits,
+) {
+    let client = peer.ip();
+    let head = tokio::select! {
+        _ = stop.cancelled() => return,
+        head = tokio::time::timeout(limits.head_timeout, read_head(&mut stream, limits.max_head)) => head,
+    };
+    let head = match head {
+        Ok(Ok(head)) => head,
+        Ok(Err(HeadError::Closed)) => return,
+        Ok(Err(HeadError::TooLarge)) => {
+            closed_early("head_too_large");
+            let message = format!(
+                "the request line and headers are over {} bytes; send at most that",
+                limits.max_head
+            );
+            return answer(
+                &mut stream,
+                client,
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                &message,
+            )
+            .await;
+        }
+        Ok(Err(HeadError::Malformed(why))) => {
+            closed_early("malformed");
+            let message = format!("not an HTTP/1.1 request ({why})");
+            return answer(&mut stream, client, StatusCode::BAD_REQUEST, &message).await;
+        }
+        Err(_) => {
+            closed_early("head_timeout");
+            let message = format!(
+                "the request line and headers did not arrive within {:?}; send them at once",
+                limits.head_timeout
+            );
+            return answer(&mut stream, client, StatusCode::REQUEST_TIMEOUT, &message).await;
+        }
+    };
+    lock(slots).answering(id);
+    let io = TokioIo::new(Replay {
+        head,
+        at: 0,
+        stream,
+    });
+    let service = TowerToHyperService::new(router.layer(Extension(Client(client))));
+    let conn = hyper::server::conn::http1::Builder::new()
+        .keep_alive(false)
+        // The head was checked already; hyper's own bound stays above it.
+        .max_buf_size((limits.max_head * 2).max(8192))
+        .serve_connection(io, service);
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        served = tokio::time::timeout(limits.connection_timeout, conn) => {
+            if served.is_err() {
+                closed_early("lifetime");
+            }
+        }
+    }
+}
+
+fn lock(slots: &Mutex<Slots>) -> std::sync::MutexGuard<'_, Slots> {
+    slots.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn closed_early(reason: &'static str) {
+    metrics::counter!("nixl_keepalive_control_connections_closed_total", "reason" => reason)
+        .increment(1);
+}
+
+/// An error the server writes itself (before hyper has the connection):
+/// counted, logged (limited), JSON, and the connection closed.
+async fn answer(stream: &mut TcpStream, client: IpAddr, status: StatusCode, message: &str) {
+    refused(client, status, message);
+    let bytes = raw_error(status, message);
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let _ = stream.write_all(&bytes).await;
+        let _ = stream.shutdown().await;
+    })
+    .await;
+}
+
+/// A whole HTTP/1.1 error response with the JSON body every error has.
+fn raw_error(status: StatusCode, message: &str) -> Vec<u8> {
+    let body = json!({ "error": message }).to_string();
+    format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or(""),
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Why a request head was not read.
+#[derive(Debug)]
+enum HeadError {
+    /// The client closed (or the connection failed) first.
+    Closed,
+    /// Over the limit before its end.
+    TooLarge,
+    /// Not an HTTP/1 request head.
+    Malformed(String),
+}
+
+/// Reads until the end of the request head (`\r\n\r\n`), at most `max`
+/// bytes of it; returns everything read (a body's first bytes may follow
+/// the head). The head is parsed once here, so that every request hyper
+/// sees is one it parses, and every refusal has our JSON body.
+async fn read_head(stream: &mut TcpStream, max: usize) -> Result<Vec<u8>, HeadError> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    loop {
+        let n = stream
+            .read(&mut chunk)
+            .await
+            .map_err(|_| HeadError::Closed)?;
+        if n == 0 {
+            return Err(HeadError::Closed);
+        }
+        let searched = buf.len().saturating_sub(3);
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buf[searched..].windows(4).position(|w| w == b"\r\n\r\n") {
+            let end = searched + end + 4;
+            if end > max {
+                return Err(HeadError::TooLarge);
+            }
+            let mut headers = [httparse::EMPTY_HEADER; 64];
+            let mut request = httparse::Request::new(&mut headers);
+            return match request.parse(&buf[..end]) {
+                Ok(httparse::Status::Complete(_)) => Ok(buf),
+                Ok(httparse::Status::Partial) => {
+                    Err(HeadError::Malformed("incomplete head".into()))
+                }
+                Err(e) => Err(HeadError::Malformed(e.to_string())),
+            };
+        }
+        if buf.len() > max {
+            return Err(HeadError::TooLarge);
+        }
+    }
+}
+
+/// The stream with the head already read put back in front.
+struct Replay {
+    head: Vec<u8>,
+    at: usize,
+    stream: TcpStream,
+}
+
+impl AsyncRead for Replay {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = &mut *self;
+        if this.at < this.head.len() {
+            let n = buf.remaining().min(this.head.len() - this.at);
+            buf.put_slice(&this.head[this.at..this.at + n]);
+            this.at += n;
+            return std::task::Poll::Ready(Ok(()));
+        }
+        std::pin::Pin::new(&mut this.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Replay {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// The connections open, oldest first.
+#[derive(Default)]
+struct Slots {
+    next: u64,
+    open: VecDeque<Slot>,
+}
+
+/// One connection's place.
+struct Slot {
+    id: u64,
+    stop: CancellationToken,
+    /// Still waiting for its request head: may be closed to make room.
+    waiting: bool,
+}
+
+impl Slots {
+    /// A place for a new connection (the caller holds its permit).
+    fn admit(&mut self) -> (u64, CancellationToken) {
+        let id = self.next;
+        self.next += 1;
+        let stop = CancellationToken::new();
+        self.open.push_back(Slot {
+            id,
+            stop: stop.clone(),
+            waiting: true,
+        });
+        (id, stop)
+    }
+
+    /// Closes the oldest connection still waiting for its request head,
+    /// if any.
+    fn evict_oldest_waiting(&mut self) -> bool {
+        let Some(oldest) = self.open.iter().position(|s| s.waiting) else {
+            return false;
+        };
+        let slot = self.open.remove(oldest).expect("found above");
+        slot.stop.cancel();
+        true
+    }
+
+    fn answering(&mut self, id: u64) {
+        if let Some(s) = self.open.iter_mut().find(|s| s.id == id) {
+            s.waiting = false;
+        }
+    }
+
+    fn close(&mut self, id: u64) {
+        self.open.retain(|s| s.id != id);
+    }
+
+    fn close_all(&mut self) {
+        for s in self.open.drain(..) {
+            s.stop.cancel();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The server against hostile clients, in process (real sockets, real
+    //! time, limits shortened): what it answers and what it holds.
+
+    use std::time::Instant;
+
+    use nixl_keepalive::{AgentName, Config, Keepalive, ReleaseStep, Transport, TransportError};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// The service needs a transport; no engine is ever registered here.
+    struct NoTransport;
+
+    impl Transport for NoTransport {
+        type Resources = RemoteDlists;
+        fn notify(&self, _: &AgentName, _: &[u8]) -> Result<(), TransportError> {
+            Ok(())
+        }
+        fn release(&self, _: &EngineId, _: &[AgentName], _: RemoteDlists) -> Vec<ReleaseStep> {
+            Vec::new()
+        }
+    }
+
+    const TEST_LIMITS: Limits = Limits {
+        max_connections: 8,
+        max_head: 1024,
+        head_timeout: Duration::from_millis(300),
+        body_timeout: Duration::from_millis(300),
+        connection_timeout: Duration::from_secs(5),
+    };
+
+    /// A control server on a free loopback port.
+    async fn server(token: Option<&str>, token_for_reads: bool) -> (SocketAddr, CancellationToken) {
+        let shutdown = CancellationToken::new();
+        let (service, handle) = Keepalive::new(Arc::new(NoTransport), Config::default());
+        tokio::spawn(service.run(shutdown.child_token()));
+        let state = Control {
+            handle,
+            token: token.map(Arc::from),
+            token_for_reads,
+            metrics: None,
+            control: true,
+            body_timeout: TEST_LIMITS.body_timeout,
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(serve(
+            listener,
+            router(state),
+            shutdown.clone(),
+            TEST_LIMITS,
+        ));
+        (addr, shutdown)
+    }
+
+    /// Everything the server sends until it closes (at most 5 s).
+    async fn read_all(stream: &mut TcpStream) -> String {
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut out)).await;
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// Status code and JSON body of a whole response.
+    fn parse(response: &str) -> (u16, serde_json::Value) {
+        let status = response
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no status line: {response:?}"));
+        let body = response.split("\r\n\r\n").nth(1).unwrap_or("");
+        let json = serde_json::from_str(body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {response:?}"));
+        (status, json)
+    }
+
+    async fn send(addr: SocketAddr, raw: &[u8]) -> (u16, serde_json::Value) {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(raw).await.unwrap();
+        parse(&read_all(&mut s).await)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slow_loris_connections_get_a_json_408_within_the_head_timeout() {
+        let (addr, _stop) = server(None, false).await;
+        let start = Instant::now();
+        let mut drips = Vec::new();
+        for _ in 0..4 {
+            drips.push(tokio::spawn(async move {
+                let mut s = TcpStream::connect(addr).await.unwrap();
+                s.write_all(b"GET /v1/snapshot HTTP/1.1\r\n").await.unwrap();
+                // One header byte every 50 ms, never the end of the head.
+                let mut answer = Vec::new();
+                loop {
+                    tokio::select! {
+                        n = s.read_buf(&mut answer) => if n.unwrap_or(0) == 0 { break },
+                        _ = tokio::time::sleep(Duration::from_millis(50)) => {
+                            if s.write_all(b"X").await.is_err() { break }
+                        }
+                    }
+                    assert!(start.elapsed() < Duration::from_secs(10), "held for 10 s");
+                }
+                String::from_utf8_lossy(&answer).into_owned()
+            }));
+        }
+        for d in drips {
+            let (status, json) = parse(&d.await.unwrap());
+            assert_eq!(status, 408);
+            assert!(
+                json["error"].as_str().unwrap().contains("did not arrive"),
+                "{json}"
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_flood_past_the_cap_is_closed_oldest_first_and_a_request_still_gets_through() {
+        let (addr, _stop) = server(None, false).await;
+        let mut idle = Vec::new();
+        for _ in 0..40 {
+            idle.push(TcpStream::connect(addr).await.unwrap());
+            // Each is accepted (and the oldest closed) before the next.
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let (status, json) = send(addr, b"GET /v1/snapshot HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert_eq!(status, 200, "{json}");
+        assert!(json["engines"].is_array(), "{json}");
+        // The server held at most its cap: the rest were closed.
+        let mut closed = 0;
+        for s in &mut idle {
+            let mut b = [0u8; 1];
+            if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_millis(20), s.read(&mut b)).await
+            {
+                closed += 1;
+            }
+        }
+        assert!(
+            closed >= 40 - TEST_LIMITS.max_connections,
+            "only {closed} of 40 closed"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn oversize_heads_malformed_heads_and_missing_bodies_get_json_errors() {
+        let (addr, _stop) = server(None, false).await;
+        let big = format!(
+            "GET /v1/snapshot HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+            "a".repeat(2000)
+        );
+        let (status, json) = send(addr, big.as_bytes()).await;
+        assert_eq!(status, 431);
+        assert!(
+            json["error"].as_str().unwrap().contains("1024 bytes"),
+            "{json}"
+        );
+        // Over the limit without ever ending the head.
+        let (status, _) = send(addr, "G".repeat(5000).as_bytes()).await;
+        assert_eq!(status, 431);
+        let (status, json) = send(addr, b"HELLO THERE\x01\r\n\r\n").await;
+        assert_eq!(status, 400);
+        assert!(
+            json["error"].as_str().unwrap().contains("not an HTTP"),
+            "{json}"
+        );
+        // A body announced and never sent.
+        let (status, json) = send(
+            addr,
+            b"POST /v1/peer_gone HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",
+        )
+        .await;
+        assert_eq!(status, 408);
+        assert!(json["error"].as_str().unwrap().contains("body"), "{json}");
+        // The routes' own errors are JSON as before.
+        let (status, _) = send(addr, b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert_eq!(status, 404);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn off_loopback_every_route_asks_for_the_token_metrics_included() {
+        let (addr, _stop) = server(Some("s3cret"), true).await;
+        for path in ["/metrics", "/v1/snapshot"] {
+            let raw = format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n");
+            let (status, json) = send(addr, raw.as_bytes()).await;
+            assert_eq!(status, 401, "{path}: {json}");
+            let raw =
+                format!("GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n\r\n");
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            s.write_all(raw.as_bytes()).await.unwrap();
+            let answer = read_all(&mut s).await;
+            // Metrics are off in this server: 404, but past the token.
+            assert!(!answer.starts_with("HTTP/1.1 401"), "{path}: {answer}");
+        }
+        let exposed: SocketAddr = "10.1.2.3:9090".parse().unwrap();
+        let local: SocketAddr = "127.0.0.1:9090".parse().unwrap();
+        let token: Arc<str> = Arc::from("t");
+        assert!(matches!(
+            metrics_token(exposed, None, false),
+            Err(ControlConfigError::MetricsTokenRequired(_))
+        ));
+        assert_eq!(
+            metrics_token(exposed, Some(&token), false).unwrap(),
+            Some(token.clone())
+        );
+        assert_eq!(metrics_token(exposed, None, true).unwrap(), None);
+        assert_eq!(metrics_token(local, Some(&token), false).unwrap(), None);
+    }
+
+    #[test]
+    fn to_make_room_the_oldest_connection_still_waiting_goes_never_one_answering() {
+        let mut slots = Slots::default();
+        let (a, a_stop) = slots.admit();
+        let (_b, b_stop) = slots.admit();
+        let (c, c_stop) = slots.admit();
+        slots.answering(a);
+        assert!(slots.evict_oldest_waiting());
+        assert!(b_stop.is_cancelled() && !a_stop.is_cancelled() && !c_stop.is_cancelled());
+        slots.answering(c);
+        assert!(!slots.evict_oldest_waiting(), "every one left is answering");
+        slots.close(a);
+        slots.close(c);
+        assert!(slots.open.is_empty());
     }
 }

@@ -74,13 +74,22 @@ pub(crate) struct DecodeArgs {
     control_addr: Option<SocketAddr>,
 
     /// A file holding the bearer token every POST (and, on a non-loopback
-    /// bind, every request) to the control endpoint must carry.
-    #[arg(long, requires = "control_addr")]
+    /// bind, every request, `/metrics` included) to the control endpoint
+    /// must carry; also what `/metrics` on a non-loopback `--metrics-addr`
+    /// asks for.
+    #[arg(long)]
     control_token_file: Option<PathBuf>,
 
-    /// Serve Prometheus metrics on this address (`/metrics`).
+    /// Serve Prometheus metrics on this address (`/metrics`). Not
+    /// loopback: every scrape needs the token of `--control-token-file`,
+    /// unless `--metrics-public`.
     #[arg(long)]
     metrics_addr: Option<SocketAddr>,
+
+    /// Serve `--metrics-addr` to anyone who can reach it, without a token
+    /// (it says so at start-up). Metrics only: never the control routes.
+    #[arg(long, requires = "metrics_addr")]
+    metrics_public: bool,
 
     /// Reads in flight per prefill.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -117,15 +126,27 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let token = match args.control_addr {
-        Some(addr) => match control::load_token(addr, args.control_token_file.as_deref()) {
-            Ok(t) => t,
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::from(2);
-            }
-        },
-        None => None,
+    if args.control_token_file.is_some()
+        && args.control_addr.is_none()
+        && args.metrics_addr.is_none()
+    {
+        eprintln!("error: --control-token-file needs --control-addr or --metrics-addr");
+        return ExitCode::from(2);
+    }
+    let tokens = control::load_token(args.control_addr, args.control_token_file.as_deref())
+        .and_then(|token| {
+            let metrics = match args.metrics_addr {
+                Some(addr) => control::metrics_token(addr, token.as_ref(), args.metrics_public)?,
+                None => None,
+            };
+            Ok((token, metrics))
+        });
+    let (token, metrics_token) = match tokens {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
     };
     super::init_tracing();
     let rt = match nixl_sys::Runtime::get() {
@@ -197,20 +218,31 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
                 }
             };
             let local = listener.local_addr().map_or(addr, |a| a);
+            let token = if control { token.clone() } else { metrics_token.clone() };
             let state = Control {
                 handle: keepalive.clone(),
-                token: if control { token.clone() } else { None },
-                token_for_reads: control && !local.ip().is_loopback(),
+                // Off loopback, every request carries the token (the
+                // bind was refused without one, unless --metrics-public).
+                token_for_reads: token.is_some() && !local.ip().is_loopback(),
+                token,
                 metrics: metrics.clone(),
                 control,
+                body_timeout: control::LIMITS.body_timeout,
             };
             if control {
                 println!("control on http://{local}/v1/ (and /metrics)");
+            } else if args.metrics_public && !local.ip().is_loopback() {
+                println!("metrics on http://{local}/metrics (public: no token asked, --metrics-public)");
             } else {
                 println!("metrics on http://{local}/metrics");
             }
             tracing::info!(%local, what, "HTTP server listening");
-            tokio::spawn(control::serve(listener, control::router(state), shutdown.clone()));
+            tokio::spawn(control::serve(
+                listener,
+                control::router(state),
+                shutdown.clone(),
+                control::LIMITS,
+            ));
         }
         // Its start-up line (stderr) gives the detection bound.
         let task = tokio::spawn(
