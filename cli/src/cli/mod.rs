@@ -6,6 +6,7 @@ use clap::Parser;
 
 mod control;
 mod decode;
+#[cfg(feature = "demo")]
 mod demo;
 mod prefill;
 
@@ -16,7 +17,16 @@ pub(crate) enum Cli {
     /// A simulated cluster (fake UCX): prefills are killed, frozen,
     /// restarted and partitioned under read traffic while the decoder's
     /// keepalive service detects and releases them. No set-up needed.
+    #[cfg(feature = "demo")]
     Demo(demo::DemoArgs),
+    /// (Not in this build: the production binary is built without the
+    /// `demo` feature, which brings the fake UCX and tokio's test clock.)
+    #[cfg(not(feature = "demo"))]
+    #[command(disable_help_flag = true)]
+    Demo {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        _args: Vec<String>,
+    },
     /// A real prefill engine on the NIXL runtime: agents with a DRAM KV
     /// cache in a known pattern, a side channel, leases renewed by `HB:`.
     Prefill(prefill::PrefillArgs),
@@ -28,7 +38,15 @@ pub(crate) enum Cli {
 /// Parses the command line and runs the subcommand.
 pub(crate) fn main() -> ExitCode {
     match Cli::parse() {
+        #[cfg(feature = "demo")]
         Cli::Demo(args) => demo::run(args),
+        #[cfg(not(feature = "demo"))]
+        Cli::Demo { .. } => {
+            eprintln!(
+                "error: this nixl-keepalive was built without the demo (the `demo` feature, on by default: it brings the fake UCX and tokio's test clock, which the production build leaves out); run it with `cargo run --release -- demo`"
+            );
+            ExitCode::from(2)
+        }
         Cli::Prefill(args) => prefill::run(args),
         Cli::Decode(args) => decode::run(args),
     }
