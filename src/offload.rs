@@ -8,14 +8,17 @@
 //! work, and capped at 512 threads by default: past that, every heartbeat
 //! of every healthy engine waited behind the hung calls). Its rules:
 //!
-//! - **Every call waiting gets a thread within [`STUCK`] of every thread
-//!   being stuck.** A batch goes to an idle thread (or a new one), which
-//!   takes its calls one at a time. A thread that takes a call while
-//!   others still wait asks the watchdog to watch: when every busy thread
-//!   has been inside its current call for [`STUCK`] or more, the watchdog
-//!   gives each waiting call a thread of its own (idle ones first, then new
-//!   ones), all at once: a burst of N hung calls costs N thread starts,
-//!   not N x [`STUCK`].
+//! - **Calls waiting behind stuck threads get threads, in doubling
+//!   waves.** A batch goes to an idle thread (or a new one), which takes
+//!   its calls one at a time. A thread that takes a call while others
+//!   still wait asks the watchdog to watch: whenever every busy thread has
+//!   been inside its current call for [`STUCK`] or more, the watchdog gives
+//!   as many waiting calls a thread of their own (idle ones first, then
+//!   new ones) as there are stuck threads. One hung call costs one thread;
+//!   a thread that is merely preempted on a busy machine costs one
+//!   wake-up, not one per queued call; a burst of N hung calls in one
+//!   batch is absorbed in log2(N) waves (1, 2, 4, ...: 1,000 in ten, about
+//!   [`STUCK`] each), not N x [`STUCK`] as with one spare at a time.
 //! - **Newest batch first.** A free thread takes the oldest call of the
 //!   newest batch, so a batch whose calls hang holds back only its own
 //!   tail (which the watchdog serves), never a later batch: the next
@@ -123,18 +126,14 @@ const LIMITS: Limits = Limits {
     keep_alive: KEEP_ALIVE,
 };
 
-/// What a call is about, for the snapshot.
-#[derive(Clone, Debug)]
-struct CallInfo {
-    engine: EngineId,
-    call: &'static str,
-}
-
 /// A thread inside a call.
 struct InCall {
     thread: u64,
     since: Instant,
-    info: CallInfo,
+    /// The registration the call is for (the driver knows its engine id).
+    serial: u64,
+    /// `genNotif` (a heartbeat round) or `release`.
+    call: &'static str,
     /// Counted as hung already.
     hung: bool,
 }
@@ -348,25 +347,38 @@ impl<T: Transport> Offload<T> {
     }
 
     /// The pool as it is now: threads, calls waiting, calls in flight
-    /// (the longest first) and which of them are hung.
-    pub(crate) fn snapshot(&self) -> TransportSnapshot {
+    /// (the longest first) and which of them are hung. `engine` names the
+    /// registration of a serial (a call whose registration it does not
+    /// know is listed under `?`).
+    pub(crate) fn snapshot(&self, engine: impl Fn(u64) -> Option<EngineId>) -> TransportSnapshot {
         let now = Instant::now();
-        let state = self.shared.lock();
+        let calls: Vec<(u64, &'static str, Duration, bool)> = {
+            let state = self.shared.lock();
+            state
+                .in_call
+                .iter()
+                .map(|c| {
+                    (
+                        c.serial,
+                        c.call,
+                        now.saturating_duration_since(c.since),
+                        c.hung,
+                    )
+                })
+                .collect()
+        };
         let hung_after = self.shared.limits.hung_after;
-        let mut in_flight: Vec<CallInFlight> = state
-            .in_call
-            .iter()
-            .map(|c| {
-                let age = now.saturating_duration_since(c.since);
-                CallInFlight {
-                    engine: c.info.engine.clone(),
-                    call: c.info.call,
-                    age,
-                    hung: c.hung || age >= hung_after,
-                }
+        let mut in_flight: Vec<CallInFlight> = calls
+            .into_iter()
+            .map(|(serial, call, age, hung)| CallInFlight {
+                engine: engine(serial).unwrap_or_else(|| EngineId::new("?")),
+                call,
+                age,
+                hung: hung || age >= hung_after,
             })
             .collect();
         in_flight.sort_by_key(|c| std::cmp::Reverse(c.age));
+        let state = self.shared.lock();
         TransportSnapshot {
             threads: state.threads,
             idle: state.idle,
@@ -474,20 +486,15 @@ impl<T: Transport> Shared<T> {
                 }
                 continue;
             };
-            let info = match &call {
-                Call::Heartbeat { engine, .. } => CallInfo {
-                    engine: engine.clone(),
-                    call: "genNotif",
-                },
-                Call::Release { engine, .. } => CallInfo {
-                    engine: engine.clone(),
-                    call: "release",
-                },
+            let (serial, what) = match &call {
+                Call::Heartbeat { serial, .. } => (*serial, "genNotif"),
+                Call::Release { serial, .. } => (*serial, "release"),
             };
             state.in_call.push(InCall {
                 thread: me,
                 since: Instant::now(),
-                info,
+                serial,
+                call: what,
                 hung: false,
             });
             if state.queued == 0 {
@@ -516,7 +523,7 @@ impl<T: Transport> Shared<T> {
                 if done.hung {
                     state.hung_now -= 1;
                     telemetry::transport_calls_hung(state.hung_now);
-                    tracing::debug!(engine = %done.info.engine, call = done.info.call, after = ?done.since.elapsed(), "a hung transport call came back");
+                    tracing::debug!(serial = done.serial, call = done.call, after = ?done.since.elapsed(), "a hung transport call came back");
                 }
             }
             state.at_cap_logged = false;
@@ -544,7 +551,8 @@ impl<T: Transport> Shared<T> {
 
     /// The watchdog: whenever calls wait, no thread is on its way to them,
     /// and every busy thread has been inside its call for [`STUCK`], gives
-    /// each waiting call a thread; counts calls hung for [`HUNG_AFTER`].
+    /// as many waiting calls a thread as there are stuck threads; counts
+    /// calls hung for [`HUNG_AFTER`].
     fn watch(self: Arc<Self>) {
         let limits = self.limits;
         let mut state = self.lock();
@@ -563,7 +571,19 @@ impl<T: Transport> Shared<T> {
                 if now < stuck_at {
                     wait = Some(stuck_at - now);
                 } else {
-                    let (wake, start) = self.takers(&mut state, unserved, now);
+                    // As many takers as threads are stuck: one hung call
+                    // costs one thread, a thread that is only preempted
+                    // (a busy machine) costs one wake-up, not one per
+                    // queued call; and a burst of hung calls is absorbed
+                    // in doubling waves (1, 2, 4, ... threads: 1,000 hung
+                    // calls in ten).
+                    let stuck = state
+                        .in_call
+                        .iter()
+                        .filter(|c| now.saturating_duration_since(c.since) >= limits.stuck)
+                        .count();
+                    let wave = unserved.min(stuck.max(1));
+                    let (wake, start) = self.takers(&mut state, wave, now);
                     if wake + start > 0 {
                         drop(state);
                         Self::start_threads(&self, start);
@@ -658,10 +678,10 @@ impl<T: Transport> Shared<T> {
             if !c.hung && age >= hung_after {
                 c.hung = true;
                 newly += 1;
-                example.get_or_insert((c.info.clone(), age));
+                example.get_or_insert((c.serial, c.call, age));
             }
         }
-        if let Some((info, age)) = example {
+        if let Some((serial, call, age)) = example {
             state.hung_total += newly;
             state.hung_now += newly as usize;
             telemetry::transport_calls_hung_counted(newly);
@@ -670,8 +690,8 @@ impl<T: Transport> Shared<T> {
                 newly_hung = newly,
                 hung = state.hung_now,
                 threads = state.threads,
-                engine = %info.engine,
-                call = info.call,
+                serial,
+                call,
                 after = ?age,
                 "transport calls hung: each holds a thread until it returns, and its engine gets no other heartbeat meanwhile (the snapshot lists them)"
             );
@@ -775,7 +795,6 @@ mod tests {
     fn heartbeat(serial: u64, agent: &str) -> Call<()> {
         Call::Heartbeat {
             serial,
-            engine: EngineId::new(format!("e-{serial}")),
             agents: Arc::from(vec![AgentName::new(agent)]),
             messages: Arc::from(vec![b"HB:".to_vec().into_boxed_slice()]),
         }
@@ -788,6 +807,11 @@ mod tests {
             agents: Arc::from(vec![AgentName::new(format!("a-{serial}"))]),
             resources: (),
         }
+    }
+
+    /// The engine id the tests give registration `serial`.
+    fn name(serial: u64) -> Option<EngineId> {
+        Some(EngineId::new(format!("e-{serial}")))
     }
 
     fn serial(outcome: &CallOutcome) -> u64 {
@@ -847,7 +871,7 @@ mod tests {
             seen.iter().all(|s| *s >= 100),
             "a hung call came back: {seen:?}"
         );
-        let pool = offload.snapshot();
+        let pool = offload.snapshot(name);
         // Each hung call holds a thread of its own, and no more than that
         // plus the threads the healthy calls used.
         let hung: Vec<_> = pool
@@ -884,14 +908,14 @@ mod tests {
         offload.submit((0..4).map(|i| heartbeat(i, "hung")));
         // Wait until all four are inside their calls.
         let deadline = Instant::now() + Duration::from_secs(30);
-        while offload.snapshot().in_flight.len() < 4 {
-            assert!(Instant::now() < deadline, "{:?}", offload.snapshot());
+        while offload.snapshot(name).in_flight.len() < 4 {
+            assert!(Instant::now() < deadline, "{:?}", offload.snapshot(name));
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         offload.submit([heartbeat(10, "ok")]);
         // Past many STUCK periods: still four threads, the call waits.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let pool = offload.snapshot();
+        let pool = offload.snapshot(name);
         assert_eq!((pool.threads, pool.queued), (4, 1), "{pool:?}");
         transport.open();
         let seen = results_until(&offload, Duration::from_secs(30), |s| s.len() == 5).await;
@@ -905,7 +929,7 @@ mod tests {
         offload.submit([heartbeat(7, "hung")]);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let pool = offload.snapshot();
+            let pool = offload.snapshot(name);
             if pool.hung_total == 1 {
                 let hung: Vec<_> = pool.hung().collect();
                 assert_eq!(hung.len(), 1, "{pool:?}");
@@ -919,10 +943,10 @@ mod tests {
         }
         // Counted once, however long it hangs.
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(offload.snapshot().hung_total, 1);
+        assert_eq!(offload.snapshot(name).hung_total, 1);
         transport.open();
         results_until(&offload, Duration::from_secs(30), |s| s.contains(&7)).await;
-        let pool = offload.snapshot();
+        let pool = offload.snapshot(name);
         assert_eq!((pool.hung_total, pool.hung().count()), (1, 0), "{pool:?}");
     }
 

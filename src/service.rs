@@ -289,7 +289,14 @@ impl<T: Transport> Keepalive<T> {
             Msg::Snapshot(done) => {
                 let mut snapshot = self.core.snapshot(now);
                 snapshot.detection_bound = self.bound;
-                snapshot.transport = self.offload.snapshot();
+                let ids: std::collections::HashMap<u64, EngineId> = self
+                    .directory
+                    .read()
+                    .expect("directory poisoned")
+                    .iter()
+                    .map(|(id, e)| (e.cell.serial(), id.clone()))
+                    .collect();
+                snapshot.transport = self.offload.snapshot(|serial| ids.get(&serial).cloned());
                 for call in snapshot.transport.hung() {
                     if let Some(e) = snapshot
                         .engines

@@ -13,7 +13,6 @@ pub(crate) enum Call<R> {
     /// to a bounded size) to every agent of the registration.
     Heartbeat {
         serial: u64,
-        engine: EngineId,
         agents: Arc<[AgentName]>,
         messages: HeartbeatMessages,
     },

@@ -800,10 +800,8 @@ impl<R> Core<R> {
             }
         };
         let agents = peer.agents.clone();
-        let engine = peer.id().clone();
         self.actions.push_back(Action::Call(Call::Heartbeat {
             serial,
-            engine,
             agents,
             messages,
         }));

@@ -465,6 +465,19 @@ pub(crate) fn snapshot_json(s: &Snapshot) -> serde_json::Value {
             "crashed": d.crashed.map(ms),
             "silent": d.silent.map(ms),
         })),
+        "transport": json!({
+            "threads": s.transport.threads,
+            "idle": s.transport.idle,
+            "cap": s.transport.cap,
+            "queued": s.transport.queued,
+            "hung_total": s.transport.hung_total,
+            "in_flight": s.transport.in_flight.iter().map(|c| json!({
+                "engine": c.engine.as_str(),
+                "call": c.call,
+                "age_ms": ms(c.age),
+                "hung": c.hung,
+            })).collect::<Vec<_>>(),
+        }),
     })
 }
 

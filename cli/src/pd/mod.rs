@@ -18,15 +18,27 @@
 //! ```text
 //! request  = "NKPD" version:u8(=1) kind:u8(=1 handshake)
 //! reply    = "NKPD" version:u8(=1) kind:u8(=2 handshake reply)
-//!            engine_id:str16          1..=256 bytes
+//!            engine_id:str16          1..=256 bytes, printable
 //!            incarnation:u64          random per process start
 //!            block_size:u64           bytes per KV block, 1..=64 MiB
-//!            blocks:u32               blocks per rank, 1 or more
+//!            blocks:u32               blocks per rank, 1..=2^20, and
+//!                                     blocks * block_size <= 1 TiB,
+//!                                     blocks * ranks <= 2^22
 //!            ranks:u16                1..=64, then per rank, in rank order:
-//!              agent:str16            the rank's NIXL agent name
+//!              agent:str16            the rank's NIXL agent name,
+//!                                     1..=256 bytes, printable
 //!              base:u64               address of block 0 in P's memory
 //!              metadata:bytes32       the agent's NIXL metadata blob
 //! ```
+//!
+//! "Printable" is the library's rule for every name from a peer
+//! (`nixl_keepalive::text::check_name`): no control character (a newline in
+//! an engine id once forged an `event: released` line on the decode's
+//! stdout). The block bounds keep what the decoder builds from a reply
+//! bounded: one descriptor per block and rank (`u32::MAX` blocks of one
+//! byte once passed the parser, and loading it collected billions of
+//! descriptors); [`wire::MAX_RANK_BYTES`], [`wire::MAX_BLOCKS`] and
+//! [`wire::MAX_DESCRIPTORS`] say why each is what it is.
 //!
 //! Every rank names its own agent: a reply in which two ranks name one
 //! agent is refused (NIXL keeps one metadata entry per agent name, so both
