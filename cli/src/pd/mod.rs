@@ -110,18 +110,18 @@ pub mod wire;
 /// Counts and logs a frame a peer got wrong (see "What is counted"). `side` is `prefill` (a bad
 /// request reached a prefill) or `decode` (a bad reply reached a decoder);
 /// `host` is who sent it (a client's address without its port: each
-/// connection has a port of its own). One WARN per side and host per
-/// period, with the count it stands for: a client that sends garbage in a
-/// loop is one line per 10 s.
+/// connection has a port of its own). One WARN per side, host and kind of
+/// error per period, with the count it stands for: a client that sends
+/// the same garbage in a loop is one line per 10 s.
 pub(crate) fn bad_frame(side: &'static str, host: &str, error: &wire::WireError) {
-    static LOG: std::sync::LazyLock<
-        std::sync::Mutex<nixl_keepalive::log_limit::LogLimiter<(&'static str, String)>>,
-    > = std::sync::LazyLock::new(Default::default);
+    type Key = (&'static str, String, &'static str);
+    static LOG: std::sync::LazyLock<std::sync::Mutex<nixl_keepalive::log_limit::LogLimiter<Key>>> =
+        std::sync::LazyLock::new(Default::default);
     metrics::counter!("nixl_keepalive_pd_bad_frames_total", "side" => side).increment(1);
-    let told = LOG
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .admit((side, host.to_string()), tokio::time::Instant::now());
+    let told = LOG.lock().unwrap_or_else(|e| e.into_inner()).admit(
+        (side, host.to_string(), error.kind()),
+        tokio::time::Instant::now(),
+    );
     if let Some(suppressed) = told {
         let peer = nixl_keepalive::text::Escaped(host);
         tracing::warn!(side, %peer, %error, suppressed, "bad side-channel frame refused");

@@ -73,6 +73,24 @@ pub enum WireError {
     },
 }
 
+impl WireError {
+    /// What kind of error, in one word: the key its log lines are limited
+    /// by (with the peer).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            WireError::Io(_) => "io",
+            WireError::Timeout(_) => "timeout",
+            WireError::TooLong { .. } => "too_long",
+            WireError::BadMagic => "bad_magic",
+            WireError::Version(_) => "version",
+            WireError::Kind(_) => "kind",
+            WireError::Truncated(_) => "truncated",
+            WireError::Trailing(_) => "trailing",
+            WireError::Field { field, .. } => field,
+        }
+    }
+}
+
 /// One rank of a prefill engine, as the reply describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankInfo {
