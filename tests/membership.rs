@@ -61,7 +61,10 @@ fn world(mode: GoneMode) -> World {
     let (updates, _driver) = membership::spawn(
         store.watch(),
         handle.clone(),
-        MembershipConfig { gone_mode: mode },
+        MembershipConfig {
+            gone_mode: mode,
+            reset_grace: TTL,
+        },
         shutdown.clone(),
     );
     World {
@@ -485,20 +488,26 @@ fn put(key: &str, engine: &str, address: &str, revision: i64) -> SourceEvent {
 }
 
 #[test]
-fn a_stale_or_repeated_revision_is_ignored() {
+fn every_event_of_one_revision_is_applied_in_order() {
+    // etcd gives every event of one transaction the same revision: a
+    // 3-put transaction, then a prefix delete of the three keys.
     let mut r = Reconciler::new();
-    assert_eq!(r.apply(put("k1", "e1", "h:1", 5)).len(), 1);
-    assert!(
-        r.apply(put("k1", "e9", "h:1", 5)).is_empty(),
-        "same revision again"
-    );
-    assert!(r
-        .apply(SourceEvent::Deleted {
-            key: "k1".into(),
-            revision: 4
-        })
-        .is_empty());
-    assert_eq!(r.members()["k1"].engine_id, "e1");
+    let mut announced = Vec::new();
+    for k in ["k1", "k2", "k3"] {
+        announced.extend(r.apply(put(k, &format!("e-{k}"), &format!("h{k}:1"), 5)));
+    }
+    assert_eq!(announced.len(), 3, "{announced:?}");
+    assert_eq!(r.members().len(), 3);
+    let mut retired = Vec::new();
+    for k in ["k1", "k2", "k3"] {
+        retired.extend(r.apply(SourceEvent::Deleted {
+            key: k.into(),
+            revision: 6,
+        }));
+    }
+    assert_eq!(retired.len(), 3, "{retired:?}");
+    assert!(r.members().is_empty());
+    assert_eq!(r.revision(), 6, "kept for resuming");
 }
 
 #[test]
@@ -528,6 +537,7 @@ fn a_list_announces_only_what_is_new_and_retires_only_what_is_missing() {
     r.apply(put("k2", "e2", "h:2", 2));
     let listed = |entries: Vec<(&str, &str, &str)>| SourceEvent::Listed {
         revision: 10,
+        cluster_id: 1,
         entries: entries
             .into_iter()
             .map(|(k, e, a)| (k.to_string(), Member::new(e, a, 1).to_json().into_bytes()))
@@ -547,4 +557,452 @@ fn a_list_announces_only_what_is_new_and_retires_only_what_is_missing() {
     assert!(r
         .apply(listed(vec![("k1", "e1", "h:1"), ("k3", "e3", "h:2")]))
         .is_empty());
+}
+
+// etcd as it really behaves (measured on etcd 3.4): one revision for every
+// event of a transaction, leases that never come back, a store that loses
+// its data, and records written by anyone.
+
+impl World {
+    /// `n` prefills with plain keys, announced and connected.
+    async fn connected_prefills(&mut self, n: u16) -> Vec<(EngineId, EngineRef)> {
+        let engines: Vec<EngineId> = (1..=n).map(|i| self.start_prefill(&addr(i), 1)).collect();
+        let mut connected = Vec::new();
+        for _ in 0..n {
+            let (m, e) = self.joined().await;
+            connected.push((m.engine(), e));
+        }
+        connected.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+        let mut sorted = engines;
+        sorted.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        assert_eq!(
+            connected.iter().map(|(e, _)| e.clone()).collect::<Vec<_>>(),
+            sorted
+        );
+        connected
+    }
+
+    /// The `Left` updates among the next `n` updates that are not
+    /// `Released`.
+    async fn left(&mut self, n: usize) -> Vec<(EngineId, RetireWhy)> {
+        let mut out = Vec::new();
+        while out.len() < n {
+            match self.update().await {
+                MembershipUpdate::Left { member, why } => out.push((member.engine(), why)),
+                MembershipUpdate::Released { .. } => {}
+                other => panic!("expected Left, got {other:?}"),
+            }
+        }
+        out.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+        out
+    }
+
+    /// Engines released from now until `within` has passed, sorted.
+    async fn released_within(&mut self, within: Duration) -> Vec<EngineId> {
+        tokio::time::sleep(within).await;
+        let mut out = self.releases_so_far();
+        out.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        out
+    }
+
+    /// What a prefill's `EtcdRegistration` does, on the in-memory store:
+    /// keeps its lease alive every TTL/3 and, when the lease is gone,
+    /// grants a new one and writes its key again. Until `stop`.
+    fn keep_registered(
+        &self,
+        engine: &EngineId,
+        address: &PeerAddr,
+        mut lease: LeaseId,
+        stop: CancellationToken,
+    ) -> JoinHandle<()> {
+        let store = self.store.clone();
+        let member = Member::new(engine.as_str(), address.as_str(), 1);
+        let key = key(engine);
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(TTL / 3) => {}
+                }
+                if !store.keep_alive(lease) {
+                    if let Some(new) = store.grant_lease(TTL) {
+                        assert!(store.put_member(&key, &member, Some(new)));
+                        lease = new;
+                    }
+                }
+            }
+        })
+    }
+}
+
+fn members_json(engines: &[(EngineId, PeerAddr)]) -> Vec<(String, Vec<u8>)> {
+    engines
+        .iter()
+        .map(|(e, a)| {
+            (
+                key(e),
+                Member::new(e.as_str(), a.as_str(), 1)
+                    .to_json()
+                    .into_bytes(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_prefix_delete_of_several_keys_in_one_revision_retires_every_engine() {
+    let mut w = world(GoneMode::Drain);
+    let engines = w.connected_prefills(4).await;
+    assert_eq!(w.store.delete_prefix(membership::DEFAULT_PREFIX), 4);
+    let left = w.left(4).await;
+    let want: Vec<(EngineId, RetireWhy)> = engines
+        .iter()
+        .map(|(e, _)| (e.clone(), RetireWhy::Deleted))
+        .collect();
+    assert_eq!(left, want, "each key of the one revision");
+    let released = w.released_within(Duration::from_secs(1)).await;
+    assert_eq!(
+        released,
+        engines.iter().map(|(e, _)| e.clone()).collect::<Vec<_>>()
+    );
+    for (_, e) in &engines {
+        assert_eq!(e.state(), EngineState::Released);
+    }
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_multi_put_transaction_announces_every_engine() {
+    let mut w = world(GoneMode::Drain);
+    let engines: Vec<(EngineId, PeerAddr)> = (1..=5)
+        .map(|i| (w.ucx.spawn_prefill(addr(i), 1), addr(i)))
+        .collect();
+    assert!(w.store.put_all(members_json(&engines), None));
+    let mut joined = Vec::new();
+    for _ in 0..5 {
+        let (m, e) = w.joined().await;
+        assert_eq!(e.state(), EngineState::Live);
+        joined.push(m.engine());
+    }
+    joined.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    let mut want: Vec<EngineId> = engines.iter().map(|(e, _)| e.clone()).collect();
+    want.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    assert_eq!(joined, want);
+    assert!(w.releases_so_far().is_empty());
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_revoked_lease_holding_several_keys_retires_every_engine_on_it_and_no_other() {
+    let mut w = world(GoneMode::Drain);
+    let shared: Vec<(EngineId, PeerAddr)> = (1..=3)
+        .map(|i| (w.ucx.spawn_prefill(addr(i), 1), addr(i)))
+        .collect();
+    let lease = w.store.grant_lease(TTL).unwrap();
+    assert!(w.store.put_all(members_json(&shared), Some(lease)));
+    let other = w.start_prefill(&addr(9), 1);
+    let mut engines = Vec::new();
+    for _ in 0..4 {
+        engines.push(w.joined().await);
+    }
+    assert_eq!(w.store.revoke_lease(lease), 3);
+    let left = w.left(3).await;
+    let mut want: Vec<(EngineId, RetireWhy)> = shared
+        .iter()
+        .map(|(e, _)| (e.clone(), RetireWhy::Deleted))
+        .collect();
+    want.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+    assert_eq!(left, want);
+    let released = w.released_within(Duration::from_secs(1)).await;
+    assert_eq!(
+        released,
+        want.iter().map(|(e, _)| e.clone()).collect::<Vec<_>>()
+    );
+    let (_, e_other) = engines.iter().find(|(m, _)| m.engine() == other).unwrap();
+    assert_eq!(e_other.state(), EngineState::Live);
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wiped_store_retires_nothing_during_the_grace_period_and_then_only_what_did_not_register_again(
+) {
+    let mut w = world(GoneMode::Fail);
+    let mut prefills = Vec::new();
+    let mut keepers = Vec::new();
+    for i in 1..=3 {
+        let (p, lease) = w.start_leased_prefill(&addr(i), 1);
+        let stop = CancellationToken::new();
+        w.keep_registered(&p, &addr(i), lease, stop.clone());
+        keepers.push(stop);
+        prefills.push(p);
+    }
+    let mut engines = Vec::new();
+    for _ in 0..3 {
+        engines.push(w.joined().await);
+    }
+    // p3 freezes: it cannot register again (UCX reports nothing).
+    w.ucx.freeze(&prefills[2]);
+    keepers[2].cancel();
+
+    // etcd restarted with an empty data directory.
+    w.store.outage("etcd: connection refused");
+    assert!(matches!(w.update().await, MembershipUpdate::Outage { .. }));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    w.store.wipe();
+    w.store.restore();
+    let restored_at = tokio::time::Instant::now();
+    assert!(matches!(
+        w.update().await,
+        MembershipUpdate::Restored { .. }
+    ));
+    match w.update().await {
+        MembershipUpdate::StoreReset { awaited, grace } => {
+            assert_eq!((awaited, grace), (3, TTL));
+        }
+        other => panic!("{other:?}"),
+    }
+    // Just before the grace period ends: nothing retired; p1 and p2 wrote
+    // their keys again (the same records: nothing announced again).
+    tokio::time::sleep(TTL - Duration::from_millis(10)).await;
+    assert!(w.releases_so_far().is_empty(), "nothing during the grace");
+    assert!(
+        w.updates.try_recv().is_err(),
+        "no Left, no Joined during the grace"
+    );
+    assert!(w.store.contains(&key(&prefills[0])) && w.store.contains(&key(&prefills[1])));
+    // Then only p3, which never came back.
+    let left = w.left(1).await;
+    assert_eq!(
+        left,
+        vec![(prefills[2].clone(), RetireWhy::MissingAfterReset)]
+    );
+    assert!(restored_at.elapsed() >= TTL);
+    assert_eq!(w.released(&prefills[2]).await, ReleaseReason::PeerGone);
+    tokio::time::sleep(TTL * 3).await;
+    assert!(w.releases_so_far().is_empty());
+    for (m, e) in &engines {
+        let want = if m.engine() == prefills[2] {
+            EngineState::Released
+        } else {
+            EngineState::Live
+        };
+        assert_eq!(e.state(), want, "{}", m.engine_id);
+    }
+    for k in keepers {
+        k.cancel();
+    }
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outage_during_the_grace_period_starts_it_again_when_the_store_is_back() {
+    let mut w = world(GoneMode::Drain);
+    let p = w.start_prefill(&addr(1), 1);
+    let (_, engine) = w.joined().await;
+    w.store.outage("down");
+    assert!(matches!(w.update().await, MembershipUpdate::Outage { .. }));
+    w.store.wipe();
+    w.store.restore();
+    assert!(matches!(
+        w.update().await,
+        MembershipUpdate::Restored { .. }
+    ));
+    assert!(matches!(
+        w.update().await,
+        MembershipUpdate::StoreReset { awaited: 1, .. }
+    ));
+    tokio::time::sleep(TTL / 2).await;
+    // Down again for many grace periods: nobody can register, nothing is
+    // retired.
+    w.store.outage("down again");
+    tokio::time::sleep(TTL * 10).await;
+    assert!(w.releases_so_far().is_empty());
+    w.store.restore();
+    let back = tokio::time::Instant::now();
+    assert!(matches!(w.update().await, MembershipUpdate::Outage { .. }));
+    assert!(matches!(
+        w.update().await,
+        MembershipUpdate::Restored { .. }
+    ));
+    let left = w.left(1).await;
+    assert_eq!(left, vec![(p.clone(), RetireWhy::MissingAfterReset)]);
+    assert_eq!(back.elapsed(), TTL, "a whole grace period after the list");
+    assert_eq!(w.released(&p).await, ReleaseReason::PeerGone);
+    assert_eq!(engine.state(), EngineState::Released);
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn hostile_records_are_refused_by_reason_printed_escaped_and_reported_at_a_bounded_rate() {
+    let mut w = world(GoneMode::Drain);
+    let p = w.start_prefill(&addr(1), 1);
+    let (_, engine) = w.joined().await;
+    let record = |id: &str, address: &str| {
+        serde_json::json!({"engine_id": id, "address": address, "ranks": 1})
+            .to_string()
+            .into_bytes()
+    };
+    let cases: Vec<(String, Vec<u8>, &str)> = vec![
+        (key(&p), record("e\0vil", "10.0.0.9:1"), "engine_id"),
+        (key(&p), record("e\u{1b}[2Jvil", "10.0.0.9:1"), "engine_id"),
+        (
+            key(&p),
+            record("e\nmembership: left engine=x", "10.0.0.9:1"),
+            "engine_id",
+        ),
+        (key(&p), record(&"e".repeat(300), "10.0.0.9:1"), "engine_id"),
+        (
+            key(&p),
+            record("e", &format!("{}:1", "h".repeat(1 << 20))),
+            "too_large",
+        ),
+        (key(&p), record("e", &"h".repeat(300)), "address"),
+        (key(&p), record("e", "host name:1"), "address"),
+        (key(&p), record("e", "h\n:1"), "address"),
+        (key(&p), record("e", "h:0"), "address"),
+        (key(&p), record("e", "[::1:5"), "address"),
+        (
+            key(&p),
+            b"{\"engine_id\": \"\\u001b]0;pwn\\u0007\"".to_vec(),
+            "json",
+        ),
+        (
+            format!("/k/{}", "x".repeat(2000)),
+            record("e", "h:1"),
+            "key",
+        ),
+    ];
+    for (k, v, reason) in &cases {
+        assert!(w.store.put(k, v.clone()));
+        match w.update().await {
+            MembershipUpdate::BadValue {
+                key,
+                error,
+                unreported,
+            } => {
+                assert_eq!(&key, k);
+                assert_eq!(error.reason(), *reason, "{error}");
+                assert_eq!(unreported, 0);
+                let shown = error.to_string();
+                assert!(
+                    !shown.chars().any(char::is_control),
+                    "printed with a control character: {shown:?}"
+                );
+                assert!(shown.len() < 600, "{} bytes: {shown}", shown.len());
+            }
+            other => panic!("{other:?}"),
+        }
+        tokio::time::sleep(membership::REFUSALS_PERIOD).await;
+    }
+    // The key still means p: nothing refused changed it.
+    assert_eq!(engine.state(), EngineState::Live);
+
+    // A flood: 2,000 broken records at once are each counted, and reported
+    // a burst's worth at once, then one per period with the count.
+    let flood = 2000u64;
+    for i in 0..flood {
+        assert!(w.store.put(&format!("/junk/{i}"), b"\x1b[31m".to_vec()));
+    }
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let mut reported = 0u64;
+    while let Ok(u) = w.updates.try_recv() {
+        assert!(
+            matches!(u, MembershipUpdate::BadValue { unreported: 0, .. }),
+            "{u:?}"
+        );
+        reported += 1;
+    }
+    assert_eq!(reported, u64::from(membership::REFUSALS_BURST));
+    tokio::time::sleep(membership::REFUSALS_PERIOD).await;
+    assert!(w.store.put("/junk/last", b"!".to_vec()));
+    match w.update().await {
+        MembershipUpdate::BadValue { unreported, .. } => assert_eq!(unreported, flood - reported),
+        other => panic!("{other:?}"),
+    }
+    assert!(w.releases_so_far().is_empty());
+    assert_eq!(engine.state(), EngineState::Live);
+    w.stop().await.assert_nothing_leaked();
+}
+
+// The store-reset rules on their own.
+
+fn listed(revision: i64, cluster_id: u64, entries: &[(&str, &str, &str)]) -> SourceEvent {
+    SourceEvent::Listed {
+        revision,
+        cluster_id,
+        entries: entries
+            .iter()
+            .map(|(k, e, a)| (k.to_string(), Member::new(*e, *a, 1).to_json().into_bytes()))
+            .collect(),
+    }
+}
+
+#[test]
+fn a_list_from_another_cluster_sets_aside_what_it_lacks_until_the_grace_period_ends() {
+    let mut r = Reconciler::new();
+    r.apply(listed(40, 1, &[("k1", "e1", "h:1"), ("k2", "e2", "h:2")]));
+    // A restored snapshot: a higher revision, but another cluster id.
+    let a = r.apply(listed(90, 2, &[("k1", "e1", "h:1"), ("k3", "e3", "h:3")]));
+    assert_eq!(
+        a,
+        vec![
+            Action::StoreReset { awaited: 1 },
+            Action::Announce(Member::new("e3", "h:3", 1))
+        ]
+    );
+    assert_eq!(r.awaited().len(), 1);
+    assert_eq!(
+        r.end_reset_grace(),
+        vec![Action::Retire {
+            member: Member::new("e2", "h:2", 1),
+            why: RetireWhy::MissingAfterReset
+        }]
+    );
+    assert!(r.awaited().is_empty());
+    assert!(r.end_reset_grace().is_empty(), "once");
+}
+
+#[test]
+fn a_revision_that_went_back_is_a_store_reset_and_a_key_written_again_is_no_longer_awaited() {
+    let mut r = Reconciler::new();
+    r.apply(listed(40, 1, &[("k1", "e1", "h:1"), ("k2", "e2", "h:2")]));
+    r.apply(put("k3", "e3", "h:3", 41));
+    let a = r.apply(listed(1, 1, &[]));
+    assert_eq!(
+        a,
+        vec![Action::StoreReset { awaited: 3 }],
+        "nothing retired"
+    );
+    assert_eq!(r.revision(), 1, "resumes from the new store's revision");
+    // k1 registers again with the same record: nothing to do; k2 comes
+    // back at another address: announced again.
+    assert!(r.apply(put("k1", "e1", "h:1", 2)).is_empty());
+    assert_eq!(
+        r.apply(put("k2", "e2", "h:9", 3)),
+        vec![Action::Announce(Member::new("e2", "h:9", 1))]
+    );
+    assert_eq!(
+        r.end_reset_grace(),
+        vec![Action::Retire {
+            member: Member::new("e3", "h:3", 1),
+            why: RetireWhy::MissingAfterReset
+        }]
+    );
+    assert_eq!(r.members().len(), 2);
+}
+
+#[test]
+fn a_first_list_and_a_later_one_of_the_same_store_are_no_reset() {
+    let mut r = Reconciler::new();
+    assert!(!r
+        .apply(listed(7, 3, &[("k1", "e1", "h:1")]))
+        .contains(&Action::StoreReset { awaited: 0 }));
+    let a = r.apply(listed(9, 3, &[]));
+    assert_eq!(
+        a,
+        vec![Action::Retire {
+            member: Member::new("e1", "h:1", 1),
+            why: RetireWhy::MissingFromList
+        }]
+    );
 }

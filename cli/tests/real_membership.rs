@@ -732,7 +732,10 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
             EtcdSource::spawn(EtcdOptions::new(vec![etcd.url()], prefix), shutdown.clone());
         let mut reconciler = Reconciler::new();
         let listed = next(&mut source).await;
-        let SourceEvent::Listed { revision, entries } = &listed else {
+        let SourceEvent::Listed {
+            revision, entries, ..
+        } = &listed
+        else {
             panic!("{listed:?}")
         };
         assert_eq!(entries.len(), 2, "only the prefix: {entries:?}");

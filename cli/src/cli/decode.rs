@@ -27,6 +27,7 @@ use clap::{Args, ValueEnum};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use nixl_keepalive::membership::{self, MembershipUpdate, RetireWhy};
 use nixl_keepalive::nixl_transport::NixlTransport;
+use nixl_keepalive::text::Escaped;
 use nixl_keepalive::ucx_settings::UcxSettings;
 use nixl_keepalive::{Config, Event, Keepalive, PeerAddr};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder};
@@ -65,6 +66,13 @@ pub(crate) struct DecodeArgs {
     /// What an etcd removal does to reads in flight.
     #[arg(long, value_enum, default_value = "drain")]
     gone_mode: GoneModeArg,
+
+    /// After etcd was reset (restarted empty, or restored: its revision
+    /// went back or its cluster id changed), how long the prefills it lacks
+    /// may take to register again before they are retired, in seconds. Set
+    /// it to the prefills' `--etcd-ttl`.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    etcd_reset_grace: u64,
 
     /// Serve the control endpoint (`POST /v1/peer_gone`, `GET
     /// /v1/snapshot`) and `/metrics` here. Loopback unless
@@ -314,7 +322,10 @@ fn start_membership(
         let (updates, _task) = membership::spawn(
             source,
             keepalive.clone(),
-            MembershipConfig { gone_mode },
+            MembershipConfig {
+                gone_mode,
+                reset_grace: Duration::from_secs(args.etcd_reset_grace),
+            },
             shutdown.clone(),
         );
         Some(updates)
@@ -395,9 +406,19 @@ fn print_update(update: &MembershipUpdate) {
             member.address,
             why.as_str()
         ),
-        MembershipUpdate::BadValue { key, error } => {
-            println!("membership: bad_value key={key} error={error}")
-        }
+        MembershipUpdate::BadValue {
+            key,
+            error,
+            unreported,
+        } => println!(
+            "membership: bad_value key={} reason={} unreported={unreported} error={error}",
+            Escaped(key),
+            error.reason()
+        ),
+        MembershipUpdate::StoreReset { awaited, grace } => println!(
+            "membership: store_reset awaited={awaited} grace_ms={}",
+            grace.as_millis()
+        ),
         MembershipUpdate::Outage { error } => println!("membership: outage error={error}"),
         MembershipUpdate::Restored { outage } => {
             println!("membership: restored outage_ms={}", outage.as_millis())

@@ -21,6 +21,7 @@ use std::time::Duration;
 use nixl_keepalive::fake::{FakeError, FakeResources, FakeUcx};
 use nixl_keepalive::membership::memory::{InMemoryStore, LeaseId};
 use nixl_keepalive::membership::{self, Member, MembershipConfig, MembershipUpdate};
+use nixl_keepalive::text::Escaped;
 use nixl_keepalive::{EngineId, GoneMode, KeepaliveHandle, PeerAddr};
 use tokio_util::sync::CancellationToken;
 
@@ -73,6 +74,7 @@ impl DemoMembership {
             handle,
             MembershipConfig {
                 gone_mode: GoneMode::Fail,
+                reset_grace: LEASE_TTL,
             },
             shutdown.clone(),
         );
@@ -122,10 +124,15 @@ fn on_update(update: &MembershipUpdate, timeline: &Timeline, in_outage: &mut boo
                 "membership: {engine} released {:.1} ms after its key went",
                 after.as_secs_f64() * 1000.0
             ),
-            MembershipUpdate::BadValue { key, error } => {
+            MembershipUpdate::BadValue { key, error, .. } => {
+                let key = Escaped(key);
                 timeline.violation(format!("membership: bad value at {key}: {error}"));
                 format!("membership: bad value at {key}")
             }
+            MembershipUpdate::StoreReset { awaited, grace } => format!(
+                "membership: etcd was reset: {awaited} engines kept for {:.1} s",
+                grace.as_secs_f64()
+            ),
         };
         timeline.log(line);
     }
