@@ -260,6 +260,7 @@ async fn list_prefix(kv: &mut KvClient, options: &EtcdOptions) -> Result<Listing
     let page_size = options.page_size.max(1);
     'list: loop {
         let mut from = prefix.to_vec();
+        let mut last_read: Option<String> = None;
         let mut at: Option<(i64, u64)> = None;
         let mut limit = page_size;
         let mut entries = Vec::new();
@@ -279,11 +280,13 @@ async fn list_prefix(kv: &mut KvClient, options: &EtcdOptions) -> Result<Listing
                 }
                 Ok(Err(e)) if too_large(&e) => {
                     if limit == 1 {
+                        let which = match &last_read {
+                            Some(k) => format!("the key after {}", crate::text::Escaped(k)),
+                            None => "its first key".to_string(),
+                        };
                         return Err(RoundEnd::ListIncomplete(format!(
-                            "listing {:?} cannot complete: the value of the key after {} is over the client's {} byte message limit ({e})",
-                            options.prefix,
-                            crate::text::Escaped(&String::from_utf8_lossy(&from)),
-                            options.max_message
+                            "listing {:?} cannot complete: the value of {which} is over the client's {} byte message limit ({e})",
+                            options.prefix, options.max_message
                         )));
                     }
                     limit = (limit / 2).max(1);
@@ -314,6 +317,7 @@ async fn list_prefix(kv: &mut KvClient, options: &EtcdOptions) -> Result<Listing
             let last = page.kvs().last().map(|kv| kv.key().to_vec());
             match last {
                 Some(mut key) if page.more() => {
+                    last_read = Some(String::from_utf8_lossy(&key).into_owned());
                     // The next page starts just after the last key.
                     key.push(0);
                     from = key;
