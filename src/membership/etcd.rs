@@ -522,6 +522,8 @@ async fn register_loop(
     let mut lease: Option<i64> = None;
     let mut client: Option<Client> = None;
     let mut last_error: Option<String> = None;
+    // The last lapse was a lost lease (no keep-alive answered since).
+    let mut lost_last = false;
     loop {
         if stop.is_cancelled() {
             break;
@@ -530,6 +532,16 @@ async fn register_loop(
             _ = stop.cancelled() => break,
             lapse = keep_registered(&options, &member, &key, ttl_secs, period, &mut client, &mut lease, &mut backoff, &events) => lapse,
         };
+        if let Lapse::LeaseLost(_) = lapse {
+            // etcd answered: an outage before this is over, so the new
+            // lease is asked for at once (within the TTL the decoders'
+            // grace period allows after a store reset); only leases lost
+            // again and again back off.
+            if !lost_last {
+                backoff.reset();
+            }
+        }
+        lost_last = matches!(lapse, Lapse::LeaseLost(_));
         let pause = backoff.step();
         match lapse {
             Lapse::LeaseLost(id) => {
