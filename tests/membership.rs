@@ -1006,3 +1006,111 @@ fn a_first_list_and_a_later_one_of_the_same_store_are_no_reset() {
         }]
     );
 }
+
+#[test]
+fn a_second_reset_during_the_grace_keeps_awaiting_and_an_engine_found_under_another_key_is_not_retired(
+) {
+    let mut r = Reconciler::new();
+    r.apply(listed(
+        40,
+        1,
+        &[
+            ("k1", "e1", "h:1"),
+            ("k2", "e2", "h:2"),
+            ("k3", "e3", "h:3"),
+        ],
+    ));
+    assert_eq!(
+        r.apply(listed(2, 2, &[("k1", "e1", "h:1")])),
+        vec![Action::StoreReset { awaited: 2 }]
+    );
+    // Wiped again before the grace ended: k1 had come back, now it is
+    // awaited too; e3 comes back under another key.
+    let a = r.apply(listed(1, 3, &[("k9", "e3", "h:3")]));
+    assert_eq!(
+        a,
+        vec![
+            Action::StoreReset { awaited: 3 },
+            Action::Announce(Member::new("e3", "h:3", 1))
+        ]
+    );
+    let mut retired: Vec<String> = r
+        .end_reset_grace()
+        .into_iter()
+        .map(|a| match a {
+            Action::Retire {
+                member,
+                why: RetireWhy::MissingAfterReset,
+            } => member.engine_id,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    retired.sort();
+    assert_eq!(retired, vec!["e1", "e2"], "e3 is listed under k9");
+}
+
+#[test]
+fn record_bounds_are_exact() {
+    let record = |id: &str, address: &str, ranks: u32| {
+        serde_json::json!({"engine_id": id, "address": address, "ranks": ranks})
+            .to_string()
+            .into_bytes()
+    };
+    let reason =
+        |key: &str, value: &[u8]| Member::from_record(key, value).err().map(|e| e.reason());
+    let ok = record("e", "h:1", 1);
+    assert_eq!(reason("k", &ok), None);
+    // Key: at most MAX_KEY bytes.
+    assert_eq!(reason(&"k".repeat(membership::MAX_KEY), &ok), None);
+    assert_eq!(
+        reason(&"k".repeat(membership::MAX_KEY + 1), &ok),
+        Some("key")
+    );
+    // Value: at most MAX_RECORD bytes (padding in an unknown field).
+    let padded = |len: usize| {
+        let base = record("e", "h:1", 1);
+        let pad = len - base.len() - r#","pad":"""#.len();
+        let mut v: serde_json::Value = serde_json::from_slice(&base).unwrap();
+        v["pad"] = serde_json::Value::String("p".repeat(pad));
+        let out = v.to_string().into_bytes();
+        assert_eq!(out.len(), len);
+        out
+    };
+    assert_eq!(reason("k", &padded(membership::MAX_RECORD)), None);
+    assert_eq!(
+        reason("k", &padded(membership::MAX_RECORD + 1)),
+        Some("too_large")
+    );
+    // Engine id: 1 to MAX_ENGINE_ID bytes, printable (not ASCII-only).
+    assert_eq!(reason("k", &record(&"e".repeat(256), "h:1", 1)), None);
+    assert_eq!(
+        reason("k", &record(&"e".repeat(257), "h:1", 1)),
+        Some("engine_id")
+    );
+    assert_eq!(reason("k", &record("", "h:1", 1)), Some("engine_id"));
+    assert_eq!(reason("k", &record("préfill-1", "h:1", 1)), None);
+    assert_eq!(reason("k", &record("e\u{7f}", "h:1", 1)), Some("engine_id"));
+    // Address: at most MAX_ADDRESS bytes, host:port, port 1 to 65535.
+    let host = |len: usize| format!("{}:1", "h".repeat(len - 2));
+    assert_eq!(
+        reason("k", &record("e", &host(membership::MAX_ADDRESS), 1)),
+        None
+    );
+    assert_eq!(
+        reason("k", &record("e", &host(membership::MAX_ADDRESS + 1), 1)),
+        Some("address")
+    );
+    for good in ["h:65535", "10.0.0.1:1", "[::1]:5600", "a-b.c_d:80"] {
+        assert_eq!(reason("k", &record("e", good, 1)), None, "{good}");
+    }
+    for bad in [
+        "h:0", "h:65536", "h:", ":1", "h", "h:+1", "h :1", "[::1:1", "[zz]:1", "h/x:1",
+    ] {
+        assert_eq!(reason("k", &record("e", bad, 1)), Some("address"), "{bad}");
+    }
+    // Ranks: 1 to MAX_RANKS.
+    assert_eq!(reason("k", &record("e", "h:1", 64)), None);
+    assert_eq!(reason("k", &record("e", "h:1", 65)), Some("ranks"));
+    assert_eq!(reason("k", &record("e", "h:1", 0)), Some("ranks"));
+    assert_eq!(reason("k", &record("e", "h:1", 70000)), Some("json"));
+}
