@@ -7,6 +7,7 @@ use tokio::time::Instant;
 
 use super::cell::EngineCell;
 use crate::event::ReleaseReason;
+use crate::registration::Incarnation;
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use crate::NixlStatus;
 
@@ -22,6 +23,7 @@ pub(super) struct Mark {
 pub(super) struct Peer<R> {
     pub(super) cell: Arc<EngineCell>,
     pub(super) address: PeerAddr,
+    pub(super) incarnation: Option<Incarnation>,
     /// Shared with every heartbeat round in flight: no copy per round.
     pub(super) agents: Arc<[AgentName]>,
     /// `None` once handed to the transport.
@@ -60,6 +62,7 @@ impl<R> Peer<R> {
         now: Instant,
         cell: Arc<EngineCell>,
         address: PeerAddr,
+        incarnation: Option<Incarnation>,
         agents: Vec<AgentName>,
         resources: R,
     ) -> Self {
@@ -73,6 +76,7 @@ impl<R> Peer<R> {
             },
             cell,
             address,
+            incarnation,
             agents: agents.into(),
             resources: Some(resources),
             mark: None,
