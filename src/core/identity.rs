@@ -115,21 +115,21 @@ impl<R> Core<R> {
         self.actions.push_back(Action::Answer { request, answer });
     }
 
-    /// Records a conflict: counted every time, logged and published the
-    /// first time (and again at each power of two, with the count).
+    /// Records a conflict: counted every time (the metric, and the count
+    /// kept here), logged at WARN and published the first time only; the
+    /// repeats are DEBUG lines with the running count.
     pub(super) fn conflict(&mut self, conflict: Conflict, source: &'static str) {
         telemetry::identity_conflict(conflict.kind());
-        if self.conflicts.len() >= CONFLICTS_REMEMBERED && !self.conflicts.contains_key(&conflict) {
+        if self.conflicts.len() >= CONFLICTS_REMEMBERED && !self.conflicts.contains_key(&conflict)
+        {
             self.conflicts.clear();
         }
         let seen = self.conflicts.entry(conflict.clone()).or_insert(0);
         *seen += 1;
         let seen = *seen;
         if seen == 1 {
-            tracing::warn!(kind = conflict.kind(), source, %conflict, "identity conflict: the newcomer is refused, the registered engine kept");
+            tracing::warn!(kind = conflict.kind(), source, %conflict, "identity conflict: the newcomer is refused, the registered engine kept (logged once; counted in nixl_keepalive_identity_conflicts_total)");
             self.emit(Event::Conflict { conflict });
-        } else if seen.is_power_of_two() {
-            tracing::warn!(kind = conflict.kind(), source, %conflict, times = seen, "identity conflict again");
         } else {
             tracing::debug!(kind = conflict.kind(), source, %conflict, times = seen, "identity conflict again");
         }
