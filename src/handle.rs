@@ -424,6 +424,11 @@ impl<R: Send + 'static> ReadyToLoad<R> {
     /// refused for who it is (that was decided at the claim); a service
     /// that is stopping takes it and releases it with the rest.
     ///
+    /// Ordering: when the future resolves, the engine is in the directory
+    /// ([`KeepaliveHandle::engine`]) and its [`crate::Event::Registered`]
+    /// has been published: a subscriber that drains its events right after
+    /// finds it.
+    ///
     /// Cancel safety: the registration is with the service when this
     /// returns, before the future is first polled: dropping the future
     /// loses nothing (find the engine with [`KeepaliveHandle::engine`]).

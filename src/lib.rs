@@ -77,6 +77,17 @@
 //! # }
 //! ```
 //!
+//! # One identity per prefill
+//!
+//! Who a prefill is (address, engine id, incarnation, agent names) is
+//! arbitrated in one place for every source: a handshake's
+//! [`Claim`] is judged before anything is loaded
+//! ([`Handshake::ready_to_load`]), membership records are judged against
+//! the registration they name ([`KeepaliveHandle::member_gone`]). Only
+//! authoritative evidence retires a live engine; anything that merely
+//! disagrees is a [`Conflict`]: refused, logged once, counted, never a
+//! release. The rules are in the README ("One identity per prefill").
+//!
 //! # How it is built
 //!
 //! The rules live in one synchronous state machine, the core (`src/core/`):

@@ -331,3 +331,24 @@ async fn a_registration_without_a_handshake_of_a_live_id_is_refused_whole() {
     let (_, stopped) = w.stop().await;
     assert!(stopped.unreleased.is_empty());
 }
+
+/// On a multi-threaded runtime the caller can run the moment the answer
+/// is sent: the event must have gone out before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_register_returns_its_registered_event_is_already_visible_to_subscribers() {
+    let mut w = world();
+    for i in 0..500u32 {
+        let address = PeerAddr::new(format!("10.1.{}.{}:5600", i / 250, i % 250));
+        w.ucx.spawn_prefill(address.clone(), 1);
+        let engine = w.ucx.connect(&w.handle, &address).await.unwrap();
+        // No yield in between: the event was published before the answer.
+        let events = w.drain();
+        assert!(
+            events.iter().any(|e| matches!(e, Event::Registered { engine: e, .. } if e == engine.id())),
+            "{events:?}"
+        );
+        assert!(w.handle.engine(engine.id()).is_some(), "and it is in the directory");
+    }
+    let (_, stopped) = w.stop().await;
+    assert!(stopped.unreleased.is_empty());
+}

@@ -43,8 +43,12 @@
 //! - **Handshake** ([`FakeUcx::handshake`] = [`FakeUcx::fetch_metadata`] +
 //!   [`FakeUcx::load_metadata`]): the side channel gives the engine id and
 //!   its agents; then `loadRemoteMD` per agent and `prepXferDlist` per rank.
-//!   Loading an agent name whose metadata is still loaded is refused with
-//!   `NOT_ALLOWED` (NIXL cannot update metadata in place). Nobody listening
+//!   Loading another process's metadata under an agent name that is still
+//!   loaded is refused with `NOT_ALLOWED` (NIXL cannot update metadata in
+//!   place); loading the identical metadata again is accepted and keeps
+//!   one entry, as measured with NIXL 1.5.1. [`FakeUcx::replay_at`] stages
+//!   a hostile prefill that answers with another's reply;
+//!   [`FakeUcx::connect`] is the reference runtime. Nobody listening
 //!   (crashed, not restarted) fails the handshake; so does a frozen or
 //!   partitioned engine (its side channel does not answer).
 //! - **Endpoints**: one per loaded remote agent. Once UCX fails one (by a
