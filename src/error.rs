@@ -59,6 +59,19 @@ pub enum Conflict {
         /// Where its registration is.
         live_at: PeerAddr,
     },
+    /// A handshake that started before the engine's current registration
+    /// was made answered with another incarnation: its reply may predate
+    /// that registration (a slow or racing handshake), so it is not taken
+    /// as a restart. A fresh handshake is judged again.
+    #[error("engine {engine}: a handshake at {address} that began before its registration answered another incarnation")]
+    StaleReply {
+        /// The engine id.
+        engine: EngineId,
+        /// The handshake's address.
+        address: PeerAddr,
+        /// The incarnation registered now, if known.
+        registered: Option<Incarnation>,
+    },
     /// The same engine incarnation answered with other agent names.
     #[error("engine {engine} incarnation {incarnation} answered with other agent names than its registration's")]
     AgentsChanged {
@@ -110,6 +123,7 @@ impl Conflict {
             Conflict::AgentInUse { .. } => "agent_in_use",
             Conflict::EngineElsewhere { .. } => "engine_elsewhere",
             Conflict::AgentsChanged { .. } => "agents_changed",
+            Conflict::StaleReply { .. } => "stale_reply",
             Conflict::EngineInUse { .. } => "engine_in_use",
             Conflict::RecordAddress { .. } => "record_address",
             Conflict::RecordIncarnation { .. } => "record_incarnation",
@@ -121,6 +135,7 @@ impl Conflict {
         match self {
             Conflict::AgentInUse { claimed_by, .. } => claimed_by,
             Conflict::EngineElsewhere { engine, .. }
+            | Conflict::StaleReply { engine, .. }
             | Conflict::AgentsChanged { engine, .. }
             | Conflict::EngineInUse { engine, .. }
             | Conflict::RecordAddress { engine, .. }

@@ -344,10 +344,15 @@ async fn when_register_returns_its_registered_event_is_already_visible_to_subscr
         // No yield in between: the event was published before the answer.
         let events = w.drain();
         assert!(
-            events.iter().any(|e| matches!(e, Event::Registered { engine: e, .. } if e == engine.id())),
+            events
+                .iter()
+                .any(|e| matches!(e, Event::Registered { engine: e, .. } if e == engine.id())),
             "{events:?}"
         );
-        assert!(w.handle.engine(engine.id()).is_some(), "and it is in the directory");
+        assert!(
+            w.handle.engine(engine.id()).is_some(),
+            "and it is in the directory"
+        );
     }
     let (_, stopped) = w.stop().await;
     assert!(stopped.unreleased.is_empty());

@@ -175,6 +175,8 @@ struct Run {
     marked: HashSet<EngineId>,
     released: HashMap<EngineId, Vec<Instant>>,
     watches: Vec<Watch>,
+    /// The operation applied last, for reports.
+    last_op: String,
 }
 
 fn addr(i: usize) -> PeerAddr {
@@ -321,8 +323,8 @@ impl Run {
             for agent in &e.agents {
                 if !self.ucx.is_loaded(agent) {
                     self.violation(format!(
-                        "{} is live but its agent {agent}'s metadata is gone",
-                        e.engine
+                        "{} is live at {} but its agent {agent}'s metadata is gone (after {})",
+                        e.engine, e.address, self.last_op
                     ));
                 }
             }
@@ -460,8 +462,18 @@ impl Run {
             }
             Op::Crash(i) | Op::CrashDuringRead(i) => {
                 if let Some(engine) = self.engine_at(i) {
+                    // Where it is registered may not be where it listens
+                    // (a replay registered it at the replayer's address):
+                    // a handshake open there holds its release back.
+                    let registered_at = self
+                        .engines
+                        .iter()
+                        .rev()
+                        .find(|(e, _, _)| *e.id() == engine)
+                        .map(|(_, _, a)| a.clone());
                     let idle = !self.reads.iter().any(|r| r.engine == engine)
-                        && !self.open_handshakes.contains_key(&addr(i));
+                        && !self.open_handshakes.contains_key(&addr(i))
+                        && !registered_at.is_some_and(|a| self.open_handshakes.contains_key(&a));
                     let registered = self.handle.engine(&engine).is_some();
                     if matches!(op, Op::Crash(_)) {
                         self.ucx.crash(&engine);
@@ -557,6 +569,25 @@ impl Run {
             self.violation(text);
         }
     }
+
+    /// What the service says of the late engines, for the report.
+    async fn explain(&self) {
+        let Ok(snapshot) = self.handle.snapshot().await else {
+            return;
+        };
+        let mut violations = self.ledger.violations.lock().unwrap();
+        for v in violations.iter_mut() {
+            if v.contains("not released (bound") {
+                let engine = v.split_whitespace().next().unwrap_or("").to_string();
+                if let Some(e) = snapshot.engine(&EngineId::from(engine.as_str())) {
+                    v.push_str(&format!(
+                        "; the service: {} at {} ({})",
+                        e.state, e.address, e.why
+                    ));
+                }
+            }
+        }
+    }
 }
 
 fn mode(fail: bool) -> GoneMode {
@@ -606,9 +637,11 @@ fn run(ops: Vec<Op>, seed: u64) -> Vec<String> {
             marked: HashSet::new(),
             released: HashMap::new(),
             watches: Vec::new(),
+            last_op: String::new(),
         };
-        for op in ops {
+        for (i, op) in ops.into_iter().enumerate() {
             let text = format!("{op:?}");
+            run.last_op = format!("op {i}: {text}");
             if tokio::time::timeout(Duration::from_secs(3600), run.apply(op))
                 .await
                 .is_err()
@@ -616,7 +649,11 @@ fn run(ops: Vec<Op>, seed: u64) -> Vec<String> {
                 run.violation(format!("{text} never completed"));
                 break;
             }
+            let before = ledger.violations.lock().unwrap().len();
             run.check_watches();
+            if ledger.violations.lock().unwrap().len() > before {
+                run.explain().await;
+            }
         }
         // The end: every read and handshake ends, every prefill dies.
         for read in run.reads.drain(..) {
@@ -703,6 +740,9 @@ fn soak() {
             TestRng::from_seed(RngAlgorithm::ChaCha, &bytes),
         );
         let ops = strategy.new_tree(&mut runner).unwrap().current();
+        if std::env::var("SOAK_PRINT").is_ok() {
+            println!("seed {seed}: {ops:?}");
+        }
         ops_run += ops.len() as u64;
         let violations = run(ops, seed);
         assert!(violations.is_empty(), "seed {seed}: {violations:#?}");

@@ -90,9 +90,16 @@ fn assert_healthy_kept(decode: &DecodeProc, engine: &str) {
         assert!(pair[1].0 > pair[0].0, "reads went on: {sums:?}");
     }
     let last = sums.last().unwrap();
-    assert_eq!((last.1, last.2), (0, 0), "no corrupt or failed read: {sums:?}");
+    assert_eq!(
+        (last.1, last.2),
+        (0, 0),
+        "no corrupt or failed read: {sums:?}"
+    );
     let released = decode.lines_with(&format!("event: released engine={engine}"));
-    assert!(released.is_empty(), "the healthy engine was released: {released:?}");
+    assert!(
+        released.is_empty(),
+        "the healthy engine was released: {released:?}"
+    );
     let registered = decode.lines_with(&format!("event: registered engine={engine}"));
     assert_eq!(registered.len(), 1, "registered once, never reloaded");
 }
@@ -113,7 +120,10 @@ fn a_hostile_prefill_replaying_a_healthy_reply_is_refused_and_the_healthy_one_ke
         Duration::from_secs(30),
     );
     armed.store(true, Ordering::SeqCst);
-    decode.wait("event: conflict kind=engine_elsewhere", Duration::from_secs(30));
+    decode.wait(
+        "event: conflict kind=engine_elsewhere",
+        Duration::from_secs(30),
+    );
     // Two read summaries at least (every 5 s), with the replay refused
     // again meanwhile (the reader retries it with back-off).
     decode.collect_for(Duration::from_secs(12));
@@ -189,14 +199,22 @@ fn two_prefills_started_with_one_engine_id_do_not_churn_and_the_first_keeps_read
     let second = PrefillProc::start(&spec);
     // Whichever handshakes first is kept; the other is the conflict.
     let mut decode = DecodeProc::start(
-        &["--prefill", first.addr.as_str(), "--prefill", second.addr.as_str()],
+        &[
+            "--prefill",
+            first.addr.as_str(),
+            "--prefill",
+            second.addr.as_str(),
+        ],
         ENV,
     );
     decode.wait(
         &format!("event: registered engine={id}"),
         Duration::from_secs(30),
     );
-    decode.wait("event: conflict kind=engine_elsewhere", Duration::from_secs(30));
+    decode.wait(
+        "event: conflict kind=engine_elsewhere",
+        Duration::from_secs(30),
+    );
     decode.collect_for(Duration::from_secs(11));
     assert_healthy_kept(&decode, &id);
     assert_eq!(decode.lines_with("event: conflict").len(), 1);

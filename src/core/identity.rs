@@ -120,8 +120,7 @@ impl<R> Core<R> {
     /// repeats are DEBUG lines with the running count.
     pub(super) fn conflict(&mut self, conflict: Conflict, source: &'static str) {
         telemetry::identity_conflict(conflict.kind());
-        if self.conflicts.len() >= CONFLICTS_REMEMBERED && !self.conflicts.contains_key(&conflict)
-        {
+        if self.conflicts.len() >= CONFLICTS_REMEMBERED && !self.conflicts.contains_key(&conflict) {
             self.conflicts.clear();
         }
         let seen = self.conflicts.entry(conflict.clone()).or_insert(0);
@@ -169,6 +168,7 @@ impl<R> Core<R> {
     // ----- handshakes -----
 
     pub(super) fn handshake_started(&mut self, ticket: TicketId, address: PeerAddr) {
+        self.newest_ticket = self.newest_ticket.max(ticket);
         *self.handshakes.entry(address.clone()).or_default() += 1;
         self.tickets.insert(
             ticket,
@@ -279,6 +279,14 @@ impl<R> Core<R> {
                         tracing::debug!(%engine, %address, "handshake found the engine already registered: nothing to load");
                         self.answer(request, Answer::Current(cell));
                         return Judged::Answered;
+                    }
+                    (_, registered) if ticket <= peer.registered_after => {
+                        let conflict = Conflict::StaleReply {
+                            engine,
+                            address,
+                            registered,
+                        };
+                        return self.refuse_claim(ticket, request, conflict);
                     }
                     (new, old) => {
                         tracing::info!(%engine, %address, ?old, ?new, "engine answered its handshake as a new process: its registration goes first");
@@ -595,6 +603,7 @@ impl<R> Core<R> {
                 cell.clone(),
                 address.clone(),
                 incarnation,
+                self.newest_ticket,
                 agents,
                 resources,
             ),

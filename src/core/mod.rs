@@ -212,6 +212,8 @@ pub(crate) struct Core<R> {
     waiting: Map<EngineId, VecDeque<TicketId>>,
     /// Conflicts seen, and how often: each is logged once.
     conflicts: Map<Conflict, u64>,
+    /// The newest handshake started so far.
+    newest_ticket: TicketId,
     schedule: Schedule,
     rate: RateCap,
     rng: StdRng,
@@ -247,6 +249,7 @@ impl<R> Core<R> {
             loads: Map::default(),
             waiting: Map::default(),
             conflicts: Map::default(),
+            newest_ticket: TicketId(0),
             rng,
             actions: VecDeque::new(),
             idle_message: heartbeat_message(&BTreeSet::new()).into(),

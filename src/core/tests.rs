@@ -905,6 +905,26 @@ fn a_new_incarnation_at_the_engines_own_address_is_a_restart_released_before_it_
 }
 
 #[test]
+fn a_handshake_older_than_the_registration_cannot_retire_it_with_its_stale_reply() {
+    let mut h = harness();
+    // A slow handshake starts (its reply is of an older process)...
+    let slow = h.handshake(at(1));
+    // ...meanwhile another handshake registers the current process.
+    let current = h.connect("p", at(1), 2);
+    let request = h.claim(slow, claim("p", 1));
+    assert!(matches!(
+        h.refused_conflict(request),
+        Conflict::StaleReply { .. }
+    ));
+    h.finish(slow);
+    assert_eq!(current.state(), EngineState::Live);
+    // A fresh handshake that finds another process is a restart.
+    let fresh = h.handshake(at(1));
+    h.claim(fresh, claim("p", 3));
+    assert_eq!(current.state(), EngineState::Released);
+}
+
+#[test]
 fn the_same_agents_under_another_incarnation_claimed_while_the_old_is_marked_wait_then_load() {
     let mut h = harness();
     let old = h.connect("p", at(1), 1);
