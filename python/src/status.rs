@@ -80,8 +80,15 @@ pub(crate) fn classify(py: Python<'_>, err: &PyErr) -> Classified {
 /// `check_xfer_state`'s collapsed error, the second no end at all.
 pub(crate) fn status_of(value: &Bound<'_, PyAny>) -> PyResult<NixlStatus> {
     let py = value.py();
-    if let Ok(text) = value.extract::<String>() {
-        return match text.as_str() {
+    // The hot path: a plain int, checked without raising anything.
+    if value.is_exact_instance_of::<pyo3::types::PyInt>() {
+        if let Ok(raw) = value.extract::<i32>() {
+            return Ok(NixlStatus::from_raw(raw));
+        }
+    }
+    if let Ok(text) = value.cast::<pyo3::types::PyString>() {
+        let text = text.to_cow()?;
+        return match text.as_ref() {
             "DONE" => Ok(NixlStatus::SUCCESS),
             "ERR" => Err(PyValueError::new_err(
                 "status \"ERR\" is check_xfer_state()'s collapsed error: the raw status is lost \

@@ -151,6 +151,7 @@ def test_nixl_exceptions_are_classified_by_class_and_check_xfer_states_err_is_re
 
 
 def test_a_read_reports_a_raw_status_and_refuses_a_collapsed_one(ka, agent):
+    log = EventLog(ka)
     engine = connect(ka)
     with engine.read() as r:
         with pytest.raises(ValueError, match="collapsed"):
@@ -162,7 +163,6 @@ def test_a_read_reports_a_raw_status_and_refuses_a_collapsed_one(ka, agent):
         assert r.open
         r.finish(nixlRemoteDisconnectError("from transfer()"))
         assert not r.open
-    log = EventLog(ka)
     e = log.wait("unreachable", 5, engine="e1")
     assert (e["status"], e["status_name"], e["source"]) == (-10, "NIXL_ERR_REMOTE_DISCONNECT", "transfer")
     log.wait("released", 5, engine="e1", reason="unreachable")
