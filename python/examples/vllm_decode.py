@@ -168,9 +168,17 @@ class NixlConnectorWorker:
             for rank in reply.ranks:
                 name = self.nixl_wrapper.add_remote_agent(rank.metadata)
                 name = name.decode() if isinstance(name, bytes) else name
-                loaded.append(name)
                 if name != rank.agent:
+                    # Not the agent we claimed: unload it only if the
+                    # service says the name is ours (else NIXL kept one
+                    # entry for this load and another engine's).
+                    try:
+                        h.claim_agent(name)
+                        loaded.append(name)
+                    except nixl_keepalive.IdentityConflict:
+                        pass
                     raise ValueError(f"metadata names agent {name!r}, the reply said {rank.agent!r}")
+                loaded.append(name)
             for rank in reply.ranks:
                 blocks = [(rank.base + b * reply.block_size, reply.block_size, 0) for b in range(reply.blocks)]
                 dlists.append(self.nixl_wrapper.prep_xfer_dlist(rank.agent, blocks, "DRAM"))

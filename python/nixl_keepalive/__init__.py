@@ -117,6 +117,11 @@ class AsyncHandshake:
         """See :meth:`Handshake.register`."""
         return await self._h.register_async(list(dlist_handles))
 
+    def claim_agent(self, agent: Union[str, bytes]) -> None:
+        """See :meth:`Handshake.claim_agent` (it blocks briefly, GIL
+        released)."""
+        self._h.claim_agent(agent)
+
     def finish(self) -> None:
         """Ends the handshake (leaving the ``async with`` block does)."""
         self._h.finish()

@@ -28,20 +28,24 @@ class ReadRefused(KeepaliveError):
 class RegistrationRefused(KeepaliveError):
     """The service did not take a registration; ``registration`` holds it
     whole (engine, address, agents, kept_agents, dlist_handles) to give
-    back."""
+    back. ``reason``: stopped, conflict, invalid, service_gone."""
 
     reason: str
     engine: str
+    conflict: Optional[str]
     agent: Optional[str]
     holder: Optional[str]
     registration: Optional[dict[str, Any]]
 
 class IdentityConflict(KeepaliveError):
-    """A handshake's claim conflicts with a registered engine; nothing may
-    be loaded."""
+    """A handshake's claim conflicts with a registered engine (``conflict``:
+    agent_in_use, engine_elsewhere, agents_changed, ...); nothing may be
+    loaded, the registered engine is kept."""
 
+    conflict: str
+    engine: str
     agent: Optional[str]
-    holder: str
+    holder: Optional[str]
 
 Status = Union[int, str, BaseException, type]
 
@@ -122,6 +126,10 @@ class Handshake:
         """Registers the loaded engine with its prepped remote dlist
         handles; raises :class:`RegistrationRefused`."""
     def register_async(self, dlist_handles: Sequence[Any]) -> Awaitable[Engine]: ...
+    def claim_agent(self, agent: Union[str, bytes]) -> None:
+        """Claims a name ``add_remote_agent`` returned that the reply did
+        not list, before unloading it; :class:`IdentityConflict`: leave it
+        loaded (another engine's)."""
     def finish(self) -> None: ...
 
 class Events:

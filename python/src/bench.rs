@@ -76,6 +76,7 @@ pub(crate) fn bench_service_heartbeats(
             for i in 0..engines {
                 let _ = handle
                     .register(Registration {
+                        incarnation: None,
                         engine: EngineId::from(format!("bench-rust-{i}")),
                         address: PeerAddr::from(format!("bench-rust:{i}")),
                         agents: vec![AgentName::from(format!("bench-rust-{i}-rank0"))],

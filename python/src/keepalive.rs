@@ -50,24 +50,18 @@ impl Shared {
         }
     }
 
-    /// The registration of `engine` made through this binding, when it is
-    /// this exact incarnation at this address and live.
-    pub(crate) fn registered_incarnation(
-        &self,
-        engine: &EngineId,
-        address: &str,
-        incarnation: Option<u64>,
-    ) -> Option<Engine> {
-        incarnation?;
+    /// The `Engine` for `engine`, a registration the library answered
+    /// with: what this binding knows of it when it made it, else `claimed`.
+    pub(crate) fn current(&self, engine: EngineRef, claimed: Identity) -> Engine {
         let reg = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        let (e, identity) = reg.get(engine)?;
-        (identity.incarnation == incarnation
-            && identity.address == address
-            && e.state() == EngineState::Live)
-            .then(|| Engine {
-                inner: e.clone(),
-                identity: identity.clone(),
-            })
+        let identity = match reg.get(engine.id()) {
+            Some((e, identity)) if e.same_registration(&engine) => identity.clone(),
+            _ => claimed,
+        };
+        Engine {
+            inner: engine,
+            identity,
+        }
     }
 
     fn lookup(&self, engine: &EngineId) -> Option<Engine> {

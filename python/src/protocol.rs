@@ -1,7 +1,8 @@
 //! Every use of the library's handshake protocol and of its events, in one
 //! place: when either changes, this module changes, and nothing else.
 //!
-//! The Python protocol (a claim before the load, then the resources):
+//! The Python protocol mirrors the library's (a claim before the load,
+//! then the resources):
 //!
 //! ```python
 //! with ka.handshake(address) as h:                # before the side channel
@@ -12,27 +13,21 @@
 //!         engine = h.register(dlist_handles)
 //! ```
 //!
-//! `ready_to_load` resolves once nothing of that engine id is held
-//! (an older registration is marked, drained and released first), or
-//! returns the `Engine` when this exact incarnation is already registered
-//! and live (nothing to load). It refuses identity conflicts before
-//! anything is loaded (`IdentityConflict`): an agent name held by another
-//! engine (loading it again and releasing either would invalidate the
-//! other's metadata), or the engine id live at another address.
-//!
-//! Until the library's `ready_to_load` takes the claim itself, the
-//! "already registered" answer and the two identity checks are made here,
-//! from the registrations made through this binding and from the service's
-//! snapshot; the library still refuses an agent in use at `register`.
+//! `ready_to_load` is the library's `Handshake::ready_to_load` with a
+//! `Claim`: `None` is `Ready::Load` (an older registration of the id was
+//! released first), an `Engine` is `Ready::Current` (this incarnation is
+//! registered at this address: load nothing), and a `ClaimRefused` is
+//! `IdentityConflict` (nothing may be loaded) or `ServiceStopped`.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nixl_keepalive::{
-    AgentName, EngineId, EngineState, Event, PeerAddr, ReadyToLoad, RegisterError, Registration,
+    AgentName, Claim as RustClaim, ClaimRefused, Conflict, EngineId, Event, Incarnation, PeerAddr,
+    Ready, ReadyToLoad, RegisterError, Registration,
 };
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 use tokio::sync::broadcast;
@@ -50,6 +45,20 @@ struct Claim {
     engine: EngineId,
     agents: Vec<String>,
     incarnation: Option<u64>,
+}
+
+impl Claim {
+    fn to_rust(&self) -> RustClaim {
+        RustClaim {
+            engine: self.engine.clone(),
+            incarnation: self.incarnation.map(Incarnation),
+            agents: self
+                .agents
+                .iter()
+                .map(|a| AgentName::from(a.as_str()))
+                .collect(),
+        }
+    }
 }
 
 /// Where a handshake is.
@@ -76,11 +85,7 @@ enum Outcome {
 /// Why a protocol step failed.
 enum Failure {
     Stopped,
-    Conflict {
-        message: String,
-        agent: Option<String>,
-        holder: String,
-    },
+    Claim(ClaimRefused),
     Refused(RegisterError<PyResources>),
     Misuse(String),
 }
@@ -145,61 +150,26 @@ fn take_ready(stage: &Mutex<Stage>) -> Result<(ReadyToLoad<PyResources>, Claim),
     }
 }
 
-/// The claim's checks, then the library's `ready_to_load`.
+/// The library's `ready_to_load` with the claim.
 async fn claim(
     shared: Arc<Shared>,
     handshake: nixl_keepalive::Handshake<PyResources>,
     address: String,
     claim: Claim,
 ) -> Result<Outcome, Failure> {
-    if let Some(engine) = shared.registered_incarnation(&claim.engine, &address, claim.incarnation)
-    {
-        drop(handshake);
-        return Ok(Outcome::Registered(engine));
+    match handshake.ready_to_load(claim.to_rust()).await {
+        Ok(Ready::Load(ready)) => Ok(Outcome::Load(ready, claim)),
+        Ok(Ready::Current(engine)) => Ok(Outcome::Registered(shared.current(
+            engine,
+            Identity {
+                address,
+                agents: claim.agents,
+                incarnation: claim.incarnation,
+            },
+        ))),
+        Err(ClaimRefused::Stopped(_)) => Err(Failure::Stopped),
+        Err(refused) => Err(Failure::Claim(refused)),
     }
-    let snapshot = shared
-        .handle
-        .snapshot()
-        .await
-        .map_err(|_| Failure::Stopped)?;
-    for e in &snapshot.engines {
-        if e.state == EngineState::Released {
-            continue;
-        }
-        if e.engine != claim.engine {
-            if let Some(agent) = claim
-                .agents
-                .iter()
-                .find(|a| e.agents.iter().any(|held| held.as_str() == a.as_str()))
-            {
-                return Err(Failure::Conflict {
-                    message: format!(
-                        "engine {} at {address} claims agent {agent:?}, which engine {} ({}) holds: \
-                         loading it again, then releasing either, would invalidate the other's \
-                         metadata; nothing was loaded",
-                        claim.engine, e.engine, e.address
-                    ),
-                    agent: Some(agent.clone()),
-                    holder: e.engine.as_str().to_string(),
-                });
-            }
-        } else if e.state == EngineState::Live && e.address.as_str() != address {
-            return Err(Failure::Conflict {
-                message: format!(
-                    "engine {} answered at {address} but is registered and live at {}: refused \
-                     (say the old one is gone with peer_gone first); nothing was loaded",
-                    claim.engine, e.address
-                ),
-                agent: None,
-                holder: e.engine.as_str().to_string(),
-            });
-        }
-    }
-    let ready = handshake
-        .ready_to_load(&claim.engine)
-        .await
-        .map_err(|_| Failure::Stopped)?;
-    Ok(Outcome::Load(ready, claim))
 }
 
 /// The library's `register`, with the resources.
@@ -210,17 +180,7 @@ async fn register(
     address: String,
     dlist_handles: Vec<Py<PyAny>>,
 ) -> Result<Engine, Failure> {
-    let registration = Registration {
-        engine: claim.engine.clone(),
-        address: PeerAddr::from(address.as_str()),
-        agents: claim
-            .agents
-            .iter()
-            .map(|a| AgentName::from(a.as_str()))
-            .collect(),
-        resources: PyResources { dlist_handles },
-    };
-    match ready.register(registration).await {
+    match ready.register(PyResources { dlist_handles }).await {
         Ok(engine) => Ok(shared.remember(
             engine,
             Identity {
@@ -243,12 +203,16 @@ pub(crate) async fn register_direct(
     incarnation: Option<u64>,
     dlist_handles: Vec<Py<PyAny>>,
 ) -> PyResult<Engine> {
-    let registration = Registration {
+    let claim = Claim {
         engine: EngineId::from(engine.as_str()),
-        address: PeerAddr::from(address.as_str()),
-        agents: agents.iter().map(|a| AgentName::from(a.as_str())).collect(),
-        resources: PyResources { dlist_handles },
+        agents: agents.clone(),
+        incarnation,
     };
+    let registration = Registration::new(
+        claim.to_rust(),
+        PeerAddr::from(address.as_str()),
+        PyResources { dlist_handles },
+    );
     match shared.handle.register(registration).await {
         Ok(e) => Ok(shared.remember(
             e,
@@ -269,48 +233,68 @@ fn to_pyerr(failure: Failure) -> PyErr {
             "the keepalive service has stopped: nothing was registered",
         ),
         Failure::Misuse(text) => PyRuntimeError::new_err(text),
-        Failure::Conflict {
-            message,
-            agent,
-            holder,
-        } => errors::with_attrs(
-            py,
-            errors::IdentityConflict::new_err(message),
-            &[
-                (
-                    "agent",
-                    agent
-                        .into_pyobject(py)
-                        .map(|a| a.into_any())
-                        .unwrap_or_else(|_| py.None().into_bound(py)),
-                ),
-                ("holder", PyString::new(py, &holder).into_any()),
-            ],
-        ),
+        Failure::Claim(ClaimRefused::Conflict(conflict)) => conflict_error(py, &conflict),
+        Failure::Claim(refused) => {
+            PyValueError::new_err(format!("{refused}; nothing may be loaded"))
+        }
         Failure::Refused(refused) => refused_error(py, refused),
     })
+}
+
+/// A conflict's fields: kind, engine, and the agent and holder for an
+/// agent in use.
+fn conflict_attrs<'py>(py: Python<'py>, c: &Conflict) -> Vec<(&'static str, Bound<'py, PyAny>)> {
+    let text = |s: &str| PyString::new(py, s).into_any();
+    let mut attrs = vec![
+        ("conflict", text(c.kind())),
+        ("engine", text(c.engine().as_str())),
+    ];
+    let (agent, holder) = match c {
+        Conflict::AgentInUse { agent, holder, .. } => (Some(agent.as_str()), Some(holder.as_str())),
+        _ => (None, None),
+    };
+    attrs.push((
+        "agent",
+        agent.map(text).unwrap_or_else(|| py.None().into_bound(py)),
+    ));
+    attrs.push((
+        "holder",
+        holder.map(text).unwrap_or_else(|| py.None().into_bound(py)),
+    ));
+    attrs
+}
+
+/// `IdentityConflict` for a refused claim: nothing was loaded.
+fn conflict_error(py: Python<'_>, conflict: &Conflict) -> PyErr {
+    let attrs = conflict_attrs(py, conflict);
+    errors::with_attrs(
+        py,
+        errors::IdentityConflict::new_err(format!(
+            "identity conflict: {conflict}; nothing was loaded (the registered engine is kept)"
+        )),
+        &attrs,
+    )
 }
 
 /// `RegistrationRefused`, carrying the registration whole.
 fn refused_error(py: Python<'_>, refused: RegisterError<PyResources>) -> PyErr {
     let message = refused.to_string();
     let engine = refused.engine().as_str().to_string();
-    let (reason, agent, holder) = match &refused {
-        RegisterError::Stopped(_) => ("stopped", None, None),
-        RegisterError::AgentInUse { agent, holder, .. } => (
-            "agent_in_use",
-            Some(agent.as_str().to_string()),
-            Some(holder.as_str().to_string()),
-        ),
-        RegisterError::NotThisEngine { .. } => ("not_this_engine", None, None),
-        RegisterError::ServiceGone { .. } => ("service_gone", None, None),
-        RegisterError::Invalid { .. } => ("invalid", None, None),
+    let (reason, conflict) = match &refused {
+        RegisterError::Stopped(_) => ("stopped", None),
+        RegisterError::Conflict { conflict, .. } => ("conflict", Some(conflict.clone())),
+        RegisterError::ServiceGone { .. } => ("service_gone", None),
+        RegisterError::Invalid { .. } => ("invalid", None),
+    };
+    // An agent another engine holds is not this registration's to
+    // invalidate: giving it back must leave that one alone.
+    let held = match &conflict {
+        Some(Conflict::AgentInUse { agent, .. }) => Some(agent.as_str().to_string()),
+        _ => None,
     };
     let registration = match refused.into_registration() {
         Some(r) => {
-            // An agent another engine holds is not this registration's to
-            // invalidate: giving it back must leave that one alone.
-            let keep: HashSet<&str> = agent.iter().map(String::as_str).collect();
+            let keep: HashSet<&str> = held.iter().map(String::as_str).collect();
             registration_dict(py, r, &keep).map(|d| d.into_any())
         }
         None => Ok(py.None().into_bound(py)),
@@ -319,28 +303,19 @@ fn refused_error(py: Python<'_>, refused: RegisterError<PyResources>) -> PyErr {
         Ok(r) => r,
         Err(e) => return e,
     };
-    let none = || py.None().into_bound(py);
-    errors::with_attrs(
-        py,
-        errors::RegistrationRefused::new_err(message),
-        &[
-            ("reason", PyString::new(py, reason).into_any()),
-            ("engine", PyString::new(py, &engine).into_any()),
-            (
-                "agent",
-                agent
-                    .map(|a| PyString::new(py, &a).into_any())
-                    .unwrap_or_else(none),
-            ),
-            (
-                "holder",
-                holder
-                    .map(|h| PyString::new(py, &h).into_any())
-                    .unwrap_or_else(none),
-            ),
-            ("registration", registration),
+    let mut attrs = match &conflict {
+        Some(c) => conflict_attrs(py, c),
+        None => vec![
+            ("conflict", py.None().into_bound(py)),
+            ("agent", py.None().into_bound(py)),
+            ("holder", py.None().into_bound(py)),
         ],
-    )
+    };
+    attrs.retain(|(name, _)| *name != "engine");
+    attrs.push(("reason", PyString::new(py, reason).into_any()));
+    attrs.push(("engine", PyString::new(py, &engine).into_any()));
+    attrs.push(("registration", registration));
+    errors::with_attrs(py, errors::RegistrationRefused::new_err(message), &attrs)
 }
 
 /// A registration handed back, as a dict `Keepalive.give_back` takes:
@@ -477,6 +452,59 @@ impl Handshake {
         })
     }
 
+    /// Claims one more agent name for this handshake, after
+    /// `ready_to_load` and before `register`: NIXL's `add_remote_agent`
+    /// named another agent than the prefill's reply did, and the runtime
+    /// wants to unload it. Returns once the name is this handshake's
+    /// (invalidating it harms nobody); raises `IdentityConflict` when it
+    /// belongs to another engine: then do not remove it (NIXL kept one
+    /// entry for both loads).
+    fn claim_agent(&self, py: Python<'_>, agent: Bound<'_, PyAny>) -> PyResult<()> {
+        let name = agent_names(std::slice::from_ref(&agent))?.remove(0);
+        let stage = self.stage.clone();
+        // Taken from the stage for the question, and put back.
+        let taken = {
+            let mut s = lock(&stage);
+            match std::mem::replace(&mut *s, Stage::Waiting) {
+                Stage::Ready { ready, claim } => Some((ready, claim)),
+                other => {
+                    *s = other;
+                    None
+                }
+            }
+        };
+        let out = match taken {
+            None => None,
+            Some((ready, claim)) => {
+                let back = stage.clone();
+                let asked = runtime::wait(py, async move {
+                    let answer = ready.claim_agent(AgentName::from(name.as_str())).await;
+                    (ready, answer)
+                });
+                match asked {
+                    Ok((ready, answer)) => {
+                        *lock(&back) = Stage::Ready { ready, claim };
+                        Some(answer)
+                    }
+                    Err(interrupted) => {
+                        // The question was dropped with the handshake.
+                        *lock(&back) = Stage::Done;
+                        return Err(interrupted);
+                    }
+                }
+            }
+        };
+        match out {
+            Some(Ok(())) => Ok(()),
+            Some(Err(ClaimRefused::Stopped(_))) => Err(to_pyerr(Failure::Stopped)),
+            Some(Err(refused)) => Err(to_pyerr(Failure::Claim(refused))),
+            None => Err(to_pyerr(Failure::Misuse(
+                "claim_agent refused: call it between ready_to_load (when it returned None) and register"
+                    .into(),
+            ))),
+        }
+    }
+
     /// Ends the handshake (nothing is registered if `register` was not
     /// called). Leaving the `with` block does this.
     fn finish(&self) {
@@ -545,9 +573,8 @@ fn agent_names(agents: &[Bound<'_, PyAny>]) -> PyResult<Vec<String>> {
             Ok(s) => Ok(s),
             Err(_) => {
                 let bytes: Vec<u8> = a.extract()?;
-                String::from_utf8(bytes).map_err(|_| {
-                    pyo3::exceptions::PyValueError::new_err("an agent name is not UTF-8")
-                })
+                String::from_utf8(bytes)
+                    .map_err(|_| PyValueError::new_err("an agent name is not UTF-8"))
             }
         })
         .collect()
@@ -758,6 +785,13 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             d.set_item("waited_for", w)?;
             d.set_item("failed_steps", *failed_steps)?;
             d.set_item("panicked", *panicked)?;
+        }
+        Event::Conflict { conflict } => {
+            d.set_item("kind", "conflict")?;
+            for (name, value) in conflict_attrs(py, conflict) {
+                d.set_item(name, value)?;
+            }
+            d.set_item("message", conflict.to_string())?;
         }
         Event::TransportPanicked {
             engine,

@@ -282,8 +282,20 @@ def test_an_agent_held_by_another_engine_is_refused_before_anything_is_loaded(ka
     with ka.handshake("10.0.0.2:2") as h:
         with pytest.raises(nk.IdentityConflict) as e:
             h.ready_to_load("e2", ["shared-agent"], incarnation=1)
-    assert (e.value.agent, e.value.holder) == ("shared-agent", "e1")
+    assert (e.value.conflict, e.value.agent, e.value.holder) == ("agent_in_use", "shared-agent", "e1")
     assert not agent.of("remove_remote_agent")
+
+
+def test_an_engine_id_live_at_another_address_is_refused_and_kept(ka, agent):
+    log = EventLog(ka)
+    first = connect(ka, engine="e1", address="10.0.0.1:1")
+    with ka.handshake("10.0.0.7:7") as h:
+        with pytest.raises(nk.IdentityConflict) as e:
+            h.ready_to_load("e1", ["e1-rank0"], incarnation=2)
+    assert e.value.conflict == "engine_elsewhere"
+    c = log.wait("conflict", 5, engine="e1")
+    assert c["conflict"] == "engine_elsewhere" and "10.0.0.7:7" in c["message"], c
+    assert first.is_live and not agent.of("remove_remote_agent")
 
 
 def test_a_refused_registration_comes_back_whole_and_give_back_spares_the_holders_agent(ka, agent):
@@ -291,7 +303,8 @@ def test_a_refused_registration_comes_back_whole_and_give_back_spares_the_holder
     with pytest.raises(nk.RegistrationRefused) as e:
         ka.register("e2", "10.0.0.2:2", ["own-agent", "shared-agent"], ["dl-e2"])
     refused = e.value
-    assert (refused.reason, refused.agent, refused.holder) == ("agent_in_use", "shared-agent", "e1")
+    assert (refused.reason, refused.conflict, refused.agent, refused.holder) == (
+        "conflict", "agent_in_use", "shared-agent", "e1")
     reg = refused.registration
     assert reg["dlist_handles"] == ["dl-e2"] and reg["agents"] == ["own-agent"]
     assert reg["kept_agents"] == ["shared-agent"]
