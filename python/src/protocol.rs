@@ -86,7 +86,7 @@ enum Outcome {
 enum Failure {
     Stopped,
     Claim(ClaimRefused),
-    Refused(RegisterError<PyResources>),
+    Refused(Box<RegisterError<PyResources>>),
     Misuse(String),
 }
 
@@ -189,7 +189,7 @@ async fn register(
                 incarnation: claim.incarnation,
             },
         )),
-        Err(refused) => Err(Failure::Refused(refused)),
+        Err(refused) => Err(Failure::Refused(Box::new(refused))),
     }
 }
 
@@ -222,7 +222,7 @@ pub(crate) async fn register_direct(
                 incarnation,
             },
         )),
-        Err(refused) => Err(to_pyerr(Failure::Refused(refused))),
+        Err(refused) => Err(to_pyerr(Failure::Refused(Box::new(refused)))),
     }
 }
 
@@ -237,7 +237,7 @@ fn to_pyerr(failure: Failure) -> PyErr {
         Failure::Claim(refused) => {
             PyValueError::new_err(format!("{refused}; nothing may be loaded"))
         }
-        Failure::Refused(refused) => refused_error(py, refused),
+        Failure::Refused(refused) => refused_error(py, *refused),
     })
 }
 
@@ -445,9 +445,12 @@ impl Handshake {
         );
         let stage = self.stage.clone();
         runtime::for_async();
+        // Cancelled or not, the handshake ends (the registration is with
+        // the service once sent).
+        let ended = EndOnDrop(Some(stage));
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
             let out = fut.await;
-            *lock(&stage) = Stage::Done;
+            drop(ended);
             out.map_err(to_pyerr)
         })
     }
