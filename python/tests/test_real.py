@@ -64,6 +64,44 @@ def test_a_sigkilled_prefill_is_released_within_the_bound(prefills, make_worker,
         w.read_blocks(engine.id, 0, 0)
 
 
+def test_a_transfers_raw_remote_disconnect_marks_the_engine_when_heartbeats_are_off(prefills, make_worker, nixl_api):
+    # No heartbeats: only the reads' own raw statuses can find the death
+    # (check_xfer_state would say "ERR" for every error).
+    p = prefills()
+    w = make_worker(interval="inf")
+    log = EventLog(w.keepalive)
+    engine = w.add_remote_agent(p.address)
+    read_verified(w, engine)
+    killed = None
+    statuses = {}
+    refused = 0
+
+    def reads_until_refused():
+        nonlocal killed, refused
+        if killed is None and sum(statuses.values()) >= 20:
+            killed = p.kill()
+        try:
+            w.read_blocks(engine.id, 0, 1)
+        except nk.ReadRefused:
+            refused += 1
+        except Exception as e:  # noqa: BLE001 - a NIXL call raised: reported through the read
+            statuses[type(e).__name__] = statuses.get(type(e).__name__, 0) + 1
+        for o in w.get_finished():
+            key = o.status if o.status is not None else o.result
+            statuses[key] = statuses.get(key, 0) + 1
+        return log.find("released", engine=engine.id) if refused else None
+
+    released = wait_for("released after a transfer's REMOTE_DISCONNECT", reads_until_refused, 30,
+                        seen=lambda: (statuses, log.all()))
+    e = log.find("unreachable", engine=engine.id)
+    assert (e["status"], e["source"]) == (-10, "transfer"), e
+    assert released["reason"] == "unreachable"
+    report(f"SIGKILL during reads, heartbeats off: unreachable (raw -10, source transfer) "
+           f"{(e['at'] - killed) * 1000:.0f} ms after the kill, released {(released['at'] - e['at']) * 1000:.1f} ms "
+           f"later; read outcomes by raw status: {statuses}")
+    assert_metadata_gone(w, engine.agents[0], nixl_api)
+
+
 def test_a_restart_with_a_new_id_at_the_same_port_replaces_and_releases_the_old(prefills, make_worker, nixl_api):
     # Heartbeats off: the handshake alone must find the replacement.
     w = make_worker(interval="inf")
