@@ -30,6 +30,13 @@ impl EngineRef {
         self.cell.id()
     }
 
+    /// Whether `other` is a reference to this very registration (not just
+    /// to the same engine id: a pinned id loaded again is another
+    /// registration).
+    pub fn same_registration(&self, other: &EngineRef) -> bool {
+        Arc::ptr_eq(&self.cell, &other.cell)
+    }
+
     /// The engine's state now.
     pub fn state(&self) -> EngineState {
         self.cell.state()

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::error::Conflict;
 use crate::transport::{EngineId, PeerAddr};
 use crate::NixlStatus;
 
@@ -48,6 +49,11 @@ pub enum ReleaseReason {
     Shutdown,
     /// Its reads in flight stopped completing (a hung peer).
     Stalled,
+    /// A transfer or notification to one of its own agents answered
+    /// NOT_FOUND: NIXL no longer holds its metadata (invalidated or
+    /// re-registered under it). Released and connected again, never kept
+    /// as if healthy.
+    MetadataLost,
 }
 
 impl ReleaseReason {
@@ -60,6 +66,7 @@ impl ReleaseReason {
             ReleaseReason::PeerGone => "peer_gone",
             ReleaseReason::Shutdown => "shutdown",
             ReleaseReason::Stalled => "stalled",
+            ReleaseReason::MetadataLost => "metadata_lost",
         }
     }
 }
@@ -158,6 +165,13 @@ pub enum Event {
         /// The transport panicked while releasing: what it had done is
         /// unknown, and nothing is retried (its resources were consumed).
         panicked: bool,
+    },
+    /// Two sources claimed one identity (see [`Conflict`]): the newcomer
+    /// was refused, the registered engine kept. Published once per
+    /// conflict (both sides the same); repeats are only counted.
+    Conflict {
+        /// What collided.
+        conflict: Conflict,
     },
     /// A transport call panicked. Not a disconnect: the engine is kept
     /// (a heartbeat) or counted as released (a release, see

@@ -19,9 +19,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::core::{Action, Core, Input};
+use crate::core::{Action, Answer, Core, Input, RequestId};
 use crate::engine::EngineRef;
-use crate::error::{RegisterError, ServiceStopped};
 use crate::event::Event;
 use crate::handle::{Directory, KeepaliveHandle, Msg};
 use crate::offload::Offload;
@@ -58,17 +57,15 @@ pub struct Keepalive<T: Transport> {
     /// Every transport call (heartbeat rounds, releases), off the async
     /// threads.
     offload: Offload<T>,
-    loading: std::collections::HashMap<u64, oneshot::Sender<Result<(), ServiceStopped>>>,
-    registering: std::collections::HashMap<u64, RegisterReply<T::Resources>>,
-    next_request: u64,
+    /// Questions the core has not answered yet, by request: every one is
+    /// answered or withdrawn exactly once, so nothing outlives its ticket.
+    replies: std::collections::HashMap<RequestId, oneshot::Sender<Answer<T::Resources>>>,
     /// Refused registrations whose caller stopped waiting: handed back at
     /// shutdown.
     orphans: Vec<Registration<T::Resources>>,
     startup: Startup,
     bound: Option<DetectionSummary>,
 }
-
-type RegisterReply<R> = oneshot::Sender<Result<EngineRef, RegisterError<R>>>;
 
 /// What the start-up line says.
 struct Startup {
@@ -101,9 +98,7 @@ impl<T: Transport> Keepalive<T> {
             inbox,
             events,
             directory,
-            loading: Default::default(),
-            registering: Default::default(),
-            next_request: 0,
+            replies: Default::default(),
             orphans: Vec::new(),
             startup: Startup {
                 line: "detection bound not computed (UCX settings not given: see Keepalive::with_ucx_settings)".into(),
@@ -259,32 +254,13 @@ impl<T: Transport> Keepalive<T> {
     fn on_msg(&mut self, now: Instant, msg: Msg<T::Resources>) {
         match msg {
             Msg::Input(input) => self.core.handle(now, input),
-            Msg::ReadyToLoad {
-                ticket,
-                engine,
-                done,
+            Msg::Ask {
+                request,
+                input,
+                reply,
             } => {
-                self.loading.insert(ticket, done);
-                self.core.handle(now, Input::ReadyToLoad { ticket, engine });
-            }
-            Msg::Register {
-                ticket,
-                registration,
-                cell,
-                done,
-            } => {
-                let request = self.next_request;
-                self.next_request += 1;
-                self.registering.insert(request, done);
-                self.core.handle(
-                    now,
-                    Input::Register {
-                        request,
-                        ticket,
-                        registration,
-                        cell,
-                    },
-                );
+                self.replies.insert(request, reply);
+                self.core.handle(now, input);
             }
             Msg::Snapshot(done) => {
                 let mut snapshot = self.core.snapshot(now);
@@ -301,34 +277,23 @@ impl<T: Transport> Keepalive<T> {
         while let Some(action) = self.core.poll_action() {
             match action {
                 Action::Call(call) => calls.push(call),
-                Action::Activated { request, cell } => {
+                Action::Activated { cell } => {
                     let engine = EngineRef { cell };
                     self.directory
                         .write()
                         .expect("directory poisoned")
-                        .insert(engine.id().clone(), engine.clone());
-                    if let Some(done) = self.registering.remove(&request) {
-                        // A caller that stopped waiting finds it by id.
-                        let _ = done.send(Ok(engine));
-                    }
+                        .insert(engine.id().clone(), engine);
                 }
-                Action::Refused { request, error } => {
-                    let undelivered = match self.registering.remove(&request) {
-                        Some(done) => done.send(Err(error)).err().and_then(|e| e.err()),
-                        None => Some(error),
+                Action::Answer { request, answer } => {
+                    let Some(reply) = self.replies.remove(&request) else {
+                        continue;
                     };
-                    if let Some(registration) = undelivered.and_then(|e| e.into_registration()) {
-                        self.orphans.push(registration);
-                    }
-                }
-                Action::LoadReady { ticket } => {
-                    if let Some(done) = self.loading.remove(&ticket) {
-                        let _ = done.send(Ok(()));
-                    }
-                }
-                Action::LoadRefused { ticket } => {
-                    if let Some(done) = self.loading.remove(&ticket) {
-                        let _ = done.send(Err(ServiceStopped));
+                    if let Err(Answer::Refused(error)) = reply.send(answer) {
+                        // Refused, and its caller stopped waiting: handed
+                        // back at shutdown.
+                        if let Some(registration) = error.into_registration() {
+                            self.orphans.push(registration);
+                        }
                     }
                 }
                 Action::Forget { engine, serial } => {

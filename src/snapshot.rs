@@ -4,6 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::registration::Incarnation;
 use crate::state::EngineState;
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use crate::NixlStatus;
@@ -25,6 +26,8 @@ pub struct EngineSnapshot {
     pub engine: EngineId,
     /// Side-channel address.
     pub address: PeerAddr,
+    /// The process's incarnation, when its handshake reported one.
+    pub incarnation: Option<Incarnation>,
     /// Agent names.
     pub agents: Vec<AgentName>,
     /// State.

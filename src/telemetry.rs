@@ -40,6 +40,13 @@ pub const READS_IN_FLIGHT: &str = "nixl_keepalive_reads_in_flight";
 pub const DETECTION_BOUND_CRASH: &str = "nixl_keepalive_detection_bound_crashed_seconds";
 /// The same for a silent peer (partition, freeze); +Inf when unbounded.
 pub const DETECTION_BOUND_SILENT: &str = "nixl_keepalive_detection_bound_silent_seconds";
+/// Identity conflicts refused (two sources claiming one agent name,
+/// engine id, address or incarnation), by `kind`.
+pub const IDENTITY_CONFLICTS: &str = "nixl_keepalive_identity_conflicts_total";
+
+pub(crate) fn identity_conflict(kind: &'static str) {
+    counter!(IDENTITY_CONFLICTS, "kind" => kind).increment(1);
+}
 
 pub(crate) fn heartbeats_sent(count: usize) {
     if count > 0 {

@@ -14,6 +14,9 @@ use nixl_sys::NixlStatus;
 
 macro_rules! name_type {
     ($(#[$doc:meta])* $name:ident) => {
+        name_type!($(#[$doc])* $name, |name: Arc<str>| name);
+    };
+    ($(#[$doc:meta])* $name:ident, $normalize:expr) => {
         $(#[$doc])*
         #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub struct $name(Arc<str>);
@@ -21,7 +24,7 @@ macro_rules! name_type {
         impl $name {
             /// Wraps a name.
             pub fn new(name: impl Into<Arc<str>>) -> Self {
-                Self(name.into())
+                Self(($normalize)(name.into()))
             }
 
             /// The name as text.
@@ -74,7 +77,100 @@ name_type! {
     /// A prefill engine's side-channel address, `host:port`, where it
     /// answers handshakes. A new engine id seen at a known address means the
     /// engine there was replaced.
-    PeerAddr
+    ///
+    /// Addresses are compared as written once made canonical: an IP
+    /// literal is written the one way the standard library writes it
+    /// (`127.000.0.1:05600` is `127.0.0.1:5600`, `[0:0::1]:80` is
+    /// `[::1]:80`), a host name in lower case. A name is not resolved here;
+    /// [`PeerAddr::resolve`] resolves it to the one address it names, so
+    /// that `localhost:5600` and `127.0.0.1:5600` are one peer.
+    PeerAddr,
+    canonical_address
+}
+
+/// The canonical form of a `host:port` (see [`PeerAddr`]); anything else
+/// is kept as written.
+fn canonical_address(raw: Arc<str>) -> Arc<str> {
+    let canonical = if let Ok(socket) = raw.parse::<std::net::SocketAddr>() {
+        socket.to_string()
+    } else if let Some((host, port)) = raw.rsplit_once(':') {
+        match port.parse::<u16>() {
+            Ok(port) => format!("{}:{port}", host.to_ascii_lowercase()),
+            Err(_) => return raw,
+        }
+    } else {
+        return raw;
+    };
+    if *canonical == *raw {
+        raw
+    } else {
+        canonical.into()
+    }
+}
+
+/// A `host:port` that could not be made one address.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// Not `host:port` with a port number.
+    #[error("{0:?} is not host:port (a host name or IP address, a colon, a port 0-65535)")]
+    Form(String),
+    /// The name did not resolve.
+    #[error("{address} does not resolve: {source}")]
+    Lookup {
+        /// The address as given.
+        address: String,
+        /// What the resolver said.
+        source: std::io::Error,
+    },
+    /// The name resolves to several addresses: which one the prefill
+    /// listens on is not known here, so it is refused rather than guessed.
+    #[error("{address} is ambiguous: it resolves to {} addresses ({}); name one of them", .resolved.len(), .resolved.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", "))]
+    Ambiguous {
+        /// The address as given.
+        address: String,
+        /// Every address it resolves to.
+        resolved: Vec<std::net::SocketAddr>,
+    },
+}
+
+impl PeerAddr {
+    /// Resolves a `host:port` to the one socket address it names, in its
+    /// canonical form: aliases of one prefill (`localhost:5600`,
+    /// `127.0.0.1:5600`) become one address, so the service sees one
+    /// peer. A name that resolves to several addresses is refused
+    /// ([`ResolveError::Ambiguous`]), never guessed. IP literals are not
+    /// looked up.
+    pub async fn resolve(address: &str) -> Result<PeerAddr, ResolveError> {
+        let form = || ResolveError::Form(crate::text::Escaped(address).to_string());
+        let (host, port) = address.rsplit_once(':').ok_or_else(form)?;
+        if host.is_empty() || port.parse::<u16>().is_err() {
+            return Err(form());
+        }
+        let literal = PeerAddr::new(address);
+        if literal.as_str().parse::<std::net::SocketAddr>().is_ok() {
+            return Ok(literal);
+        }
+        let mut resolved: Vec<std::net::SocketAddr> = tokio::net::lookup_host(address)
+            .await
+            .map_err(|source| ResolveError::Lookup {
+                address: address.to_string(),
+                source,
+            })?
+            .collect();
+        resolved.sort();
+        resolved.dedup();
+        match resolved.as_slice() {
+            [one] => Ok(PeerAddr::new(one.to_string())),
+            [] => Err(ResolveError::Lookup {
+                address: address.to_string(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no address"),
+            }),
+            _ => Err(ResolveError::Ambiguous {
+                address: address.to_string(),
+                resolved,
+            }),
+        }
+    }
 }
 
 /// A NIXL call that did not succeed, with the raw status it returned.

@@ -116,11 +116,10 @@ impl World {
 
     /// What the runtime does on `Joined`: handshake, load, register.
     async fn connect(&self, address: &PeerAddr) -> EngineRef {
-        let handshake = self.handle.handshake(address.clone());
-        let metadata = self.ucx.fetch_metadata(address).expect("someone listens");
-        let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
-        let hs = self.ucx.load_metadata(&metadata).expect("metadata loads");
-        ready.register(hs.into()).await.unwrap()
+        self.ucx
+            .connect(&self.handle, address)
+            .await
+            .expect("connects")
     }
 
     async fn update(&mut self) -> MembershipUpdate {

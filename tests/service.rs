@@ -54,11 +54,10 @@ fn addr(n: u16) -> PeerAddr {
 impl World {
     /// What a decoder runtime does: handshake (guarded), load, register.
     async fn connect(&self, address: &PeerAddr) -> EngineRef {
-        let handshake = self.handle.handshake(address.clone());
-        let metadata = self.ucx.fetch_metadata(address).expect("someone listens");
-        let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
-        let hs = self.ucx.load_metadata(&metadata).expect("metadata loads");
-        ready.register(hs.into()).await.unwrap()
+        self.ucx
+            .connect(&self.handle, address)
+            .await
+            .expect("connects")
     }
 
     /// Waits (in virtual time) for the first event that `pick` accepts.
@@ -375,13 +374,9 @@ async fn a_pinned_engine_id_that_restarts_is_released_before_it_is_loaded_again(
     let handle = w.handle.clone();
     let ucx = w.ucx.clone();
     let reconnect = tokio::spawn(async move {
-        let handshake = handle.handshake(addr(1));
-        let metadata = ucx.fetch_metadata(&addr(1)).unwrap();
-        let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
-        let hs = ucx
-            .load_metadata(&metadata)
-            .expect("old metadata was invalidated first");
-        ready.register(hs.into()).await.unwrap()
+        ucx.connect(&handle, &addr(1))
+            .await
+            .expect("old metadata was invalidated first")
     });
     w.run_for(Duration::from_secs(3)).await;
     assert!(!reconnect.is_finished(), "held by the read in flight");
@@ -481,7 +476,7 @@ async fn transient_errors_are_counted_and_never_release() {
     assert_eq!(status, NixlStatus::ERR_BACKEND);
     for s in [
         NixlStatus::ERR_BACKEND,
-        NixlStatus::ERR_NOT_FOUND,
+        NixlStatus::ERR_NOT_ALLOWED,
         NixlStatus::ERR_CANCELED,
         NixlStatus::ERR_INVALID_PARAM,
     ] {

@@ -363,7 +363,8 @@ impl Stage for FakeStage {
     fn truths(&self) -> Truths {
         Truths {
             reload_over_loaded: Err(NixlStatus::ERR_NOT_ALLOWED),
-            reload_identical: Err(NixlStatus::ERR_NOT_ALLOWED),
+            // The fake's default is the measured behaviour (one entry).
+            reload_identical: REAL_RELOAD_IDENTICAL,
         }
     }
 
@@ -560,7 +561,8 @@ impl Stage for RealStage {
 /// still-loaded agent name is refused, as NIXL documents.
 const REAL_RELOAD_OVER_LOADED: Result<(), NixlStatus> = Err(NixlStatus::ERR_NOT_ALLOWED);
 /// Measured with nixl-cu12 1.5.1: the identical bytes again are accepted
-/// (NIXL compares and finds nothing to update); the fake refuses them.
+/// (NIXL compares and finds nothing to update, and keeps one entry); the
+/// fake does the same.
 const REAL_RELOAD_IDENTICAL: Result<(), NixlStatus> = Ok(());
 
 // ---------------------------------------------------------------------

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::cell::EngineCell;
+use super::TicketId;
 use crate::event::ReleaseReason;
+use crate::registration::Incarnation;
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use crate::NixlStatus;
 
@@ -22,6 +24,10 @@ pub(super) struct Mark {
 pub(super) struct Peer<R> {
     pub(super) cell: Arc<EngineCell>,
     pub(super) address: PeerAddr,
+    pub(super) incarnation: Option<Incarnation>,
+    /// The newest handshake started when it was activated: a handshake no
+    /// newer than this began before the registration existed.
+    pub(super) registered_after: TicketId,
     /// Shared with every heartbeat round in flight: no copy per round.
     pub(super) agents: Arc<[AgentName]>,
     /// `None` once handed to the transport.
@@ -60,6 +66,8 @@ impl<R> Peer<R> {
         now: Instant,
         cell: Arc<EngineCell>,
         address: PeerAddr,
+        incarnation: Option<Incarnation>,
+        registered_after: TicketId,
         agents: Vec<AgentName>,
         resources: R,
     ) -> Self {
@@ -73,6 +81,8 @@ impl<R> Peer<R> {
             },
             cell,
             address,
+            incarnation,
+            registered_after,
             agents: agents.into(),
             resources: Some(resources),
             mark: None,

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use nixl_keepalive::membership::{self, MembershipUpdate, RetireWhy};
+use nixl_keepalive::membership::{self, MembershipUpdate};
 use nixl_keepalive::nixl_transport::NixlTransport;
 use nixl_keepalive::text::Escaped;
 use nixl_keepalive::ucx_settings::UcxSettings;
@@ -238,12 +238,19 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
         let reader_drain = options.read_timeout + options.handshake_timeout * 2;
         let decoder = Decoder::new(keepalive.clone(), transport.clone(), options);
         let mut readers: HashMap<PeerAddr, Reader> = HashMap::new();
-        for a in &args.prefill {
-            let address = PeerAddr::from(a.as_str());
+        let prefills = match resolve_prefills(&args.prefill).await {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        for address in prefills {
             let stop = reading.child_token();
             let task = decoder.spawn(address.clone(), stop.clone());
             readers.insert(address, Reader { stop, task, pinned: true });
         }
+        let mut members = Members::default();
         let mut updates = start_membership(&args, &keepalive, &shutdown);
         let mut summary = tokio::time::interval(Duration::from_secs(5));
         summary.tick().await;
@@ -259,7 +266,7 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
                 },
                 Some(update) = next_update(&mut updates) => {
                     print_update(&update);
-                    follow_membership(&update, &decoder, &mut readers, &reading);
+                    follow_membership(&update, &decoder, &mut readers, &mut members, &reading).await;
                 }
                 _ = summary.tick() => {
                     let s = decoder.stats();
@@ -349,20 +356,69 @@ async fn next_update(
     }
 }
 
+/// Resolves the `--prefill` addresses to the one address each names
+/// ([`PeerAddr::resolve`]), so that aliases of one prefill
+/// (`localhost:p`, `127.0.0.1:p`) and duplicates get one reader, with one
+/// warning per duplicate. A name that does not resolve, or resolves to
+/// several addresses, stops start-up with an error that says so.
+async fn resolve_prefills(args: &[String]) -> Result<Vec<PeerAddr>, String> {
+    let mut seen: Vec<(PeerAddr, &str)> = Vec::new();
+    for a in args {
+        let address = PeerAddr::resolve(a)
+            .await
+            .map_err(|e| format!("--prefill {e}"))?;
+        match seen.iter().find(|(s, _)| *s == address) {
+            Some((_, first)) => {
+                tracing::warn!(first = %Escaped(first), again = %Escaped(a), %address, "--prefill names one prefill twice: one reader");
+                println!(
+                    "warning: --prefill {} and {} are one prefill ({address}): one reader",
+                    Escaped(first),
+                    Escaped(a)
+                );
+            }
+            None => seen.push((address, a)),
+        }
+    }
+    Ok(seen.into_iter().map(|(a, _)| a).collect())
+}
+
+/// Membership records per resolved address: a reader that membership
+/// started stops only when no record names its address any more (a dead
+/// predecessor's record expiring after its successor registered at the
+/// same address must not stop the successor's reader).
+#[derive(Default)]
+struct Members {
+    /// Key -> the address its record named, resolved when it joined.
+    by_key: HashMap<String, PeerAddr>,
+}
+
+impl Members {
+    fn count_at(&self, address: &PeerAddr) -> usize {
+        self.by_key.values().filter(|a| *a == address).count()
+    }
+}
+
 /// A joined engine gets a reader (unless its address has one); a left
-/// engine's reader stops (unless `--prefill` named its address, or the
-/// engine was replaced at the same address, where the reader goes on with
-/// the new one). Its NIXL state is released by the service after
-/// `peer_gone`, not here.
-fn follow_membership(
+/// engine's reader stops when no record names its address any more
+/// (unless `--prefill` named it). Its NIXL state is released by the
+/// service (after its own arbitration), not here.
+async fn follow_membership(
     update: &MembershipUpdate,
     decoder: &Arc<Decoder>,
     readers: &mut HashMap<PeerAddr, Reader>,
+    members: &mut Members,
     reading: &CancellationToken,
 ) {
     match update {
         MembershipUpdate::Joined(member) => {
-            let address = member.peer_addr();
+            let address = match PeerAddr::resolve(&member.address).await {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(engine = %Escaped(&member.engine_id), error = %e, "membership: joined engine's address not usable: no reader");
+                    return;
+                }
+            };
+            members.by_key.insert(member_key(member), address.clone());
             if let Some(r) = readers.get(&address) {
                 if !r.task.is_finished() {
                     return;
@@ -379,11 +435,13 @@ fn follow_membership(
                 },
             );
         }
-        MembershipUpdate::Left { member, why } => {
-            if let RetireWhy::Replaced { .. } = why {
+        MembershipUpdate::Left { member, .. } => {
+            let Some(address) = members.by_key.remove(&member_key(member)) else {
+                return;
+            };
+            if members.count_at(&address) > 0 {
                 return;
             }
-            let address = member.peer_addr();
             if readers.get(&address).is_some_and(|r| !r.pinned) {
                 let r = readers.remove(&address).expect("checked");
                 r.stop.cancel();
@@ -393,17 +451,24 @@ fn follow_membership(
     }
 }
 
+/// The record's identity as membership tracks it (one key per engine id).
+fn member_key(member: &membership::Member) -> String {
+    member.engine_id.clone()
+}
+
 /// One line per membership update: `membership: <kind> key=value ...`.
 fn print_update(update: &MembershipUpdate) {
     match update {
         MembershipUpdate::Joined(m) => println!(
             "membership: joined engine={} address={} ranks={}",
-            m.engine_id, m.address, m.ranks
+            Escaped(&m.engine_id),
+            Escaped(&m.address),
+            m.ranks
         ),
         MembershipUpdate::Left { member, why } => println!(
             "membership: left engine={} address={} why={}",
-            member.engine_id,
-            member.address,
+            Escaped(&member.engine_id),
+            Escaped(&member.address),
             why.as_str()
         ),
         MembershipUpdate::BadValue {
@@ -511,6 +576,7 @@ fn print_event(event: &Event) {
         Event::Replaced { old, new, address } => println!("event: replaced old={old} new={new} address={address}"),
         Event::Retiring { engine, fail_reads } => println!("event: retiring engine={engine} fail_reads={fail_reads}"),
         Event::ReadsFailed { engine, count } => println!("event: reads_failed engine={engine} count={count}"),
+        Event::Conflict { conflict } => println!("event: conflict kind={} engine={} detail={:?}", conflict.kind(), conflict.engine(), conflict.to_string()),
         Event::TransientError { engine, status, source } => {
             println!("event: transient_error engine={engine} status={status} source={source}")
         }

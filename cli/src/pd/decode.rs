@@ -26,7 +26,8 @@ use super::pattern;
 use super::wire::{self, HandshakeReply, WireError};
 use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
 use nixl_keepalive::{
-    AgentName, EngineId, EngineRef, EngineState, PeerAddr, Registration, ServiceStopped,
+    AgentName, Claim, ClaimRefused, EngineId, EngineRef, EngineState, Incarnation, PeerAddr, Ready,
+    ServiceStopped,
 };
 use nixl_keepalive::{KeepaliveHandle, Transport};
 
@@ -58,7 +59,12 @@ pub enum HandshakeError {
         /// NIXL's error.
         source: NixlError,
     },
-    /// The metadata named another agent than the reply did.
+    /// The metadata named another agent than the reply did. What was
+    /// loaded under the reply's own (claimed) names was invalidated; the
+    /// name NIXL loaded instead was unloaded only if the service granted
+    /// it to this handshake (it may be another engine's: NIXL keeps one
+    /// entry for identical metadata, and unloading it would cut that
+    /// engine off).
     #[error("metadata for rank {rank} names agent {got}, the reply said {expected}")]
     AgentMismatch {
         /// The rank.
@@ -68,6 +74,14 @@ pub enum HandshakeError {
         /// The agent the metadata named.
         got: String,
     },
+    /// Who the prefill says it is conflicts with an engine already
+    /// registered or being loaded (the service logged it once and counted
+    /// it); nothing was loaded.
+    #[error(transparent)]
+    Conflict(nixl_keepalive::Conflict),
+    /// The reply's identity is malformed (the service refused the claim).
+    #[error("{0}")]
+    Invalid(String),
     /// Two ranks of the reply name one agent (see the protocol). Caught by
     /// the wire decoder; checked again for replies built in code.
     #[error("{engine}: ranks {first} and {second} both name agent {agent:?}; each rank must have its own agent")]
@@ -107,6 +121,8 @@ impl HandshakeError {
             HandshakeError::DuplicateAgent { .. } => "duplicate_agent",
             HandshakeError::Stopped(_) => "stopped",
             HandshakeError::Refused(_) => "refused",
+            HandshakeError::Conflict(_) => "conflict",
+            HandshakeError::Invalid(_) => "invalid",
         }
     }
 }
@@ -260,8 +276,12 @@ impl RemoteEngine {
             });
         }
         let mut loaded: Vec<String> = Vec::new();
+        // Only names the reply claimed (and the service granted to this
+        // handshake) are ours to unload: NIXL keeps one entry for identical
+        // metadata, so a name loaded "again" may be another engine's.
+        let claimed: Vec<&str> = reply.ranks.iter().map(|r| r.agent.as_str()).collect();
         let undo = |loaded: &[String]| {
-            for name in loaded {
+            for name in loaded.iter().filter(|n| claimed.contains(&n.as_str())) {
                 let _ = agent.invalidate_remote_metadata(name);
             }
         };
@@ -448,6 +468,11 @@ impl RemoteEngine {
     }
 }
 
+/// The pause before asking an address again whose prefill conflicts with
+/// an engine already registered (the same engine id elsewhere, another
+/// engine's agent names).
+const CONFLICT_PAUSE: Duration = Duration::from_secs(10);
+
 /// How a [`Decoder`] reads.
 #[derive(Clone, Debug)]
 pub struct DecodeOptions {
@@ -507,6 +532,20 @@ pub struct ReadStats {
     pub handshakes: AtomicU64,
 }
 
+/// The claim a handshake reply makes: who the prefill says it is, before
+/// anything of it is loaded.
+pub fn claim_of(reply: &HandshakeReply) -> Claim {
+    Claim {
+        engine: EngineId::new(reply.engine.as_str()),
+        incarnation: Some(Incarnation(reply.incarnation)),
+        agents: reply
+            .ranks
+            .iter()
+            .map(|r| AgentName::new(r.agent.as_str()))
+            .collect(),
+    }
+}
+
 /// What a handshake found.
 pub enum Handshake {
     /// A new engine (or a new incarnation of one) was loaded and registered.
@@ -533,6 +572,8 @@ pub struct Decoder {
     /// Request ids are `<decode agent>-<n>`: unique per request, and per
     /// decoder across decoders (agent names are unique).
     next_request: AtomicU64,
+    /// Registrations this decoder loaded, until released.
+    loaded: Mutex<Vec<Connected>>,
 }
 
 impl Decoder {
@@ -548,6 +589,7 @@ impl Decoder {
             options,
             stats: Arc::default(),
             next_request: AtomicU64::new(0),
+            loaded: Mutex::default(),
         })
     }
 
@@ -592,42 +634,77 @@ impl Decoder {
         result
     }
 
-    /// The handshake and registration calls themselves (see `connect`).
+    /// The handshake and registration calls themselves (see `connect`):
+    /// the library's protocol, step by step.
     async fn handshake(
         &self,
         address: &PeerAddr,
         current: Option<&Connected>,
     ) -> Result<Handshake, HandshakeError> {
-        // The library's reconnect protocol: whatever registration of the
-        // engine id we find is released first, whatever its state.
         let handshake = self.handle.handshake(address.clone());
         let reply = fetch(address, self.options.handshake_timeout).await?;
-        if let Some(c) = current {
-            if c.remote.engine.as_str() == reply.engine
-                && c.remote.incarnation == reply.incarnation
-                && c.engine.state() == EngineState::Live
-            {
-                return Ok(Handshake::Unchanged);
+        let ready = match handshake.ready_to_load(claim_of(&reply)).await {
+            Ok(Ready::Load(ready)) => ready,
+            Ok(Ready::Current(engine)) => {
+                // This process is registered already: nothing to load.
+                if let Some(c) = current.filter(|c| c.engine.same_registration(&engine)) {
+                    let _ = c;
+                    return Ok(Handshake::Unchanged);
+                }
+                return match self.loaded(&engine) {
+                    Some(connected) => Ok(Handshake::New(connected)),
+                    None => Err(HandshakeError::Invalid(format!(
+                        "engine {} is registered by another runtime of this agent",
+                        engine.id()
+                    ))),
+                };
             }
-        }
-        let id = EngineId::new(reply.engine.as_str());
-        let ready = handshake.ready_to_load(&id).await?;
+            Err(ClaimRefused::Conflict(conflict)) => {
+                return Err(HandshakeError::Conflict(conflict))
+            }
+            Err(ClaimRefused::Invalid { reason, .. }) => {
+                return Err(HandshakeError::Invalid(reason))
+            }
+            Err(ClaimRefused::Stopped(stopped)) => return Err(HandshakeError::Stopped(stopped)),
+        };
         let agent = self.transport.agent().clone();
         let addr = address.clone();
         let slots = self.options.reads_in_flight.max(1);
-        let remote =
+        let loaded =
             tokio::task::spawn_blocking(move || RemoteEngine::load(&agent, addr, &reply, slots))
                 .await
-                .expect("load does not panic")?;
-        let registered = ready
-            .register(Registration {
-                engine: remote.engine.clone(),
-                address: address.clone(),
-                agents: remote.agents.clone(),
-                resources: remote.dlists.clone(),
-            })
-            .await;
-        let engine = match registered {
+                .expect("load does not panic");
+        let remote = match loaded {
+            Ok(remote) => remote,
+            Err(HandshakeError::AgentMismatch {
+                rank,
+                expected,
+                got,
+            }) => {
+                // NIXL loaded a name the reply did not claim. Unload it only
+                // if it is nobody else's (granted to this handshake now).
+                let stray = AgentName::new(got.as_str());
+                match ready.claim_agent(stray.clone()).await {
+                    Ok(()) => {
+                        let agent = self.transport.agent().clone();
+                        let _ = tokio::task::spawn_blocking(move || {
+                            agent.invalidate_remote_metadata(stray.as_str())
+                        })
+                        .await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(%address, agent = %stray, error = %e, "the reply's metadata named another engine's agent: left loaded for its owner");
+                    }
+                }
+                return Err(HandshakeError::AgentMismatch {
+                    rank,
+                    expected,
+                    got,
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        let engine = match ready.register(remote.dlists.clone()).await {
             Ok(engine) => engine,
             Err(refused) => {
                 let text = refused.to_string();
@@ -644,10 +721,30 @@ impl Decoder {
         };
         self.stats.handshakes.fetch_add(1, Ordering::Relaxed);
         tracing::info!(engine = %remote.engine, %address, ranks = remote.agents.len(), "engine loaded and registered");
-        Ok(Handshake::New(Connected {
+        let connected = Connected {
             engine,
             remote: Arc::new(remote),
-        }))
+        };
+        self.remember(&connected);
+        Ok(Handshake::New(connected))
+    }
+
+    /// Keeps what reads from a registration need, for any reader that
+    /// finds the engine registered already (two readers of one prefill).
+    fn remember(&self, connected: &Connected) {
+        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        loaded.retain(|c| c.engine.state() != EngineState::Released);
+        loaded.push(connected.clone());
+    }
+
+    /// What this decoder loaded for `engine`'s registration, if anything.
+    fn loaded(&self, engine: &EngineRef) -> Option<Connected> {
+        self.loaded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|c| c.engine.same_registration(engine))
+            .cloned()
     }
 
     /// One request: a read of `block` of `rank`, as vLLM's decode does it.
@@ -763,8 +860,14 @@ impl Decoder {
                         }
                     }
                     Err(e) => {
-                        let after = retry.failed(tokio::time::Instant::now());
-                        if let Some(not_logged) = after.warn {
+                        let mut after = retry.failed(tokio::time::Instant::now());
+                        if let HandshakeError::Conflict(conflict) = &e {
+                            // The service logged the conflict once, with
+                            // both sides; a collision of identities does
+                            // not heal in milliseconds: back off further.
+                            after.pause = after.pause.max(CONFLICT_PAUSE);
+                            tracing::debug!(%address, %conflict, next_try_in = ?after.pause, "handshake refused: identity conflict");
+                        } else if let Some(not_logged) = after.warn {
                             tracing::warn!(
                                 %address,
                                 error = %e,

@@ -114,6 +114,7 @@ pub(super) struct EventCounts {
     pub(super) reads_failed: u64,
     pub(super) stalled: u64,
     pub(super) transient_errors: u64,
+    pub(super) conflicts: u64,
     pub(super) released: u64,
     pub(super) released_by_reason: BTreeMap<&'static str, u64>,
     /// Events the listener missed (it fell behind the event capacity).
@@ -132,6 +133,7 @@ impl EventCounts {
             Event::TransientError { .. } | Event::TransportPanicked { .. } => {
                 self.transient_errors += 1
             }
+            Event::Conflict { .. } => self.conflicts += 1,
             Event::Released { reason, .. } => {
                 self.released += 1;
                 *self.released_by_reason.entry(reason.as_str()).or_default() += 1;
@@ -289,6 +291,9 @@ impl Timeline {
             }
             Event::ReadsFailed { engine, count } => {
                 format!("{count} read(s) from {engine} failed by the service")
+            }
+            Event::Conflict { conflict } => {
+                format!("identity conflict refused ({}): {conflict}", conflict.kind())
             }
             Event::TransientError {
                 engine,
