@@ -975,9 +975,8 @@ impl DecodeProc {
         }
     }
 
-    /// Waits until each of `engines` is registered with the service and
-    /// has had a verified read... at least one more verified read overall
-    /// after that, so reads go on.
+    /// Waits until each of `engines` is registered with the service, then
+    /// for as many more verified reads as there are engines (reads go on).
     fn wait_registered(&mut self, engines: &BTreeSet<String>) {
         for e in engines {
             self.wait_nth(1, &["event: registered", e], PATIENCE);
