@@ -97,9 +97,19 @@ impl World {
 
     fn register(&self, engine: &EngineId, address: &PeerAddr, ranks: usize) -> LeaseId {
         let lease = self.store.grant_lease(TTL).expect("store up");
-        let member = Member::new(engine.as_str(), address.as_str(), ranks as u16);
+        let member = self.record(engine, address, ranks as u16);
         assert!(self.store.put_member(&key(engine), &member, Some(lease)));
         lease
+    }
+
+    /// The record a prefill writes: its engine id, address, ranks and the
+    /// incarnation its handshake reports.
+    fn record(&self, engine: &EngineId, address: &PeerAddr, ranks: u16) -> Member {
+        let member = Member::new(engine.as_str(), address.as_str(), ranks);
+        match self.ucx.fetch_metadata(address) {
+            Ok(m) => member.with_incarnation(m.incarnation().0),
+            Err(_) => member,
+        }
     }
 
     /// A prefill that starts and registers itself without a lease.
@@ -110,7 +120,7 @@ impl World {
     }
 
     fn register_plain(&self, engine: &EngineId, address: &PeerAddr) {
-        let member = Member::new(engine.as_str(), address.as_str(), 1);
+        let member = self.record(engine, address, 1);
         assert!(self.store.put_member(&key(engine), &member, None));
     }
 
@@ -387,7 +397,7 @@ async fn a_compaction_relists_and_no_removal_is_lost() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_new_engine_id_at_the_same_address_retires_the_old_engine() {
+async fn a_new_engine_id_at_the_same_address_is_only_announced_and_the_handshake_there_replaces() {
     let mut w = world(GoneMode::Drain);
     let (p1, _) = w.start_leased_prefill(&addr(1), 1);
     let (_, e1) = w.joined().await;
@@ -396,23 +406,25 @@ async fn a_new_engine_id_at_the_same_address_retires_the_old_engine() {
     let l2 = w.register(&p2, &addr(1), 1);
     let alive = CancellationToken::new();
     w.keep_alive(l2, alive.clone());
-    match w.update().await {
-        MembershipUpdate::Left { member, why } => {
+    // The new key is announced; the old engine is not retired by it (a
+    // record naming another id at an address is no evidence: a hostile or
+    // stale record must not release a healthy engine).
+    let (m2, e2) = w.joined().await;
+    assert_eq!(m2.engine(), p2);
+    // The runtime's handshake at the address found p2: that replaced p1.
+    assert_eq!(w.released(&p1).await, ReleaseReason::Replaced);
+    assert_eq!(e1.state(), EngineState::Released);
+    // The old key's lease then expires: its record is gone, p1 is no
+    // longer registered: nothing more is released.
+    match tokio::time::timeout(TTL * 3, w.update()).await {
+        Ok(MembershipUpdate::Left { member, why }) => {
             assert_eq!(member.engine(), p1);
-            assert_eq!(why, RetireWhy::Replaced { by: p2.clone() });
+            assert_eq!(why, RetireWhy::Deleted);
         }
         other => panic!("{other:?}"),
     }
-    let (m2, e2) = w.joined().await;
-    assert_eq!(m2.engine(), p2);
-    assert_eq!(w.released(&p1).await, ReleaseReason::PeerGone);
-    assert_eq!(e1.state(), EngineState::Released);
-    assert!(matches!(w.update().await, MembershipUpdate::Released { engine, .. } if engine == p1));
-    // The old key's lease then expires: nothing more happens.
     tokio::time::sleep(TTL * 3).await;
     assert!(w.releases_so_far().is_empty());
-    let more = w.updates.try_recv();
-    assert!(more.is_err(), "{more:?}");
     assert_eq!(e2.state(), EngineState::Live);
     alive.cancel();
     w.stop().await.assert_nothing_leaked();
@@ -543,14 +555,20 @@ fn a_list_announces_only_what_is_new_and_retires_only_what_is_missing() {
             .collect(),
     };
     let a = r.apply(listed(vec![("k1", "e1", "h:1"), ("k3", "e3", "h:2")]));
-    assert_eq!(a.len(), 2, "{a:?}");
-    assert!(a.contains(&Action::Retire {
-        member: Member::new("e2", "h:2", 1),
-        why: RetireWhy::Replaced {
-            by: EngineId::from("e3")
-        }
-    }));
-    assert!(a.contains(&Action::Announce(Member::new("e3", "h:2", 1))));
+    // k2 is gone from the list: its record is retired (the service judges
+    // it against e2's registration); k3 is new: announced. A new engine id
+    // at e2's address is not itself a retirement: only a handshake there
+    // replaces an engine.
+    assert_eq!(
+        a,
+        vec![
+            Action::Retire {
+                member: Member::new("e2", "h:2", 1),
+                why: RetireWhy::MissingFromList,
+            },
+            Action::Announce(Member::new("e3", "h:2", 1)),
+        ]
+    );
     assert_eq!(r.revision(), 10);
     // The same list again: nothing.
     assert!(r
@@ -615,7 +633,7 @@ impl World {
         stop: CancellationToken,
     ) -> JoinHandle<()> {
         let store = self.store.clone();
-        let member = Member::new(engine.as_str(), address.as_str(), 1);
+        let member = self.record(engine, address, 1);
         let key = key(engine);
         tokio::spawn(async move {
             loop {
@@ -974,11 +992,21 @@ fn a_revision_that_went_back_is_a_store_reset_and_a_key_written_again_is_no_long
     );
     assert_eq!(r.revision(), 1, "resumes from the new store's revision");
     // k1 registers again with the same record: nothing to do; k2 comes
-    // back at another address: announced again.
+    // back at another address: its old record is gone (the service
+    // retires e2's registration only if it is the one at h:2), the new one
+    // announced.
     assert!(r.apply(put("k1", "e1", "h:1", 2)).is_empty());
     assert_eq!(
         r.apply(put("k2", "e2", "h:9", 3)),
-        vec![Action::Announce(Member::new("e2", "h:9", 1))]
+        vec![
+            Action::Retire {
+                member: Member::new("e2", "h:2", 1),
+                why: RetireWhy::Replaced {
+                    by: EngineId::from("e2")
+                },
+            },
+            Action::Announce(Member::new("e2", "h:9", 1))
+        ]
     );
     assert_eq!(
         r.end_reset_grace(),
@@ -1112,4 +1140,95 @@ fn record_bounds_are_exact() {
     assert_eq!(reason("k", &record("e", "h:1", 65)), Some("ranks"));
     assert_eq!(reason("k", &record("e", "h:1", 0)), Some("ranks"));
     assert_eq!(reason("k", &record("e", "h:1", 70000)), Some("json"));
+}
+
+// ----- conflicting records never release a healthy engine (issue 14) -----
+
+fn conflicts_in(events: &mut broadcast::Receiver<Event>) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    while let Ok(e) = events.try_recv() {
+        if let Event::Conflict { conflict } = e {
+            out.push(conflict.kind());
+        }
+    }
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_record_naming_a_new_engine_id_at_a_healthy_prefills_address_releases_nothing() {
+    let mut w = world(GoneMode::Drain);
+    let (p, _lease) = w.start_leased_prefill(&addr(1), 1);
+    let (_, healthy) = w.joined().await;
+    let forged = Member::new("forged", addr(1).as_str(), 1);
+    assert!(w
+        .store
+        .put_member("/nixl-keepalive/prefill/forged", &forged, None));
+    // Announced; the runtime handshakes there and finds the healthy engine.
+    let (m, found) = w.joined().await;
+    assert_eq!(m.engine_id, "forged");
+    assert!(
+        found.same_registration(&healthy),
+        "the engine there is the one registered"
+    );
+    // The forged record goes away: it was never the registration's.
+    assert!(w.store.delete("/nixl-keepalive/prefill/forged"));
+    tokio::time::sleep(TTL).await;
+    assert!(w.releases_so_far().is_empty());
+    assert_eq!(healthy.state(), EngineState::Live);
+    let _ = p;
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_record_of_a_healthy_engine_id_at_another_address_neither_retires_nor_shields_it() {
+    let mut w = world(GoneMode::Drain);
+    let (p, _lease) = w.start_leased_prefill(&addr(1), 1);
+    let (_, healthy) = w.joined().await;
+    // Another key names p at another address.
+    let hostile_key = "/nixl-keepalive/prefill/hostile";
+    assert!(w.store.put_member(
+        hostile_key,
+        &Member::new(p.as_str(), addr(9).as_str(), 1),
+        None
+    ));
+    let _ = w.update().await; // announced (a handshake at addr 9 finds nobody)
+    let _ = w.releases_so_far();
+    assert!(w.store.delete(hostile_key));
+    tokio::time::sleep(TTL).await;
+    assert_eq!(
+        healthy.state(),
+        EngineState::Live,
+        "its record's removal is a conflict"
+    );
+    assert_eq!(conflicts_in(&mut w.events), vec!["record_address"]);
+    // Its own record's removal still retires it: not shielded.
+    assert!(w.store.delete(&key(&p)));
+    assert_eq!(w.released(&p).await, ReleaseReason::PeerGone);
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dead_predecessors_record_expiring_late_never_retires_its_successor() {
+    let mut w = world(GoneMode::Drain);
+    let pinned = EngineId::from("pinned");
+    w.ucx.spawn_prefill_with_id(addr(1), pinned.clone(), 1);
+    let old = w.record(&pinned, &addr(1), 1);
+    // The predecessor's record lingers under a key of its own (say, a
+    // prefix its old version used); the successor registers.
+    let stale_key = "/nixl-keepalive/prefill/old-pinned";
+    assert!(w.store.put_member(stale_key, &old, None));
+    let _ = w.joined().await;
+    w.ucx.restart_with_same_id(&addr(1));
+    let _lease = w.register(&pinned, &addr(1), 1);
+    let (_, successor) = w.joined().await;
+    assert_eq!(successor.state(), EngineState::Live);
+    let _ = w.releases_so_far();
+    let _ = conflicts_in(&mut w.events);
+    // The predecessor's record finally goes.
+    assert!(w.store.delete(stale_key));
+    tokio::time::sleep(TTL).await;
+    assert_eq!(successor.state(), EngineState::Live);
+    assert_eq!(conflicts_in(&mut w.events), vec!["record_incarnation"]);
+    assert!(w.releases_so_far().is_empty());
+    w.stop().await.assert_nothing_leaked();
 }

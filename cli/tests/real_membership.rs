@@ -175,7 +175,11 @@ impl DecodeProc {
     fn wait_verified(&self, n: u64) -> Instant {
         let deadline = Instant::now() + PATIENCE;
         while self.verified_reads() < n {
-            assert!(Instant::now() < deadline, "fewer than {n} verified reads");
+            assert!(
+                Instant::now() < deadline,
+                "fewer than {n} verified reads; stdout: {:#?}",
+                self.lines.lock().unwrap()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         Instant::now()
@@ -760,20 +764,21 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
             matches!(&put, SourceEvent::Put { revision, .. } if *revision > list_rev),
             "{put:?}"
         );
+        // Only announced: a record naming a new id at an address is no
+        // evidence about the engine there (the runtime's handshake at the
+        // address is).
         let actions = reconciler.apply(put);
-        assert_eq!(
-            actions,
-            vec![
-                Action::Retire {
-                    member: m1.clone(),
-                    why: RetireWhy::Replaced { by: m2.engine() }
-                },
-                Action::Announce(m2.clone())
-            ]
-        );
-        // The old key goes later: nothing more to do.
+        assert_eq!(actions, vec![Action::Announce(m2.clone())]);
+        // The old key goes later: its record is retired (the service
+        // judges it against e1's registration, if any).
         client.delete(format!("{prefix}e1"), None).await.unwrap();
-        assert!(reconciler.apply(next(&mut source).await).is_empty());
+        assert_eq!(
+            reconciler.apply(next(&mut source).await),
+            vec![Action::Retire {
+                member: m1.clone(),
+                why: RetireWhy::Deleted
+            }]
+        );
 
         // Under a 1 s lease that nobody keeps alive: etcd deletes it.
         let lease = client.lease_grant(1, None).await.unwrap().id();
@@ -1548,6 +1553,87 @@ fn hostile_records_change_nothing_print_escaped_and_are_reported_at_a_bounded_ra
         hostile.len(),
         ms(counted_at - flood_at),
         ms(counted_at - written_at)
+    ));
+    d.stop();
+}
+
+/// Records that disagree with a healthy prefill's registration (issue 14):
+/// a new engine id at its address, its engine id at another address, a
+/// record of another incarnation (a dead predecessor's) at its address.
+/// Each is announced, judged against the registration, and when it goes
+/// away it is a conflict, counted and logged once: the healthy prefill is
+/// never released and is read the whole time.
+#[test]
+fn conflicting_records_never_release_a_healthy_prefill() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let p = prefill_with_etcd(&etcd);
+    prefill_line(&p, "ETCD registered");
+    let members = BTreeSet::from([p.engine.clone()]);
+    let mut d = DecodeProc::on_etcd(&etcd, &[], &[]);
+    d.wait_registered(&members);
+    let record = |id: &str, address: &str, incarnation: Option<u64>| {
+        let mut v = serde_json::json!({"engine_id": id, "address": address, "ranks": 1});
+        if let Some(i) = incarnation {
+            v["incarnation"] = serde_json::json!(i);
+        }
+        v.to_string()
+    };
+    let nobody = format!("127.0.0.1:{}", common::etcd::free_port());
+    let conflicting: Vec<(String, String)> = vec![
+        // A new engine id at the healthy prefill's address.
+        (
+            key_of("forged-id"),
+            record("forged-id", p.addr.as_str(), None),
+        ),
+        // The healthy engine id at another address.
+        (key_of("elsewhere"), record(&p.engine, &nobody, None)),
+        // The healthy engine id at its address, another incarnation.
+        (
+            key_of("predecessor"),
+            record(&p.engine, p.addr.as_str(), Some(7)),
+        ),
+    ];
+    let before = d.verified_reads();
+    with_etcd(&etcd, async |c| {
+        for (k, v) in &conflicting {
+            c.put(k.as_str(), v.as_str(), None).await.expect("put");
+        }
+    });
+    d.wait_until("every record announced", PATIENCE, |d| {
+        d.lines_of("membership: joined ", &[]).len() >= 1 + conflicting.len()
+    });
+    // Reads go on while they are listed (handshakes at the healthy
+    // address find the registered engine: nothing reloaded).
+    d.wait_verified(before + 20);
+    with_etcd(&etcd, async |c| {
+        for (k, _) in &conflicting {
+            c.delete(k.as_str(), None).await.expect("delete");
+        }
+    });
+    d.wait_until("the removals judged as conflicts", PATIENCE, |d| {
+        d.metric("nixl_keepalive_identity_conflicts_total{kind=\"record_address\"}") >= 1.0
+            && d.metric("nixl_keepalive_identity_conflicts_total{kind=\"record_incarnation\"}")
+                >= 1.0
+    });
+    let after = d.verified_reads();
+    d.wait_verified(after + 20);
+    assert!(d.released().is_empty(), "released: {:?}", d.released());
+    assert_eq!(d.engine_state(&p.engine).as_deref(), Some("live"));
+    assert_eq!(
+        d.lines_of("event: registered ", &[&p.engine]).len(),
+        1,
+        "registered once, never reloaded"
+    );
+    let conflicts = d.lines_of("event: conflict ", &[]).len();
+    assert_eq!(conflicts, 2, "one event per conflict");
+    report(&format!(
+        "{} conflicting records written and deleted next to a healthy prefill: {conflicts} conflicts refused, nothing released, reads {before} -> {}",
+        conflicting.len(),
+        d.verified_reads()
     ));
     d.stop();
 }

@@ -94,7 +94,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::text::{check_name, Escaped, NameError};
-use crate::{EngineId, Event, GoneMode, KeepaliveHandle, PeerAddr, PeerRef, ReleaseReason};
+use crate::{
+    Departure, EngineId, Event, GoneMode, Incarnation, KeepaliveHandle, PeerAddr, ReleaseReason,
+};
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
@@ -127,6 +129,12 @@ pub struct Member {
     pub address: String,
     /// Its ranks (NIXL agents).
     pub ranks: u16,
+    /// The incarnation of the process that wrote the record (the one its
+    /// handshake reports), when the prefill knows it: a record of a dead
+    /// predecessor is then told apart from its successor's. Optional, for
+    /// prefills that do not report one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incarnation: Option<u64>,
 }
 
 /// A record (key and value) that does not follow the schema. Every text
@@ -183,7 +191,37 @@ impl Member {
             engine_id: engine_id.into(),
             address: address.into(),
             ranks,
+            incarnation: None,
         }
+    }
+
+    /// The same member, naming the incarnation of its process.
+    pub fn with_incarnation(mut self, incarnation: u64) -> Self {
+        self.incarnation = Some(incarnation);
+        self
+    }
+
+    /// What the record says of its engine, for the service to judge
+    /// against the engine's registration when the record goes away
+    /// ([`KeepaliveHandle::member_gone`]); `address` is the record's
+    /// address as resolved when it was announced.
+    pub fn departure(&self, address: PeerAddr) -> Departure {
+        Departure {
+            engine: self.engine(),
+            incarnation: self.incarnation.map(Incarnation),
+            address,
+        }
+    }
+
+    /// Whether `other` can be a record of the same process at the same
+    /// address: the same engine id and address, and the same incarnation
+    /// where both name one.
+    fn same_process(&self, other: &Member) -> bool {
+        self.engine_id == other.engine_id
+            && self.address == other.address
+            && (self.incarnation.is_none()
+                || other.incarnation.is_none()
+                || self.incarnation == other.incarnation)
     }
 
     /// Parses and checks a key's value: its size first, then its JSON,
@@ -398,6 +436,10 @@ pub enum Action {
 #[derive(Debug, Default)]
 pub struct Reconciler {
     members: BTreeMap<String, Member>,
+    /// How many keys hold each record identity (engine id, incarnation,
+    /// address): a record that goes away while another key still says the
+    /// same retires nothing.
+    identities: HashMap<(String, Option<u64>, String), usize>,
     revision: i64,
     /// The store's cluster id, from the last list.
     cluster_id: Option<u64>,
@@ -458,18 +500,10 @@ impl Reconciler {
     /// The reset's grace period is over: every member still awaited is
     /// retired, unless its engine is listed under another key now.
     pub fn end_reset_grace(&mut self) -> Vec<Action> {
-        let engines_now: HashSet<&str> = self
-            .members
-            .values()
-            .map(|m| m.engine_id.as_str())
-            .collect();
-        std::mem::take(&mut self.awaited)
+        let awaited = std::mem::take(&mut self.awaited);
+        awaited
             .into_values()
-            .filter(|m| !engines_now.contains(m.engine_id.as_str()))
-            .map(|member| Action::Retire {
-                member,
-                why: RetireWhy::MissingAfterReset,
-            })
+            .filter_map(|member| self.retire(member, RetireWhy::MissingAfterReset))
             .collect()
     }
 
@@ -506,7 +540,7 @@ impl Reconciler {
                 .cloned()
                 .collect();
             for key in lacking {
-                let member = self.members.remove(&key).expect("listed above");
+                let member = self.remove_member(&key).expect("listed above");
                 self.awaited.insert(key, member);
             }
             actions.push(Action::StoreReset {
@@ -523,15 +557,56 @@ impl Reconciler {
     /// before the reset (the same record announces nothing).
     fn recall_awaited(&mut self, key: &str) {
         if let Some(member) = self.awaited.remove(key) {
-            self.members.insert(key.to_string(), member);
+            self.insert_member(key.to_string(), member);
         }
     }
 
-    // Membership rules.
+    // The members and their identity index.
 
-    fn engine_elsewhere(&self, engine: &str) -> bool {
-        self.members.values().any(|m| m.engine_id == engine)
+    fn insert_member(&mut self, key: String, member: Member) -> Option<Member> {
+        *self.identities.entry(identity_key(&member)).or_default() += 1;
+        let old = self.members.insert(key, member);
+        if let Some(old) = &old {
+            self.forget_identity(old);
+        }
+        old
     }
+
+    fn remove_member(&mut self, key: &str) -> Option<Member> {
+        let old = self.members.remove(key)?;
+        self.forget_identity(&old);
+        Some(old)
+    }
+
+    fn forget_identity(&mut self, member: &Member) {
+        let k = identity_key(member);
+        if let Some(n) = self.identities.get_mut(&k) {
+            *n -= 1;
+            if *n == 0 {
+                self.identities.remove(&k);
+            }
+        }
+    }
+
+    /// Whether some key still holds a record of this very process at this
+    /// address: then a record of it going away under another key is no
+    /// evidence that it left.
+    fn still_listed(&self, member: &Member) -> bool {
+        self.identities.contains_key(&identity_key(member))
+    }
+
+    /// A retirement of `member`'s record, unless another key still lists
+    /// the same process at the same address. The service judges it
+    /// against the registration ([`KeepaliveHandle::member_gone`]): only a
+    /// record that is the registration's own retires the engine.
+    fn retire(&self, member: Member, why: RetireWhy) -> Option<Action> {
+        (!self.still_listed(&member)).then_some(Action::Retire { member, why })
+    }
+
+    // Membership rules. The membership plane announces and retires
+    // records; it never decides who is at an address: a record naming a
+    // new engine id at an address is only announced (the runtime's
+    // handshake there is what replaces an engine).
 
     /// A write.
     fn put(&mut self, key: String, value: &[u8]) -> Vec<Action> {
@@ -539,46 +614,24 @@ impl Reconciler {
             Ok(m) => m,
             Err(error) => return vec![Action::BadValue { key, error }],
         };
+        let old = self.insert_member(key, member.clone());
         let mut actions = Vec::new();
-        // Another key at the same address with another engine id: the
-        // engine there was replaced (a restart under a fresh id registers
-        // a fresh key before its old lease expires).
-        let displaced: Vec<String> = self
-            .members
-            .iter()
-            .filter(|(k, m)| {
-                **k != key && m.address == member.address && m.engine_id != member.engine_id
-            })
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in displaced {
-            let old = self.members.remove(&k).expect("listed above");
-            if !self.engine_elsewhere(&old.engine_id) {
-                actions.push(Action::Retire {
-                    member: old,
-                    why: RetireWhy::Replaced {
-                        by: member.engine(),
-                    },
-                });
-            }
-        }
-        let old = self.members.insert(key, member.clone());
         match old {
             Some(old) if old == member => {}
-            Some(old) if old.engine_id == member.engine_id => {
-                // Same engine, new address or ranks: announce it again so
-                // the runtime handshakes where it is now.
+            Some(old) if old.same_process(&member) => {
+                // Same process, new ranks: announce it again.
                 actions.push(Action::Announce(member));
             }
             Some(old) => {
-                if !self.engine_elsewhere(&old.engine_id) {
-                    actions.push(Action::Retire {
-                        member: old,
-                        why: RetireWhy::Replaced {
-                            by: member.engine(),
-                        },
-                    });
-                }
+                // The key names another process (a restart under a pinned
+                // id writes its key again) or moved: the old record is
+                // gone.
+                actions.extend(self.retire(
+                    old,
+                    RetireWhy::Replaced {
+                        by: member.engine(),
+                    },
+                ));
                 actions.push(Action::Announce(member));
             }
             None => actions.push(Action::Announce(member)),
@@ -589,18 +642,18 @@ impl Reconciler {
     /// A deletion (by its engine, a prefix delete, or a lease's expiry or
     /// revocation).
     fn deleted(&mut self, key: &str) -> Vec<Action> {
-        match self.members.remove(key) {
-            Some(member) if !self.engine_elsewhere(&member.engine_id) => vec![Action::Retire {
-                member,
-                why: RetireWhy::Deleted,
-            }],
-            _ => Vec::new(),
+        match self.remove_member(key) {
+            Some(member) => self
+                .retire(member, RetireWhy::Deleted)
+                .into_iter()
+                .collect(),
+            None => Vec::new(),
         }
     }
 
-    /// A fresh list of the whole prefix: everything missing is retired,
-    /// everything new announced. Applied whatever its revision: a list
-    /// is the truth as of now.
+    /// A fresh list of the whole prefix: every key missing is retired,
+    /// every new or changed key announced. Applied whatever its revision:
+    /// a list is the truth as of now.
     fn listed(&mut self, entries: Vec<(String, Vec<u8>)>) -> Vec<Action> {
         let mut actions = Vec::new();
         let mut fresh = BTreeMap::new();
@@ -618,38 +671,39 @@ impl Reconciler {
                 }
             }
         }
-        let engines_now: HashMap<&str, &Member> =
-            fresh.values().map(|m| (m.engine_id.as_str(), m)).collect();
-        for old in self.members.values() {
-            if engines_now.contains_key(old.engine_id.as_str()) {
-                continue;
-            }
-            let by = fresh
-                .values()
-                .find(|m| m.address == old.address)
-                .map(|m| m.engine());
-            let why = match by {
-                Some(by) => RetireWhy::Replaced { by },
-                None => RetireWhy::MissingFromList,
-            };
-            actions.push(Action::Retire {
-                member: old.clone(),
-                why,
-            });
+        let old = std::mem::take(&mut self.members);
+        self.identities.clear();
+        for (key, member) in &fresh {
+            self.insert_member(key.clone(), member.clone());
         }
-        let known: HashMap<&str, &Member> = self
-            .members
-            .values()
-            .map(|m| (m.engine_id.as_str(), m))
-            .collect();
-        for m in fresh.values() {
-            if known.get(m.engine_id.as_str()) != Some(&m) {
-                actions.push(Action::Announce(m.clone()));
+        // Missing keys first, then new and changed ones, in key order.
+        for (key, was) in &old {
+            if !fresh.contains_key(key) {
+                actions.extend(self.retire(was.clone(), RetireWhy::MissingFromList));
             }
         }
-        self.members = fresh;
+        for (key, now) in &fresh {
+            match old.get(key) {
+                Some(was) if was == now => {}
+                Some(was) if was.same_process(now) => actions.push(Action::Announce(now.clone())),
+                Some(was) => {
+                    actions
+                        .extend(self.retire(was.clone(), RetireWhy::Replaced { by: now.engine() }));
+                    actions.push(Action::Announce(now.clone()));
+                }
+                None => actions.push(Action::Announce(now.clone())),
+            }
+        }
         actions
     }
+}
+
+fn identity_key(member: &Member) -> (String, Option<u64>, String) {
+    (
+        member.engine_id.clone(),
+        member.incarnation,
+        member.address.clone(),
+    )
 }
 
 /// What the driver tells the decoder runtime.
@@ -797,6 +851,7 @@ async fn drive<S: MembershipSource, R: Send + 'static>(
     // When the grace period after a store reset ends.
     let mut grace_until: Option<Instant> = None;
     let mut refusals = refusals::RefusalLog::new(Instant::now());
+    let mut resolved = Resolved::default();
     metrics::gauge!(metric::WATCH_UP).set(0.0);
     loop {
         let event = tokio::select! {
@@ -810,7 +865,7 @@ async fn drive<S: MembershipSource, R: Send + 'static>(
                 let actions = reconciler.end_reset_grace();
                 tracing::info!(retired = actions.len(), "membership: store reset's grace period over");
                 for action in actions {
-                    carry_out(action, &handle, &config, &mut pending, &mut refusals, &updates);
+                    carry_out(action, &handle, &config, &mut pending, &mut refusals, &mut resolved, &updates).await;
                 }
                 set_member_gauges(&reconciler);
                 continue;
@@ -873,8 +928,10 @@ async fn drive<S: MembershipSource, R: Send + 'static>(
                 &config,
                 &mut pending,
                 &mut refusals,
+                &mut resolved,
                 &updates,
-            );
+            )
+            .await;
         }
         if listed {
             grace_until = reset_grace_deadline(&reconciler, &config);
@@ -884,17 +941,54 @@ async fn drive<S: MembershipSource, R: Send + 'static>(
     metrics::gauge!(metric::WATCH_UP).set(0.0);
 }
 
+/// The addresses of announced records, resolved when they were announced
+/// ([`PeerAddr::resolve`], as the runtime resolves them to handshake):
+/// a record's departure names the address its engine was registered at,
+/// even if the name no longer resolves (a pod and its DNS entry go away
+/// together).
+#[derive(Default)]
+struct Resolved(HashMap<(String, String), PeerAddr>);
+
+impl Resolved {
+    async fn announce(&mut self, member: &Member) {
+        let address = match PeerAddr::resolve(&member.address).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::debug!(address = %Escaped(&member.address), error = %e, "membership: a record's address does not resolve to one address; compared as written");
+                member.peer_addr()
+            }
+        };
+        if self.0.len() >= MAX_RESOLVED {
+            self.0.clear();
+        }
+        self.0
+            .insert((member.engine_id.clone(), member.address.clone()), address);
+    }
+
+    fn departed(&mut self, member: &Member) -> PeerAddr {
+        self.0
+            .remove(&(member.engine_id.clone(), member.address.clone()))
+            .unwrap_or_else(|| member.peer_addr())
+    }
+}
+
+/// The most resolved addresses remembered (a hostile plane writing
+/// endless records cannot grow it without bound).
+const MAX_RESOLVED: usize = 1 << 16;
+
 /// One action of the reconciler, carried out.
-fn carry_out<R: Send + 'static>(
+async fn carry_out<R: Send + 'static>(
     action: Action,
     handle: &KeepaliveHandle<R>,
     config: &MembershipConfig,
     pending: &mut HashMap<EngineId, Instant>,
     refusals: &mut refusals::RefusalLog,
+    resolved: &mut Resolved,
     updates: &mpsc::UnboundedSender<MembershipUpdate>,
 ) {
     match action {
         Action::Announce(member) => {
+            resolved.announce(&member).await;
             metrics::counter!(metric::JOINED).increment(1);
             tracing::info!(engine = %member.engine_id, address = %member.address, ranks = member.ranks, "membership: engine joined");
             let _ = updates.send(MembershipUpdate::Joined(member));
@@ -902,11 +996,12 @@ fn carry_out<R: Send + 'static>(
         Action::Retire { member, why } => {
             let engine = member.engine();
             metrics::counter!(metric::RETIRED, "why" => why.as_str()).increment(1);
-            tracing::info!(%engine, address = %member.address, why = why.as_str(), "membership: engine left: retiring it");
+            tracing::info!(%engine, address = %Escaped(&member.address), why = why.as_str(), "membership: record gone: the service retires its engine if it is that registration's own");
             if handle.engine(&engine).is_some() {
                 pending.entry(engine.clone()).or_insert_with(Instant::now);
             }
-            retire(handle, engine, config.gone_mode);
+            let address = resolved.departed(&member);
+            handle.member_gone(member.departure(address), config.gone_mode);
             let _ = updates.send(MembershipUpdate::Left { member, why });
         }
         Action::BadValue { key, error } => refused(key, error, refusals, updates),
@@ -964,10 +1059,4 @@ fn refused(
             unreported,
         });
     }
-}
-
-/// The one call into the service: by engine id, never by address (the
-/// address may already hold the engine's replacement).
-fn retire<R: Send + 'static>(handle: &KeepaliveHandle<R>, engine: EngineId, mode: GoneMode) {
-    handle.peer_gone(PeerRef::Engine(engine), mode);
 }

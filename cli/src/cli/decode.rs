@@ -388,8 +388,8 @@ async fn resolve_prefills(args: &[String]) -> Result<Vec<PeerAddr>, String> {
 /// same address must not stop the successor's reader).
 #[derive(Default)]
 struct Members {
-    /// Key -> the address its record named, resolved when it joined.
-    by_key: HashMap<String, PeerAddr>,
+    /// Record -> the address it named, resolved when it joined.
+    by_key: HashMap<(String, Option<u64>, String), PeerAddr>,
 }
 
 impl Members {
@@ -451,9 +451,15 @@ async fn follow_membership(
     }
 }
 
-/// The record's identity as membership tracks it (one key per engine id).
-fn member_key(member: &membership::Member) -> String {
-    member.engine_id.clone()
+/// A record as the reader bookkeeping tracks it: what it says (engine id,
+/// incarnation, address). Two keys saying exactly the same are one record
+/// (membership retires neither while the other stays).
+fn member_key(member: &membership::Member) -> (String, Option<u64>, String) {
+    (
+        member.engine_id.clone(),
+        member.incarnation,
+        member.address.clone(),
+    )
 }
 
 /// One line per membership update: `membership: <kind> key=value ...`.

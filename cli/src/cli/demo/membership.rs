@@ -154,10 +154,12 @@ impl DemoMembership {
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         for (p, addr) in addrs.iter().enumerate() {
-            let engine = match ucx.fetch_metadata(addr) {
-                Ok(m) => m.engine,
+            let (engine, incarnation) = match ucx.fetch_metadata(addr) {
+                Ok(m) => (m.engine.clone(), Some(m.incarnation().0)),
                 // Partitioned from the decoder, not from etcd.
-                Err(FakeError::Unresponsive { engine, .. }) if !frozen.contains(&p) => engine,
+                Err(FakeError::Unresponsive { engine, .. }) if !frozen.contains(&p) => {
+                    (engine, None)
+                }
                 // Killed, or frozen: no keep-alive.
                 Err(_) => continue,
             };
@@ -169,7 +171,9 @@ impl DemoMembership {
             let Some(lease) = self.store.grant_lease(LEASE_TTL) else {
                 continue; // etcd down: retried next round
             };
-            let member = Member::new(engine.as_str(), addr.as_str(), ranks);
+            // The process's incarnation, as its side channel reports it.
+            let mut member = Member::new(engine.as_str(), addr.as_str(), ranks);
+            member.incarnation = incarnation;
             let key = format!("{}{engine}", membership::DEFAULT_PREFIX);
             if self.store.put_member(&key, &member, Some(lease)) {
                 leases.insert(p, (engine, lease));
