@@ -1604,7 +1604,7 @@ fn conflicting_records_never_release_a_healthy_prefill() {
         }
     });
     d.wait_until("every record announced", PATIENCE, |d| {
-        d.lines_of("membership: joined ", &[]).len() >= 1 + conflicting.len()
+        d.lines_of("membership: joined ", &[]).len() > conflicting.len()
     });
     // Reads go on while they are listed (handshakes at the healthy
     // address find the registered engine: nothing reloaded).
