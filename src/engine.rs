@@ -81,7 +81,6 @@ impl EngineRef {
             Ok(done_at_begin) => Ok(ReadGuard {
                 cell: Arc::clone(&self.cell),
                 done_at_begin,
-                ended: false,
             }),
             Err(refused) => Err(ReadRefused {
                 engine: self.id().clone(),
@@ -155,11 +154,13 @@ impl GiveUp {
 #[must_use = "dropping the guard ends the read at once, as a completion"]
 pub struct ReadGuard {
     cell: Arc<EngineCell>,
-    /// The engine's completed count when the read began.
+    /// The engine's completed count when the read began, or [`GIVEN_UP`]
+    /// once given up (the drop then has nothing left to do).
     done_at_begin: u64,
-    /// Given up: the drop has nothing left to do.
-    ended: bool,
 }
+
+/// Not a completed count (those have 36 bits): marks a guard given up.
+const GIVEN_UP: u64 = u64::MAX;
 
 impl ReadGuard {
     /// The engine this read is from.
@@ -196,8 +197,8 @@ impl ReadGuard {
     /// the returned [`GivenUpRead`] with the buffer, and reuse the buffer
     /// only once it says [`Destination::Reusable`].
     pub fn give_up(mut self, why: GiveUp) -> GivenUpRead {
-        self.ended = true;
-        self.cell.give_up(why, self.done_at_begin);
+        let done_at_begin = std::mem::replace(&mut self.done_at_begin, GIVEN_UP);
+        self.cell.give_up(why, done_at_begin);
         GivenUpRead {
             cell: Arc::clone(&self.cell),
             why,
@@ -207,7 +208,7 @@ impl ReadGuard {
 
 impl Drop for ReadGuard {
     fn drop(&mut self) {
-        if !self.ended {
+        if self.done_at_begin != GIVEN_UP {
             self.cell.end_read();
         }
     }

@@ -57,6 +57,11 @@ pub(crate) const DONE_BITS: u32 = 64 - DONE_SHIFT;
 /// Added when a read ends: one less in flight, one more completed.
 const END_READ: u64 = (1 << DONE_SHIFT) - 1;
 
+const _: () = assert!(
+    EngineState::Live as u64 == 0,
+    "begin_read's single comparison needs Live to be state 0"
+);
+
 fn state_bits(state: EngineState) -> u64 {
     (state as u64) << STATE_SHIFT
 }
@@ -172,12 +177,13 @@ impl EngineCell {
     pub(crate) fn begin_read(&self) -> Result<u64, BeginRefused> {
         let mut word = self.word.load(Ordering::Relaxed);
         loop {
-            let state = state_of(word);
-            if state != EngineState::Live {
-                return Err(BeginRefused::State(state));
-            }
-            if word & COUNT_MASK == COUNT_MASK {
-                return Err(BeginRefused::Full);
+            // Live is state 0: one comparison finds both a marked engine
+            // (state bits set) and a full count.
+            if word & (STATE_MASK | COUNT_MASK) >= COUNT_MASK {
+                return Err(match state_of(word) {
+                    EngineState::Live => BeginRefused::Full,
+                    state => BeginRefused::State(state),
+                });
             }
             match self.word.compare_exchange_weak(
                 word,
