@@ -120,18 +120,25 @@ pub enum Event {
         /// Whether its reads were failed at once.
         fail_reads: bool,
     },
-    /// An engine's reads in flight stopped completing for longer than the
-    /// read-stall bound while the decoder's other reads went on: the peer
-    /// is alive to UCX but hung (frozen, deadlocked, NIC gone). With the
-    /// `fail` action its reads are failed and it is released once they
-    /// end; with `report` it is only reported (once per stall).
+    /// An engine's reads stopped completing while the decoder's other
+    /// reads went on: for the read-stall bound, or a read the runtime gave
+    /// up as timed out got no answer. The peer is alive to UCX but hung
+    /// (frozen, deadlocked, NIC gone). With the `fail` action its reads are
+    /// failed and it is released once they end; with `report` it is only
+    /// reported (once per stall).
     Stalled {
         /// The engine.
         engine: EngineId,
         /// Reads in flight when it was found stalled.
         reads_in_flight: u64,
-        /// How long none of them had completed.
+        /// How long at least it has had a read outstanding and no read
+        /// completed (from when the service first saw it: the stall began
+        /// at most one check period earlier).
         stalled_for: Duration,
+        /// Reads the runtime gave up as timed out, unanswered, since the
+        /// engine's last completion (the runtime's verdict; 0 when the
+        /// read-stall bound decided).
+        given_up: u64,
         /// Whether its reads were failed (action `fail`).
         failed: bool,
     },

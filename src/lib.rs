@@ -126,7 +126,7 @@ pub mod ucx_time;
 
 pub use crate::core::{heartbeat_message, HEARTBEAT_SLOT};
 pub use config::{Config, ConfigBuilder, ConfigError, ConfigErrors, StallAction};
-pub use engine::{EngineRef, ReadGuard};
+pub use engine::{Destination, EngineRef, GiveUp, GivenUpRead, ReadGuard, MAX_READS_IN_FLIGHT};
 pub use error::{ClaimRefused, Conflict, ReadRefused, RegisterError, ServiceStopped};
 pub use event::{Event, ReleaseReason, Source, WaitedFor};
 pub use handle::{Handshake, KeepaliveHandle, Ready, ReadyToLoad};

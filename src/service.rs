@@ -28,7 +28,7 @@ use crate::registration::Registration;
 use crate::snapshot::DetectionSummary;
 use crate::telemetry;
 use crate::transport::{EngineId, Transport};
-use crate::ucx_settings::{detection_bound, warnings, UcxSettings};
+use crate::ucx_settings::{detection_bound, secs_text, warnings, UcxSettings};
 
 /// What the service could not release when it stopped, each registration
 /// once: engines whose reads were still in flight at the drain deadline,
@@ -91,9 +91,11 @@ impl<T: Transport> Keepalive<T> {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         };
+        let mut core = Core::new(config.clone(), Instant::now(), rng);
+        core.set_release_ends_transfers(transport.release_ends_transfers());
         let service = Keepalive {
             offload: Offload::new(transport),
-            core: Core::new(config.clone(), Instant::now(), rng),
+            core,
             config,
             inbox,
             events,
@@ -112,36 +114,35 @@ impl<T: Transport> Keepalive<T> {
 
     /// Tells the service the UCX settings in force (read them with
     /// [`UcxSettings::read`] before anything starts). With them it reports
-    /// how long a dead prefill can go unnoticed: one line at start-up, the
-    /// `nixl_keepalive_detection_bound_*_seconds` gauges, the snapshot; and
-    /// it warns once about settings that defeat detection.
+    /// how long a dead prefill can go unnoticed, for each kind of death
+    /// (crashed, silent, frozen with reads in flight: see
+    /// [`crate::ucx_settings`]): one line at start-up, the
+    /// `nixl_keepalive_detection_bound_{crashed,silent,frozen}_seconds`
+    /// gauges, the snapshot; and it warns once about settings that defeat
+    /// detection.
     pub fn with_ucx_settings(mut self, settings: &UcxSettings) -> Self {
         let gap = self
             .config
             .heartbeat_interval
             .map(|interval| interval + self.config.jitter);
-        let (line, crashed, silent) = match gap {
-            Some(gap) => {
-                let bound = detection_bound(settings, gap);
-                (bound.to_string(), Some(bound.crashed), bound.silent)
-            }
-            None => {
-                let silent = detection_bound(settings, Duration::ZERO);
-                (
-                    format!(
-                        "heartbeats are off (NIXL_KEEPALIVE_INTERVAL=inf): a dead peer is released only after a transfer to it fails; {silent}"
-                    ),
-                    None,
-                    None,
-                )
-            }
+        let bound = detection_bound(settings, gap.unwrap_or(Duration::ZERO))
+            .with_read_stall(self.config.read_stall);
+        let (line, crashed) = match gap {
+            Some(_) => (bound.to_string(), Some(bound.crashed)),
+            None => (
+                format!(
+                    "heartbeats are off (NIXL_KEEPALIVE_INTERVAL=inf): a crashed peer is released only after a transfer to it fails; {bound}"
+                ),
+                None,
+            ),
         };
-        telemetry::detection_bound(crashed, silent);
+        let silent = bound.silent.filter(|_| gap.is_some());
+        telemetry::detection_bound(crashed, silent, bound.frozen);
         let note = if settings.keepalive_enabled() {
             format!(
                 "UCX keepalive ({}) fails a silent peer's endpoint{}; a frozen process on shm/tcp is never reported",
-                settings.keepalive_interval.raw,
-                silent.map_or(String::new(), |d| format!(", release within {d:?}"))
+                settings.keepalive_interval.value,
+                silent.map_or(String::new(), |d| format!(", release within {}", secs_text(d)))
             )
         } else {
             "UCX keepalive is off (inf or NUM_EPS 0): a silent peer is never reported".to_string()
@@ -152,7 +153,11 @@ impl<T: Transport> Keepalive<T> {
             warnings: warnings(settings),
             ucx: settings.summary(),
         };
-        self.bound = Some(DetectionSummary { crashed, silent });
+        self.bound = Some(DetectionSummary {
+            crashed,
+            silent,
+            frozen: bound.frozen,
+        });
         self
     }
 

@@ -238,4 +238,20 @@ pub trait Transport: Send + Sync + 'static {
         agents: &[AgentName],
         resources: Self::Resources,
     ) -> Vec<ReleaseStep>;
+
+    /// Whether [`Transport::release`] ends every transfer still running to
+    /// the engine (it closes the engine's endpoints, so no byte of a
+    /// transfer given up before can land after it returns). The service
+    /// then tells the runtime that the destination buffers of the engine's
+    /// given-up reads may be reused ([`crate::Destination::Reusable`]);
+    /// otherwise they must be retired.
+    ///
+    /// `false` unless the implementation has proved it on the real thing:
+    /// with NIXL 1.5.1 over TCP, a READ given up with `releaseXferReq`
+    /// still wrote its destination when the prefill resumed, after
+    /// `invalidateRemoteMD` had returned SUCCESS
+    /// (`cli/tests/real_buffer.rs`).
+    fn release_ends_transfers(&self) -> bool {
+        false
+    }
 }

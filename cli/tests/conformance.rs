@@ -514,7 +514,10 @@ impl Stage for RealStage {
             .tokio
             .block_on(fetch(addr, Duration::from_secs(5)))
             .expect("side channel");
-        match RemoteEngine::load(self.transport.agent(), addr.clone(), &reply, 1) {
+        // Two landing slots: a READ given up against a frozen peer keeps
+        // its slot (the transfer may still write it), and the read after
+        // the thaw lands in the other.
+        match RemoteEngine::load(self.transport.agent(), addr.clone(), &reply, 2) {
             Ok(r) => Ok(r),
             Err(HandshakeError::Load { source, .. }) => Err(source.status),
             Err(e) => panic!("real handshake: {e}"),

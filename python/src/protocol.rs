@@ -746,12 +746,14 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             reads_in_flight,
             stalled_for,
             failed,
+            given_up,
         } => {
             d.set_item("kind", "stalled")?;
             d.set_item("engine", engine.as_str())?;
             d.set_item("reads_in_flight", *reads_in_flight)?;
             d.set_item("stalled_for", stalled_for.as_secs_f64())?;
             d.set_item("failed", *failed)?;
+            d.set_item("given_up", *given_up)?;
         }
         Event::ReadsFailed { engine, count } => {
             d.set_item("kind", "reads_failed")?;

@@ -57,6 +57,7 @@ pub(crate) use classify::{classify, Verdict};
 pub use schedule::HEARTBEAT_SLOT;
 
 use crate::config::{Config, StallAction};
+use crate::engine::GiveUp;
 use crate::error::{ClaimRefused, Conflict, RegisterError};
 use crate::event::{Event, ReleaseReason, Source, WaitedFor};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
@@ -223,8 +224,18 @@ pub(crate) struct Core<R> {
     /// Appended to a live engine's "why not released".
     silent_peer_note: String,
     census_due: Option<Instant>,
-    /// When the read-stall check runs next.
+    /// When the read-stall check runs next on its own period.
     stall_check_due: Option<Instant>,
+    /// When a stall may be decided before that: the earliest moment an
+    /// engine's quiet stretch reaches the bound, or now when a read was
+    /// given up as timed out (the runtime's verdict is judged at once).
+    stall_mark_due: Option<Instant>,
+    /// A decoder-wide stall (suspects, but no engine completing) is going
+    /// on and has been warned about: once per episode.
+    decoder_stuck: bool,
+    /// The transport's release ends the transfers still running to the
+    /// engine ([`crate::Transport::release_ends_transfers`]).
+    release_ends_transfers: bool,
     releases_in_flight: usize,
     stopping: Option<Stopping>,
 }
@@ -238,6 +249,9 @@ impl<R> Core<R> {
             schedule: Schedule::new(now),
             census_due: config.metrics_period.map(|p| now + p),
             stall_check_due: config.read_stall.map(|b| now + stall_check_period(b)),
+            stall_mark_due: None,
+            decoder_stuck: false,
+            release_ends_transfers: false,
             config,
             peers: Map::default(),
             by_id: Map::default(),
@@ -257,6 +271,13 @@ impl<R> Core<R> {
             releases_in_flight: 0,
             stopping: None,
         }
+    }
+
+    /// Whether the transport's release ends the transfers still running to
+    /// an engine: decides what a given-up read's destination becomes
+    /// ([`crate::Destination`]).
+    pub(crate) fn set_release_ends_transfers(&mut self, ends: bool) {
+        self.release_ends_transfers = ends;
     }
 
     /// Sets the note a live engine's snapshot carries about silent peers.
@@ -280,6 +301,7 @@ impl<R> Core<R> {
             self.schedule.next(),
             self.census_due,
             self.stall_check_due,
+            self.stall_mark_due,
             drain,
         ]
         .into_iter()
@@ -321,9 +343,12 @@ impl<R> Core<R> {
                 }
             }
         }
-        if let (Some(due), Some(bound)) = (self.stall_check_due, self.config.read_stall) {
-            if due <= now {
+        if let Some(bound) = self.config.read_stall {
+            let periodic = self.stall_check_due.filter(|&due| due <= now);
+            if periodic.is_some() || self.stall_mark_due.is_some_and(|due| due <= now) {
                 self.check_stalls(now, bound);
+            }
+            if let Some(due) = periodic {
                 let period = stall_check_period(bound);
                 self.stall_check_due = Some(if now - due < period {
                     due + period
@@ -371,6 +396,12 @@ impl<R> Core<R> {
             Input::Read(Wake::TransferResult(serial, status)) => {
                 self.status(now, serial, Source::Transfer, None, status)
             }
+            Input::Read(Wake::GivenUp {
+                serial,
+                why,
+                unanswered,
+                done,
+            }) => self.read_given_up(now, serial, why, unanswered, done),
             Input::AddLeases {
                 engine,
                 requests,
@@ -622,15 +653,42 @@ impl<R> Core<R> {
 
     // ----- hung peers -----
 
-    /// Finds live registrations whose reads in flight have not completed
-    /// for `bound`. Slow is not hung: one completion, however late, resets
-    /// the clock. And a stall must be the peer's, not the decoder's: it
-    /// counts only while reads from other engines still complete (or no
-    /// other engine has reads in flight to compare with).
+    /// The read-stall check: finds live registrations whose reads stopped
+    /// completing, and judges them.
+    ///
+    /// An engine is *quiet* while it has a read outstanding (in flight, or
+    /// given up unanswered) and no completion has been seen; its quiet
+    /// stretch starts when that was first seen (a check, or a give-up),
+    /// never earlier, so a read that began just before a check is not
+    /// counted from an older check. A quiet engine is a suspect once its
+    /// stretch reaches `bound`, or at once when the runtime gave up one of
+    /// its reads as timed out with none of its reads completing meanwhile
+    /// (the runtime's own bound). Slow is not hung: one completion, however
+    /// late, ends the stretch.
+    ///
+    /// A suspect is judged stalled only when the stall is its own: another
+    /// engine's completion was seen within the last check period, or no
+    /// other engine has a read outstanding to compare with. When others
+    /// have reads outstanding and none completes, the decoder itself looks
+    /// stuck: nobody is blamed, and that is warned about once per episode.
+    ///
+    /// Every engine is sampled first and judged after, so the verdicts do
+    /// not depend on the order of the walk; suspects are judged (and their
+    /// events emitted) in registration order, so a seed reproduces them.
     fn check_stalls(&mut self, now: Instant, bound: Duration) {
-        let mut suspects = Vec::new();
-        let mut busy = 0usize;
+        /// What the sampling found of one suspect.
+        struct Suspect {
+            serial: u64,
+            reads: u64,
+            quiet: Duration,
+            given_up: u64,
+            completing: bool,
+        }
+        let window = stall_check_period(bound);
+        let mut outstanding = 0usize;
         let mut completing = 0usize;
+        let mut suspects = Vec::new();
+        let mut next_due: Option<Instant> = None;
         for (&serial, peer) in self.peers.iter_mut() {
             if !peer.is_live() {
                 continue;
@@ -638,48 +696,133 @@ impl<R> Core<R> {
             let (reads, done) = peer.cell.progress();
             let p = &mut peer.progress;
             if done != p.done_seen {
-                p.done_seen = done;
-                p.since = now;
-                p.last_completion = Some(now);
+                p.completed(now, done, reads);
+            } else if !p.outstanding(reads) {
+                p.quiet_since = None;
                 p.reported = false;
-            } else if reads == 0 {
-                p.since = now;
-                p.reported = false;
+            } else if p.quiet_since.is_none() {
+                p.quiet_since = Some(now);
             }
-            if reads > 0 {
-                busy += 1;
-            }
-            if p.last_completion.is_some_and(|at| now - at < bound) {
-                completing += 1;
-            }
-            if reads > 0 && now - p.since >= bound && !p.reported {
-                suspects.push((serial, reads, now - p.since));
+            let is_completing = p.last_completion.is_some_and(|at| now - at <= window);
+            outstanding += usize::from(p.outstanding(reads));
+            completing += usize::from(is_completing);
+            let Some(since) = p.quiet_since.filter(|_| !p.reported) else {
+                continue;
+            };
+            let quiet = now - since;
+            if quiet >= bound || p.timed_out > 0 {
+                suspects.push(Suspect {
+                    serial,
+                    reads,
+                    quiet,
+                    given_up: p.timed_out,
+                    completing: is_completing,
+                });
+            } else {
+                let due = since + bound;
+                next_due = Some(next_due.map_or(due, |d| d.min(due)));
             }
         }
-        for (serial, reads, stalled_for) in suspects {
-            // Anyone else progressing (the suspect never counts: its last
-            // completion is at least `bound` old), or nobody else to ask.
-            let others_busy = busy > 1;
-            if others_busy && completing == 0 {
-                tracing::warn!(busy, "no read of any engine completed within the read-stall bound: the decoder itself looks stuck, no engine is blamed");
-                return;
+        self.stall_mark_due = next_due;
+        suspects.sort_unstable_by_key(|s| s.serial);
+        let mut unjudged = 0usize;
+        for suspect in suspects {
+            // Every suspect has a read outstanding.
+            let others_outstanding = outstanding > 1;
+            let others_completing = completing > usize::from(suspect.completing);
+            if others_outstanding && !others_completing {
+                unjudged += 1;
+                continue;
             }
-            let peer = self.peers.get_mut(&serial).expect("collected above");
-            peer.progress.reported = true;
-            let engine = peer.id().clone();
-            let action = self.config.stall_action;
-            telemetry::read_stall(action.as_str());
-            tracing::warn!(%engine, reads, ?stalled_for, action = action.as_str(), "reads in flight stopped completing: the peer is hung");
-            self.emit(Event::Stalled {
-                engine,
-                reads_in_flight: reads,
-                stalled_for,
-                failed: action == StallAction::Fail,
-            });
-            if action == StallAction::Fail {
-                self.mark(now, serial, ReleaseReason::Stalled);
-            }
+            self.stalled(
+                now,
+                suspect.serial,
+                suspect.reads,
+                suspect.quiet,
+                suspect.given_up,
+            );
         }
+        if unjudged > 0 && !self.decoder_stuck {
+            telemetry::decoder_stuck();
+            tracing::warn!(
+                engines = unjudged,
+                outstanding,
+                bound = ?bound,
+                "reads of every engine with reads outstanding stopped completing: the decoder itself looks stuck, no engine is blamed (warned once until a read completes again)"
+            );
+        }
+        self.decoder_stuck = unjudged > 0;
+    }
+
+    /// A suspect judged stalled: reported once per stall, and with the
+    /// `fail` action marked, its reads failed, released once they end.
+    fn stalled(&mut self, now: Instant, serial: u64, reads: u64, quiet: Duration, given_up: u64) {
+        let peer = self.peers.get_mut(&serial).expect("judged while live");
+        peer.progress.reported = true;
+        let engine = peer.id().clone();
+        let action = self.config.stall_action;
+        telemetry::read_stall(action.as_str());
+        tracing::warn!(%engine, reads, ?quiet, given_up, action = action.as_str(), "reads stopped completing: the peer is hung");
+        self.emit(Event::Stalled {
+            engine,
+            reads_in_flight: reads,
+            stalled_for: quiet,
+            given_up,
+            failed: action == StallAction::Fail,
+        });
+        if action == StallAction::Fail {
+            self.mark(now, serial, ReleaseReason::Stalled);
+        }
+    }
+
+    /// The runtime gave up a read of registration `serial` in progress.
+    /// Not a completion. Unanswered (no read of the engine completed while
+    /// it was in flight, and none since the last check: the core's own
+    /// sample, which cannot wrap within a check period, confirms the
+    /// read's), it is evidence: it keeps the engine's quiet stretch going
+    /// with no read in flight, and a timed-out one is judged at once.
+    fn read_given_up(
+        &mut self,
+        now: Instant,
+        serial: u64,
+        why: GiveUp,
+        unanswered: bool,
+        done: u64,
+    ) {
+        telemetry::read_given_up(why, unanswered);
+        let Some(peer) = self.peers.get_mut(&serial) else {
+            return;
+        };
+        if !peer.is_live() || self.config.read_stall.is_none() {
+            return;
+        }
+        let reads = peer.cell.reads_in_flight();
+        let engine = peer.id().clone();
+        let p = &mut peer.progress;
+        let mut answered = !unanswered;
+        if done != p.done_seen {
+            // Completions since the last check, before this read began or
+            // while it was in flight: the engine answers.
+            p.completed(now, done, reads);
+            answered = true;
+        }
+        if answered {
+            tracing::debug!(%engine, why = why.as_str(), "read given up at an engine that completes reads: not evidence of a stall");
+            return;
+        }
+        p.unanswered += 1;
+        p.quiet_since.get_or_insert(now);
+        tracing::info!(%engine, why = why.as_str(), unanswered = p.unanswered, "read given up unanswered: counted against the engine, not as a completion");
+        if why == GiveUp::TimedOut {
+            p.timed_out += 1;
+            self.stall_mark_due = Some(now);
+        }
+    }
+
+    /// The release of `peer` came back: the runtime's given-up reads of it
+    /// learn what their destination buffers may become.
+    fn release_finished(&self, cell: &EngineCell, clean: bool) {
+        cell.release_finished(clean && self.release_ends_transfers);
     }
 
     // ----- marking and releasing -----
@@ -814,6 +957,7 @@ impl<R> Core<R> {
                 (0, true)
             }
         };
+        self.release_finished(&peer.cell, failed_steps == 0 && !panicked);
         let since_mark = now.saturating_duration_since(mark.at);
         telemetry::released(mark.reason, since_mark);
         tracing::info!(%engine, serial, reason = mark.reason.as_str(), after = ?since_mark, failed_steps, panicked, "engine released");
@@ -944,6 +1088,31 @@ impl<R> Core<R> {
         }
     }
 
+    /// What a live engine's snapshot says about its reads and the stall
+    /// check.
+    fn stall_note(&self, now: Instant, p: &Peer<R>, reads: u64) -> String {
+        let progress = &p.progress;
+        if reads == 0 && progress.unanswered == 0 {
+            return "no read in flight: a frozen idle prefill is invisible to UCX on shm/tcp, and only a membership signal or the router (peer_gone) can retire it".to_string();
+        }
+        let given_up = match progress.unanswered {
+            0 => String::new(),
+            n => format!(", {n} given up unanswered"),
+        };
+        let Some(bound) = self.config.read_stall else {
+            return format!("{reads} read(s) in flight{given_up}; the read-stall check is off");
+        };
+        match progress.quiet_since {
+            Some(since) => format!(
+                "{reads} read(s) in flight{given_up}, none completed for at least {:?}; stalled after {bound:?} without a completion",
+                now.saturating_duration_since(since)
+            ),
+            None => format!(
+                "{reads} read(s) in flight{given_up}, completing; stalled after {bound:?} without a completion"
+            ),
+        }
+    }
+
     fn engine_snapshot(&self, now: Instant, p: &Peer<R>) -> EngineSnapshot {
         let reads = p.cell.reads_in_flight();
         let last_heartbeat = p.last_heartbeat.map(|(at, status)| HeartbeatSnapshot {
@@ -956,17 +1125,7 @@ impl<R> Core<R> {
                     Some(h) => format!("last heartbeat {} {:?} ago", h.status.name(), h.ago),
                     None => "no heartbeat yet".to_string(),
                 };
-                let reads_note = if reads == 0 {
-                    "no read in flight: a frozen idle prefill is invisible to UCX on shm/tcp, and only a membership signal or the router (peer_gone) can retire it".to_string()
-                } else {
-                    match self.config.read_stall {
-                        Some(bound) => format!(
-                            "{reads} read(s) in flight, last completion {:?} ago; stalled after {bound:?} without one",
-                            now.saturating_duration_since(p.progress.since)
-                        ),
-                        None => format!("{reads} read(s) in flight; the read-stall check is off"),
-                    }
-                };
+                let reads_note = self.stall_note(now, p, reads);
                 format!(
                     "live: no REMOTE_DISCONNECT seen ({last}); {reads_note}; a silent peer is reported by UCX: {}",
                     self.silent_peer_note
@@ -1016,10 +1175,25 @@ impl<R> Core<R> {
     }
 }
 
-/// How often the read-stall check runs for a `bound`: four times per bound,
-/// so a stall is found within 1.25 bounds.
+/// The longest period of the read-stall check, whatever the bound: the
+/// completed count must not be able to wrap between two checks (see
+/// `cell.rs`).
+pub(crate) const MAX_STALL_CHECK_PERIOD: Duration = Duration::from_secs(60);
+
+// The proof, checked by the compiler: wrapping the completed count within
+// one check period would take more than 10^9 completions a second.
+const _: () = assert!(
+    MAX_STALL_CHECK_PERIOD.as_secs() * 1_000_000_000 < 1 << cell::DONE_BITS,
+    "the completed count could wrap between two stall checks"
+);
+
+/// How often the read-stall check runs for a `bound`: four times per bound
+/// (at most every [`MAX_STALL_CHECK_PERIOD`]). An engine's quiet stretch is
+/// first seen at most one period after it began and is judged exactly one
+/// bound after that, so a stall is found within 1.25 bounds (while other
+/// engines' reads complete at least once a period).
 fn stall_check_period(bound: Duration) -> Duration {
-    (bound / 4).max(HEARTBEAT_SLOT)
+    (bound / 4).clamp(HEARTBEAT_SLOT, MAX_STALL_CHECK_PERIOD)
 }
 
 /// vLLM's lease-renewal text: `HB:` and the comma-separated request ids

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 
 use super::cell::tests::Collect;
 use super::*;
+use crate::engine::GiveUp;
 use crate::registration::{Departure, Incarnation};
 use crate::transport::{ReleaseTarget, TransportError};
 
@@ -322,6 +323,18 @@ impl Harness {
     /// Ends a read the way the guard does: the cell, then its wake-up.
     fn end_read(&mut self, cell: &EngineCell) {
         cell.end_read();
+        self.deliver();
+    }
+
+    /// Gives a read up the way the guard does (`begun` is what its
+    /// `begin_read` returned), then delivers the wake-ups.
+    fn give_up(&mut self, cell: &EngineCell, why: GiveUp, begun: u64) {
+        cell.give_up(why, begun);
+        self.deliver();
+    }
+
+    /// Delivers the cells' wake-ups to the core.
+    fn deliver(&mut self) {
         for wake in self.sink.take() {
             self.input(Input::Read(wake));
         }
@@ -1239,4 +1252,423 @@ fn an_idle_live_engine_says_only_membership_or_the_router_can_retire_it() {
         why.contains("only a membership signal or the router"),
         "{why}"
     );
+}
+
+// ----- the stall clock, right by construction -----
+
+/// One completed read (begun and ended at once).
+fn complete_one(cell: &EngineCell) {
+    cell.begin_read().unwrap();
+    cell.end_read();
+}
+
+/// The `Stalled` events decided since the last take, with their fields.
+fn stalled_events(h: &mut Harness) -> Vec<(EngineId, Duration, u64)> {
+    h.events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Stalled {
+                engine,
+                stalled_for,
+                given_up,
+                ..
+            } => Some((engine, stalled_for, given_up)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Steps the clock in `step`s until `until`; before each step `f` may
+/// start and end reads. Heartbeats are answered. Returns when the
+/// registration behind `watch` left `Live`, if it did.
+fn step_until(
+    h: &mut Harness,
+    until: Instant,
+    step: Duration,
+    watch: &EngineCell,
+    mut f: impl FnMut(&mut Harness, Instant),
+) -> Option<Instant> {
+    while h.now < until {
+        let now = h.now;
+        f(h, now);
+        h.advance(step);
+        h.complete(NixlStatus::SUCCESS);
+        if watch.state() != EngineState::Live {
+            return Some(h.now);
+        }
+    }
+    None
+}
+
+#[test]
+fn a_read_begun_1ms_before_a_check_is_marked_no_sooner_than_the_bound_and_its_stalled_for_is_true()
+{
+    let bound = Duration::from_secs(10);
+    let mut h = harness();
+    let t0 = h.now;
+    let hung = h.live("hung", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    // The stall check runs every 2.5 s from t0: the read begins 1 ms
+    // before the first one.
+    h.advance(Duration::from_millis(2499));
+    h.events();
+    let begun = h.now;
+    hung.begin_read().unwrap();
+    let marked = step_until(
+        &mut h,
+        t0 + bound * 2,
+        Duration::from_millis(10),
+        &hung,
+        |_, _| complete_one(&fine),
+    )
+    .expect("marked");
+    let in_flight = marked - begun;
+    assert!(
+        in_flight >= bound,
+        "marked after the read was in flight for {in_flight:?} only (bound {bound:?})"
+    );
+    assert!(in_flight <= bound + bound / 4, "marked late: {in_flight:?}");
+    let events = stalled_events(&mut h);
+    assert_eq!(events.len(), 1, "{events:?}");
+    let (engine, stalled_for, given_up) = &events[0];
+    assert_eq!((engine, *given_up), (&id("hung"), 0));
+    assert!(
+        *stalled_for <= in_flight && *stalled_for >= bound,
+        "stalled_for {stalled_for:?} for a read in flight {in_flight:?}"
+    );
+}
+
+#[test]
+fn a_read_begun_just_after_a_check_is_marked_within_a_quarter_bound_past_the_bound() {
+    let bound = Duration::from_secs(10);
+    let mut h = harness();
+    let t0 = h.now;
+    let hung = h.live("hung", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    h.advance(Duration::from_millis(2501));
+    let begun = h.now;
+    hung.begin_read().unwrap();
+    let marked = step_until(
+        &mut h,
+        t0 + bound * 2,
+        Duration::from_millis(10),
+        &hung,
+        |_, _| complete_one(&fine),
+    )
+    .expect("marked");
+    assert!(marked - begun <= bound + bound / 4, "{:?}", marked - begun);
+    assert!(marked - begun >= bound);
+}
+
+#[test]
+fn when_every_engine_stops_completing_at_once_no_engine_is_blamed_whichever_read_began_first() {
+    let mut h = harness();
+    let t0 = h.now;
+    let a = h.live("a", at(1), 1);
+    let b = h.live("b", at(2), 2);
+    // Each has a long read in flight throughout; both complete short reads
+    // until the decoder stops at about 7.5 s: a's last completion is seen
+    // by the check at 7.5 s, b's by the one at 10 s.
+    a.begin_read().unwrap();
+    b.begin_read().unwrap();
+    let marked = step_until(
+        &mut h,
+        t0 + Duration::from_secs(90),
+        Duration::from_millis(100),
+        &a,
+        |_, now| {
+            if now < t0 + Duration::from_millis(7400) {
+                complete_one(&a);
+            }
+            if now < t0 + Duration::from_millis(7600) {
+                complete_one(&b);
+            }
+        },
+    );
+    assert_eq!(marked, None, "a was blamed for the decoder's stall");
+    assert_eq!(b.state(), EngineState::Live);
+    assert!(stalled_events(&mut h).is_empty());
+}
+
+#[test]
+fn an_engine_completing_exactly_2_pow_24_reads_between_two_checks_is_not_stalled() {
+    let mut h = harness();
+    let t0 = h.now;
+    let busy = h.live("busy", at(1), 1);
+    busy.begin_read().unwrap();
+    let marked = step_until(
+        &mut h,
+        t0 + Duration::from_secs(60),
+        Duration::from_millis(2500),
+        &busy,
+        |_, _| busy.add_completions(1 << 24),
+    );
+    assert_eq!(
+        marked, None,
+        "completing 2^24 reads per check looked like none"
+    );
+    assert!(stalled_events(&mut h).is_empty());
+}
+
+/// Runs `f` with the core's WARN lines captured; returns them.
+fn warnings_of(f: impl FnOnce()) -> String {
+    use std::io::Write;
+    use std::sync::Mutex;
+    #[derive(Clone, Default)]
+    struct Buffer(Arc<Mutex<Vec<u8>>>);
+    impl Write for Buffer {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buffer = Buffer::default();
+    let writer = buffer.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+    text
+}
+
+#[test]
+fn the_decoder_is_stuck_warning_comes_once_per_episode() {
+    let mut log = String::new();
+    let mut h = harness();
+    let t0 = h.now;
+    let a = h.live("a", at(1), 1);
+    let b = h.live("b", at(2), 2);
+    a.begin_read().unwrap();
+    b.begin_read().unwrap();
+    log += &warnings_of(|| {
+        // Nothing completes for 60 s: one episode.
+        step_until(
+            &mut h,
+            t0 + Duration::from_secs(60),
+            Duration::from_millis(500),
+            &a,
+            |_, _| {},
+        );
+        // Reads complete again, then stop again: a second one.
+        complete_one(&a);
+        complete_one(&b);
+        step_until(
+            &mut h,
+            t0 + Duration::from_secs(120),
+            Duration::from_millis(500),
+            &a,
+            |_, _| {},
+        );
+    });
+    let episodes = log.matches("the decoder itself looks stuck").count();
+    assert_eq!(episodes, 2, "{log}");
+    assert_eq!(a.state(), EngineState::Live);
+    assert!(stalled_events(&mut h).is_empty());
+}
+
+#[test]
+fn a_stall_reported_only_is_warned_once_per_stall() {
+    let mut config = config();
+    config.stall_action = crate::config::StallAction::Report;
+    let mut h = harness_with(config);
+    let t0 = h.now;
+    let hung = h.live("hung", at(1), 1);
+    hung.begin_read().unwrap();
+    let log = warnings_of(|| {
+        step_until(
+            &mut h,
+            t0 + Duration::from_secs(120),
+            Duration::from_millis(500),
+            &hung,
+            |_, _| {},
+        );
+    });
+    assert_eq!(log.matches("the peer is hung").count(), 1, "{log}");
+    assert_eq!(stalled_events(&mut h).len(), 1);
+}
+
+// ----- given-up reads: evidence, not completions -----
+
+#[test]
+fn a_read_given_up_as_timed_out_unanswered_while_others_complete_stalls_its_engine_at_once() {
+    let mut h = harness();
+    let t0 = h.now;
+    let hung = h.live("hung", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    let begun = hung.begin_read().unwrap();
+    let second = hung.begin_read().unwrap();
+    // The runtime's read timeout (5 s) is shorter than the bound (10 s).
+    step_until(
+        &mut h,
+        t0 + Duration::from_secs(5),
+        Duration::from_millis(100),
+        &hung,
+        |_, _| complete_one(&fine),
+    );
+    assert_eq!(hung.state(), EngineState::Live);
+    h.events();
+    h.give_up(&hung, GiveUp::TimedOut, begun);
+    h.advance(Duration::ZERO);
+    assert_eq!(hung.state(), EngineState::Stalled, "judged at once");
+    assert!(
+        hung.reads_failed().is_cancelled(),
+        "its other reads are failed"
+    );
+    let events = stalled_events(&mut h);
+    assert_eq!(events.len(), 1);
+    let (engine, stalled_for, given_up) = &events[0];
+    assert_eq!((engine, *given_up), (&id("hung"), 1));
+    assert!(*stalled_for <= Duration::from_secs(5), "{stalled_for:?}");
+    // The other read is given up too (the service failed it): released.
+    h.give_up(&hung, GiveUp::Cancelled, second);
+    assert_eq!(h.released(), vec![1]);
+    assert_eq!(fine.state(), EngineState::Live);
+}
+
+#[test]
+fn a_read_given_up_at_an_engine_that_completed_another_meanwhile_is_not_evidence() {
+    let mut h = harness();
+    let t0 = h.now;
+    let slowish = h.live("slowish", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    let stuck_read = slowish.begin_read().unwrap();
+    let marked = step_until(
+        &mut h,
+        t0 + Duration::from_secs(5),
+        Duration::from_millis(100),
+        &slowish,
+        |_, now| {
+            complete_one(&fine);
+            if now == t0 + Duration::from_secs(4) {
+                complete_one(&slowish);
+            }
+        },
+    );
+    assert_eq!(marked, None);
+    h.give_up(&slowish, GiveUp::TimedOut, stuck_read);
+    h.advance(Duration::from_secs(1));
+    assert_eq!(slowish.state(), EngineState::Live);
+    assert!(stalled_events(&mut h).is_empty());
+}
+
+#[test]
+fn reads_given_up_cancelled_are_not_completions_the_stall_clock_keeps_running() {
+    let bound = Duration::from_secs(10);
+    let mut h = harness();
+    let t0 = h.now;
+    let hung = h.live("hung", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    let begun_at = h.now;
+    let begun = hung.begin_read().unwrap();
+    step_until(
+        &mut h,
+        t0 + Duration::from_secs(3),
+        Duration::from_millis(100),
+        &hung,
+        |_, _| complete_one(&fine),
+    );
+    // Cancelled by the runtime: no verdict, and no read in flight any
+    // more, but no completion either.
+    h.give_up(&hung, GiveUp::Cancelled, begun);
+    assert_eq!(hung.state(), EngineState::Live);
+    let marked = step_until(
+        &mut h,
+        t0 + bound * 2,
+        Duration::from_millis(100),
+        &hung,
+        |_, _| complete_one(&fine),
+    )
+    .expect("the given-up read still counts against it");
+    assert!(marked - begun_at >= bound);
+    assert!(marked - begun_at <= bound + bound / 4);
+    // Nothing in flight: released at once.
+    assert_eq!(hung.state(), EngineState::Released);
+    assert!(h.events().iter().any(|e| matches!(
+        e,
+        Event::Released {
+            reason: ReleaseReason::Stalled,
+            ..
+        }
+    )));
+}
+
+#[test]
+fn reads_given_up_timed_out_everywhere_while_nothing_completes_blame_no_engine() {
+    let mut h = harness();
+    let t0 = h.now;
+    let a = h.live("a", at(1), 1);
+    let b = h.live("b", at(2), 2);
+    let ra = a.begin_read().unwrap();
+    let rb = b.begin_read().unwrap();
+    h.advance(Duration::from_secs(5));
+    h.give_up(&a, GiveUp::TimedOut, ra);
+    h.give_up(&b, GiveUp::TimedOut, rb);
+    let marked = step_until(
+        &mut h,
+        t0 + Duration::from_secs(60),
+        Duration::from_millis(500),
+        &a,
+        |_, _| {},
+    );
+    assert_eq!(marked, None);
+    assert_eq!(b.state(), EngineState::Live);
+    assert!(stalled_events(&mut h).is_empty());
+}
+
+#[test]
+fn a_single_engine_whose_read_timed_out_unanswered_is_stalled_there_is_nothing_to_compare_with() {
+    let mut h = harness();
+    let only = h.live("only", at(1), 1);
+    let r = only.begin_read().unwrap();
+    h.advance(Duration::from_secs(5));
+    h.give_up(&only, GiveUp::TimedOut, r);
+    h.advance(Duration::ZERO);
+    // Marked stalled and, nothing being in flight, handed to the release.
+    assert_eq!(only.state(), EngineState::Released);
+    assert_eq!(stalled_events(&mut h).len(), 1);
+    assert_eq!(h.released(), vec![1]);
+}
+
+#[test]
+fn with_the_read_stall_check_off_a_given_up_read_marks_nothing() {
+    let mut config = config();
+    config.read_stall = None;
+    let mut h = harness_with(config);
+    let only = h.live("only", at(1), 1);
+    let r = only.begin_read().unwrap();
+    h.advance(Duration::from_secs(5));
+    h.give_up(&only, GiveUp::TimedOut, r);
+    h.advance(Duration::from_secs(60));
+    assert_eq!(only.state(), EngineState::Live);
+}
+
+#[test]
+fn a_given_up_reads_destination_is_decided_when_the_release_comes_back() {
+    for ends in [false, true] {
+        let mut h = harness();
+        h.core.set_release_ends_transfers(ends);
+        let only = h.live("only", at(1), 1);
+        let r = only.begin_read().unwrap();
+        h.advance(Duration::from_secs(5));
+        h.give_up(&only, GiveUp::TimedOut, r);
+        h.advance(Duration::ZERO);
+        assert_eq!(
+            only.state(),
+            EngineState::Released,
+            "decided and handed over"
+        );
+        assert!(
+            !only.release_done().is_cancelled(),
+            "not before the transport came back"
+        );
+        assert_eq!(h.released(), vec![1]);
+        assert!(only.release_done().is_cancelled());
+        assert_eq!(only.transfers_ended(), ends);
+    }
 }

@@ -590,9 +590,10 @@ fn print_event(event: &Event) {
             engine,
             reads_in_flight,
             stalled_for,
+            given_up,
             failed,
         } => println!(
-            "event: stalled engine={engine} reads={reads_in_flight} stalled_ms={} failed={failed}",
+            "event: stalled engine={engine} reads={reads_in_flight} stalled_ms={} given_up={given_up} failed={failed}",
             stalled_for.as_millis()
         ),
         Event::TransportPanicked { engine, call, message } => {

@@ -8,12 +8,20 @@
 //!   prepped (one descriptor per block), local landing slots registered;
 //!   [`RemoteEngine::read_block`]: one READ, polled to its end, bytes
 //!   checked;
+//! - landing slots: a READ given up in progress keeps its slot (see
+//!   [`ReadOutcome::lent_slot`]): NIXL 1.5.1 may still write it (measured,
+//!   `cli/tests/real_buffer.rs`). The [`Decoder`] hands it back only when
+//!   the service's [`GivenUpRead`] says [`Destination::Reusable`]; with the
+//!   NIXL 1.5.1 transport it says [`Destination::Retire`], and the slot is
+//!   never reused (its memory is kept, mapped, for the life of the
+//!   process);
 //! - [`Decoder`]: the above with the service, through the library's
 //!   handshake protocol (`handshake`, `ready_to_load`, `register`),
 //!   read guards reporting each transfer's status; [`Decoder::spawn`] runs
 //!   the whole loop for one prefill address, re-handshaking after a
 //!   release once something listens again.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,8 +34,8 @@ use super::pattern;
 use super::wire::{self, HandshakeReply, WireError};
 use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
 use nixl_keepalive::{
-    AgentName, Claim, ClaimRefused, EngineId, EngineRef, EngineState, Incarnation, PeerAddr, Ready,
-    ServiceStopped,
+    AgentName, Claim, ClaimRefused, Destination, EngineId, EngineRef, EngineState, GiveUp,
+    GivenUpRead, Incarnation, PeerAddr, Ready, ServiceStopped,
 };
 use nixl_keepalive::{KeepaliveHandle, Transport};
 
@@ -175,17 +183,23 @@ pub enum ReadOutcome {
     /// NIXL refused or failed the transfer with this raw status.
     Failed(NixlStatus),
     /// Still in progress at the deadline; the request was released
-    /// (`releaseXferReq`, which aborts it where the backend can), with
-    /// this raw status.
+    /// (`releaseXferReq`: NIXL 1.5.1 answers SUCCESS, which stops the
+    /// read's `RD:` notification but not its bytes), with this raw status.
+    /// Its landing slot stays lent to the transfer.
     TimedOut {
         /// What `releaseXferReq` returned for the request in progress.
         release: NixlStatus,
+        /// The landing slot the transfer may still write.
+        slot: usize,
     },
     /// The service failed the engine's reads (unreachable, stalled, gone in
-    /// fail mode); the request was released, with this raw status.
+    /// fail mode); the request was released, with this raw status. Its
+    /// landing slot stays lent to the transfer.
     Abandoned {
         /// What `releaseXferReq` returned for the request in progress.
         release: NixlStatus,
+        /// The landing slot the transfer may still write.
+        slot: usize,
     },
     /// The engine's dlists were already released: nothing was posted.
     Released,
@@ -199,6 +213,15 @@ impl ReadOutcome {
         match self {
             ReadOutcome::Verified | ReadOutcome::Corrupt { .. } => Some(NixlStatus::SUCCESS),
             ReadOutcome::Failed(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The landing slot a read given up in progress left lent to its
+    /// transfer: not free again until [`RemoteEngine::return_slot`].
+    pub fn lent_slot(self) -> Option<usize> {
+        match self {
+            ReadOutcome::TimedOut { slot, .. } | ReadOutcome::Abandoned { slot, .. } => Some(slot),
             _ => None,
         }
     }
@@ -217,11 +240,37 @@ impl ReadOutcome {
     }
 }
 
+/// The decode side's landing slots for one engine: registered DRAM, one
+/// block each, and the local dlist over them.
 struct LocalSlots {
-    // Field order: the dlist goes before the memory it describes.
-    dlist: DlistHandle,
+    /// `None` only while dropping: it goes before the memory it describes.
+    dlist: Option<DlistHandle>,
     regions: Vec<DramRegistration>,
     free: Mutex<Vec<usize>>,
+    /// Slots lent to transfers given up in progress, not proven over.
+    lent: Mutex<BTreeSet<usize>>,
+}
+
+impl LocalSlots {
+    fn dlist(&self) -> &DlistHandle {
+        self.dlist.as_ref().expect("only taken when dropped")
+    }
+}
+
+impl Drop for LocalSlots {
+    /// A lent slot's memory is never freed: a given-up READ may still
+    /// write it (NIXL 1.5.1 over TCP: measured), for as long as the decode
+    /// agent lives. Its registration is leaked on purpose (the memory and
+    /// a reference to the agent); the others are given back.
+    fn drop(&mut self) {
+        drop(self.dlist.take());
+        let lent = std::mem::take(&mut *self.lent.lock().unwrap_or_else(|e| e.into_inner()));
+        for (slot, region) in std::mem::take(&mut self.regions).into_iter().enumerate() {
+            if lent.contains(&slot) {
+                std::mem::forget(region);
+            }
+        }
+    }
 }
 
 /// One loaded prefill engine: its metadata loaded into the decode agent,
@@ -333,8 +382,9 @@ impl RemoteEngine {
             let descs: Vec<Desc> = regions.iter().map(|r| r.desc()).collect();
             let dlist = agent.prep_local_dlist(&descs)?;
             Ok(LocalSlots {
-                dlist,
+                dlist: Some(dlist),
                 free: Mutex::new((0..regions.len()).collect()),
+                lent: Mutex::default(),
                 regions,
             })
         })();
@@ -369,6 +419,11 @@ impl RemoteEngine {
     /// and posts a READ whose completion notification is `RD:<request>`,
     /// polls it until done, failed, `timeout`, or `abandon()` says to give
     /// up, then checks the bytes. Never hangs past `timeout`.
+    ///
+    /// A read given up in progress ([`ReadOutcome::lent_slot`]) keeps its
+    /// landing slot: the transfer may still write it. Hand it back with
+    /// [`RemoteEngine::return_slot`] once the transfer is proven over, or
+    /// never (it stays out of use, and its memory outlives this engine).
     pub fn read_block(
         &self,
         agent: &Agent,
@@ -388,12 +443,48 @@ impl RemoteEngine {
             return ReadOutcome::NoSlot;
         };
         let outcome = self.read_into(agent, request, slot, rank, block, timeout, abandon);
-        self.local
-            .free
+        if outcome.lent_slot().is_some() {
+            self.local
+                .lent
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(slot);
+        } else {
+            self.local
+                .free
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(slot);
+        }
+        outcome
+    }
+
+    /// Hands back a slot a given-up read left lent, once its transfer is
+    /// proven over ([`Destination::Reusable`]). A slot not lent is left
+    /// alone.
+    pub fn return_slot(&self, slot: usize) {
+        let was_lent = self
+            .local
+            .lent
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push(slot);
-        outcome
+            .remove(&slot);
+        if was_lent {
+            self.local
+                .free
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(slot);
+        }
+    }
+
+    /// Landing slots lent to given-up transfers, not handed back.
+    pub fn lent_slots(&self) -> usize {
+        self.local
+            .lent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -410,7 +501,7 @@ impl RemoteEngine {
         let notif = format!("RD:{request}");
         let created = self.dlists.with_handle(rank as usize, |remote| {
             agent.create_read(
-                &self.local.dlist,
+                self.local.dlist(),
                 &[slot as i32],
                 remote,
                 &[block as i32],
@@ -435,8 +526,10 @@ impl RemoteEngine {
             Err(e) => return ReadOutcome::Failed(e.status),
         };
         let mut pause = Duration::from_micros(50);
-        // Giving up on a READ in progress: release the request, which asks
-        // the backend to abort it, and keep what NIXL said.
+        // Giving up on a READ in progress: release the request and keep
+        // what NIXL said. Measured with NIXL 1.5.1: SUCCESS, and the READ's
+        // `RD:` notification is never sent, but over TCP its bytes still
+        // land when the prefill resumes: the slot stays lent.
         let give_up = |req: nixl_sys::XferRequest| match req.release() {
             Ok(()) => NixlStatus::SUCCESS,
             Err(e) => e.status,
@@ -445,11 +538,13 @@ impl RemoteEngine {
             if abandon() {
                 return ReadOutcome::Abandoned {
                     release: give_up(req),
+                    slot,
                 };
             }
             if start.elapsed() >= timeout {
                 return ReadOutcome::TimedOut {
                     release: give_up(req),
+                    slot,
                 };
             }
             std::thread::sleep(pause);
@@ -472,6 +567,63 @@ impl RemoteEngine {
 /// an engine already registered (the same engine id elsewhere, another
 /// engine's agent names).
 const CONFLICT_PAUSE: Duration = Duration::from_secs(10);
+
+/// How many given-up request ids [`ReadStats`] keeps.
+pub const GIVEN_UP_KEPT: usize = 10_000;
+
+/// How many verified requests [`ReadStats`] remembers.
+pub const COMPLETIONS_KEPT: usize = 4096;
+
+/// Counts one read's outcome (stats, metrics, logs).
+fn count(
+    stats: &ReadStats,
+    engine: &EngineId,
+    request: &str,
+    rank: u16,
+    block: u32,
+    outcome: ReadOutcome,
+) {
+    let counter = match outcome {
+        ReadOutcome::Verified => {
+            let mut done = stats.completions.lock().unwrap_or_else(|e| e.into_inner());
+            if done.len() == COMPLETIONS_KEPT {
+                done.pop_front();
+            }
+            done.push_back((request.to_string(), Instant::now()));
+            &stats.verified
+        }
+        ReadOutcome::Corrupt { offset } => {
+            tracing::error!(%engine, rank, block, offset, "read returned wrong bytes");
+            &stats.corrupt
+        }
+        ReadOutcome::Failed(status) => {
+            tracing::debug!(%engine, %status, "read failed");
+            &stats.failed
+        }
+        ReadOutcome::TimedOut { release, .. } | ReadOutcome::Abandoned { release, .. } => {
+            tracing::info!(%engine, request, %release, raw = release.raw(), outcome = outcome.as_str(), "read given up: its request released");
+            metrics::counter!("nixl_keepalive_pd_abandoned_release_total", "status" => release.name())
+                .increment(1);
+            *stats
+                .abandoned_release
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(release.raw())
+                .or_default() += 1;
+            let mut ids = stats
+                .given_up_requests
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if ids.len() < GIVEN_UP_KEPT {
+                ids.push(request.to_string());
+            }
+            &stats.abandoned
+        }
+        ReadOutcome::Released | ReadOutcome::NoSlot => &stats.refused,
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+    metrics::counter!("nixl_keepalive_pd_reads_total", "outcome" => outcome.as_str()).increment(1);
+}
 
 /// How a [`Decoder`] reads.
 #[derive(Clone, Debug)]
@@ -526,6 +678,20 @@ pub struct ReadStats {
     /// What `releaseXferReq` returned for abandoned reads: raw status ->
     /// count.
     pub abandoned_release: Mutex<std::collections::BTreeMap<i32, u64>>,
+    /// The ids of the requests whose reads were given up (the first
+    /// [`GIVEN_UP_KEPT`]), so that a prefill's late completions can be
+    /// matched to them.
+    pub given_up_requests: Mutex<Vec<String>>,
+    /// The last [`COMPLETIONS_KEPT`] requests whose reads were verified,
+    /// with when `decode` saw them done (their `RD:` had been handed to
+    /// the prefill by then), to match a prefill's late completions.
+    pub completions: Mutex<std::collections::VecDeque<(String, Instant)>>,
+    /// Landing slots of given-up reads handed back (the service proved
+    /// the transfer over).
+    pub slots_returned: AtomicU64,
+    /// Landing slots of given-up reads retired for good (the transfer may
+    /// still write them: NIXL 1.5.1).
+    pub slots_retired: AtomicU64,
     /// Reads refused before posting (engine not live, released, no slot).
     pub refused: AtomicU64,
     /// Handshakes that registered an engine.
@@ -752,9 +918,19 @@ impl Decoder {
     /// the request gets a fresh id, which is leased (the service's
     /// heartbeats name it) from now until its read has ended; the read is
     /// posted and polled on a blocking thread (`RQ:` before it, `RD:` on
-    /// completion, see the [protocol](super)), its status reported to the
-    /// service, and then the lease is removed. No lease outlives its read,
-    /// so heartbeats name exactly the requests still pending.
+    /// completion, see the [protocol](super)), its outcome counted, its
+    /// status reported to the service, and then the lease is removed. No
+    /// lease outlives its read, so heartbeats name exactly the requests
+    /// still pending.
+    ///
+    /// A read given up in progress (timed out, or failed by the service)
+    /// ends its guard with [`nixl_keepalive::ReadGuard::give_up`]: not a
+    /// completion, and for a time-out the service's evidence of a hung
+    /// prefill. Its landing slot stays lent until the service says the
+    /// transfer is over ([`Destination::Reusable`]), else for good.
+    ///
+    /// Every count is made before the guard ends: whoever sees the engine
+    /// released (the last guard's end releases it) sees the read counted.
     pub async fn read(&self, connected: &Connected, rank: u16, block: u32) -> ReadOutcome {
         let guard = match connected.engine.begin_read() {
             Ok(g) => g,
@@ -770,48 +946,52 @@ impl Decoder {
         let remote = connected.remote.clone();
         let agent = self.transport.agent().clone();
         let timeout = self.options.read_timeout;
+        let stats = self.stats.clone();
         let id = request.clone();
-        let outcome = tokio::task::spawn_blocking(move || {
+        let who = engine.clone();
+        let (outcome, given_up) = tokio::task::spawn_blocking(move || {
             let outcome =
                 remote.read_block(&agent, &id, rank, block, timeout, &|| guard.is_failed());
-            match outcome.status() {
-                Some(status) => guard.finish(status),
-                None => drop(guard),
-            }
-            outcome
+            count(&stats, &who, &id, rank, block, outcome);
+            let given_up = match outcome {
+                ReadOutcome::TimedOut { .. } => Some(guard.give_up(GiveUp::TimedOut)),
+                ReadOutcome::Abandoned { .. } => Some(guard.give_up(GiveUp::Cancelled)),
+                _ => {
+                    match outcome.status() {
+                        Some(status) => guard.finish(status),
+                        None => drop(guard),
+                    }
+                    None
+                }
+            };
+            (outcome, given_up)
         })
         .await
         .expect("reads do not panic");
         self.handle.remove_leases(&engine, vec![request]);
-        let counter = match outcome {
-            ReadOutcome::Verified => &self.stats.verified,
-            ReadOutcome::Corrupt { offset } => {
-                tracing::error!(engine = %connected.remote.engine, rank, block, offset, "read returned wrong bytes");
-                &self.stats.corrupt
-            }
-            ReadOutcome::Failed(status) => {
-                tracing::debug!(engine = %connected.remote.engine, %status, "read failed");
-                &self.stats.failed
-            }
-            ReadOutcome::TimedOut { release } | ReadOutcome::Abandoned { release } => {
-                tracing::info!(engine = %connected.remote.engine, %release, raw = release.raw(), "read given up: its request released");
-                metrics::counter!("nixl_keepalive_pd_abandoned_release_total", "status" => release.name())
-                    .increment(1);
-                *self
-                    .stats
-                    .abandoned_release
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .entry(release.raw())
-                    .or_default() += 1;
-                &self.stats.abandoned
-            }
-            ReadOutcome::Released | ReadOutcome::NoSlot => &self.stats.refused,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("nixl_keepalive_pd_reads_total", "outcome" => outcome.as_str())
-            .increment(1);
+        if let (Some(given_up), Some(slot)) = (given_up, outcome.lent_slot()) {
+            self.reclaim_when_over(connected.remote.clone(), slot, given_up);
+        }
         outcome
+    }
+
+    /// Waits (in a task) for the service to say what becomes of a
+    /// given-up read's landing slot: handed back when the transfer is
+    /// proven over, else retired for good.
+    fn reclaim_when_over(&self, remote: Arc<RemoteEngine>, slot: usize, given_up: GivenUpRead) {
+        let stats = self.stats.clone();
+        tokio::spawn(async move {
+            match given_up.destination().await {
+                Destination::Reusable => {
+                    remote.return_slot(slot);
+                    stats.slots_returned.fetch_add(1, Ordering::Relaxed);
+                }
+                Destination::Retire => {
+                    stats.slots_retired.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(engine = %remote.engine, slot, "landing slot retired: the given-up READ may still write it (NIXL's release does not end it); never reused");
+                }
+            }
+        });
     }
 
     /// Runs the reader for one prefill address until `shutdown`: handshake

@@ -313,6 +313,7 @@ impl Timeline {
                 reads_in_flight,
                 stalled_for,
                 failed,
+                ..
             } => format!(
                 "{engine}: {reads_in_flight} read(s) stalled for {stalled_for:?} while others completed: hung{}",
                 if *failed { "; its reads failed" } else { " (reported only)" }
