@@ -33,6 +33,7 @@
 //! 1 ms.
 
 mod agent;
+pub mod endpoints;
 mod error;
 mod runtime;
 mod status;
@@ -42,6 +43,7 @@ pub use agent::{
     Agent, AgentConfig, Desc, DlistHandle, DramRegistration, Notification, ProgressThread,
     ThreadSync, XferRequest, XferState,
 };
+pub use endpoints::{EndpointCloseMode, EndpointCloses, UcxEndpoint, UcxEndpoints};
 pub use error::{check_agent_name, AgentNameProblem, LoadError, NixlError, Refusal, StatusSource};
 pub use runtime::{ApiKind, Runtime, DEFAULT_RUNTIME_DIR, PREFIX_ENV};
 pub use status::NixlStatus;
