@@ -1,6 +1,7 @@
 //! What a process holds, from `/proc`: file descriptors, sockets, TCP
-//! connections (`/proc/<pid>/fd`, `/proc/net/tcp{,6}` of the reader's
-//! network namespace), resident memory and threads (`/proc/<pid>/status`).
+//! connections (`/proc/<pid>/fd`, and `/proc/<pid>/net/tcp{,6}`: the
+//! tables of the process's own network namespace), resident memory and
+//! threads (`/proc/<pid>/status`).
 #![allow(dead_code)]
 
 use std::collections::HashSet;
@@ -35,22 +36,73 @@ fn socket_inodes(pid: u32) -> HashSet<String> {
         .unwrap_or_default()
 }
 
-/// The ESTABLISHED TCP connections of `pid` as (local, remote) in
-/// `/proc/net/tcp` notation.
-pub fn connections(pid: u32) -> Vec<(String, String)> {
+/// One TCP socket of a process, from `/proc/<pid>/net/tcp{,6}`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TcpSocket {
+    /// Local address, `/proc/net/tcp` notation (`0100007F:9C40`).
+    pub local: String,
+    /// Remote address, same notation.
+    pub remote: String,
+    /// The kernel's state code (`01` ESTABLISHED, `0A` LISTEN, ...).
+    pub state: String,
+}
+
+impl TcpSocket {
+    /// The local IPv4 address as dotted text, if it is one.
+    pub fn local_ipv4(&self) -> Option<String> {
+        ipv4_of(&self.local)
+    }
+
+    /// The remote IPv4 address as dotted text, if it is one.
+    pub fn remote_ipv4(&self) -> Option<String> {
+        ipv4_of(&self.remote)
+    }
+
+    /// Whether this is a listening socket.
+    pub fn is_listening(&self) -> bool {
+        self.state == "0A"
+    }
+}
+
+/// `0100007F:9C40` -> `127.0.0.1` (the kernel prints IPv4 in host order).
+fn ipv4_of(addr: &str) -> Option<String> {
+    let hex = addr.split(':').next()?;
+    if hex.len() != 8 {
+        return None;
+    }
+    let n = u32::from_str_radix(hex, 16).ok()?;
+    Some(std::net::Ipv4Addr::from(n.swap_bytes()).to_string())
+}
+
+/// Every TCP socket `pid` has open, in its own network namespace.
+pub fn tcp_sockets(pid: u32) -> Vec<TcpSocket> {
     let inodes = socket_inodes(pid);
     let mut out = Vec::new();
-    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        let text = std::fs::read_to_string(table).unwrap_or_default();
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
         for line in text.lines().skip(1) {
             let cols: Vec<&str> = line.split_whitespace().collect();
-            // st 01 = ESTABLISHED; column 9 is the inode.
-            if cols.len() > 9 && cols[3] == "01" && inodes.contains(cols[9]) {
-                out.push((cols[1].to_string(), cols[2].to_string()));
+            // Column 9 is the inode.
+            if cols.len() > 9 && inodes.contains(cols[9]) {
+                out.push(TcpSocket {
+                    local: cols[1].to_string(),
+                    remote: cols[2].to_string(),
+                    state: cols[3].to_string(),
+                });
             }
         }
     }
     out
+}
+
+/// The ESTABLISHED TCP connections of `pid` as (local, remote) in
+/// `/proc/net/tcp` notation.
+pub fn connections(pid: u32) -> Vec<(String, String)> {
+    tcp_sockets(pid)
+        .into_iter()
+        .filter(|s| s.state == "01")
+        .map(|s| (s.local, s.remote))
+        .collect()
 }
 
 /// ESTABLISHED TCP connections between processes `a` and `b`, each
