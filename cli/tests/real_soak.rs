@@ -200,12 +200,15 @@ fn soak_kills_restarts_and_live_releases() {
     report(&format!(
         "soak done: {kills} kills and {live_releases} live releases in {:.0} s; rss {} -> {} KiB \
          ({:+.2} KiB/cycle over the first half of the samples, {:+.2} over the second); \
-         fds {} -> {}, established {} -> {}, threads {} -> {}, maps {} -> {}",
+         anonymous {} -> {} KiB; fds {} -> {}, established {} -> {}, threads {} -> {}, \
+         maps {} -> {}, UCX endpoints {} -> {}",
         started.elapsed().as_secs_f64(),
         first.held.rss_kib,
         last.held.rss_kib,
         slope(&samples[..=half]),
         slope(&samples[half..]),
+        first.anon_kib,
+        last.anon_kib,
         first.held.fds,
         last.held.fds,
         first.held.established,
@@ -214,6 +217,8 @@ fn soak_kills_restarts_and_live_releases() {
         last.held.threads,
         first.maps,
         last.maps,
+        first.ucx_endpoints,
+        last.ucx_endpoints,
     ));
     assert!(last.held.fds <= first.held.fds + 2, "descriptors grew");
     assert!(last.held.sockets <= first.held.sockets + 2, "sockets grew");
