@@ -15,6 +15,11 @@
 //! cargo test -p nixl-keepalive-cli --test real_soak -- --ignored --nocapture
 //! SOAK_CYCLES=3000 SOAK_SAMPLE=100 MALLOC_ARENA_MAX=1 cargo test ... # the decode inherits it
 //! ```
+//!
+//! `SOAK_DECODE_ENV="K=V;K=V"` adds environment to the decode only, e.g. a
+//! heap profiler's preload (heaptrack: `LD_PRELOAD=<libheaptrack_preload.so>;
+//! DUMP_HEAPTRACK_OUTPUT=<fifo read by heaptrack_interpret>`), so that the
+//! decode's own pid is still the one measured.
 
 mod common;
 
@@ -98,9 +103,19 @@ fn soak_kills_restarts_and_live_releases() {
     let mut victim = PrefillProc::start(&spec(None, None));
     let listen = victim.listen();
     let pinned = common::unique("soak-pinned");
+    let decode_env: Vec<(String, String)> = std::env::var("SOAK_DECODE_ENV")
+        .unwrap_or_default()
+        .split(';')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    let decode_env: Vec<(&str, &str)> = decode_env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
     let mut d = DecodeProc::start(
         &["--prefill", live.addr.as_str(), victim.addr.as_str()],
-        &[],
+        &decode_env,
         PATIENCE,
     );
     d.wait_nth(1, &["event: registered", &live.engine], PATIENCE);

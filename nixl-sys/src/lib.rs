@@ -12,6 +12,15 @@
 //! throughout. Either way statuses arrive as one type, [`NixlStatus`], in
 //! the C++ numbering, and become [`NixlError`] in one place.
 //!
+//! # Releasing a peer
+//!
+//! [`Agent::invalidate_remote_metadata`] also closes the peer's UCX
+//! endpoints at once, live peer or dead, and says what it closed
+//! ([`EndpointCloses`]): NIXL 1.5.1 alone closes a live peer's endpoint in
+//! UCX's flush mode, which keeps it (and its TCP socket) until the agent is
+//! destroyed. See [`endpoints`] for how, and [`Agent::ucx_endpoints`] for
+//! UCX's own view of an agent's endpoints.
+//!
 //! # Thread safety
 //!
 //! A NIXL agent's default thread-sync mode is NONE (no locking). This crate
