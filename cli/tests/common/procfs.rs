@@ -15,10 +15,16 @@ pub struct Held {
     pub sockets: usize,
     /// Of which ESTABLISHED TCP connections.
     pub established: usize,
+    /// Of those, the ones whose other end is not in this process (UCX
+    /// connects each worker to itself too, lazily: those are left out).
+    pub established_out: usize,
     /// Resident memory, KiB (`VmRSS`).
     pub rss_kib: u64,
     /// Threads.
     pub threads: u64,
+    /// Memory mappings (`/proc/<pid>/maps` lines): a peer's shared memory
+    /// that stayed mapped would show here.
+    pub maps: usize,
 }
 
 fn socket_inodes(pid: u32) -> HashSet<String> {
@@ -129,11 +135,21 @@ pub fn held(pid: u32) -> Held {
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0)
     };
+    let established = connections(pid);
+    let own: HashSet<&(String, String)> = established.iter().collect();
+    let established_out = established
+        .iter()
+        .filter(|(local, remote)| !own.contains(&(remote.clone(), local.clone())))
+        .count();
     Held {
         fds,
         sockets: socket_inodes(pid).len(),
-        established: connections(pid).len(),
+        established: established.len(),
+        established_out,
         rss_kib: field("VmRSS:"),
         threads: field("Threads:"),
+        maps: std::fs::read_to_string(format!("/proc/{pid}/maps"))
+            .map(|m| m.lines().count())
+            .unwrap_or(0),
     }
 }
