@@ -125,7 +125,7 @@ fn soak_kills_restarts_and_live_releases() {
     let mut csv = std::fs::File::create(&csv_path).expect("csv");
     writeln!(
         csv,
-        "cycle,seconds,rss_kib,anon_kib,fds,sockets,established,threads,maps,ucx_endpoints"
+        "cycle,seconds,rss_kib,anon_kib,fds,sockets,established,established_out,threads,maps,ucx_endpoints"
     )
     .unwrap();
     report(&format!(
@@ -160,7 +160,7 @@ fn soak_kills_restarts_and_live_releases() {
             };
             writeln!(
                 csv,
-                "{},{:.1},{},{},{},{},{},{},{},{}",
+                "{},{:.1},{},{},{},{},{},{},{},{},{}",
                 s.cycle,
                 s.at.as_secs_f64(),
                 h.rss_kib,
@@ -168,6 +168,7 @@ fn soak_kills_restarts_and_live_releases() {
                 h.fds,
                 h.sockets,
                 h.established,
+                h.established_out,
                 h.threads,
                 maps,
                 ucx_endpoints
@@ -235,11 +236,13 @@ fn soak_kills_restarts_and_live_releases() {
         first.ucx_endpoints,
         last.ucx_endpoints,
     ));
-    assert!(last.held.fds <= first.held.fds + 2, "descriptors grew");
-    assert!(last.held.sockets <= first.held.sockets + 2, "sockets grew");
+    // UCX connects each worker to itself lazily (two descriptors each):
+    // a few descriptors come and go; a leak is one per release and rank.
+    assert!(last.held.fds <= first.held.fds + 6, "descriptors grew");
+    assert!(last.held.sockets <= first.held.sockets + 6, "sockets grew");
     assert!(
-        last.held.established <= first.held.established + 2,
-        "connections grew"
+        last.held.established_out <= first.held.established_out + 2,
+        "connections to other processes grew"
     );
     assert!(last.held.threads <= first.held.threads + 2, "threads grew");
     d.stop();
