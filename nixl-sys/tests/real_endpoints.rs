@@ -204,6 +204,17 @@ fn child_process() {
     match std::env::var(ROLE_ENV).as_deref() {
         Ok("peer") => peer_child(),
         Ok("decode") => decode_child(),
+        Ok("mode") => {
+            let rt = Runtime::get().expect("runtime");
+            println!("NKS_MODE before_agent={:?}", rt.endpoint_close_mode());
+            let _a = Agent::new(
+                rt,
+                &format!("mode-{}", std::process::id()),
+                &AgentConfig::default(),
+            )
+            .expect("agent");
+            println!("NKS_MODE after_agent={:?}", rt.endpoint_close_mode());
+        }
         _ => {}
     }
 }
@@ -533,4 +544,51 @@ fn a_bad_endpoint_close_setting_stops_loading_and_says_what_is_accepted() {
             && text.contains("`nixl`"),
         "{text}"
     );
+}
+
+/// The close mode a fresh process reports, before and after its first
+/// agent, with `env`.
+fn mode_in_child(env: &[(&str, &str)]) -> (String, String) {
+    let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
+    cmd.args([
+        "child_process",
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(ROLE_ENV, "mode");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run child");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let find = |key: &str| {
+        text.lines()
+            .find_map(|l| l.split_once(key).map(|(_, v)| v.to_string()))
+            .unwrap_or_else(|| panic!("no {key} in {text}"))
+    };
+    (find("before_agent="), find("after_agent="))
+}
+
+#[test]
+fn the_close_mode_is_force_only_where_nixls_plugin_really_calls_the_interposer() {
+    if runtime_or_skip().is_none() {
+        return;
+    }
+    // Settled once the first agent has loaded NIXL's UCX plugin, and
+    // checked against the plugin's own relocation.
+    let (before, after) = mode_in_child(&[]);
+    assert_eq!(before, "Pending");
+    assert_eq!(after, "Force");
+    // With RTLD_DEEPBIND the plugin binds UCX's own ucp_ep_close_nbx: the
+    // check sees it, and nothing claims a forced close.
+    let (_, deep) = mode_in_child(&[("NIXL_UCX_DEEPBIND", "1")]);
+    assert!(deep.starts_with("Unavailable"), "{deep}");
+    let (_, nixl) = mode_in_child(&[(nixl_sys::endpoints::EP_CLOSE_ENV, "nixl")]);
+    assert_eq!(nixl, "Nixl");
 }
