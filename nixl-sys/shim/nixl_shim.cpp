@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
@@ -247,16 +248,28 @@ struct Vfs {
     strb_cleanup_fn cleanup = nullptr;
 };
 
+// Finds the first loaded libucs by its file name. Only reads the loader's
+// list: nothing is opened while dl_iterate_phdr holds its lock (a dlopen
+// from inside the callback deadlocks wherever dlopen itself walks the list,
+// as heap profilers that wrap dlopen do).
 int
 find_libucs(struct dl_phdr_info *info, size_t, void *arg) {
-    auto *vfs = static_cast<Vfs *>(arg);
     if (info->dlpi_name == nullptr) return 0;
     const char *slash = std::strrchr(info->dlpi_name, '/');
     const char *base = slash ? slash + 1 : info->dlpi_name;
     if (std::strncmp(base, "libucs", 6) != 0) return 0;
-    void *h = dlopen(info->dlpi_name, RTLD_NOLOAD | RTLD_LAZY);
-    if (h == nullptr) return 0;
+    *static_cast<std::string *>(arg) = info->dlpi_name;
+    return 1;
+}
+
+Vfs
+load_vfs() {
+    std::string path;
+    dl_iterate_phdr(find_libucs, &path);
     Vfs found;
+    if (path.empty()) return found;
+    void *h = dlopen(path.c_str(), RTLD_NOLOAD | RTLD_LAZY);
+    if (h == nullptr) return found;
     found.list = reinterpret_cast<vfs_list_fn>(dlsym(h, "ucs_vfs_path_list_dir"));
     found.read = reinterpret_cast<vfs_read_fn>(dlsym(h, "ucs_vfs_path_read_file"));
     found.init = reinterpret_cast<strb_init_fn>(dlsym(h, "ucs_string_buffer_init"));
@@ -264,18 +277,21 @@ find_libucs(struct dl_phdr_info *info, size_t, void *arg) {
     found.cleanup = reinterpret_cast<strb_cleanup_fn>(dlsym(h, "ucs_string_buffer_cleanup"));
     // libucs stays loaded: NIXL's plugin depends on it and is never unloaded.
     dlclose(h);
-    if (found.list && found.read && found.init && found.cstr && found.cleanup) {
-        *vfs = found;
-        return 1;
+    if (!(found.list && found.read && found.init && found.cstr && found.cleanup)) {
+        return Vfs{};
     }
-    return 0;
+    return found;
 }
 
+// The walkers, found once libucs is in the process (looked for again until
+// then).
 Vfs
 vfs() {
-    Vfs v;
-    dl_iterate_phdr(find_libucs, &v);
-    return v;
+    static std::mutex lock;
+    static Vfs cached;
+    std::lock_guard<std::mutex> guard(lock);
+    if (cached.list == nullptr) cached = load_vfs();
+    return cached;
 }
 
 } // namespace
