@@ -137,7 +137,7 @@ pub use state::EngineState;
 
 pub use nixl_sys::NixlStatus;
 pub use transport::{
-    AgentName, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, ResolveError, Transport,
-    TransportError,
+    AgentName, EndpointClose, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, ResolveError,
+    Transport, TransportError,
 };
 pub use ucx_sys::UcsStatus;

@@ -200,6 +200,21 @@ pub struct ReleaseStep {
     pub status: NixlStatus,
 }
 
+impl ReleaseStep {
+    /// UCX endpoints this step left open (see [`EndpointClose::LeftOpen`]):
+    /// they keep their sockets and mappings until the decode's agent is
+    /// destroyed. 0 for every other step.
+    pub fn endpoints_left_open(&self) -> u32 {
+        match &self.target {
+            ReleaseTarget::Endpoints {
+                close: EndpointClose::LeftOpen { left_open, .. },
+                ..
+            } => *left_open,
+            _ => 0,
+        }
+    }
+}
+
 /// What one release step gave back.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ReleaseTarget {
@@ -208,6 +223,67 @@ pub enum ReleaseTarget {
     DlistHandle(usize),
     /// An agent's loaded remote metadata (`invalidateRemoteMD`).
     RemoteMetadata(AgentName),
+    /// The UCX endpoints to an agent, which its `invalidateRemoteMD`
+    /// closes: reported right after that agent's
+    /// [`ReleaseTarget::RemoteMetadata`] step when the invalidation
+    /// succeeded, with the same status. What happened to them is in
+    /// `close`; an endpoint left open is not a failed step (NIXL said
+    /// SUCCESS) but is counted in
+    /// `nixl_keepalive_release_endpoints_total{outcome="left_open"}`.
+    Endpoints {
+        /// The remote agent.
+        agent: AgentName,
+        /// What the invalidation did to its endpoints.
+        close: EndpointClose,
+    },
+}
+
+/// What an agent's invalidation did to its UCX endpoints (one per UCX
+/// worker of the decode's agent).
+///
+/// Measured with NIXL 1.5.1 (loopback): NIXL closes a live peer's endpoint
+/// in UCX's flush mode, which keeps it, its TCP socket and its
+/// shared-memory mappings until the decode's agent is destroyed; only a
+/// peer UCX had already failed (killed) was closed for real. `nixl-sys`
+/// forces the close (see `nixl_sys::endpoints`), so both are
+/// [`EndpointClose::Closed`]. The TCP connection UCX shares between both
+/// directions then closes on the prefill's side, at its next UCX
+/// keepalive round (`UCX_KEEPALIVE_INTERVAL` of the prefill, 20 s by
+/// default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndpointClose {
+    /// Every endpoint closed at once: destroyed with its transports.
+    Closed {
+        /// How many.
+        endpoints: u32,
+    },
+    /// Some endpoints were closed in UCX's flush mode and stay open, with
+    /// their sockets and mappings, until the decode's agent is destroyed.
+    LeftOpen {
+        /// Endpoints closed for real.
+        closed: u32,
+        /// Endpoints left open.
+        left_open: u32,
+    },
+    /// No endpoint was closed: NIXL held no connection to the agent any
+    /// more, or a handle made from it (a transfer request, a dlist) still
+    /// holds it and it closes when that goes.
+    NoneClosed,
+    /// The transport cannot see endpoint closes (the process runs NIXL's
+    /// own close mode, or the transport does not observe them).
+    NotObserved,
+}
+
+impl EndpointClose {
+    /// A short name, used as the `outcome` metric label.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            EndpointClose::Closed { .. } => "closed",
+            EndpointClose::LeftOpen { .. } => "left_open",
+            EndpointClose::NoneClosed => "none_closed",
+            EndpointClose::NotObserved => "not_observed",
+        }
+    }
 }
 
 /// The service's view of NIXL.
@@ -230,8 +306,10 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Gives back everything held for one engine: releases each prepped
     /// dlist handle in `resources`, then invalidates the remote metadata of
-    /// each agent in `agents`. Every step is attempted even when an earlier
-    /// one fails; the report lists each step with its raw status.
+    /// each agent in `agents`, closing its UCX endpoints. Every step is
+    /// attempted even when an earlier one fails; the report lists each step
+    /// with its raw status, and after each successful invalidation what
+    /// became of the agent's endpoints ([`ReleaseTarget::Endpoints`]).
     fn release(
         &self,
         engine: &EngineId,

@@ -232,6 +232,15 @@ pub enum LoadError {
         /// The symbol.
         symbol: String,
     },
+    /// An environment variable of this crate has a value it does not take.
+    BadSetting {
+        /// The variable.
+        variable: &'static str,
+        /// Its value.
+        value: String,
+        /// What it takes.
+        accepted: &'static str,
+    },
 }
 
 const INSTALL_HINT: &str = "install it with `scripts/install-nixl.sh` (fetches the pinned \
@@ -268,6 +277,15 @@ impl fmt::Display for LoadError {
                 f,
                 "{} lacks symbol {symbol} (unsupported NIXL version?); {INSTALL_HINT}",
                 path.display()
+            ),
+            LoadError::BadSetting {
+                variable,
+                value,
+                accepted,
+            } => write!(
+                f,
+                "{variable}={:?} is not a value it takes; accepted: {accepted}",
+                value.escape_debug().to_string()
             ),
         }
     }

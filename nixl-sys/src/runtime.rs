@@ -18,6 +18,7 @@ use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
 
+use crate::endpoints::{EndpointCloseMode, EpClose, EP_CLOSE_ENV};
 use crate::error::{LoadError, StatusSource};
 use crate::status::NixlStatus;
 
@@ -222,6 +223,7 @@ pub struct Runtime {
     lib_dir: PathBuf,
     capi: Capi,
     flavor: Flavor,
+    ep_close: EpClose,
     // Kept so the libraries are never closed (the Runtime lives in a static).
     _libnixl: Library,
     _libcapi: Library,
@@ -245,6 +247,17 @@ impl Runtime {
         &self.lib_dir
     }
 
+    /// How the UCX endpoints of an invalidated agent are closed in this
+    /// process (see [`crate::endpoints`]): [`EndpointCloseMode::Pending`]
+    /// until the first agent has loaded NIXL's UCX plugin.
+    pub fn endpoint_close_mode(&self) -> EndpointCloseMode {
+        self.ep_close.mode()
+    }
+
+    pub(crate) fn ep_close(&self) -> &EpClose {
+        &self.ep_close
+    }
+
     /// Which interface carries the statuses.
     pub fn api_kind(&self) -> ApiKind {
         match self.flavor {
@@ -262,6 +275,14 @@ impl Runtime {
             location: location.clone(),
             origin,
             tried,
+        })?;
+        // Before libnixl: NIXL's UCX plugin, loaded later, must find the
+        // endpoint-close interposer in the global scope.
+        let ep_close = EpClose::install().map_err(|bad| LoadError::BadSetting {
+            variable: EP_CLOSE_ENV,
+            value: bad.0,
+            accepted: "`force` (default: a released peer's UCX endpoints are closed at once) or \
+                       `nixl` (NIXL's own close mode, which keeps a live peer's endpoints)",
         })?;
         let nixl_path = lib_dir.join("libnixl.so");
         let capi_path = lib_dir.join("libnixl_capi.so");
@@ -375,6 +396,7 @@ impl Runtime {
             lib_dir,
             capi,
             flavor,
+            ep_close,
             _libnixl: libnixl,
             _libcapi: libcapi,
         })

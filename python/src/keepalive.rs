@@ -406,6 +406,11 @@ impl Service {
                     d.set_item("target", "remote_metadata")?;
                     d.set_item("agent", agent.as_str())?;
                 }
+                ReleaseTarget::Endpoints { agent, close } => {
+                    d.set_item("target", "endpoints")?;
+                    d.set_item("agent", agent.as_str())?;
+                    d.set_item("close", close.as_str())?;
+                }
             }
             d.set_item("status", step.status.raw())?;
             d.set_item("status_name", step.status.name())?;

@@ -66,7 +66,13 @@
 //!   `REMOTE_DISCONNECT` drops the agent's metadata as NIXL 0.6+ does.
 //! - **Release** ([`Transport::release`]): `releasedDlistH` per handle, then
 //!   `invalidateRemoteMD` per agent; a step whose target is already gone
-//!   answers `NOT_FOUND`; double release never panics.
+//!   answers `NOT_FOUND`; double release never panics. After each
+//!   successful invalidation, a [`ReleaseTarget::Endpoints`] step: the
+//!   agent's endpoint is closed (`EndpointClose::Closed`), live peer or
+//!   dead, as measured with the real transport (`nixl-sys` forces the
+//!   close). [`FakeConfig::nixl_flush_close`] models NIXL 1.5.1's own
+//!   close mode instead (also measured): a live peer's endpoint is left
+//!   open, only a failed one is closed.
 //! - **Status mapping**: UCX statuses become NIXL statuses as in NIXL's UCX
 //!   backend ([`nixl_status_from_ucs`]); each call records both.
 //!
@@ -137,8 +143,8 @@ pub use status::nixl_status_from_ucs;
 use world::{Gone, HandleSlot, LoadedAgent, NotifyBlock, ProcessId, Silence, World};
 
 use crate::{
-    AgentName, EngineId, NixlStatus, PeerAddr, ReleaseStep, ReleaseTarget, Transport,
-    TransportError, UcsStatus,
+    AgentName, EndpointClose, EngineId, NixlStatus, PeerAddr, ReleaseStep, ReleaseTarget,
+    Transport, TransportError, UcsStatus,
 };
 
 /// How the simulated UCX behaves.
@@ -163,6 +169,13 @@ pub struct FakeConfig {
     /// Whether to record every call for [`FakeUcx::calls`]. Default `true`;
     /// turn it off for long benchmarks.
     pub record_calls: bool,
+    /// Whether a release closes endpoints the way NIXL 1.5.1 does on its
+    /// own (UCX's flush mode): an endpoint UCX has not failed (a live peer)
+    /// is reported [`EndpointClose::LeftOpen`](crate::EndpointClose), a
+    /// failed one closed. Default `false`: every endpoint closed, as
+    /// measured with the real transport, whose `nixl-sys` forces the close.
+    /// Both are measured behaviour.
+    pub nixl_flush_close: bool,
 }
 
 impl Default for FakeConfig {
@@ -172,6 +185,7 @@ impl Default for FakeConfig {
             frozen_peers_detected: false,
             drop_metadata_on_disconnect: false,
             record_calls: true,
+            nixl_flush_close: false,
         }
     }
 }
@@ -961,11 +975,23 @@ impl Transport for FakeUcx {
                 status,
             });
         }
+        let flush_close = world.config.nixl_flush_close;
         for agent in agents {
-            let status = match world.loaded.remove(agent) {
+            let removed = world.loaded.remove(agent);
+            let status = match removed {
                 Some(_) => NixlStatus::SUCCESS,
                 None => NixlStatus::ERR_NOT_FOUND,
             };
+            let close = removed.map(|loaded| {
+                if flush_close && loaded.failed.is_none() {
+                    EndpointClose::LeftOpen {
+                        closed: 0,
+                        left_open: 1,
+                    }
+                } else {
+                    EndpointClose::Closed { endpoints: 1 }
+                }
+            });
             world.record(FakeCall {
                 at: now,
                 op: FakeOp::InvalidateRemoteMd,
@@ -979,6 +1005,15 @@ impl Transport for FakeUcx {
                 target: ReleaseTarget::RemoteMetadata(agent.clone()),
                 status,
             });
+            if let Some(close) = close {
+                steps.push(ReleaseStep {
+                    target: ReleaseTarget::Endpoints {
+                        agent: agent.clone(),
+                        close,
+                    },
+                    status,
+                });
+            }
         }
         steps
     }

@@ -3,7 +3,9 @@
 //! that shows in CI logs even for passing tests.
 #![allow(dead_code)]
 
+pub mod decode;
 pub mod etcd;
+pub mod procfs;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
@@ -19,10 +21,34 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 /// Real tests take this lock: one at a time in a test binary, so the suite
-/// fits a 2-core machine and timings are not skewed by each other.
+/// fits a 2-core machine and timings are not skewed by each other. Taking
+/// it also pins UCX to loopback ([`pin_ucx_to_loopback`]).
 pub fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    pin_ucx_to_loopback();
+    guard
+}
+
+/// The network devices UCX may use in the real tests: loopback only.
+pub const UCX_DEVICES: &str = "lo";
+
+/// Pins UCX to loopback (`UCX_NET_DEVICES=lo`) for the decode in this
+/// process and every process the tests spawn (they inherit it), unless
+/// `UCX_NET_DEVICES` is set already. Unpinned, UCX uses every interface it
+/// finds, and a temporary address elsewhere on the machine that vanishes
+/// (measured: another test's veth) hangs reads over it until their
+/// timeout. Set once, under the [`serial`] lock: no other thread is inside
+/// UCX then (real tests finish loading the runtime, `runtime_or_skip`,
+/// before they take the lock, and create UCX contexts only under it), and
+/// UCX reads `UCX_*` when a context is created.
+pub fn pin_ucx_to_loopback() {
+    static PIN: std::sync::Once = std::sync::Once::new();
+    PIN.call_once(|| {
+        if std::env::var_os("UCX_NET_DEVICES").is_none() {
+            std::env::set_var("UCX_NET_DEVICES", UCX_DEVICES);
+        }
+    });
 }
 
 /// Prints a measurement straight to the stderr handle (libtest captures
