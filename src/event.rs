@@ -172,6 +172,11 @@ pub enum Event {
         /// The transport panicked while releasing: what it had done is
         /// unknown, and nothing is retried (its resources were consumed).
         panicked: bool,
+        /// UCX endpoints the release could not close (NIXL's own close
+        /// mode keeps a live peer's endpoint, and its socket, until the
+        /// agent is destroyed; see the README, "Releases leave nothing
+        /// behind"). 0 when every endpoint was closed or none was observed.
+        endpoints_left_open: u32,
     },
     /// Two sources claimed one identity (see [`Conflict`]): the newcomer
     /// was refused, the registered engine kept. Published once per

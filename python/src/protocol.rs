@@ -776,6 +776,7 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             waited_for,
             failed_steps,
             panicked,
+            endpoints_left_open,
         } => {
             d.set_item("kind", "released")?;
             d.set_item("engine", engine.as_str())?;
@@ -790,6 +791,7 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             d.set_item("waited_for", w)?;
             d.set_item("failed_steps", *failed_steps)?;
             d.set_item("panicked", *panicked)?;
+            d.set_item("endpoints_left_open", *endpoints_left_open)?;
         }
         Event::Conflict { conflict } => {
             d.set_item("kind", "conflict")?;

@@ -932,10 +932,12 @@ impl<R> Core<R> {
         self.releases_in_flight -= 1;
         let engine = peer.id().clone();
         let mark = peer.mark.expect("released registrations are marked");
+        let mut endpoints_left_open = 0u32;
         let (failed_steps, panicked) = match steps {
             Ok(steps) => {
                 let mut failed = 0;
                 for step in &steps {
+                    endpoints_left_open += step.endpoints_left_open();
                     if step.status == NixlStatus::ERR_NOT_FOUND {
                         tracing::debug!(%engine, target = ?step.target, "already dropped by NIXL: counts as released");
                     } else if !step.status.is_ok() {
@@ -977,6 +979,7 @@ impl<R> Core<R> {
             },
             failed_steps,
             panicked,
+            endpoints_left_open,
         });
         self.forget_registration(now, serial, &engine, &peer.address, &peer.agents);
     }

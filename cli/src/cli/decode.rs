@@ -605,8 +605,9 @@ fn print_event(event: &Event) {
             waited_for,
             failed_steps,
             panicked,
+            endpoints_left_open,
         } => println!(
-            "event: released engine={engine} reason={} waited_ms={} reads_at_mark={} handshake={} failed_steps={failed_steps} panicked={panicked}",
+            "event: released engine={engine} reason={} waited_ms={} reads_at_mark={} handshake={} failed_steps={failed_steps} panicked={panicked} endpoints_left_open={endpoints_left_open}",
             reason.as_str(),
             waited_for.duration.as_millis(),
             waited_for.reads_in_flight_at_mark,
