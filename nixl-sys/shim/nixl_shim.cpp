@@ -58,6 +58,8 @@ using release_xfer_fn = status_t (*)(const Agent *, XferReqH *);
 using invalidate_fn = status_t (*)(Agent *, const std::string &);
 // nixlAgent::releasedDlistH(nixlDlistH*) const
 using release_dlist_fn = status_t (*)(const Agent *, DlistH *);
+// nixlAgent::getLocalMD(nixl_blob_t&) const
+using get_local_md_fn = status_t (*)(const Agent *, std::string &);
 // nixlAgent::loadRemoteMD(const nixl_blob_t&, std::string&)
 using load_md_fn = status_t (*)(Agent *, const std::string &, std::string &);
 // nixlAgent::prepXferDlist(const nixl_xfer_dlist_t&, nixlDlistH*&, const nixl_opt_args_t*) const
@@ -158,6 +160,27 @@ nks_load_remote_md(const void *fn, void *agent, const void *md, size_t md_len, c
             copy[name.size()] = '\0';
             *name_out = copy;
             *name_len = name.size();
+        }
+        return st;
+    });
+}
+
+// The agent's own metadata through the C++ member: compared with the C
+// API's answer for the same handle, it proves that the handle's first
+// member is the nixlAgent the shim takes it for.
+int
+nks_get_local_md(const void *fn, const void *agent, char **out, size_t *len) {
+    *out = nullptr;
+    *len = 0;
+    return guarded([&] {
+        std::string md;
+        status_t st = reinterpret_cast<get_local_md_fn>(fn)(static_cast<const Agent *>(agent), md);
+        if (st == 0) {
+            char *copy = static_cast<char *>(std::malloc(md.size() + 1));
+            if (!copy) throw std::bad_alloc();
+            std::memcpy(copy, md.data(), md.size());
+            *out = copy;
+            *len = md.size();
         }
         return st;
     });

@@ -61,7 +61,9 @@ pub enum EndpointCloseMode {
     /// `NIXL_UCX_DEEPBIND`, or the interposer could not be loaded). NIXL's
     /// own mode applies.
     Unavailable(String),
-    /// Not known yet: no agent (hence no UCX plugin) exists yet.
+    /// Not known yet: no agent (hence no UCX plugin) exists yet. (With
+    /// the 1.5.x runtime the layout probe at load creates one, so this is
+    /// only seen with a V1 C API runtime before its first agent.)
     Pending,
 }
 

@@ -232,6 +232,15 @@ pub enum LoadError {
         /// The symbol.
         symbol: String,
     },
+    /// The runtime's C API handles are not laid out as this crate reads
+    /// them (a NIXL release this crate was not built for): refused before
+    /// anything relies on it.
+    LayoutMismatch {
+        /// The C API library.
+        path: PathBuf,
+        /// What the check found.
+        why: String,
+    },
     /// An environment variable of this crate has a value it does not take.
     BadSetting {
         /// The variable.
@@ -276,6 +285,11 @@ impl fmt::Display for LoadError {
             LoadError::MissingSymbol { path, symbol } => write!(
                 f,
                 "{} lacks symbol {symbol} (unsupported NIXL version?); {INSTALL_HINT}",
+                path.display()
+            ),
+            LoadError::LayoutMismatch { path, why } => write!(
+                f,
+                "the NIXL runtime at {} is not one this crate can call safely: {why}; this crate supports the nixl-cu12 1.5.x C API (scripts/install-nixl.sh installs 1.5.1) and runtimes exporting nixl_capi_get_version",
                 path.display()
             ),
             LoadError::BadSetting {
