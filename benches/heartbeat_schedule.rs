@@ -162,6 +162,7 @@ async fn service(engines: usize, measure: Duration) -> (f64, f64, f64) {
     // service's (the decoder holds them anyway).
     let regs: Vec<_> = (0..engines)
         .map(|i| Registration {
+            incarnation: None,
             engine: EngineId::new(format!("prefill-{i}")),
             address: PeerAddr::new(format!(
                 "10.{}.{}.{}:5600",

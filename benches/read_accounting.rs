@@ -41,6 +41,7 @@ fn main() {
             engines.push(
                 handle
                     .register(Registration {
+                        incarnation: None,
                         engine: EngineId::new(format!("prefill-{i}")),
                         address: PeerAddr::new(format!("10.0.0.{i}:5600")),
                         agents: vec![AgentName::new(format!("prefill-{i}-rank0"))],

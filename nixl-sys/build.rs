@@ -1,14 +1,17 @@
-//! Compiles the C++ shim and records where the NIXL runtime is expected.
+//! Compiles the C++ shim and the endpoint-close interposer, and records
+//! where the NIXL runtime is expected.
 //!
-//! Nothing here needs NIXL: the shim declares its own opaque types and
-//! receives member-function addresses at run time, so the crate builds on
-//! a machine without NIXL.
+//! Nothing here needs NIXL or UCX: the shim declares its own opaque types
+//! and receives member-function addresses at run time, and the interposer
+//! declares the two UCX constants it uses, so the crate builds on a machine
+//! without either.
 
 use std::env;
 use std::path::PathBuf;
 
 fn main() {
     println!("cargo:rerun-if-changed=shim/nixl_shim.cpp");
+    println!("cargo:rerun-if-changed=shim/ep_close.c");
     println!("cargo:rerun-if-env-changed=NIXL_PREFIX");
 
     cc::Build::new()
@@ -21,6 +24,8 @@ fn main() {
         .warnings(true)
         .extra_warnings(true)
         .compile("nixl_keepalive_shim");
+
+    build_ep_close_interposer();
 
     // Default runtime location baked into the binary: NIXL_PREFIX at build
     // time if set, else `<workspace root>/.nixl-runtime`, where
@@ -37,5 +42,35 @@ fn main() {
     println!(
         "cargo:rustc-env=NIXL_SYS_DEFAULT_RUNTIME={}",
         default.display()
+    );
+}
+
+/// Builds `shim/ep_close.c` as a shared object in OUT_DIR; `runtime.rs`
+/// embeds it and loads it (RTLD_GLOBAL, from a memfd) before libnixl, so
+/// that NIXL's UCX plugin binds its `ucp_ep_close_nbx` there.
+fn build_ep_close_interposer() {
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets it"));
+    let so = out.join("libnixl_sys_ep_close.so");
+    let compiler = cc::Build::new().cargo_metadata(false).get_compiler();
+    let status = compiler
+        .to_command()
+        .args([
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-fvisibility=hidden",
+            "-o",
+        ])
+        .arg(&so)
+        .arg("shim/ep_close.c")
+        .args(["-ldl", "-lpthread"])
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run the C compiler ({:?}): {e}", compiler.path()));
+    assert!(
+        status.success(),
+        "building shim/ep_close.c as a shared object failed ({status})"
     );
 }

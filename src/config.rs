@@ -263,6 +263,13 @@ impl Config {
         self.seed
     }
 
+    /// This configuration with the jitter's seed `seed` (`None`: from the
+    /// OS). No seed is out of bounds.
+    pub fn with_seed(mut self, seed: Option<u64>) -> Config {
+        self.seed = seed;
+        self
+    }
+
     /// A builder holding every value of this configuration, each as if
     /// set explicitly: changing the interval there does not derive the
     /// jitter or the rate period again. [`ConfigBuilder::build`] checks

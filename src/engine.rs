@@ -1,19 +1,44 @@
 //! The runtime's handles on one registration: [`EngineRef`] to start reads
-//! and report transfers, [`ReadGuard`] for one read in flight. Both are
-//! bound to the registration they came from, never to whatever registration
-//! holds the engine id later: a late report from an old process of a
-//! pinned id cannot touch its reloaded successor.
+//! and report transfers, [`ReadGuard`] for one read in flight,
+//! [`GivenUpRead`] for a read the runtime stopped waiting for while its
+//! transfer was in progress. All are bound to the registration they came
+//! from, never to whatever registration holds the engine id later: a late
+//! report from an old process of a pinned id cannot touch its reloaded
+//! successor.
+//!
+//! # A read ends one of three ways
+//!
+//! - [`ReadGuard::finish`] with the status the transfer ended with
+//!   (`SUCCESS`, or an error): the transfer is over, its destination
+//!   buffer is the runtime's again. Dropping the guard means the same
+//!   (a completion).
+//! - [`ReadGuard::give_up`]: the runtime stopped waiting for a transfer
+//!   still in progress (its read timeout, a cancelled request, or the
+//!   service failed the engine's reads). Not a completion: a read given up
+//!   unanswered is evidence that the engine is hung (see
+//!   [`GiveUp::TimedOut`]). And the transfer is not provably over: NIXL
+//!   1.5.1 answers `releaseXferReq` on a READ in progress with SUCCESS,
+//!   yet over TCP the bytes still land in the destination when the
+//!   prefill resumes, even after the engine's remote metadata was
+//!   invalidated (measured, `cli/tests/real_buffer.rs`). So the runtime
+//!   gets a [`GivenUpRead`] and may reuse the destination buffer only when
+//!   it says [`Destination::Reusable`].
 
 use std::fmt;
 use std::sync::Arc;
 
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
+use crate::core::cell::BeginRefused;
 use crate::core::EngineCell;
 use crate::error::ReadRefused;
 use crate::state::EngineState;
 use crate::transport::EngineId;
 use crate::NixlStatus;
+
+/// The most reads one registration may have in flight at once (the count
+/// has 24 bits of the engine's atomic word); one more is refused.
+pub const MAX_READS_IN_FLIGHT: u64 = crate::core::cell::MAX_READS_IN_FLIGHT;
 
 /// A registered engine, as the decoder runtime holds it. Cheap to clone.
 ///
@@ -28,6 +53,13 @@ impl EngineRef {
     /// The engine's id.
     pub fn id(&self) -> &EngineId {
         self.cell.id()
+    }
+
+    /// Whether `other` is a reference to this very registration (not just
+    /// to the same engine id: a pinned id loaded again is another
+    /// registration).
+    pub fn same_registration(&self, other: &EngineRef) -> bool {
+        Arc::ptr_eq(&self.cell, &other.cell)
     }
 
     /// The engine's state now.
@@ -47,14 +79,22 @@ impl EngineRef {
     /// Fails at once, without waiting, when the engine is unreachable,
     /// replaced, retiring or released: a decoder must not post a transfer
     /// to it.
+    ///
+    /// Also refused, with `state` [`EngineState::Live`], when
+    /// [`MAX_READS_IN_FLIGHT`] reads from this registration are in flight
+    /// already (a runtime that leaks guards).
     pub fn begin_read(&self) -> Result<ReadGuard, ReadRefused> {
         match self.cell.begin_read() {
-            Ok(()) => Ok(ReadGuard {
+            Ok(done_at_begin) => Ok(ReadGuard {
                 cell: Arc::clone(&self.cell),
+                done_at_begin,
             }),
-            Err(state) => Err(ReadRefused {
+            Err(refused) => Err(ReadRefused {
                 engine: self.id().clone(),
-                state,
+                state: match refused {
+                    BeginRefused::State(state) => state,
+                    BeginRefused::Full => EngineState::Live,
+                },
             }),
         }
     }
@@ -82,14 +122,52 @@ impl fmt::Debug for EngineRef {
     }
 }
 
-/// One read in flight. Dropping it ends the read.
+/// Why the runtime stopped waiting for a read whose transfer was still in
+/// progress. See [`ReadGuard::give_up`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GiveUp {
+    /// The runtime's read timeout passed: its own verdict that the engine
+    /// is hung. When no read of the engine completed while this one was in
+    /// flight, and the decoder's reads from other engines still complete
+    /// (or no other engine has reads to compare with), the service treats
+    /// the engine as stalled at once, as if the read-stall bound had
+    /// passed: the read timeout is then the bound (keep it far above a
+    /// read's time). Nothing is marked when the read-stall check is off
+    /// (`NIXL_KEEPALIVE_READ_STALL=inf`).
+    TimedOut,
+    /// Given up for the runtime's own reasons: the request was aborted,
+    /// the decoder is stopping, or the service failed the engine's reads.
+    /// Not evidence about the engine, and not a completion either: the
+    /// engine's stall clock keeps running as if the read were in flight.
+    Cancelled,
+}
+
+impl GiveUp {
+    /// A short lowercase name, used in logs and as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GiveUp::TimedOut => "timed_out",
+            GiveUp::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// One read in flight. Dropping it ends the read as a completion.
 ///
 /// Report how the transfer ended with [`ReadGuard::finish`]: a
 /// REMOTE_DISCONNECT result is how production learns of most dead peers.
-#[must_use = "dropping the guard ends the read at once"]
+/// A transfer the runtime stops waiting for while it is in progress ends
+/// with [`ReadGuard::give_up`] instead.
+#[must_use = "dropping the guard ends the read at once, as a completion"]
 pub struct ReadGuard {
     cell: Arc<EngineCell>,
+    /// The engine's completed count when the read began, or [`GIVEN_UP`]
+    /// once given up (the drop then has nothing left to do).
+    done_at_begin: u64,
 }
+
+/// Not a completed count (those have 36 bits): marks a guard given up.
+const GIVEN_UP: u64 = u64::MAX;
 
 impl ReadGuard {
     /// The engine this read is from.
@@ -117,11 +195,29 @@ impl ReadGuard {
         self.cell.report(status);
         drop(self);
     }
+
+    /// Ends the read as given up: the runtime stopped waiting for a
+    /// transfer still in progress (and released or abandoned the request).
+    /// Not a completion: see [`GiveUp`] for what the service makes of it.
+    ///
+    /// The transfer may still write the read's destination buffer: keep
+    /// the returned [`GivenUpRead`] with the buffer, and reuse the buffer
+    /// only once it says [`Destination::Reusable`].
+    pub fn give_up(mut self, why: GiveUp) -> GivenUpRead {
+        let done_at_begin = std::mem::replace(&mut self.done_at_begin, GIVEN_UP);
+        self.cell.give_up(why, done_at_begin);
+        GivenUpRead {
+            cell: Arc::clone(&self.cell),
+            why,
+        }
+    }
 }
 
 impl Drop for ReadGuard {
     fn drop(&mut self) {
-        self.cell.end_read();
+        if self.done_at_begin != GIVEN_UP {
+            self.cell.end_read();
+        }
     }
 }
 
@@ -129,6 +225,84 @@ impl fmt::Debug for ReadGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ReadGuard")
             .field("engine", self.engine())
+            .finish()
+    }
+}
+
+/// What may become of the destination buffer of a given-up read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Destination {
+    /// The engine was released and the transport's release ended every
+    /// transfer still running to it ([`crate::Transport::release_ends_transfers`]):
+    /// no byte can land any more; the buffer is the runtime's again.
+    Reusable,
+    /// The engine was released, but the transport cannot prove that the
+    /// release ended the transfer: never reuse the buffer, and keep it
+    /// allocated (and its memory mapped) for as long as the agent lives.
+    /// What the NIXL 1.5.1 transport answers: measured over TCP, a READ
+    /// given up with `releaseXferReq` wrote its destination when the
+    /// prefill resumed, even after the release had invalidated the
+    /// engine's remote metadata (`cli/tests/real_buffer.rs`).
+    Retire,
+}
+
+/// A read given up while its transfer was in progress
+/// ([`ReadGuard::give_up`]): the runtime's token for the read's destination
+/// buffer. Until it says [`Destination::Reusable`], the buffer belongs to
+/// the transfer, which may still write it.
+///
+/// It resolves when the engine's release has come back from the transport
+/// (a given-up read does not hold the release back: the release is what
+/// may end the transfer). Engines still held when the service stops never
+/// resolve: retire their buffers.
+#[must_use = "the destination buffer of a given-up read must not be reused before `destination` says so"]
+pub struct GivenUpRead {
+    cell: Arc<EngineCell>,
+    why: GiveUp,
+}
+
+impl GivenUpRead {
+    /// The engine the read was from.
+    pub fn engine(&self) -> &EngineId {
+        self.cell.id()
+    }
+
+    /// Why it was given up.
+    pub fn why(&self) -> GiveUp {
+        self.why
+    }
+
+    /// What may become of the destination buffer, once the engine's
+    /// release has come back; `None` before.
+    pub fn try_destination(&self) -> Option<Destination> {
+        self.cell
+            .release_done()
+            .is_cancelled()
+            .then(|| self.decided())
+    }
+
+    /// Resolves when the engine's release has come back, with what may
+    /// become of the destination buffer. Cancel safe.
+    pub async fn destination(&self) -> Destination {
+        self.cell.release_done().cancelled().await;
+        self.decided()
+    }
+
+    fn decided(&self) -> Destination {
+        if self.cell.transfers_ended() {
+            Destination::Reusable
+        } else {
+            Destination::Retire
+        }
+    }
+}
+
+impl fmt::Debug for GivenUpRead {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GivenUpRead")
+            .field("engine", self.engine())
+            .field("why", &self.why)
+            .field("destination", &self.try_destination())
             .finish()
     }
 }

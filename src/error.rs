@@ -3,9 +3,9 @@
 
 use std::fmt;
 
-use crate::registration::Registration;
+use crate::registration::{Incarnation, Registration};
 use crate::state::EngineState;
-use crate::transport::{AgentName, EngineId};
+use crate::transport::{AgentName, EngineId, PeerAddr};
 
 /// A read was not started: the engine is no longer one a decoder may read
 /// from. Nothing was counted; no transfer should be posted.
@@ -24,6 +24,147 @@ pub struct ReadRefused {
 #[error("the keepalive service has stopped")]
 pub struct ServiceStopped;
 
+/// Two sources claim one identity of a prefill (an agent name, an engine
+/// id, an address, an incarnation). The service refuses the newcomer,
+/// logs the conflict once with both sides named, counts it
+/// (`nixl_keepalive_identity_conflicts_total{kind}`) and publishes
+/// [`crate::Event::Conflict`]: a conflict is never resolved by releasing
+/// the engine already registered.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum Conflict {
+    /// An agent name of the claim belongs to another engine's
+    /// registration or load in progress: loading it would load over (or
+    /// next to) that engine's metadata, and releasing either would
+    /// invalidate the other's. A replayed handshake reply, or two prefills
+    /// configured with one agent name.
+    #[error("agent {agent} claimed by engine {claimed_by} belongs to engine {holder}")]
+    AgentInUse {
+        /// The agent name.
+        agent: AgentName,
+        /// The engine the refused claim was for.
+        claimed_by: EngineId,
+        /// The engine that holds the name.
+        holder: EngineId,
+    },
+    /// The engine id is live at another address: two prefills started with
+    /// one `--engine-id`, a replayed reply, or one prefill reached under
+    /// two addresses that do not resolve to one. Only a handshake at the
+    /// engine's own address may replace or reload it.
+    #[error("engine {engine} answered at {address} but is live at {live_at}")]
+    EngineElsewhere {
+        /// The engine id.
+        engine: EngineId,
+        /// Where the refused claim came from.
+        address: PeerAddr,
+        /// Where its registration is.
+        live_at: PeerAddr,
+    },
+    /// A handshake that started before the engine's current registration
+    /// was made answered with another incarnation: its reply may predate
+    /// that registration (a slow or racing handshake), so it is not taken
+    /// as a restart. A fresh handshake is judged again.
+    #[error("engine {engine}: a handshake at {address} that began before its registration answered another incarnation")]
+    StaleReply {
+        /// The engine id.
+        engine: EngineId,
+        /// The handshake's address.
+        address: PeerAddr,
+        /// The incarnation registered now, if known.
+        registered: Option<Incarnation>,
+    },
+    /// The same engine incarnation answered with other agent names.
+    #[error("engine {engine} incarnation {incarnation} answered with other agent names than its registration's")]
+    AgentsChanged {
+        /// The engine id.
+        engine: EngineId,
+        /// The incarnation.
+        incarnation: Incarnation,
+    },
+    /// A registration without a handshake ([`crate::KeepaliveHandle::register`])
+    /// for an engine id that is registered or being loaded: its metadata
+    /// is loaded already, over the other's. Load engine ids that may come
+    /// back through [`crate::KeepaliveHandle::handshake`].
+    #[error("engine {engine} is registered or being loaded already (at {address})")]
+    EngineInUse {
+        /// The engine id.
+        engine: EngineId,
+        /// The address of the registration or load that holds it.
+        address: PeerAddr,
+    },
+    /// A membership record names the engine at another address than its
+    /// registration's: not evidence about the engine that is registered.
+    #[error("a membership record of engine {engine} names {record}, its registration is at {registered}")]
+    RecordAddress {
+        /// The engine id.
+        engine: EngineId,
+        /// The record's address.
+        record: PeerAddr,
+        /// The registration's address.
+        registered: PeerAddr,
+    },
+    /// A membership record of another incarnation than the registered
+    /// one: a dead predecessor's record expiring late, or a newer process
+    /// not handshaken yet. Not evidence about the registered process.
+    #[error("a membership record of engine {engine} names incarnation {record}, the registered one is {registered}")]
+    RecordIncarnation {
+        /// The engine id.
+        engine: EngineId,
+        /// The record's incarnation.
+        record: Incarnation,
+        /// The registration's.
+        registered: Incarnation,
+    },
+}
+
+impl Conflict {
+    /// A short name, for logs and the metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Conflict::AgentInUse { .. } => "agent_in_use",
+            Conflict::EngineElsewhere { .. } => "engine_elsewhere",
+            Conflict::AgentsChanged { .. } => "agents_changed",
+            Conflict::StaleReply { .. } => "stale_reply",
+            Conflict::EngineInUse { .. } => "engine_in_use",
+            Conflict::RecordAddress { .. } => "record_address",
+            Conflict::RecordIncarnation { .. } => "record_incarnation",
+        }
+    }
+
+    /// The engine the conflict is about (the newcomer's).
+    pub fn engine(&self) -> &EngineId {
+        match self {
+            Conflict::AgentInUse { claimed_by, .. } => claimed_by,
+            Conflict::EngineElsewhere { engine, .. }
+            | Conflict::StaleReply { engine, .. }
+            | Conflict::AgentsChanged { engine, .. }
+            | Conflict::EngineInUse { engine, .. }
+            | Conflict::RecordAddress { engine, .. }
+            | Conflict::RecordIncarnation { engine, .. } => engine,
+        }
+    }
+}
+
+/// A handshake's claim was not granted: nothing may be loaded. Nothing in
+/// the peer table changed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ClaimRefused {
+    /// The service is stopping or has stopped.
+    #[error(transparent)]
+    Stopped(#[from] ServiceStopped),
+    /// The claim conflicts with an engine registered or being loaded.
+    #[error("identity conflict: {0}")]
+    Conflict(Conflict),
+    /// The claim itself is malformed (no agents, an agent named twice, a
+    /// name that is empty, too long or not printable).
+    #[error("claim of engine {engine} refused: {reason}")]
+    Invalid {
+        /// The engine id claimed.
+        engine: EngineId,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
 /// A registration the service did not take. The registration comes back
 /// whole: its metadata is loaded and its dlists prepped, so the caller
 /// gives them back (or retries). Nothing in the peer table changed.
@@ -31,23 +172,14 @@ pub enum RegisterError<R> {
     /// The service is stopping or has stopped: nothing is activated any
     /// more.
     Stopped(Registration<R>),
-    /// One of its agent names is held by another engine's registration:
-    /// releasing either would invalidate the other's metadata.
-    AgentInUse {
+    /// It conflicts with an engine registered or being loaded (see
+    /// [`Conflict`]). Give back its dlists; invalidate only the agents
+    /// the conflict does not name as another engine's.
+    Conflict {
         /// The registration, untouched.
         registration: Registration<R>,
-        /// The agent name in use.
-        agent: AgentName,
-        /// The engine that holds it.
-        holder: EngineId,
-    },
-    /// The handshake said it would load another engine id than this
-    /// registration names.
-    NotThisEngine {
-        /// The registration, untouched.
-        registration: Registration<R>,
-        /// The engine id the handshake was made ready for.
-        expected: EngineId,
+        /// What it conflicts with.
+        conflict: Conflict,
     },
     /// The service task ended (it panicked or was aborted) while it held
     /// the registration: the registration was dropped, not released.
@@ -55,8 +187,8 @@ pub enum RegisterError<R> {
         /// The engine the registration was for.
         engine: EngineId,
     },
-    /// The registration itself is malformed (no agents, or one agent named
-    /// twice).
+    /// The registration itself is malformed (no agents, one agent named
+    /// twice, a name that is not printable).
     Invalid {
         /// The registration, untouched.
         registration: Registration<R>,
@@ -71,8 +203,7 @@ impl<R> RegisterError<R> {
     pub fn into_registration(self) -> Option<Registration<R>> {
         match self {
             RegisterError::Stopped(registration)
-            | RegisterError::AgentInUse { registration, .. }
-            | RegisterError::NotThisEngine { registration, .. }
+            | RegisterError::Conflict { registration, .. }
             | RegisterError::Invalid { registration, .. } => Some(registration),
             RegisterError::ServiceGone { .. } => None,
         }
@@ -82,8 +213,7 @@ impl<R> RegisterError<R> {
     pub fn engine(&self) -> &EngineId {
         match self {
             RegisterError::Stopped(registration)
-            | RegisterError::AgentInUse { registration, .. }
-            | RegisterError::NotThisEngine { registration, .. }
+            | RegisterError::Conflict { registration, .. }
             | RegisterError::Invalid { registration, .. } => &registration.engine,
             RegisterError::ServiceGone { engine } => engine,
         }
@@ -98,21 +228,12 @@ impl<R> fmt::Display for RegisterError<R> {
                 "registration of engine {} refused: the keepalive service is stopping or stopped",
                 r.engine
             ),
-            RegisterError::AgentInUse {
+            RegisterError::Conflict {
                 registration,
-                agent,
-                holder,
+                conflict,
             } => write!(
                 f,
-                "registration of engine {} refused: its agent {agent} is already registered by engine {holder}",
-                registration.engine
-            ),
-            RegisterError::NotThisEngine {
-                registration,
-                expected,
-            } => write!(
-                f,
-                "registration of engine {} refused: the handshake was made ready to load engine {expected}",
+                "registration of engine {} refused: identity conflict: {conflict}",
                 registration.engine
             ),
             RegisterError::ServiceGone { engine } => write!(

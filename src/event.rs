@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::error::Conflict;
 use crate::transport::{EngineId, PeerAddr};
 use crate::NixlStatus;
 
@@ -48,6 +49,11 @@ pub enum ReleaseReason {
     Shutdown,
     /// Its reads in flight stopped completing (a hung peer).
     Stalled,
+    /// A transfer or notification to one of its own agents answered
+    /// NOT_FOUND: NIXL no longer holds its metadata (invalidated or
+    /// re-registered under it). Released and connected again, never kept
+    /// as if healthy.
+    MetadataLost,
 }
 
 impl ReleaseReason {
@@ -60,6 +66,7 @@ impl ReleaseReason {
             ReleaseReason::PeerGone => "peer_gone",
             ReleaseReason::Shutdown => "shutdown",
             ReleaseReason::Stalled => "stalled",
+            ReleaseReason::MetadataLost => "metadata_lost",
         }
     }
 }
@@ -113,18 +120,25 @@ pub enum Event {
         /// Whether its reads were failed at once.
         fail_reads: bool,
     },
-    /// An engine's reads in flight stopped completing for longer than the
-    /// read-stall bound while the decoder's other reads went on: the peer
-    /// is alive to UCX but hung (frozen, deadlocked, NIC gone). With the
-    /// `fail` action its reads are failed and it is released once they
-    /// end; with `report` it is only reported (once per stall).
+    /// An engine's reads stopped completing while the decoder's other
+    /// reads went on: for the read-stall bound, or a read the runtime gave
+    /// up as timed out got no answer. The peer is alive to UCX but hung
+    /// (frozen, deadlocked, NIC gone). With the `fail` action its reads are
+    /// failed and it is released once they end; with `report` it is only
+    /// reported (once per stall).
     Stalled {
         /// The engine.
         engine: EngineId,
         /// Reads in flight when it was found stalled.
         reads_in_flight: u64,
-        /// How long none of them had completed.
+        /// How long at least it has had a read outstanding and no read
+        /// completed (from when the service first saw it: the stall began
+        /// at most one check period earlier).
         stalled_for: Duration,
+        /// Reads the runtime gave up as timed out, unanswered, since the
+        /// engine's last completion (the runtime's verdict; 0 when the
+        /// read-stall bound decided).
+        given_up: u64,
         /// Whether its reads were failed (action `fail`).
         failed: bool,
     },
@@ -158,6 +172,18 @@ pub enum Event {
         /// The transport panicked while releasing: what it had done is
         /// unknown, and nothing is retried (its resources were consumed).
         panicked: bool,
+        /// UCX endpoints the release could not close (NIXL's own close
+        /// mode keeps a live peer's endpoint, and its socket, until the
+        /// agent is destroyed; see the README, "Releases leave nothing
+        /// behind"). 0 when every endpoint was closed or none was observed.
+        endpoints_left_open: u32,
+    },
+    /// Two sources claimed one identity (see [`Conflict`]): the newcomer
+    /// was refused, the registered engine kept. Published once per
+    /// conflict (both sides the same); repeats are only counted.
+    Conflict {
+        /// What collided.
+        conflict: Conflict,
     },
     /// A transport call panicked. Not a disconnect: the engine is kept
     /// (a heartbeat) or counted as released (a release, see

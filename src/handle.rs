@@ -12,32 +12,27 @@ use std::sync::{Arc, RwLock};
 
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::core::{EngineCell, Input, Wake, WakeSink};
+use crate::core::{Answer, EngineCell, Input, RequestId, TicketId, Wake, WakeSink};
 use crate::engine::{EngineRef, ReadGuard};
-use crate::error::{ReadRefused, RegisterError, ServiceStopped};
+use crate::error::{ClaimRefused, ReadRefused, RegisterError, ServiceStopped};
 use crate::event::Event;
 use crate::lease::{check_request_id, RequestIdError};
-use crate::registration::{GoneMode, PeerRef, Registration};
+use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::snapshot::Snapshot;
 use crate::state::EngineState;
-use crate::transport::{EngineId, PeerAddr};
+use crate::transport::{AgentName, EngineId, PeerAddr};
 
 /// What the handle sends the driver.
 pub(crate) enum Msg<R> {
     /// An input that wants no answer.
     Input(Input<R>),
-    /// A handshake is ready to load `engine`; answered once it may.
-    ReadyToLoad {
-        ticket: u64,
-        engine: EngineId,
-        done: oneshot::Sender<Result<(), ServiceStopped>>,
-    },
-    /// A registration; answered with the engine or the refusal.
-    Register {
-        ticket: Option<u64>,
-        registration: Registration<R>,
-        cell: Arc<EngineCell>,
-        done: oneshot::Sender<Result<EngineRef, RegisterError<R>>>,
+    /// An input that is a question (it carries `request`): the core's
+    /// answer goes to `reply`. The driver keeps `reply` until the core
+    /// answers; every question is answered (or withdrawn) exactly once.
+    Ask {
+        request: RequestId,
+        input: Input<R>,
+        reply: oneshot::Sender<Answer<R>>,
     },
     /// The table as it is now.
     Snapshot(oneshot::Sender<Snapshot>),
@@ -54,8 +49,13 @@ impl<R: Send + 'static> WakeSink for mpsc::UnboundedSender<Msg<R>> {
 /// [`EngineRef`]. Written by the driver at activation and release only.
 pub(crate) type Directory = Arc<RwLock<HashMap<EngineId, EngineRef>>>;
 
-/// Handshake tickets: unique per process.
+/// Handshake tickets and questions: unique per process.
 static NEXT_TICKET: AtomicU64 = AtomicU64::new(1);
+static NEXT_REQUEST: AtomicU64 = AtomicU64::new(1);
+
+fn next_request() -> RequestId {
+    RequestId(NEXT_REQUEST.fetch_add(1, Ordering::Relaxed))
+}
 
 /// The decoder runtime's side of the service. Cheap to clone; every method
 /// is non-blocking except the `async` ones, which wait for the service.
@@ -82,23 +82,30 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
     /// to an engine, reconnect to an address, or reload a pinned engine id.
     ///
     /// ```text
-    /// let handshake = keepalive.handshake(address);         // 1. before the side channel
-    /// let reply = side_channel(address).await?;             //    (who is there?)
-    /// let ready = handshake.ready_to_load(&reply.engine).await?;  // 2. its old registration goes first
-    /// let loaded = load_metadata_and_prep_dlists(&reply)?;  //    loadRemoteMD, prepXferDlist
-    /// let engine = ready.register(registration(loaded)).await?;   // 3. live; the handshake ends
+    /// let handshake = keepalive.handshake(address);          // 1. before the side channel
+    /// let reply = side_channel(address).await?;              //    who is there?
+    /// match handshake.ready_to_load(reply.claim()).await? {  // 2. the identity is arbitrated
+    ///     Ready::Current(engine) => engine,                  //    this process is registered: load nothing
+    ///     Ready::Load(ready) => {
+    ///         let loaded = load_metadata_and_prep_dlists(&reply)?;  // loadRemoteMD, prepXferDlist
+    ///         ready.register(loaded).await?                  // 3. live; the handshake ends
+    ///     }
+    /// }
     /// ```
     ///
-    /// Until the handshake ends, a marked engine at `address` is not
-    /// released: the runtime may still be deciding whether the engine there
-    /// is new. [`Handshake::ready_to_load`] lifts that for the engine id it
-    /// names: whatever state that id's registration is in (live, marked,
-    /// held by this very handshake), it is released (reads drained first)
-    /// before the call resolves, so NIXL never loads metadata over loaded
-    /// metadata and nothing waits for itself. Dropping the handshake at any
-    /// step ends it; nothing is registered.
+    /// `address` should be canonical ([`PeerAddr::resolve`]): aliases of one
+    /// prefill must be one address. Until the handshake ends, a marked
+    /// engine at `address` is not released: the runtime may still be
+    /// deciding whether the engine there is new.
+    /// [`Handshake::ready_to_load`] arbitrates who the prefill says it is
+    /// before anything is loaded (see the crate's identity rules): its
+    /// agent names are claimed for this handshake alone, an older
+    /// registration of the engine id is released first (reads drained), a
+    /// second load of one id waits for the first, and a conflict with a
+    /// registered engine is refused without touching it. Dropping the
+    /// handshake at any step ends it; nothing is registered.
     pub fn handshake(&self, address: PeerAddr) -> Handshake<R> {
-        let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
+        let ticket = TicketId(NEXT_TICKET.fetch_add(1, Ordering::Relaxed));
         let _ = self.inbox.send(Msg::Input(Input::HandshakeStarted {
             ticket,
             address: address.clone(),
@@ -111,22 +118,91 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
     }
 
     /// Registers an engine whose metadata is loaded and dlists prepped,
-    /// without a handshake of its own: a handshake, made ready for its id
-    /// and registered at once. If the id is still held by an older
-    /// registration, that one is released first and this resolves after;
-    /// since the metadata is already loaded by then, use
-    /// [`KeepaliveHandle::handshake`] for engine ids that may come back.
+    /// without a handshake of its own: its identity is claimed and it is
+    /// activated at once. Refused ([`RegisterError::Conflict`]) when its
+    /// engine id is registered or being loaded, or one of its agent names
+    /// belongs to another engine: its metadata was loaded without the
+    /// service's arbitration, so it cannot wait for an old registration's
+    /// release (that release would invalidate what it loaded). Load engine
+    /// ids that may come back through [`KeepaliveHandle::handshake`].
     ///
-    /// Cancel safety: see [`ReadyToLoad::register`].
-    pub async fn register(
+    /// Cancel safety: the registration is with the service when this
+    /// returns, before the future is first polled; dropping the future
+    /// loses nothing (an activated engine is found with
+    /// [`KeepaliveHandle::engine`], a refused one is handed back in
+    /// [`crate::Stopped::unreleased`]).
+    pub fn register(
         &self,
         registration: Registration<R>,
-    ) -> Result<EngineRef, RegisterError<R>> {
-        let handshake = self.handshake(registration.address.clone());
-        match handshake.ready_to_load(&registration.engine).await {
-            Ok(ready) => ready.register(registration).await,
-            Err(ServiceStopped) => Err(RegisterError::Stopped(registration)),
+    ) -> impl std::future::Future<Output = Result<EngineRef, RegisterError<R>>> + Send + 'static
+    {
+        self.send_registration(None, registration)
+    }
+
+    fn send_registration(
+        &self,
+        ticket: Option<TicketId>,
+        registration: Registration<R>,
+    ) -> impl std::future::Future<Output = Result<EngineRef, RegisterError<R>>> + Send + 'static
+    {
+        let engine = registration.engine.clone();
+        let cell = EngineCell::new(engine.clone(), self.sink.clone());
+        let request = next_request();
+        let (reply, answer) = oneshot::channel();
+        let sent = self
+            .inbox
+            .send(Msg::Ask {
+                request,
+                input: Input::Register {
+                    request,
+                    ticket,
+                    registration,
+                    cell,
+                },
+                reply,
+            })
+            .map_err(|mpsc::error::SendError(msg)| match msg {
+                Msg::Ask {
+                    input: Input::Register { registration, .. },
+                    ..
+                } => RegisterError::Stopped(registration),
+                _ => unreachable!("sent a registration"),
+            });
+        async move {
+            sent?;
+            match answer.await {
+                Ok(Answer::Registered(cell)) => Ok(EngineRef { cell }),
+                Ok(Answer::Refused(error)) => Err(error),
+                _ => Err(RegisterError::ServiceGone { engine }),
+            }
         }
+    }
+
+    /// A question to the service: the answer, or `None` when the service
+    /// has stopped.
+    async fn ask(&self, input: impl FnOnce(RequestId) -> Input<R>) -> Option<Answer<R>> {
+        let request = next_request();
+        let (reply, answer) = oneshot::channel();
+        self.inbox
+            .send(Msg::Ask {
+                request,
+                input: input(request),
+                reply,
+            })
+            .ok()?;
+        answer.await.ok()
+    }
+
+    /// The membership plane says a record is gone (its key was deleted,
+    /// its lease expired, a fresh list no longer has it). The engine is
+    /// retired (in `mode`) only if the record is its registration's own:
+    /// the same address and, when both are known, the same incarnation. A
+    /// record that disagrees with the registration (a dead predecessor's
+    /// record expiring late, one engine id listed at two addresses) is an
+    /// identity conflict: counted, logged once, never a release. A no-op
+    /// for engines not registered.
+    pub fn member_gone(&self, departure: Departure, mode: GoneMode) {
+        self.input(Input::MemberGone { departure, mode });
     }
 
     /// The registered engine `engine`, if any.
@@ -225,7 +301,7 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
 /// it ends the handshake.
 #[must_use = "dropping the handshake ends it at once"]
 pub struct Handshake<R: Send + 'static> {
-    ticket: Option<u64>,
+    ticket: Option<TicketId>,
     address: PeerAddr,
     handle: KeepaliveHandle<R>,
 }
@@ -236,42 +312,51 @@ impl<R: Send + 'static> Handshake<R> {
         &self.address
     }
 
-    /// The handshake found `engine` at its address and will load its
-    /// metadata. Resolves once no registration of `engine` is held: an
-    /// old one, whatever its state, is marked (if live), its reads drain,
-    /// and it is released first. Resolves at once for an id not
-    /// registered.
-    ///
-    /// Only call it when the engine is to be loaded again: for a live
-    /// engine id that is the engine already connected (same process), drop
-    /// the handshake instead.
+    /// The handshake found `claim` at its address and wants to load it.
+    /// Resolves once the service has judged the claim (see the crate's
+    /// identity rules):
+    /// - [`Ready::Load`]: load the metadata, prep the dlists, then
+    ///   [`ReadyToLoad::register`]. The claim's agent names are this
+    ///   handshake's alone until it registers or is dropped; an older
+    ///   registration of the engine id (another incarnation at this
+    ///   address, or marked) was released first, its reads drained; a
+    ///   second load of one engine id waited for the first.
+    /// - [`Ready::Current`]: this engine incarnation (same id, same agents)
+    ///   is registered at this address already: load nothing, use it. The
+    ///   handshake has ended.
+    /// - [`ClaimRefused::Conflict`]: an agent name belongs to another
+    ///   engine, or the engine id is live at another address. Nothing was
+    ///   touched; the conflict is logged once and counted. Retry later
+    ///   with back-off, never in a loop.
     ///
     /// Cancel safety: dropping the future ends the handshake; a mark it
-    /// made stands.
-    pub async fn ready_to_load(
-        mut self,
-        engine: &EngineId,
-    ) -> Result<ReadyToLoad<R>, ServiceStopped> {
+    /// made stands; nothing was loaded under it.
+    pub async fn ready_to_load(mut self, claim: Claim) -> Result<Ready<R>, ClaimRefused> {
         let ticket = self.ticket.expect("a live handshake has its ticket");
-        let (done, wait) = oneshot::channel();
-        self.handle
-            .inbox
-            .send(Msg::ReadyToLoad {
+        let answer = self
+            .handle
+            .ask(|request| Input::Claim {
                 ticket,
-                engine: engine.clone(),
-                done,
+                request,
+                claim: claim.clone(),
             })
-            .map_err(|_| ServiceStopped)?;
-        wait.await.map_err(|_| ServiceStopped)??;
-        let ticket = self.ticket.take();
-        Ok(ReadyToLoad {
-            handshake: Handshake {
-                ticket,
-                address: self.address.clone(),
-                handle: self.handle.clone(),
-            },
-            engine: engine.clone(),
-        })
+            .await;
+        match answer {
+            Some(Answer::Load) => {
+                let ticket = self.ticket.take();
+                Ok(Ready::Load(ReadyToLoad {
+                    handshake: Handshake {
+                        ticket,
+                        address: self.address.clone(),
+                        handle: self.handle.clone(),
+                    },
+                    claim,
+                }))
+            }
+            Some(Answer::Current(cell)) => Ok(Ready::Current(EngineRef { cell })),
+            Some(Answer::ClaimRefused(refused)) => Err(refused),
+            _ => Err(ClaimRefused::Stopped(ServiceStopped)),
+        }
     }
 
     /// Ends the handshake (as dropping it does).
@@ -289,52 +374,97 @@ impl<R: Send + 'static> Drop for Handshake<R> {
     }
 }
 
-/// A handshake whose engine id is free to load: load its metadata, prep its
-/// dlists, then [`ReadyToLoad::register`]. Dropping it ends the handshake
-/// with nothing registered.
+/// What [`Handshake::ready_to_load`] decided.
+#[must_use = "a granted claim holds its agent names until it registers or is dropped"]
+pub enum Ready<R: Send + 'static> {
+    /// Load the claimed engine, then register it.
+    Load(ReadyToLoad<R>),
+    /// This engine incarnation is registered at this address already:
+    /// nothing to load.
+    Current(EngineRef),
+}
+
+/// A handshake whose claim was granted: load its metadata, prep its
+/// dlists, then [`ReadyToLoad::register`]. Its agent names are its alone
+/// until then. Dropping it ends the handshake with nothing registered
+/// (give back what was loaded first).
 #[must_use = "dropping it ends the handshake without registering"]
 pub struct ReadyToLoad<R: Send + 'static> {
     handshake: Handshake<R>,
-    engine: EngineId,
+    claim: Claim,
 }
 
 impl<R: Send + 'static> ReadyToLoad<R> {
-    /// The engine id that may be loaded.
-    pub fn engine(&self) -> &EngineId {
-        &self.engine
+    /// The claim that was granted.
+    pub fn claim(&self) -> &Claim {
+        &self.claim
     }
 
-    /// Registers the engine loaded under this handshake and ends the
-    /// handshake. The registration must be for [`ReadyToLoad::engine`].
-    /// Refused registrations come back whole in the error, to give their
-    /// resources back; a registration whose caller stopped waiting is
-    /// handed back in [`crate::Stopped::unreleased`] at shutdown.
-    ///
-    /// Cancel safety: once polled, the registration is with the service;
-    /// dropping the future does not undo it (find the engine with
-    /// [`KeepaliveHandle::engine`]).
-    pub async fn register(
-        mut self,
-        registration: Registration<R>,
-    ) -> Result<EngineRef, RegisterError<R>> {
-        let handle = self.handshake.handle.clone();
-        let ticket = self.handshake.ticket.take();
-        let engine = registration.engine.clone();
-        let cell = EngineCell::new(engine.clone(), handle.sink.clone());
-        let (done, wait) = oneshot::channel();
-        let msg = Msg::Register {
-            ticket,
-            registration,
-            cell,
-            done,
-        };
-        if let Err(mpsc::error::SendError(msg)) = handle.inbox.send(msg) {
-            let Msg::Register { registration, .. } = msg else {
-                unreachable!("sent a registration")
-            };
-            return Err(RegisterError::Stopped(registration));
+    /// The engine id that may be loaded.
+    pub fn engine(&self) -> &EngineId {
+        &self.claim.engine
+    }
+
+    /// The handshake's address.
+    pub fn address(&self) -> &PeerAddr {
+        &self.handshake.address
+    }
+
+    /// Claims one more agent name for this handshake: NIXL's load named
+    /// another agent than the prefill's reply did (a misconfigured or
+    /// hostile prefill), and the runtime wants to unload it. `Ok` means
+    /// the name is this handshake's, so invalidating it harms nobody;
+    /// [`ClaimRefused::Conflict`] means it belongs to another engine: do
+    /// not invalidate it (NIXL kept one entry for both loads).
+    pub async fn claim_agent(&self, agent: AgentName) -> Result<(), ClaimRefused> {
+        let ticket = self
+            .handshake
+            .ticket
+            .expect("a granted handshake has its ticket");
+        match self
+            .handshake
+            .handle
+            .ask(|request| Input::ClaimAgent {
+                ticket,
+                request,
+                agent,
+            })
+            .await
+        {
+            Some(Answer::AgentClaimed(Ok(()))) => Ok(()),
+            Some(Answer::AgentClaimed(Err(conflict))) => Err(ClaimRefused::Conflict(conflict)),
+            _ => Err(ClaimRefused::Stopped(ServiceStopped)),
         }
-        wait.await
-            .unwrap_or(Err(RegisterError::ServiceGone { engine }))
+    }
+
+    /// Registers the engine loaded under this handshake, with what the
+    /// transport must free at its release, and ends the handshake. Never
+    /// refused for who it is (that was decided at the claim); a service
+    /// that is stopping takes it and releases it with the rest.
+    ///
+    /// Ordering: when the future resolves, the engine is in the directory
+    /// ([`KeepaliveHandle::engine`]) and its [`crate::Event::Registered`]
+    /// has been published: a subscriber that drains its events right after
+    /// finds it.
+    ///
+    /// Cancel safety: the registration is with the service when this
+    /// returns, before the future is first polled: dropping the future
+    /// loses nothing (find the engine with [`KeepaliveHandle::engine`]).
+    /// Only a service that has already stopped hands it back
+    /// ([`RegisterError::Stopped`]).
+    pub fn register(
+        mut self,
+        resources: R,
+    ) -> impl std::future::Future<Output = Result<EngineRef, RegisterError<R>>> + Send + 'static
+    {
+        let ticket = self.handshake.ticket.take();
+        let registration = Registration::new(
+            self.claim.clone(),
+            self.handshake.address.clone(),
+            resources,
+        );
+        self.handshake
+            .handle
+            .send_registration(ticket, registration)
     }
 }

@@ -25,7 +25,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use nixl_keepalive::fake::{FakeConfig, FakeUcx};
-//! use nixl_keepalive::{Config, Event, NixlStatus, PeerAddr, Registration};
+//! use nixl_keepalive::{Config, Event, NixlStatus, PeerAddr, Ready};
 //! use tokio_util::sync::CancellationToken;
 //!
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
@@ -42,13 +42,17 @@
 //! let mut events = keepalive.subscribe();
 //!
 //! // 2. Connect (or reconnect, or reload a pinned id): the handshake
-//! //    protocol. Whatever registration of that engine id exists goes
-//! //    first; nothing waits for itself.
+//! //    protocol. Who the prefill says it is is arbitrated before anything
+//! //    is loaded; an old registration of its id goes first.
 //! let handshake = keepalive.handshake(address.clone());
 //! let metadata = ucx.fetch_metadata(&address).unwrap(); // the side channel
-//! let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
-//! let loaded = ucx.load_metadata(&metadata).unwrap(); // loadRemoteMD + prepXferDlist
-//! let engine = ready.register(Registration::from(loaded)).await.unwrap();
+//! let engine = match handshake.ready_to_load(metadata.claim()).await.unwrap() {
+//!     Ready::Current(engine) => engine, // this process is registered already
+//!     Ready::Load(ready) => {
+//!         let loaded = ucx.load_metadata(&metadata).unwrap(); // loadRemoteMD + prepXferDlist
+//!         ready.register(loaded.resources).await.unwrap()
+//!     }
+//! };
 //!
 //! // 3. Wrap every read: the engine is never released while a guard lives.
 //! let read = engine.begin_read().expect("engine is live");
@@ -72,6 +76,17 @@
 //! ucx.assert_nothing_leaked();
 //! # }
 //! ```
+//!
+//! # One identity per prefill
+//!
+//! Who a prefill is (address, engine id, incarnation, agent names) is
+//! arbitrated in one place for every source: a handshake's
+//! [`Claim`] is judged before anything is loaded
+//! ([`Handshake::ready_to_load`]), membership records are judged against
+//! the registration they name ([`KeepaliveHandle::member_gone`]). Only
+//! authoritative evidence retires a live engine; anything that merely
+//! disagrees is a [`Conflict`]: refused, logged once, counted, never a
+//! release. The rules are in the README ("One identity per prefill").
 //!
 //! # How it is built
 //!
@@ -113,12 +128,12 @@ pub mod ucx_time;
 
 pub use crate::core::{heartbeat_messages, HEARTBEAT_SLOT, MAX_HEARTBEAT_BYTES};
 pub use config::{Config, ConfigBuilder, ConfigError, ConfigErrors, StallAction};
-pub use engine::{EngineRef, ReadGuard};
-pub use error::{ReadRefused, RegisterError, ServiceStopped};
+pub use engine::{Destination, EngineRef, GiveUp, GivenUpRead, ReadGuard, MAX_READS_IN_FLIGHT};
+pub use error::{ClaimRefused, Conflict, ReadRefused, RegisterError, ServiceStopped};
 pub use event::{Event, ReleaseReason, Source, WaitedFor};
-pub use handle::{Handshake, KeepaliveHandle, ReadyToLoad};
+pub use handle::{Handshake, KeepaliveHandle, Ready, ReadyToLoad};
 pub use offload::{HUNG_AFTER, TRANSPORT_THREADS_CAP};
-pub use registration::{GoneMode, PeerRef, Registration};
+pub use registration::{Claim, Departure, GoneMode, Incarnation, PeerRef, Registration};
 pub use service::{spawn, Keepalive, Stopped};
 pub use snapshot::{
     CallInFlight, DetectionSummary, EngineSnapshot, HeartbeatSnapshot, Snapshot, TransportSnapshot,
@@ -127,6 +142,7 @@ pub use state::EngineState;
 
 pub use nixl_sys::NixlStatus;
 pub use transport::{
-    AgentName, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, Transport, TransportError,
+    AgentName, EndpointClose, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, ResolveError,
+    Transport, TransportError,
 };
 pub use ucx_sys::UcsStatus;

@@ -9,9 +9,16 @@
 //!   `BACKEND`);
 //! - **release** gives back an engine's [`RemoteDlists`] (one prepped
 //!   remote dlist handle per rank, `releasedDlistH`), then invalidates each
-//!   agent's remote metadata (`invalidateRemoteMD`). Every step is
+//!   agent's remote metadata (`invalidateRemoteMD`), which with `nixl-sys`
+//!   closes the agent's UCX endpoints at once, live peer or dead (NIXL
+//!   1.5.1 alone keeps a live peer's endpoint, socket and mappings until
+//!   the agent is destroyed: see `nixl_sys::endpoints`). Every step is
 //!   attempted; `NOT_FOUND` (NIXL had already dropped it) is reported as
-//!   such and counts as done.
+//!   such and counts as done. After each successful invalidation a
+//!   [`ReleaseTarget::Endpoints`] step says what became of the endpoints
+//!   (`nixl_keepalive_release_endpoints_total{outcome}`); after the whole
+//!   release, UCX's own count of the agent's endpoints is exported
+//!   (`nixl_keepalive_ucx_endpoints`).
 //!
 //! Every method blocks in FFI. The service only calls them from blocking
 //! threads; so must anyone else.
@@ -29,10 +36,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use nixl_sys::{Agent, DlistHandle, NixlError, NixlStatus};
+use nixl_sys::{Agent, DlistHandle, EndpointCloses, NixlError, NixlStatus};
 
+use crate::telemetry;
 use crate::transport::{
-    AgentName, EngineId, ReleaseStep, ReleaseTarget, Transport, TransportError,
+    AgentName, EndpointClose, EngineId, ReleaseStep, ReleaseTarget, Transport, TransportError,
 };
 
 /// The prepped remote dlist handles of one engine registration, one per
@@ -141,6 +149,14 @@ impl NixlTransport {
         &self.agent
     }
 
+    /// The UCP endpoints the agent's UCX workers hold now, from UCX's own
+    /// introspection: NIXL's loopback endpoint plus one per loaded remote
+    /// agent when releases leave nothing behind. `None` when UCX's VFS is
+    /// off (`UCX_VFS_ENABLE=n`).
+    pub fn ucx_endpoints(&self) -> Option<nixl_sys::UcxEndpoints> {
+        self.agent.ucx_endpoints()
+    }
+
     /// Starts a thread that progresses the agent's UCX worker every
     /// `interval` (by polling notifications, which are dropped: a decode
     /// agent expects none). Needed when the agent has no progress thread
@@ -172,6 +188,25 @@ fn status_of(result: Result<(), NixlError>) -> NixlStatus {
     match result {
         Ok(()) => NixlStatus::SUCCESS,
         Err(e) => e.status,
+    }
+}
+
+/// What `nixl-sys` saw of one invalidation's endpoint closes, in the
+/// transport's terms.
+fn endpoint_close(closes: EndpointCloses) -> EndpointClose {
+    if !closes.observed {
+        EndpointClose::NotObserved
+    } else if closes.left_open > 0 {
+        EndpointClose::LeftOpen {
+            closed: closes.closed(),
+            left_open: closes.left_open,
+        }
+    } else if closes.closed() > 0 {
+        EndpointClose::Closed {
+            endpoints: closes.closed(),
+        }
+    } else {
+        EndpointClose::NoneClosed
     }
 }
 
@@ -212,13 +247,36 @@ impl Transport for NixlTransport {
             }
         }
         for agent in agents {
-            let status = status_of(self.agent.invalidate_remote_metadata(agent.as_str()));
-            steps.push(ReleaseStep {
-                target: ReleaseTarget::RemoteMetadata(agent.clone()),
-                status,
-            });
+            match self.agent.invalidate_remote_metadata(agent.as_str()) {
+                Ok(closes) => {
+                    let close = endpoint_close(closes);
+                    telemetry::release_endpoints(&close);
+                    if let EndpointClose::LeftOpen { left_open, .. } = close {
+                        tracing::warn!(%engine, %agent, left_open, "UCX endpoints of a released agent left open: they keep their sockets and mappings until this agent is destroyed");
+                    }
+                    steps.push(ReleaseStep {
+                        target: ReleaseTarget::RemoteMetadata(agent.clone()),
+                        status: NixlStatus::SUCCESS,
+                    });
+                    steps.push(ReleaseStep {
+                        target: ReleaseTarget::Endpoints {
+                            agent: agent.clone(),
+                            close,
+                        },
+                        status: NixlStatus::SUCCESS,
+                    });
+                }
+                Err(e) => steps.push(ReleaseStep {
+                    target: ReleaseTarget::RemoteMetadata(agent.clone()),
+                    status: e.status,
+                }),
+            }
         }
-        tracing::debug!(%engine, ?steps, "NIXL state released");
+        let open = self.agent.ucx_endpoints().map(|u| u.endpoints.len());
+        if let Some(open) = open {
+            telemetry::ucx_endpoints(open);
+        }
+        tracing::debug!(%engine, ?steps, ucx_endpoints = ?open, "NIXL state released");
         steps
     }
 }

@@ -19,9 +19,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::core::{Action, Core, Input};
+use crate::core::{Action, Answer, Core, Input, RequestId};
 use crate::engine::EngineRef;
-use crate::error::{RegisterError, ServiceStopped};
 use crate::event::Event;
 use crate::handle::{Directory, KeepaliveHandle, Msg};
 use crate::offload::Offload;
@@ -29,7 +28,7 @@ use crate::registration::Registration;
 use crate::snapshot::DetectionSummary;
 use crate::telemetry;
 use crate::transport::{EngineId, Transport};
-use crate::ucx_settings::{detection_bound, warnings, UcxSettings};
+use crate::ucx_settings::{detection_bound, secs_text, warnings, UcxSettings};
 
 /// What the service could not release when it stopped, each registration
 /// once: engines whose reads were still in flight at the drain deadline,
@@ -58,17 +57,15 @@ pub struct Keepalive<T: Transport> {
     /// Every transport call (heartbeat rounds, releases), off the async
     /// threads.
     offload: Offload<T>,
-    loading: std::collections::HashMap<u64, oneshot::Sender<Result<(), ServiceStopped>>>,
-    registering: std::collections::HashMap<u64, RegisterReply<T::Resources>>,
-    next_request: u64,
+    /// Questions the core has not answered yet, by request: every one is
+    /// answered or withdrawn exactly once, so nothing outlives its ticket.
+    replies: std::collections::HashMap<RequestId, oneshot::Sender<Answer<T::Resources>>>,
     /// Refused registrations whose caller stopped waiting: handed back at
     /// shutdown.
     orphans: Vec<Registration<T::Resources>>,
     startup: Startup,
     bound: Option<DetectionSummary>,
 }
-
-type RegisterReply<R> = oneshot::Sender<Result<EngineRef, RegisterError<R>>>;
 
 /// What the start-up line says.
 struct Startup {
@@ -94,16 +91,16 @@ impl<T: Transport> Keepalive<T> {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         };
+        let mut core = Core::new(config.clone(), Instant::now(), rng);
+        core.set_release_ends_transfers(transport.release_ends_transfers());
         let service = Keepalive {
             offload: Offload::new(transport),
-            core: Core::new(config.clone(), Instant::now(), rng),
+            core,
             config,
             inbox,
             events,
             directory,
-            loading: Default::default(),
-            registering: Default::default(),
-            next_request: 0,
+            replies: Default::default(),
             orphans: Vec::new(),
             startup: Startup {
                 line: "detection bound not computed (UCX settings not given: see Keepalive::with_ucx_settings)".into(),
@@ -117,36 +114,35 @@ impl<T: Transport> Keepalive<T> {
 
     /// Tells the service the UCX settings in force (read them with
     /// [`UcxSettings::read`] before anything starts). With them it reports
-    /// how long a dead prefill can go unnoticed: one line at start-up, the
-    /// `nixl_keepalive_detection_bound_*_seconds` gauges, the snapshot; and
-    /// it warns once about settings that defeat detection.
+    /// how long a dead prefill can go unnoticed, for each kind of death
+    /// (crashed, silent, frozen with reads in flight: see
+    /// [`crate::ucx_settings`]): one line at start-up, the
+    /// `nixl_keepalive_detection_bound_{crashed,silent,frozen}_seconds`
+    /// gauges, the snapshot; and it warns once about settings that defeat
+    /// detection.
     pub fn with_ucx_settings(mut self, settings: &UcxSettings) -> Self {
         let gap = self
             .config
             .heartbeat_interval
             .map(|interval| interval + self.config.jitter);
-        let (line, crashed, silent) = match gap {
-            Some(gap) => {
-                let bound = detection_bound(settings, gap);
-                (bound.to_string(), Some(bound.crashed), bound.silent)
-            }
-            None => {
-                let silent = detection_bound(settings, Duration::ZERO);
-                (
-                    format!(
-                        "heartbeats are off (NIXL_KEEPALIVE_INTERVAL=inf): a dead peer is released only after a transfer to it fails; {silent}"
-                    ),
-                    None,
-                    None,
-                )
-            }
+        let bound = detection_bound(settings, gap.unwrap_or(Duration::ZERO))
+            .with_read_stall(self.config.read_stall);
+        let (line, crashed) = match gap {
+            Some(_) => (bound.to_string(), Some(bound.crashed)),
+            None => (
+                format!(
+                    "heartbeats are off (NIXL_KEEPALIVE_INTERVAL=inf): a crashed peer is released only after a transfer to it fails; {bound}"
+                ),
+                None,
+            ),
         };
-        telemetry::detection_bound(crashed, silent);
+        let silent = bound.silent.filter(|_| gap.is_some());
+        telemetry::detection_bound(crashed, silent, bound.frozen);
         let note = if settings.keepalive_enabled() {
             format!(
                 "UCX keepalive ({}) fails a silent peer's endpoint{}; a frozen process on shm/tcp is never reported",
-                settings.keepalive_interval.raw,
-                silent.map_or(String::new(), |d| format!(", release within {d:?}"))
+                settings.keepalive_interval.value,
+                silent.map_or(String::new(), |d| format!(", release within {}", secs_text(d)))
             )
         } else {
             "UCX keepalive is off (inf or NUM_EPS 0): a silent peer is never reported".to_string()
@@ -157,7 +153,11 @@ impl<T: Transport> Keepalive<T> {
             warnings: warnings(settings),
             ucx: settings.summary(),
         };
-        self.bound = Some(DetectionSummary { crashed, silent });
+        self.bound = Some(DetectionSummary {
+            crashed,
+            silent,
+            frozen: bound.frozen,
+        });
         self
     }
 
@@ -259,32 +259,13 @@ impl<T: Transport> Keepalive<T> {
     fn on_msg(&mut self, now: Instant, msg: Msg<T::Resources>) {
         match msg {
             Msg::Input(input) => self.core.handle(now, input),
-            Msg::ReadyToLoad {
-                ticket,
-                engine,
-                done,
+            Msg::Ask {
+                request,
+                input,
+                reply,
             } => {
-                self.loading.insert(ticket, done);
-                self.core.handle(now, Input::ReadyToLoad { ticket, engine });
-            }
-            Msg::Register {
-                ticket,
-                registration,
-                cell,
-                done,
-            } => {
-                let request = self.next_request;
-                self.next_request += 1;
-                self.registering.insert(request, done);
-                self.core.handle(
-                    now,
-                    Input::Register {
-                        request,
-                        ticket,
-                        registration,
-                        cell,
-                    },
-                );
+                self.replies.insert(request, reply);
+                self.core.handle(now, input);
             }
             Msg::Snapshot(done) => {
                 let mut snapshot = self.core.snapshot(now);
@@ -321,34 +302,23 @@ impl<T: Transport> Keepalive<T> {
         while let Some(action) = self.core.poll_action() {
             match action {
                 Action::Call(call) => calls.push(call),
-                Action::Activated { request, cell } => {
+                Action::Activated { cell } => {
                     let engine = EngineRef { cell };
                     self.directory
                         .write()
                         .expect("directory poisoned")
-                        .insert(engine.id().clone(), engine.clone());
-                    if let Some(done) = self.registering.remove(&request) {
-                        // A caller that stopped waiting finds it by id.
-                        let _ = done.send(Ok(engine));
-                    }
+                        .insert(engine.id().clone(), engine);
                 }
-                Action::Refused { request, error } => {
-                    let undelivered = match self.registering.remove(&request) {
-                        Some(done) => done.send(Err(error)).err().and_then(|e| e.err()),
-                        None => Some(error),
+                Action::Answer { request, answer } => {
+                    let Some(reply) = self.replies.remove(&request) else {
+                        continue;
                     };
-                    if let Some(registration) = undelivered.and_then(|e| e.into_registration()) {
-                        self.orphans.push(registration);
-                    }
-                }
-                Action::LoadReady { ticket } => {
-                    if let Some(done) = self.loading.remove(&ticket) {
-                        let _ = done.send(Ok(()));
-                    }
-                }
-                Action::LoadRefused { ticket } => {
-                    if let Some(done) = self.loading.remove(&ticket) {
-                        let _ = done.send(Err(ServiceStopped));
+                    if let Err(Answer::Refused(error)) = reply.send(answer) {
+                        // Refused, and its caller stopped waiting: handed
+                        // back at shutdown.
+                        if let Some(registration) = error.into_registration() {
+                            self.orphans.push(registration);
+                        }
                     }
                 }
                 Action::Forget { engine, serial } => {

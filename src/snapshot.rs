@@ -4,6 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::registration::Incarnation;
 use crate::state::EngineState;
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use crate::NixlStatus;
@@ -25,6 +26,8 @@ pub struct EngineSnapshot {
     pub engine: EngineId,
     /// Side-channel address.
     pub address: PeerAddr,
+    /// The process's incarnation, when its handshake reported one.
+    pub incarnation: Option<Incarnation>,
     /// Agent names.
     pub agents: Vec<AgentName>,
     /// State.
@@ -105,13 +108,34 @@ pub struct CallInFlight {
     pub hung: bool,
 }
 
-/// The detection bound, as numbers.
+/// The detection bounds, as numbers: one per kind of dead peer (see
+/// [`crate::ucx_settings`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DetectionSummary {
-    /// A crashed peer (process gone); `None` when heartbeats are off.
+    /// A crashed peer (process gone): the first operation after the crash,
+    /// at most one heartbeat gap when idle; `None` when heartbeats are off.
     pub crashed: Option<Duration>,
-    /// A silent peer (partition); `None` when unbounded.
+    /// A silent peer (partition): UCX keepalive plus the timeout of the
+    /// slowest transport in use; `None` when unbounded.
     pub silent: Option<Duration>,
+    /// A frozen peer with reads in flight: 1.25 read-stall bounds plus
+    /// slack; `None` with the read-stall check off. A frozen idle peer has
+    /// no bound in the service.
+    pub frozen: Option<Duration>,
+}
+
+impl fmt::Display for DetectionSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text =
+            |d: Option<Duration>| d.map_or("never".to_string(), crate::ucx_settings::secs_text);
+        write!(
+            f,
+            "crashed {}, silent {}, frozen with reads in flight {}",
+            text(self.crashed),
+            text(self.silent),
+            text(self.frozen)
+        )
+    }
 }
 
 impl Snapshot {
@@ -123,6 +147,9 @@ impl Snapshot {
 
 impl fmt::Display for Snapshot {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(bound) = &self.detection_bound {
+            writeln!(f, "detection bounds: {bound}")?;
+        }
         writeln!(
             f,
             "{:<24} {:<22} {:<12} {:>5}  why",

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 
+use crate::engine::GiveUp;
 use crate::event::{ReleaseReason, Source};
 use crate::state::EngineState;
 use crate::NixlStatus;
@@ -22,6 +23,13 @@ pub const TRANSFER_ERRORS: &str = "nixl_keepalive_transfer_errors_total";
 /// Engines whose reads in flight stopped completing (hung peers), by
 /// `action` (`fail` or `report`).
 pub const READ_STALLS: &str = "nixl_keepalive_read_stalls_total";
+/// Reads the runtime gave up while their transfer was in progress, by
+/// `why` (`timed_out`, `cancelled`) and `answered` (`false`: no read of the
+/// engine completed meanwhile, evidence against it).
+pub const READS_GIVEN_UP: &str = "nixl_keepalive_reads_given_up_total";
+/// Episodes in which engines' reads stopped completing while no engine's
+/// completed: the decoder itself looked stuck and nobody was blamed.
+pub const DECODER_STALLS: &str = "nixl_keepalive_decoder_stalls_total";
 /// Transport calls that panicked, by `call` (`genNotif`, `release`).
 pub const TRANSPORT_PANICS: &str = "nixl_keepalive_transport_panics_total";
 /// Threads of the transport calls' pool (busy and idle).
@@ -37,15 +45,40 @@ pub const RELEASES: &str = "nixl_keepalive_releases_total";
 /// Release steps that failed with something other than NOT_FOUND, by
 /// `status`.
 pub const RELEASE_STEPS_FAILED: &str = "nixl_keepalive_release_steps_failed_total";
+/// UCX endpoints of released agents, by `outcome`: `closed` (destroyed at
+/// once), `left_open` (kept by UCX, with their sockets and mappings, until
+/// the decode's agent is destroyed), `not_observed` (one per agent whose
+/// endpoint closes the transport cannot see: NIXL's own close mode).
+pub const RELEASE_ENDPOINTS: &str = "nixl_keepalive_release_endpoints_total";
+/// UCP endpoints the decode agent's UCX workers hold, from UCX's own
+/// introspection (its VFS tree), read after each release: NIXL's loopback
+/// endpoint plus one per loaded remote agent when nothing is left behind.
+pub const UCX_ENDPOINTS: &str = "nixl_keepalive_ucx_endpoints";
 /// Seconds from an engine being marked (detection) to its release.
 pub const DETECTION_TO_RELEASE: &str = "nixl_keepalive_detection_to_release_seconds";
 /// Reads in flight over all engines.
 pub const READS_IN_FLIGHT: &str = "nixl_keepalive_reads_in_flight";
-/// The worst-case seconds a crashed peer can stay unreleased with the
-/// settings in force.
+/// The worst-case seconds from a peer's crash (its process gone) to its
+/// release with the settings in force: the first operation after the
+/// crash sees it, so at most one heartbeat gap (plus slack) when idle;
+/// longer only where IB transports are in use. +Inf with heartbeats off.
 pub const DETECTION_BOUND_CRASH: &str = "nixl_keepalive_detection_bound_crashed_seconds";
-/// The same for a silent peer (partition, freeze); +Inf when unbounded.
+/// The same for a silent peer (partition, a NIC that stops answering):
+/// UCX keepalive plus the timeout of the slowest transport in use (the TCP
+/// user timeout over TCP); +Inf when unbounded.
 pub const DETECTION_BOUND_SILENT: &str = "nixl_keepalive_detection_bound_silent_seconds";
+/// The same for a frozen peer (SIGSTOP, a deadlock) with reads in flight:
+/// 1.25 read-stall bounds, or one runtime read timeout if the runtime gives
+/// reads up sooner; +Inf with the read-stall check off. A frozen idle peer
+/// is not bounded by the service (membership or the router retire it).
+pub const DETECTION_BOUND_FROZEN: &str = "nixl_keepalive_detection_bound_frozen_seconds";
+/// Identity conflicts refused (two sources claiming one agent name,
+/// engine id, address or incarnation), by `kind`.
+pub const IDENTITY_CONFLICTS: &str = "nixl_keepalive_identity_conflicts_total";
+
+pub(crate) fn identity_conflict(kind: &'static str) {
+    counter!(IDENTITY_CONFLICTS, "kind" => kind).increment(1);
+}
 
 pub(crate) fn heartbeats_sent(count: usize) {
     if count > 0 {
@@ -64,6 +97,15 @@ pub(crate) fn status_error(source: Source, status: NixlStatus) {
 
 pub(crate) fn read_stall(action: &'static str) {
     counter!(READ_STALLS, "action" => action).increment(1);
+}
+
+pub(crate) fn read_given_up(why: GiveUp, unanswered: bool) {
+    counter!(READS_GIVEN_UP, "why" => why.as_str(), "answered" => if unanswered { "false" } else { "true" })
+        .increment(1);
+}
+
+pub(crate) fn decoder_stuck() {
+    counter!(DECODER_STALLS).increment(1);
 }
 
 pub(crate) fn transport_panicked(call: &'static str) {
@@ -95,6 +137,29 @@ pub(crate) fn release_step_failed(status: NixlStatus) {
     counter!(RELEASE_STEPS_FAILED, "status" => status.name()).increment(1);
 }
 
+/// What one agent's invalidation did to its endpoints.
+pub(crate) fn release_endpoints(close: &crate::transport::EndpointClose) {
+    use crate::transport::EndpointClose;
+    let count = |outcome: &'static str, n: u32| {
+        if n > 0 {
+            counter!(RELEASE_ENDPOINTS, "outcome" => outcome).increment(u64::from(n));
+        }
+    };
+    match *close {
+        EndpointClose::Closed { endpoints } => count("closed", endpoints),
+        EndpointClose::LeftOpen { closed, left_open } => {
+            count("closed", closed);
+            count("left_open", left_open);
+        }
+        EndpointClose::NoneClosed => {}
+        EndpointClose::NotObserved => count("not_observed", 1),
+    }
+}
+
+pub(crate) fn ucx_endpoints(open: usize) {
+    gauge!(UCX_ENDPOINTS).set(open as f64);
+}
+
 pub(crate) fn census(by_state: [usize; 6], reads: u64) {
     for state in EngineState::all() {
         gauge!(ENGINES, "state" => state.as_str()).set(by_state[state as usize] as f64);
@@ -102,8 +167,13 @@ pub(crate) fn census(by_state: [usize; 6], reads: u64) {
     gauge!(READS_IN_FLIGHT).set(reads as f64);
 }
 
-pub(crate) fn detection_bound(crashed: Option<Duration>, silent: Option<Duration>) {
+pub(crate) fn detection_bound(
+    crashed: Option<Duration>,
+    silent: Option<Duration>,
+    frozen: Option<Duration>,
+) {
     let secs = |d: Option<Duration>| d.map_or(f64::INFINITY, |d| d.as_secs_f64());
     gauge!(DETECTION_BOUND_CRASH).set(secs(crashed));
     gauge!(DETECTION_BOUND_SILENT).set(secs(silent));
+    gauge!(DETECTION_BOUND_FROZEN).set(secs(frozen));
 }

@@ -14,6 +14,9 @@ use nixl_sys::NixlStatus;
 
 macro_rules! name_type {
     ($(#[$doc:meta])* $name:ident) => {
+        name_type!($(#[$doc])* $name, |name: Arc<str>| name);
+    };
+    ($(#[$doc:meta])* $name:ident, $normalize:expr) => {
         $(#[$doc])*
         #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub struct $name(Arc<str>);
@@ -21,7 +24,7 @@ macro_rules! name_type {
         impl $name {
             /// Wraps a name.
             pub fn new(name: impl Into<Arc<str>>) -> Self {
-                Self(name.into())
+                Self(($normalize)(name.into()))
             }
 
             /// The name as text.
@@ -74,7 +77,100 @@ name_type! {
     /// A prefill engine's side-channel address, `host:port`, where it
     /// answers handshakes. A new engine id seen at a known address means the
     /// engine there was replaced.
-    PeerAddr
+    ///
+    /// Addresses are compared as written once made canonical: an IP
+    /// literal is written the one way the standard library writes it
+    /// (`127.000.0.1:05600` is `127.0.0.1:5600`, `[0:0::1]:80` is
+    /// `[::1]:80`), a host name in lower case. A name is not resolved here;
+    /// [`PeerAddr::resolve`] resolves it to the one address it names, so
+    /// that `localhost:5600` and `127.0.0.1:5600` are one peer.
+    PeerAddr,
+    canonical_address
+}
+
+/// The canonical form of a `host:port` (see [`PeerAddr`]); anything else
+/// is kept as written.
+fn canonical_address(raw: Arc<str>) -> Arc<str> {
+    let canonical = if let Ok(socket) = raw.parse::<std::net::SocketAddr>() {
+        socket.to_string()
+    } else if let Some((host, port)) = raw.rsplit_once(':') {
+        match port.parse::<u16>() {
+            Ok(port) => format!("{}:{port}", host.to_ascii_lowercase()),
+            Err(_) => return raw,
+        }
+    } else {
+        return raw;
+    };
+    if *canonical == *raw {
+        raw
+    } else {
+        canonical.into()
+    }
+}
+
+/// A `host:port` that could not be made one address.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// Not `host:port` with a port number.
+    #[error("{0:?} is not host:port (a host name or IP address, a colon, a port 0-65535)")]
+    Form(String),
+    /// The name did not resolve.
+    #[error("{address} does not resolve: {source}")]
+    Lookup {
+        /// The address as given.
+        address: String,
+        /// What the resolver said.
+        source: std::io::Error,
+    },
+    /// The name resolves to several addresses: which one the prefill
+    /// listens on is not known here, so it is refused rather than guessed.
+    #[error("{address} is ambiguous: it resolves to {} addresses ({}); name one of them", .resolved.len(), .resolved.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", "))]
+    Ambiguous {
+        /// The address as given.
+        address: String,
+        /// Every address it resolves to.
+        resolved: Vec<std::net::SocketAddr>,
+    },
+}
+
+impl PeerAddr {
+    /// Resolves a `host:port` to the one socket address it names, in its
+    /// canonical form: aliases of one prefill (`localhost:5600`,
+    /// `127.0.0.1:5600`) become one address, so the service sees one
+    /// peer. A name that resolves to several addresses is refused
+    /// ([`ResolveError::Ambiguous`]), never guessed. IP literals are not
+    /// looked up.
+    pub async fn resolve(address: &str) -> Result<PeerAddr, ResolveError> {
+        let form = || ResolveError::Form(crate::text::Escaped(address).to_string());
+        let (host, port) = address.rsplit_once(':').ok_or_else(form)?;
+        if host.is_empty() || port.parse::<u16>().is_err() {
+            return Err(form());
+        }
+        let literal = PeerAddr::new(address);
+        if literal.as_str().parse::<std::net::SocketAddr>().is_ok() {
+            return Ok(literal);
+        }
+        let mut resolved: Vec<std::net::SocketAddr> = tokio::net::lookup_host(address)
+            .await
+            .map_err(|source| ResolveError::Lookup {
+                address: address.to_string(),
+                source,
+            })?
+            .collect();
+        resolved.sort();
+        resolved.dedup();
+        match resolved.as_slice() {
+            [one] => Ok(PeerAddr::new(one.to_string())),
+            [] => Err(ResolveError::Lookup {
+                address: address.to_string(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no address"),
+            }),
+            _ => Err(ResolveError::Ambiguous {
+                address: address.to_string(),
+                resolved,
+            }),
+        }
+    }
 }
 
 /// A NIXL call that did not succeed, with the raw status it returned.
@@ -104,6 +200,21 @@ pub struct ReleaseStep {
     pub status: NixlStatus,
 }
 
+impl ReleaseStep {
+    /// UCX endpoints this step left open (see [`EndpointClose::LeftOpen`]):
+    /// they keep their sockets and mappings until the decode's agent is
+    /// destroyed. 0 for every other step.
+    pub fn endpoints_left_open(&self) -> u32 {
+        match &self.target {
+            ReleaseTarget::Endpoints {
+                close: EndpointClose::LeftOpen { left_open, .. },
+                ..
+            } => *left_open,
+            _ => 0,
+        }
+    }
+}
+
 /// What one release step gave back.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ReleaseTarget {
@@ -112,6 +223,67 @@ pub enum ReleaseTarget {
     DlistHandle(usize),
     /// An agent's loaded remote metadata (`invalidateRemoteMD`).
     RemoteMetadata(AgentName),
+    /// The UCX endpoints to an agent, which its `invalidateRemoteMD`
+    /// closes: reported right after that agent's
+    /// [`ReleaseTarget::RemoteMetadata`] step when the invalidation
+    /// succeeded, with the same status. What happened to them is in
+    /// `close`; an endpoint left open is not a failed step (NIXL said
+    /// SUCCESS) but is counted in
+    /// `nixl_keepalive_release_endpoints_total{outcome="left_open"}`.
+    Endpoints {
+        /// The remote agent.
+        agent: AgentName,
+        /// What the invalidation did to its endpoints.
+        close: EndpointClose,
+    },
+}
+
+/// What an agent's invalidation did to its UCX endpoints (one per UCX
+/// worker of the decode's agent).
+///
+/// Measured with NIXL 1.5.1 (loopback): NIXL closes a live peer's endpoint
+/// in UCX's flush mode, which keeps it, its TCP socket and its
+/// shared-memory mappings until the decode's agent is destroyed; only a
+/// peer UCX had already failed (killed) was closed for real. `nixl-sys`
+/// forces the close (see `nixl_sys::endpoints`), so both are
+/// [`EndpointClose::Closed`]. The TCP connection UCX shares between both
+/// directions then closes on the prefill's side, at its next UCX
+/// keepalive round (`UCX_KEEPALIVE_INTERVAL` of the prefill, 20 s by
+/// default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndpointClose {
+    /// Every endpoint closed at once: destroyed with its transports.
+    Closed {
+        /// How many.
+        endpoints: u32,
+    },
+    /// Some endpoints were closed in UCX's flush mode and stay open, with
+    /// their sockets and mappings, until the decode's agent is destroyed.
+    LeftOpen {
+        /// Endpoints closed for real.
+        closed: u32,
+        /// Endpoints left open.
+        left_open: u32,
+    },
+    /// No endpoint was closed: NIXL held no connection to the agent any
+    /// more, or a handle made from it (a transfer request, a dlist) still
+    /// holds it and it closes when that goes.
+    NoneClosed,
+    /// The transport cannot see endpoint closes (the process runs NIXL's
+    /// own close mode, or the transport does not observe them).
+    NotObserved,
+}
+
+impl EndpointClose {
+    /// A short name, used as the `outcome` metric label.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            EndpointClose::Closed { .. } => "closed",
+            EndpointClose::LeftOpen { .. } => "left_open",
+            EndpointClose::NoneClosed => "none_closed",
+            EndpointClose::NotObserved => "not_observed",
+        }
+    }
 }
 
 /// The service's view of NIXL.
@@ -134,12 +306,30 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Gives back everything held for one engine: releases each prepped
     /// dlist handle in `resources`, then invalidates the remote metadata of
-    /// each agent in `agents`. Every step is attempted even when an earlier
-    /// one fails; the report lists each step with its raw status.
+    /// each agent in `agents`, closing its UCX endpoints. Every step is
+    /// attempted even when an earlier one fails; the report lists each step
+    /// with its raw status, and after each successful invalidation what
+    /// became of the agent's endpoints ([`ReleaseTarget::Endpoints`]).
     fn release(
         &self,
         engine: &EngineId,
         agents: &[AgentName],
         resources: Self::Resources,
     ) -> Vec<ReleaseStep>;
+
+    /// Whether [`Transport::release`] ends every transfer still running to
+    /// the engine (it closes the engine's endpoints, so no byte of a
+    /// transfer given up before can land after it returns). The service
+    /// then tells the runtime that the destination buffers of the engine's
+    /// given-up reads may be reused ([`crate::Destination::Reusable`]);
+    /// otherwise they must be retired.
+    ///
+    /// `false` unless the implementation has proved it on the real thing:
+    /// with NIXL 1.5.1 over TCP, a READ given up with `releaseXferReq`
+    /// still wrote its destination when the prefill resumed, after
+    /// `invalidateRemoteMD` had returned SUCCESS
+    /// (`cli/tests/real_buffer.rs`).
+    fn release_ends_transfers(&self) -> bool {
+        false
+    }
 }

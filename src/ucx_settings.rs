@@ -10,23 +10,25 @@
 //!
 //! # The detection model ([`detection_bound`])
 //!
-//! Assumed: the engine sends a heartbeat (a NIXL notification) to each
-//! peer at most `heartbeat_gap` after the previous one (the service passes
-//! its interval plus its jitter), and releases a peer as soon as one heartbeat fails with a
-//! disconnect; UCX's worker is progressed continuously (NIXL's progress
-//! thread); each worker has at most `KEEPALIVE_NUM_EPS` endpoints (else a
-//! keepalive round covers only part of them and the bound grows).
+//! Three kinds of dead peer, three bounds, each reported on its own (the
+//! start-up line, the `nixl_keepalive_detection_bound_{crashed,silent,frozen}_seconds`
+//! gauges, the snapshot):
 //!
-//! - **Crashed** (process gone): its kernel resets TCP connections and
-//!   shared memory peers see it go; the first heartbeat after the crash
-//!   fails (measured on loopback: within 0.2 s). Bound: one heartbeat
-//!   interval plus jitter plus [`SLACK`]. On InfiniBand a dead process may
-//!   instead look silent until UCX's timers fire (operators measured about
-//!   25 s with defaults on GB200), so the crashed bound is never reported
-//!   below the silent one's transport part when IB transports are enabled.
-//! - **Silent** (partition, or a NIC that stops answering): UCX must send
-//!   a keepalive (`KEEPALIVE_INTERVAL`) and the transport must give up on
-//!   it: UD after `UD_TIMEOUT`; RC after about
+//! - **Crashed** (process gone: killed, segfault, OOM): its kernel closes
+//!   its sockets and shared memory peers see it go, so the *first
+//!   operation* after the crash fails with REMOTE_DISCONNECT (measured on
+//!   loopback: a read in flight or the next heartbeat, 1-70 ms when busy).
+//!   Idle, that first operation is the next heartbeat: at most one
+//!   heartbeat gap (interval + jitter) plus [`SLACK`]. Only where IB
+//!   transports are in use can a dead process look silent until UCX's
+//!   timers fire (operators measured about 25 s with defaults on GB200);
+//!   there the crashed bound is never reported below keepalive + the IB
+//!   transports' timeout + one heartbeat + slack. The TCP timeouts never
+//!   enter it: a crashed process's TCP connections are reset by its
+//!   kernel (UCX closed them 3-46 ms after SIGKILL, measured).
+//! - **Silent** (partition, a NIC that stops answering): UCX must send a
+//!   keepalive (`KEEPALIVE_INTERVAL`) and the transport in use must give
+//!   up on it: UD after `UD_TIMEOUT`; RC after about
 //!   `RC_TIMEOUT * (RC_RETRY_COUNT + 1)`; TCP after `TCP_USER_TIMEOUT`, or
 //!   when that is left to the kernel (`auto`, the default), after Linux's
 //!   retransmission limit (`tcp_retries2` = 15: about 924.6 s). Not TCP
@@ -35,15 +37,30 @@
 //!   partition: with `TCP_KEEPIDLE=1s`, `KEEPINTVL=1s`, `KEEPCNT=3` and no
 //!   user timeout, nothing was reported in 40 s; with
 //!   `UCX_TCP_USER_TIMEOUT=3s`, REMOTE_DISCONNECT after about 3.4 s). The
-//!   bound is keepalive + the slowest enabled network transport + one
-//!   heartbeat + slack. Unbounded when keepalive is `inf` or
-//!   `KEEPALIVE_NUM_EPS` is 0.
-//! - Not covered: a *frozen* process (SIGSTOP, deadlock) on shared memory
-//!   or TCP: its kernel still answers, and UCX never reports it (measured:
-//!   60 s of successful notifications). Only an application-level reply
-//!   timeout catches that. TCP with unacknowledged data follows the
-//!   kernel's retransmission timeout (`tcp_retries2`, up to about 15
-//!   minutes), not keepalive.
+//!   bound is keepalive + the slowest network transport in use + one
+//!   heartbeat + slack, and says which transport that is. Unbounded when
+//!   keepalive is `inf` or `KEEPALIVE_NUM_EPS` is 0.
+//! - **Frozen** (SIGSTOP, a deadlock, a GPU hang): on shared memory or TCP
+//!   its kernel still answers and UCX never reports it (measured: 60 s of
+//!   successful notifications). With reads in flight the service's
+//!   read-stall check finds it: within 1.25 read-stall bounds plus slack
+//!   ([`DetectionBound::with_read_stall`]), or sooner when the runtime
+//!   gives a read up as timed out. Frozen and idle, nothing in the service
+//!   can tell it from a healthy idle peer: a membership lease or the router
+//!   retires it.
+//!
+//! Transports in use: those `UCX_TLS` enables (`all` by default) among
+//! those the host has. IB transports (`ud`, `rc`, `dc`) need an RDMA
+//! device: [`UcxSettings::read`] looks for one in `/sys/class/infiniband`
+//! ([`UcxSettings::rdma_devices`]), so a host without one is not reported
+//! with IB timeouts.
+//!
+//! Assumed: the engine sends a heartbeat (a NIXL notification) to each
+//! peer at most `heartbeat_gap` after the previous one (the service passes
+//! its interval plus its jitter), and releases a peer as soon as one
+//! heartbeat fails with a disconnect; UCX's worker is progressed
+//! continuously; each worker has at most `KEEPALIVE_NUM_EPS` endpoints
+//! (else a keepalive round covers only part of them and the bound grows).
 
 use std::fmt;
 use std::time::Duration;
@@ -73,8 +90,11 @@ pub enum Source {
     Environment,
     /// UCX's documented default (variable not set).
     Default,
-    /// Not a UCX variable: the NIXL UCX backend's behaviour.
+    /// Not a UCX variable: the NIXL UCX backend's behaviour, or what is
+    /// assumed when the host was not looked at.
     Assumed,
+    /// Looked up on this host (`/sys/class/infiniband`).
+    Host,
 }
 
 impl fmt::Display for Source {
@@ -84,6 +104,7 @@ impl fmt::Display for Source {
             Source::Environment => "env",
             Source::Default => "default",
             Source::Assumed => "assumed",
+            Source::Host => "host",
         })
     }
 }
@@ -156,6 +177,12 @@ pub struct UcxSettings {
     pub tls: Setting<Vec<String>>,
     /// Not a UCX variable: NIXL's UCX backend uses `peer`.
     pub error_handling: Setting<ErrorHandling>,
+    /// Not a UCX variable: whether this host has an RDMA device, without
+    /// which no IB transport (`ud`, `rc`, `dc`) is in use whatever
+    /// `UCX_TLS` says. [`UcxSettings::read`] looks in
+    /// `/sys/class/infiniband`; [`UcxSettings::from_lookup`] assumes one
+    /// (the longer bounds).
+    pub rdma_devices: Setting<bool>,
 }
 
 /// A UCX variable with a value that is not UCX syntax.
@@ -193,8 +220,10 @@ impl UcxSettings {
     pub fn read() -> Result<UcxSettings, SettingsError> {
         let env = |name: &str| std::env::var(name).ok();
         // Check the environment with our syntax first, for our messages.
-        let from_env = UcxSettings::from_lookup(&env, None)?;
+        let mut from_env = UcxSettings::from_lookup(&env, None)?;
+        let rdma = host_rdma_devices();
         let Ok(ucx) = ucx_sys::Ucx::get() else {
+            from_env.rdma_devices = rdma;
             return Ok(from_env);
         };
         let cfg = ucx.ucp_config_read().map_err(SettingsError::Ucx)?;
@@ -205,7 +234,9 @@ impl UcxSettings {
                 .find(|(n, _)| n == name)
                 .map(|(_, v)| v.clone())
         };
-        UcxSettings::from_lookup(&env, Some(&lookup))
+        let mut settings = UcxSettings::from_lookup(&env, Some(&lookup))?;
+        settings.rdma_devices = rdma;
+        Ok(settings)
     }
 
     /// The settings from an environment (`UCX_*` names) and, optionally,
@@ -318,6 +349,11 @@ impl UcxSettings {
                 raw: "peer".into(),
                 source: Source::Assumed,
             },
+            rdma_devices: Setting {
+                value: true,
+                raw: "assumed".into(),
+                source: Source::Assumed,
+            },
         })
     }
 
@@ -340,7 +376,7 @@ impl UcxSettings {
              RC_TIMEOUT={}({}) RC_RETRY_COUNT={}({}) TCP_KEEPIDLE={}({}) \
              TCP_KEEPINTVL={}({}) TCP_KEEPCNT={}({}) TCP_USER_TIMEOUT={}({}) \
              CUDA_IPC_CACHE={}({}) TLS={}({}) \
-             ERR_MODE={}({})",
+             ERR_MODE={}({}) RDMA_DEVICES={}({})",
             self.keepalive_interval.value,
             self.keepalive_interval.source,
             self.keepalive_num_eps.raw,
@@ -368,7 +404,20 @@ impl UcxSettings {
                 ErrorHandling::None => "none",
             },
             self.error_handling.source,
+            self.rdma_devices.raw,
+            self.rdma_devices.source,
         )
+    }
+
+    /// Whether any IB transport (`ud`, `rc`, `dc`, or `ib`) is in use:
+    /// enabled by `UCX_TLS` and an RDMA device present.
+    pub fn ib_in_use(&self) -> bool {
+        self.rdma_devices.value && self.tl_enabled(IB_TRANSPORTS)
+    }
+
+    /// Whether TCP is in use (enabled by `UCX_TLS`).
+    pub fn tcp_in_use(&self) -> bool {
+        self.tl_enabled(&["tcp"])
     }
 
     fn tl_enabled(&self, names: &[&str]) -> bool {
@@ -393,6 +442,32 @@ impl UcxSettings {
     }
 }
 
+/// Every name of an IB transport `UCX_TLS` may use.
+const IB_TRANSPORTS: &[&str] = &[
+    "ib", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5",
+    "dc", "dc_x", "dc_mlx5",
+];
+
+/// The RDMA devices of this host (`/sys/class/infiniband`), as a setting.
+fn host_rdma_devices() -> Setting<bool> {
+    let devices: Vec<String> = std::fs::read_dir("/sys/class/infiniband")
+        .map(|dir| {
+            dir.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    Setting {
+        value: !devices.is_empty(),
+        raw: if devices.is_empty() {
+            "none".into()
+        } else {
+            devices.join(",")
+        },
+        source: Source::Host,
+    }
+}
+
 fn parse_count(s: &str) -> Option<Count> {
     if s.eq_ignore_ascii_case("inf") {
         Some(Count::Infinite)
@@ -409,39 +484,89 @@ fn parse_bool(s: &str) -> Option<bool> {
     }
 }
 
-/// Worst-case times from a peer's death to its release.
+/// Worst-case times from a peer's death to its release, one per kind of
+/// death (see the module docs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DetectionBound {
-    /// Process gone (killed, crashed).
+    /// Process gone (killed, crashed): the first operation after it sees
+    /// it; idle, the next heartbeat.
     pub crashed: Duration,
+    /// What the crashed bound is made of, e.g.
+    /// `first operation; idle: heartbeat 5.5s + slack 1s`.
+    pub crashed_terms: String,
     /// Silent on the network (partition); `None` when unbounded.
     pub silent: Option<Duration>,
     /// What the silent bound is made of, e.g.
-    /// `keepalive 20s + ud 30s + heartbeat 2.2s + slack 1s`.
+    /// `keepalive 20s + tcp user timeout 10s + heartbeat 5.5s + slack 1s`.
     pub silent_terms: String,
+    /// Frozen with reads in flight: the read-stall check's bound; `None`
+    /// when that check is off (or not given: see
+    /// [`DetectionBound::with_read_stall`]).
+    pub frozen: Option<Duration>,
+    /// What the frozen bound is made of (empty when not given).
+    pub frozen_terms: String,
+}
+
+impl DetectionBound {
+    /// Adds the frozen bound of the read-stall check with `bound`
+    /// (`NIXL_KEEPALIVE_READ_STALL`; `None`: off): an engine's stall is
+    /// seen within one check period (a quarter bound) and judged one bound
+    /// later, plus [`SLACK`]; sooner when the runtime gives a read up as
+    /// timed out.
+    pub fn with_read_stall(mut self, bound: Option<Duration>) -> Self {
+        match bound {
+            Some(b) => {
+                self.frozen = Some(b + b / 4 + SLACK);
+                self.frozen_terms = format!(
+                    "read stall {} x 1.25 + slack {}; sooner when the runtime gives a read up as timed out",
+                    secs_text(b),
+                    secs_text(SLACK)
+                );
+            }
+            None => {
+                self.frozen = None;
+                self.frozen_terms =
+                    "the read-stall check is off (NIXL_KEEPALIVE_READ_STALL=inf)".to_owned();
+            }
+        }
+        self
+    }
 }
 
 impl fmt::Display for DetectionBound {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "dead peer released within {} if crashed, ",
-            secs_text(self.crashed)
+            "dead peer released within {} if crashed ({}); ",
+            secs_text(self.crashed),
+            self.crashed_terms
         )?;
         match self.silent {
+            Some(d) => write!(f, "{} if silent ({}); ", secs_text(d), self.silent_terms)?,
+            None => write!(f, "never if silent ({}); ", self.silent_terms)?,
+        }
+        match self.frozen {
+            // Not given: nothing to say.
+            None if self.frozen_terms.is_empty() => {}
             Some(d) => write!(
                 f,
-                "{} if silent ({}); a frozen peer on shm/tcp is not detected by UCX",
+                "{} if frozen with reads in flight ({}); ",
                 secs_text(d),
-                self.silent_terms
-            ),
-            None => write!(f, "never if silent ({})", self.silent_terms),
+                self.frozen_terms
+            )?,
+            None => write!(
+                f,
+                "never if frozen with reads in flight ({}); ",
+                self.frozen_terms
+            )?,
         }
+        f.write_str("frozen and idle: only membership or the router retire it (UCX never reports a frozen peer on shm/tcp)")
     }
 }
 
-/// `53.2s`, `2s`, `0.5s`: seconds, rounded up to 0.1 s.
-fn secs_text(d: Duration) -> String {
+/// `53.2s`, `2s`, `0.5s`: seconds, rounded up to 0.1 s (what a person
+/// reads; never `20000000.00us`).
+pub fn secs_text(d: Duration) -> String {
     let tenths = d.as_nanos().div_ceil(100_000_000);
     if tenths % 10 == 0 {
         format!("{}s", tenths / 10)
@@ -450,39 +575,51 @@ fn secs_text(d: Duration) -> String {
     }
 }
 
-/// The worst-case time to release a dead peer with these settings and
-/// longest gap between two heartbeats to one peer. See the module docs
-/// for the model.
+/// The worst-case times to release a crashed and a silent peer with these
+/// settings and longest gap between two heartbeats to one peer (the
+/// frozen bound is added by [`DetectionBound::with_read_stall`]). See the
+/// module docs for the model.
 pub fn detection_bound(settings: &UcxSettings, heartbeat_gap: Duration) -> DetectionBound {
     let heartbeat = heartbeat_gap;
     let ms = secs_text;
 
-    // Slowest enabled network transport to give up on an unanswered message.
+    // Slowest network transport in use to give up on an unanswered
+    // message; the IB ones separately (they alone can make a crash look
+    // silent).
     let mut transport = Duration::ZERO;
-    let mut transport_term = String::from("no network transport");
-    let mut consider = |d: Duration, name: String| {
+    let mut transport_term = String::from("no network transport in use");
+    let mut ib_transport = Duration::ZERO;
+    let mut ib_term = String::new();
+    let mut consider = |d: Duration, name: String, ib: bool| {
+        if ib && d >= ib_transport {
+            ib_transport = d;
+            ib_term = name.clone();
+        }
         if d >= transport {
             transport = d;
             transport_term = name;
         }
     };
-    let ib = settings.tl_enabled(&["ib", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5"]);
-    if ib {
+    let ib = settings.ib_in_use();
+    if ib && settings.tl_enabled(&["ib", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5"]) {
         consider(
             settings.ud_timeout.value,
             format!("ud {}", ms(settings.ud_timeout.value)),
+            true,
         );
     }
-    if settings.tl_enabled(&[
-        "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5",
-    ]) {
+    if ib
+        && settings.tl_enabled(&[
+            "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5",
+        ])
+    {
         let rc = settings
             .rc_timeout
             .value
             .saturating_mul(settings.rc_retry_count.value.saturating_add(1));
-        consider(rc, format!("rc {}", ms(rc)));
+        consider(rc, format!("rc {}", ms(rc)), true);
     }
-    if settings.tl_enabled(&["tcp"]) {
+    if settings.tcp_in_use() {
         // Heartbeats keep data in flight: once the peer is silent, the next
         // one stays unacknowledged, and Linux sends no keepalive probe while
         // data is unacknowledged. The connection is aborted after the user
@@ -490,7 +627,7 @@ pub fn detection_bound(settings: &UcxSettings, heartbeat_gap: Duration) -> Detec
         // only end it sooner, between heartbeats: not a bound.)
         match settings.tcp_user_timeout.value {
             UcxTime::Finite(d) if !d.is_zero() => {
-                consider(d, format!("tcp user timeout {}", ms(d)))
+                consider(d, format!("tcp user timeout {}", ms(d)), false)
             }
             _ => consider(
                 LINUX_TCP_RETRANSMIT_LIMIT,
@@ -499,6 +636,7 @@ pub fn detection_bound(settings: &UcxSettings, heartbeat_gap: Duration) -> Detec
                     ms(LINUX_TCP_RETRANSMIT_LIMIT),
                     settings.tcp_user_timeout.value
                 ),
+                false,
             ),
         }
     }
@@ -536,21 +674,33 @@ pub fn detection_bound(settings: &UcxSettings, heartbeat_gap: Duration) -> Detec
     };
 
     let mut crashed = heartbeat + SLACK;
-    if ib {
+    let mut crashed_terms = format!(
+        "the first operation after the crash; idle: heartbeat {} + slack {}",
+        ms(heartbeat),
+        ms(SLACK)
+    );
+    if let (Some(k), true) = (keepalive, ib && !ib_term.is_empty()) {
         // On InfiniBand a dead process can look silent until UCX's timers
         // fire; keepalive must be on for that too.
-        crashed = match keepalive {
-            Some(k) => {
-                crashed.max(k + transport.min(Duration::from_secs(1 << 40)) + heartbeat + SLACK)
-            }
-            None => crashed,
-        };
+        let via_ib = k + ib_transport.min(Duration::from_secs(1 << 40)) + heartbeat + SLACK;
+        if via_ib > crashed {
+            crashed = via_ib;
+            crashed_terms = format!(
+                "IB in use, a dead process may look silent: keepalive {} + {ib_term} + heartbeat {} + slack {}",
+                ms(k),
+                ms(heartbeat),
+                ms(SLACK)
+            );
+        }
     }
 
     DetectionBound {
         crashed,
+        crashed_terms,
         silent,
         silent_terms,
+        frozen: None,
+        frozen_terms: String::new(),
     }
 }
 
@@ -744,6 +894,67 @@ mod tests {
         // rc 1s * 8 = 8s beats ud 5s.
         assert_eq!(b.silent, Some(secs(2.0 + 8.0 + 1.1 + 1.0)));
         assert_eq!(b.crashed, b.silent.unwrap());
+    }
+
+    #[test]
+    fn a_crashed_peer_is_bounded_by_one_heartbeat_not_by_tcp_timeouts() {
+        // The defaults (`UCX_TLS=all`) on a host without an RDMA device:
+        // what used to say "crashed within 946 s".
+        let mut s = UcxSettings::defaults();
+        s.rdma_devices.value = false;
+        let b = detection_bound(&s, secs(5.5));
+        assert_eq!(b.crashed, secs(5.5) + SLACK);
+        assert!(
+            b.crashed_terms.contains("first operation"),
+            "{}",
+            b.crashed_terms
+        );
+        // The TCP timeout bounds the silent peer only, and is named.
+        assert_eq!(b.silent, Some(secs(20.0 + 924.6 + 5.5 + 1.0)));
+        assert!(
+            b.silent_terms.contains("tcp retransmission limit"),
+            "{}",
+            b.silent_terms
+        );
+        // With an RDMA device, IB transports are in use: a dead process may
+        // look silent there, bounded by the IB timeouts, still not TCP's.
+        s.rdma_devices.value = true;
+        let b = detection_bound(&s, secs(5.5));
+        assert_eq!(
+            b.crashed,
+            secs(20.0 + 30.0 + 5.5 + 1.0),
+            "keepalive + ud 30s"
+        );
+        assert!(b.crashed_terms.contains("ud 30s"), "{}", b.crashed_terms);
+        // IB named in UCX_TLS but no device: not in use.
+        let mut s = with_env(&[("UCX_TLS", "rc,ud,tcp")]).unwrap();
+        s.rdma_devices.value = false;
+        assert!(!s.ib_in_use());
+        assert_eq!(detection_bound(&s, secs(1.0)).crashed, secs(1.0) + SLACK);
+    }
+
+    #[test]
+    fn the_frozen_bound_is_a_quarter_more_than_the_read_stall_bound_and_printed_in_seconds() {
+        let b = detection_bound(&UcxSettings::defaults(), secs(5.5));
+        assert!(!b.to_string().contains("frozen with reads"), "not given");
+        let b = b.with_read_stall(Some(secs(10.0)));
+        assert_eq!(b.frozen, Some(secs(13.5)));
+        let line = b.to_string();
+        assert!(
+            line.contains("13.5s if frozen with reads in flight (read stall 10s x 1.25 + slack 1s"),
+            "{line}"
+        );
+        assert!(
+            line.contains("frozen and idle: only membership or the router"),
+            "{line}"
+        );
+        let off = b.with_read_stall(None);
+        assert_eq!(off.frozen, None);
+        assert!(off
+            .to_string()
+            .contains("never if frozen with reads in flight (the read-stall check is off"));
+        assert_eq!(secs_text(secs(20.0)), "20s");
+        assert_eq!(secs_text(Duration::from_micros(20_000_000)), "20s");
     }
 
     #[test]

@@ -17,11 +17,7 @@ type Handle = KeepaliveHandle<FakeResources>;
 /// What a decoder runtime does: handshake (guarded), load, register. The
 /// one place this file calls the registration API.
 async fn connect(handle: &Handle, ucx: &FakeUcx, address: &PeerAddr) -> EngineRef {
-    let handshake = handle.handshake(address.clone());
-    let metadata = ucx.fetch_metadata(address).expect("someone listens");
-    let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
-    let hs = ucx.load_metadata(&metadata).expect("metadata loads");
-    ready.register(hs.into()).await.unwrap()
+    ucx.connect(handle, address).await.expect("connects")
 }
 
 /// Runs a service with `config`, one engine that heartbeats `beats` times

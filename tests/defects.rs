@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx, NotifyGate};
 use nixl_keepalive::{
-    Config, EngineId, EngineRef, EngineState, Event, GoneMode, KeepaliveHandle, NixlStatus,
-    PeerAddr, PeerRef, RegisterError, ReleaseReason,
+    ClaimRefused, Config, EngineId, EngineRef, EngineState, Event, GoneMode, KeepaliveHandle,
+    NixlStatus, PeerAddr, PeerRef, Ready, RegisterError, ReleaseReason,
 };
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
@@ -44,13 +44,9 @@ fn service(interval: Duration) -> (FakeUcx, Handle, Task, CancellationToken) {
 
 /// The library's reconnect protocol, as every caller uses it.
 async fn connect(handle: &Handle, ucx: &FakeUcx, address: &PeerAddr) -> EngineRef {
-    let handshake = handle.handshake(address.clone());
-    let metadata = ucx.fetch_metadata(address).expect("someone listens");
-    let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
-    let loaded = ucx
-        .load_metadata(&metadata)
-        .expect("nothing loaded under it");
-    ready.register(loaded.into()).await.unwrap()
+    ucx.connect(handle, address)
+        .await
+        .expect("nothing loaded under it")
 }
 
 async fn released(events: &mut broadcast::Receiver<Event>, engine: &EngineId) -> ReleaseReason {
@@ -85,16 +81,19 @@ async fn a_reconnect_to_a_pinned_id_that_went_unreachable_meanwhile_does_not_dea
     assert_eq!(metadata.engine, p);
     let ready = tokio::time::timeout(
         Duration::from_secs(3),
-        handshake.ready_to_load(&metadata.engine),
+        handshake.ready_to_load(metadata.claim()),
     )
     .await
     .expect("ready_to_load resolves: no deadlock")
     .unwrap();
+    let Ready::Load(ready) = ready else {
+        panic!("a new process: it must be loaded")
+    };
     assert_eq!(engine.state(), EngineState::Released);
     let loaded = ucx
         .load_metadata(&metadata)
         .expect("the old metadata went first");
-    let again = ready.register(loaded.into()).await.unwrap();
+    let again = ready.register(loaded.resources).await.unwrap();
     assert_eq!(again.state(), EngineState::Live);
     shutdown.cancel();
     assert!(task.await.unwrap().unreleased.is_empty());
@@ -167,47 +166,34 @@ async fn two_notifies_that_hang_in_one_burst_hold_neither_a_release_nor_a_health
 
 /// Defect 3: during shutdown's drain, the release of a busy engine used to
 /// activate a registration of the same id queued behind it: `register()`
-/// returned a live engine whose resources were also in `unreleased`.
+/// returned a live engine whose resources were also in `unreleased`. Now a
+/// second load of one id waits for the first (identity rules), and a
+/// shutdown refuses it before anything is loaded.
 #[tokio::test(start_paused = true)]
-async fn shutdown_refuses_a_registration_queued_behind_a_draining_engine_and_hands_back_nothing_twice(
-) {
+async fn shutdown_refuses_a_claim_waiting_behind_a_draining_engine_and_hands_back_nothing_twice() {
     let (ucx, handle, task, shutdown) = service(Duration::from_secs(5));
-    let p = ucx.spawn_prefill(addr(1), 1);
-    // Two handshakes race for the same id: both may load (the id is free),
-    // the second registration queues behind the first.
-    let a = handle.handshake(addr(1));
-    let b = handle.handshake(addr(1));
-    let ready_a = a.ready_to_load(&p).await.unwrap();
-    let ready_b = b.ready_to_load(&p).await.unwrap();
-    let hs = ucx.handshake(&addr(1)).unwrap();
-    let first = ready_a.register(hs.into()).await.unwrap();
+    ucx.spawn_prefill(addr(1), 1);
+    let first = connect(&handle, &ucx, &addr(1)).await;
     let read = first.begin_read().unwrap();
-    let second_resources = FakeResources::empty(p.clone());
-    let queued = tokio::spawn(async move {
-        ready_b
-            .register(nixl_keepalive::Registration {
-                engine: p.clone(),
-                address: addr(1),
-                agents: vec![nixl_keepalive::AgentName::from("queued-agent")],
-                resources: second_resources,
-            })
-            .await
-    });
+    // The prefill restarts under its pinned id: the reload waits for the
+    // old registration's read.
+    ucx.restart_with_same_id(&addr(1));
+    let metadata = ucx.fetch_metadata(&addr(1)).unwrap();
+    let b = handle.handshake(addr(1));
+    let waiting = tokio::spawn(async move { b.ready_to_load(metadata.claim()).await.map(|_| ()) });
     tokio::time::sleep(Duration::from_millis(10)).await;
-    assert!(!queued.is_finished(), "queued behind the busy registration");
+    assert!(!waiting.is_finished(), "waits behind the busy registration");
     shutdown.cancel();
     tokio::time::sleep(Duration::from_millis(10)).await;
-    // The drain ends the read: the first registration is released, and the
-    // queued one is refused, not activated.
+    assert!(
+        matches!(waiting.await.unwrap(), Err(ClaimRefused::Stopped(_))),
+        "refused before anything was loaded"
+    );
     drop(read);
-    match queued.await.unwrap() {
-        Err(RegisterError::Stopped(r)) => assert_eq!(r.engine.as_str(), first.id().as_str()),
-        Err(e) => panic!("refused for the wrong reason: {e}"),
-        Ok(engine) => panic!("a live engine at shutdown: {engine:?}"),
-    }
     // A registration after the stop began is refused too.
     let late = handle.register(nixl_keepalive::Registration {
         engine: EngineId::from("late"),
+        incarnation: None,
         address: addr(2),
         agents: vec![nixl_keepalive::AgentName::from("late-agent")],
         resources: FakeResources::empty(EngineId::from("late")),
@@ -219,6 +205,7 @@ async fn shutdown_refuses_a_registration_queued_behind_a_draining_engine_and_han
         "every registration released or handed back to its caller, once"
     );
     assert_eq!(first.state(), EngineState::Released);
+    ucx.assert_nothing_leaked();
 }
 
 /// Defect 4: a late transfer report by engine id resolved to whatever

@@ -7,7 +7,7 @@ use nixl_keepalive::fake::{
     nixl_status_from_ucs, FakeConfig, FakeError, FakeHandshake, FakeOp, FakeUcx, Held,
 };
 use nixl_keepalive::{
-    AgentName, EngineId, NixlStatus, PeerAddr, ReleaseTarget, Transport, UcsStatus,
+    AgentName, EndpointClose, EngineId, NixlStatus, PeerAddr, ReleaseTarget, Transport, UcsStatus,
 };
 use tokio::time::{advance, Instant};
 
@@ -39,9 +39,11 @@ fn last_ucs(ucx: &FakeUcx) -> Option<UcsStatus> {
     ucx.calls().last().expect("a recorded call").ucs
 }
 
+/// The statuses of a release's NIXL calls (its endpoint reports left out).
 fn release(ucx: &FakeUcx, hs: FakeHandshake) -> Vec<NixlStatus> {
     ucx.release(&hs.engine, &hs.agents, hs.resources)
         .into_iter()
+        .filter(|s| !matches!(s.target, ReleaseTarget::Endpoints { .. }))
         .map(|s| s.status)
         .collect()
 }
@@ -514,6 +516,63 @@ async fn an_injected_disconnect_fails_the_endpoint() {
     release(&ucx, hs);
 }
 
+/// The endpoint steps of a release, per agent.
+fn endpoint_closes(steps: &[nixl_keepalive::ReleaseStep]) -> Vec<EndpointClose> {
+    steps
+        .iter()
+        .filter_map(|s| match &s.target {
+            ReleaseTarget::Endpoints { close, .. } => Some(*close),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_release_closes_every_endpoint_live_or_dead_by_default() {
+    let (ucx, hs) = one_peer(FakeConfig::default());
+    ucx.crash(&hs.engine);
+    assert_eq!(
+        notify_status(&ucx, &hs.agents[0]),
+        NixlStatus::ERR_REMOTE_DISCONNECT
+    );
+    let steps = ucx.release(&hs.engine, &hs.agents, hs.resources);
+    assert_eq!(
+        endpoint_closes(&steps),
+        [EndpointClose::Closed { endpoints: 1 }; 2]
+    );
+    assert!(steps.iter().all(|s| s.endpoints_left_open() == 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn nixls_own_close_mode_leaves_a_live_peers_endpoint_open_and_closes_a_failed_one() {
+    let config = FakeConfig {
+        nixl_flush_close: true,
+        ..FakeConfig::default()
+    };
+    let (ucx, hs) = one_peer(config);
+    // Rank 0's endpoint fails (UCX noticed), rank 1's peer is still live.
+    ucx.inject(&hs.engine, UcsStatus::ERR_CONNECTION_RESET, 1);
+    assert_eq!(
+        notify_status(&ucx, &hs.agents[0]),
+        NixlStatus::ERR_REMOTE_DISCONNECT
+    );
+    let steps = ucx.release(&hs.engine, &hs.agents, hs.resources);
+    assert_eq!(
+        endpoint_closes(&steps),
+        [
+            EndpointClose::Closed { endpoints: 1 },
+            EndpointClose::LeftOpen {
+                closed: 0,
+                left_open: 1
+            }
+        ]
+    );
+    assert_eq!(
+        steps.iter().map(|s| s.endpoints_left_open()).sum::<u32>(),
+        1
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_double_release_answers_not_found_and_never_panics() {
     let (ucx, hs) = one_peer(FakeConfig::default());
@@ -525,7 +584,15 @@ async fn a_double_release_answers_not_found_and_never_panics() {
             ReleaseTarget::DlistHandle(0),
             ReleaseTarget::DlistHandle(1),
             ReleaseTarget::RemoteMetadata(hs.agents[0].clone()),
+            ReleaseTarget::Endpoints {
+                agent: hs.agents[0].clone(),
+                close: EndpointClose::Closed { endpoints: 1 },
+            },
             ReleaseTarget::RemoteMetadata(hs.agents[1].clone()),
+            ReleaseTarget::Endpoints {
+                agent: hs.agents[1].clone(),
+                close: EndpointClose::Closed { endpoints: 1 },
+            },
         ]
     );
     let again = ucx.release(&hs.engine, &hs.agents, copy);

@@ -20,11 +20,7 @@ use tokio_util::sync::CancellationToken;
 type Handle = KeepaliveHandle<nixl_keepalive::fake::FakeResources>;
 
 async fn connect(handle: &Handle, ucx: &FakeUcx, address: &PeerAddr) -> EngineRef {
-    let handshake = handle.handshake(address.clone());
-    let metadata = ucx.fetch_metadata(address).expect("someone listens");
-    let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
-    let hs = ucx.load_metadata(&metadata).expect("metadata loads");
-    ready.register(hs.into()).await.unwrap()
+    ucx.connect(handle, address).await.expect("connects")
 }
 
 /// The ids an `HB:` names, as vLLM's prefill (and ours, `cli/src/pd`)

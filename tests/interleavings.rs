@@ -6,6 +6,11 @@
 //! - never a release with a read in flight;
 //! - never a read started on an engine the service has marked;
 //! - every dead idle engine released within its bound;
+//! - every engine the service holds live has its metadata loaded (a
+//!   conflict of identities never invalidates a healthy engine: racing
+//!   handshakes of one id, replayed replies, stale membership records);
+//! - a membership record that is not the registration's own never
+//!   retires it;
 //! - nothing leaked at the end.
 
 use std::collections::{HashMap, HashSet};
@@ -13,10 +18,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nixl_keepalive::fake::{FakeConfig, FakeMetadata, FakeResources, FakeUcx};
+use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
-    AgentName, Config, EngineId, EngineRef, Event, GoneMode, Handshake, KeepaliveHandle, PeerAddr,
-    PeerRef, ReadGuard, ReleaseStep, Transport, TransportError, UcsStatus, HEARTBEAT_SLOT,
+    AgentName, Config, Departure, EngineId, EngineRef, EngineState, Event, GoneMode, Handshake,
+    Incarnation, KeepaliveHandle, PeerAddr, PeerRef, ReadGuard, Ready, ReleaseStep, Transport,
+    TransportError, UcsStatus, HEARTBEAT_SLOT,
 };
 use proptest::prelude::*;
 use tokio::time::Instant;
@@ -82,6 +88,16 @@ impl Transport for Audited {
 enum Op {
     Spawn(usize),
     Connect(usize),
+    /// Two handshakes with one address at once (two readers of one
+    /// prefill, or a probe racing a reconnect): one id, two claims.
+    RacingConnect(usize),
+    /// A hostile prefill at the second address replays the reply of the
+    /// engine at the first.
+    Replay(usize, usize),
+    /// A membership record of the engine at the address goes away:
+    /// its own record (`false`), or a stale one (`true`: another
+    /// incarnation, or another address).
+    MemberGone(usize, bool),
     OpenHandshake(usize),
     CloseHandshake(usize),
     BeginRead(usize),
@@ -107,6 +123,9 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         2 => a.clone().prop_map(Op::Spawn),
         4 => a.clone().prop_map(Op::Connect),
+        2 => a.clone().prop_map(Op::RacingConnect),
+        1 => (a.clone(), a.clone()).prop_map(|(v, h)| Op::Replay(v, h)),
+        1 => (a.clone(), any::<bool>()).prop_map(|(i, s)| Op::MemberGone(i, s)),
         1 => a.clone().prop_map(Op::OpenHandshake),
         1 => (0..4usize).prop_map(Op::CloseHandshake),
         5 => (0..16usize).prop_map(Op::BeginRead),
@@ -156,8 +175,8 @@ struct Run {
     marked: HashSet<EngineId>,
     released: HashMap<EngineId, Vec<Instant>>,
     watches: Vec<Watch>,
-    /// The metadata last loaded per engine id.
-    loaded: HashMap<EngineId, FakeMetadata>,
+    /// The operation applied last, for reports.
+    last_op: String,
 }
 
 fn addr(i: usize) -> PeerAddr {
@@ -203,44 +222,113 @@ impl Run {
         self.drain_events();
     }
 
-    async fn connect(&mut self, i: usize) {
-        let address = addr(i);
-        let handshake = self.handle.handshake(address.clone());
-        let Ok(metadata) = self.ucx.fetch_metadata(&address) else {
-            return;
-        };
-        // The same process, still registered: nothing to do (a runtime
-        // tells a restart by the peer's incarnation; the fake's metadata
-        // compares equal only within one process).
-        if self.loaded.get(&metadata.engine) == Some(&metadata)
-            && self.handle.engine(&metadata.engine).is_some()
-        {
-            return;
-        }
-        // The old registration may wait for reads this single-threaded
-        // runtime only ends later: give up on this attempt (the mark
-        // stays; a later attempt finds the id released).
-        let ready = match tokio::time::timeout(
+    /// The protocol as a runtime follows it (see `FakeUcx::connect`),
+    /// with the test's own read count for every registration. Gives up on
+    /// a claim that waits for reads this single-threaded runtime only ends
+    /// later (the mark stays; a later attempt finds the id released).
+    async fn attempt(
+        handle: KeepaliveHandle<FakeResources>,
+        ucx: FakeUcx,
+        ledger: Arc<Ledger>,
+        address: PeerAddr,
+    ) -> Option<(EngineRef, Option<Arc<AtomicUsize>>)> {
+        let handshake = handle.handshake(address.clone());
+        let metadata = ucx.fetch_metadata(&address).ok()?;
+        let ready = tokio::time::timeout(
             Duration::from_secs(1),
-            handshake.ready_to_load(&metadata.engine),
+            handshake.ready_to_load(metadata.claim()),
         )
         .await
-        {
-            Ok(Ok(ready)) => ready,
-            _ => return,
+        .ok()?
+        .ok()?;
+        let ready = match ready {
+            Ready::Current(engine) => return Some((engine, None)),
+            Ready::Load(ready) => ready,
         };
-        let Ok(hs) = self.ucx.load_metadata(&metadata) else {
-            return;
-        };
-        self.loaded.insert(metadata.engine.clone(), metadata);
+        let hs = ucx.load_metadata(&metadata).ok()?;
         let count = Arc::new(AtomicUsize::new(0));
-        self.ledger
+        ledger
             .reads
             .lock()
             .unwrap()
             .push((hs.resources.clone(), count.clone()));
-        let engine = ready.register(hs.into()).await.expect("service runs");
-        self.engines.push((engine, count, address));
+        let engine = ready.register(hs.resources).await.expect("service runs");
+        Some((engine, Some(count)))
+    }
+
+    fn keep(&mut self, address: PeerAddr, got: Option<(EngineRef, Option<Arc<AtomicUsize>>)>) {
+        match got {
+            Some((engine, Some(count))) => self.engines.push((engine, count, address)),
+            Some((engine, None)) => {
+                // The engine already registered: the read count is its.
+                let count = self
+                    .engines
+                    .iter()
+                    .rev()
+                    .find(|(e, _, _)| e.id() == engine.id() && e.state() == engine.state())
+                    .map(|(_, c, _)| c.clone());
+                if count.is_none() {
+                    self.violation(format!(
+                        "{} answered current but never registered",
+                        engine.id()
+                    ));
+                }
+            }
+            None => {}
+        }
+    }
+
+    async fn connect(&mut self, i: usize) {
+        let got = Self::attempt(
+            self.handle.clone(),
+            self.ucx.clone(),
+            self.ledger.clone(),
+            addr(i),
+        )
+        .await;
+        self.keep(addr(i), got);
+    }
+
+    async fn racing_connect(&mut self, i: usize) {
+        let attempt = || {
+            Self::attempt(
+                self.handle.clone(),
+                self.ucx.clone(),
+                self.ledger.clone(),
+                addr(i),
+            )
+        };
+        let (a, b) = tokio::join!(attempt(), attempt());
+        let loads = [&a, &b]
+            .iter()
+            .filter(|g| matches!(g, Some((_, Some(_)))))
+            .count();
+        if loads > 1 {
+            self.violation(format!("two loads of one engine at {} at once", addr(i)));
+        }
+        self.keep(addr(i), a);
+        self.keep(addr(i), b);
+    }
+
+    /// Every engine the service holds live has its metadata loaded.
+    async fn check_loaded(&mut self) {
+        let Ok(snapshot) = self.handle.snapshot().await else {
+            return;
+        };
+        for e in snapshot
+            .engines
+            .iter()
+            .filter(|e| e.state == EngineState::Live)
+        {
+            for agent in &e.agents {
+                if !self.ucx.is_loaded(agent) {
+                    self.violation(format!(
+                        "{} is live at {} but its agent {agent}'s metadata is gone (after {})",
+                        e.engine, e.address, self.last_op
+                    ));
+                }
+            }
+        }
     }
 
     async fn apply(&mut self, op: Op) {
@@ -251,6 +339,56 @@ impl Run {
                 }
             }
             Op::Connect(i) => self.connect(i).await,
+            Op::RacingConnect(i) => self.racing_connect(i).await,
+            Op::Replay(victim, hostile) => {
+                if victim != hostile {
+                    if let Some(engine) = self.engine_at(victim) {
+                        self.ucx.replay_at(addr(hostile), &engine);
+                    }
+                }
+            }
+            Op::MemberGone(i, stale) => {
+                self.drain_events();
+                let Some((engine, _, address)) = self
+                    .engines
+                    .iter()
+                    .rev()
+                    .find(|(_, _, a)| *a == addr(i))
+                    .cloned()
+                else {
+                    return;
+                };
+                let Some(snapshot) = self.handle.snapshot().await.ok() else {
+                    return;
+                };
+                let Some(registered) = snapshot.engine(engine.id()).cloned() else {
+                    return;
+                };
+                let departure = Departure {
+                    engine: engine.id().clone(),
+                    incarnation: if stale {
+                        Some(Incarnation(u64::MAX))
+                    } else {
+                        registered.incarnation
+                    },
+                    address: if stale && i % 2 == 0 {
+                        addr(i + 1)
+                    } else {
+                        address
+                    },
+                };
+                let was_live = registered.state == EngineState::Live;
+                self.handle.member_gone(departure, GoneMode::Drain);
+                self.settle().await;
+                // Nothing else ran in between: only this record could have
+                // retired it.
+                if stale && was_live && engine.state() == EngineState::Retiring {
+                    self.violation(format!(
+                        "a stale membership record retired the live engine {}",
+                        engine.id()
+                    ));
+                }
+            }
             Op::OpenHandshake(i) => {
                 self.handshakes
                     .push((addr(i), self.handle.handshake(addr(i))));
@@ -324,8 +462,18 @@ impl Run {
             }
             Op::Crash(i) | Op::CrashDuringRead(i) => {
                 if let Some(engine) = self.engine_at(i) {
+                    // Where it is registered may not be where it listens
+                    // (a replay registered it at the replayer's address):
+                    // a handshake open there holds its release back.
+                    let registered_at = self
+                        .engines
+                        .iter()
+                        .rev()
+                        .find(|(e, _, _)| *e.id() == engine)
+                        .map(|(_, _, a)| a.clone());
                     let idle = !self.reads.iter().any(|r| r.engine == engine)
-                        && !self.open_handshakes.contains_key(&addr(i));
+                        && !self.open_handshakes.contains_key(&addr(i))
+                        && !registered_at.is_some_and(|a| self.open_handshakes.contains_key(&a));
                     let registered = self.handle.engine(&engine).is_some();
                     if matches!(op, Op::Crash(_)) {
                         self.ucx.crash(&engine);
@@ -384,6 +532,7 @@ impl Run {
             Op::Advance(ms) => tokio::time::sleep(Duration::from_millis(ms as u64)).await,
         }
         self.settle().await;
+        self.check_loaded().await;
     }
 
     fn fault(&self, i: usize, f: impl Fn(&FakeUcx, &EngineId)) {
@@ -419,6 +568,25 @@ impl Run {
         });
         for text in late {
             self.violation(text);
+        }
+    }
+
+    /// What the service says of the late engines, for the report.
+    async fn explain(&self) {
+        let Ok(snapshot) = self.handle.snapshot().await else {
+            return;
+        };
+        let mut violations = self.ledger.violations.lock().unwrap();
+        for v in violations.iter_mut() {
+            if v.contains("not released (bound") {
+                let engine = v.split_whitespace().next().unwrap_or("").to_string();
+                if let Some(e) = snapshot.engine(&EngineId::from(engine.as_str())) {
+                    v.push_str(&format!(
+                        "; the service: {} at {} ({})",
+                        e.state, e.address, e.why
+                    ));
+                }
+            }
         }
     }
 }
@@ -470,10 +638,11 @@ fn run(ops: Vec<Op>, seed: u64) -> Vec<String> {
             marked: HashSet::new(),
             released: HashMap::new(),
             watches: Vec::new(),
-            loaded: HashMap::new(),
+            last_op: String::new(),
         };
-        for op in ops {
+        for (i, op) in ops.into_iter().enumerate() {
             let text = format!("{op:?}");
+            run.last_op = format!("op {i}: {text}");
             if tokio::time::timeout(Duration::from_secs(3600), run.apply(op))
                 .await
                 .is_err()
@@ -481,7 +650,11 @@ fn run(ops: Vec<Op>, seed: u64) -> Vec<String> {
                 run.violation(format!("{text} never completed"));
                 break;
             }
+            let before = ledger.violations.lock().unwrap().len();
             run.check_watches();
+            if ledger.violations.lock().unwrap().len() > before {
+                run.explain().await;
+            }
         }
         // The end: every read and handshake ends, every prefill dies.
         for read in run.reads.drain(..) {
@@ -568,6 +741,9 @@ fn soak() {
             TestRng::from_seed(RngAlgorithm::ChaCha, &bytes),
         );
         let ops = strategy.new_tree(&mut runner).unwrap().current();
+        if std::env::var("SOAK_PRINT").is_ok() {
+            println!("seed {seed}: {ops:?}");
+        }
         ops_run += ops.len() as u64;
         let violations = run(ops, seed);
         assert!(violations.is_empty(), "seed {seed}: {violations:#?}");

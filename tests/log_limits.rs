@@ -59,13 +59,7 @@ async fn a_broken_prefill_s_1235_transient_errors_in_16_s_make_one_line_per_peri
     let mut events = handle.subscribe();
     let address = PeerAddr::new("10.0.0.1:5600");
     ucx.spawn_prefill(address.clone(), 1);
-    let handshake = handle.handshake(address.clone());
-    let metadata = ucx.fetch_metadata(&address).unwrap();
-    let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
-    let engine = ready
-        .register(ucx.load_metadata(&metadata).unwrap().into())
-        .await
-        .unwrap();
+    let engine = ucx.connect(&handle, &address).await.expect("connects");
 
     let errors = 1235u32;
     let span = Duration::from_secs(16);

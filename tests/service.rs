@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
-    Config, EngineId, EngineRef, EngineState, Event, GoneMode, KeepaliveHandle, NixlStatus,
-    PeerAddr, PeerRef, ReleaseReason, UcsStatus, HEARTBEAT_SLOT,
+    AgentName, Config, Destination, EngineId, EngineRef, EngineState, Event, GiveUp, GoneMode,
+    Keepalive, KeepaliveHandle, NixlStatus, PeerAddr, PeerRef, ReleaseReason, ReleaseStep,
+    Transport, TransportError, UcsStatus, HEARTBEAT_SLOT,
 };
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
@@ -54,11 +55,10 @@ fn addr(n: u16) -> PeerAddr {
 impl World {
     /// What a decoder runtime does: handshake (guarded), load, register.
     async fn connect(&self, address: &PeerAddr) -> EngineRef {
-        let handshake = self.handle.handshake(address.clone());
-        let metadata = self.ucx.fetch_metadata(address).expect("someone listens");
-        let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
-        let hs = self.ucx.load_metadata(&metadata).expect("metadata loads");
-        ready.register(hs.into()).await.unwrap()
+        self.ucx
+            .connect(&self.handle, address)
+            .await
+            .expect("connects")
     }
 
     /// Waits (in virtual time) for the first event that `pick` accepts.
@@ -376,13 +376,9 @@ async fn a_pinned_engine_id_that_restarts_is_released_before_it_is_loaded_again(
     let handle = w.handle.clone();
     let ucx = w.ucx.clone();
     let reconnect = tokio::spawn(async move {
-        let handshake = handle.handshake(addr(1));
-        let metadata = ucx.fetch_metadata(&addr(1)).unwrap();
-        let ready = handshake.ready_to_load(&metadata.engine).await.unwrap();
-        let hs = ucx
-            .load_metadata(&metadata)
-            .expect("old metadata was invalidated first");
-        ready.register(hs.into()).await.unwrap()
+        ucx.connect(&handle, &addr(1))
+            .await
+            .expect("old metadata was invalidated first")
     });
     w.run_for(Duration::from_secs(3)).await;
     assert!(!reconnect.is_finished(), "held by the read in flight");
@@ -482,7 +478,7 @@ async fn transient_errors_are_counted_and_never_release() {
     assert_eq!(status, NixlStatus::ERR_BACKEND);
     for s in [
         NixlStatus::ERR_BACKEND,
-        NixlStatus::ERR_NOT_FOUND,
+        NixlStatus::ERR_NOT_ALLOWED,
         NixlStatus::ERR_CANCELED,
         NixlStatus::ERR_INVALID_PARAM,
     ] {
@@ -655,4 +651,162 @@ async fn shutdown_returns_engines_with_reads_in_flight_instead_of_releasing_them
     assert!(w.ucx.held_by(&q).is_empty(), "the idle engine was released");
     assert_eq!(w.ucx.held_by(&p).remote_metadata, 1, "the busy one was not");
     drop(read);
+}
+
+// ----- given-up reads and the destination of their buffers -----
+
+/// The fake UCX, with a release that ends the transfers still running (as a
+/// transport that closes its endpoints would): an opt-in, not measured.
+struct ClosingUcx(FakeUcx);
+
+impl Transport for ClosingUcx {
+    type Resources = FakeResources;
+    fn notify(&self, agent: &AgentName, message: &[u8]) -> Result<(), TransportError> {
+        self.0.notify(agent, message)
+    }
+    fn release(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: FakeResources,
+    ) -> Vec<ReleaseStep> {
+        self.0.release(engine, agents, resources)
+    }
+    fn release_ends_transfers(&self) -> bool {
+        true
+    }
+}
+
+/// A decoder reading from `fine` all the time (one read every 100 ms).
+fn keep_reading(engine: EngineRef, ucx: FakeUcx) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let Ok(read) = engine.begin_read() else {
+                return;
+            };
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            read.finish(ucx.read(engine.id()));
+        }
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_frozen_prefill_whose_read_times_out_is_stalled_released_and_the_buffer_retired() {
+    let mut w = world(FakeConfig::default(), config());
+    let frozen = w.ucx.spawn_prefill(addr(1), 1);
+    let healthy = w.ucx.spawn_prefill(addr(2), 1);
+    let engine = w.connect(&addr(1)).await;
+    let other = w.connect(&addr(2)).await;
+    let reader = keep_reading(other, w.ucx.clone());
+    w.ucx.freeze(&frozen);
+    let read = engine.begin_read().unwrap();
+    let second = engine.begin_read().unwrap();
+    // The runtime's read timeout, 5 s (the read-stall bound is 10 s).
+    w.run_for(Duration::from_secs(5)).await;
+    assert_eq!(
+        engine.state(),
+        EngineState::Live,
+        "not before the runtime gave up"
+    );
+    let given_up = read.give_up(GiveUp::TimedOut);
+    assert_eq!(given_up.try_destination(), None, "not released yet");
+    let (reads, given) = w
+        .until(Duration::from_millis(100), |e| match e {
+            Event::Stalled {
+                engine,
+                reads_in_flight,
+                given_up,
+                failed: true,
+                ..
+            } if *engine == frozen => Some((*reads_in_flight, *given_up)),
+            _ => None,
+        })
+        .await;
+    assert_eq!((reads, given), (1, 1));
+    assert!(second.is_failed(), "its other read is failed");
+    let abandoned = second.give_up(GiveUp::Cancelled);
+    assert_eq!(
+        released_reason(&w.released(&frozen, Duration::from_millis(100)).await),
+        ReleaseReason::Stalled
+    );
+    // The fake's release, like NIXL 1.5.1's, does not end a transfer in
+    // flight: the buffers are retired, never reused.
+    assert_eq!(given_up.destination().await, Destination::Retire);
+    assert_eq!(abandoned.destination().await, Destination::Retire);
+    assert_eq!(
+        w.handle.engine(&healthy).map(|e| e.state()),
+        Some(EngineState::Live)
+    );
+    reader.abort();
+    let _ = reader.await;
+    w.ucx.thaw(&frozen);
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_given_up_reads_buffer_is_reusable_once_a_release_that_ends_transfers_came_back() {
+    let ucx = FakeUcx::new(FakeConfig::default());
+    let shutdown = CancellationToken::new();
+    let (handle, task) = nixl_keepalive::spawn(
+        Arc::new(ClosingUcx(ucx.clone())),
+        config(),
+        shutdown.clone(),
+    );
+    let p = ucx.spawn_prefill(addr(1), 1);
+    let engine = ucx.connect(&handle, &addr(1)).await.unwrap();
+    ucx.freeze(&p);
+    let read = engine.begin_read().unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let given_up = read.give_up(GiveUp::TimedOut);
+    let destination = tokio::time::timeout(Duration::from_secs(1), given_up.destination())
+        .await
+        .expect("released within the second");
+    assert_eq!(destination, Destination::Reusable);
+    assert_eq!(engine.state(), EngineState::Released);
+    ucx.thaw(&p);
+    shutdown.cancel();
+    assert!(task.await.unwrap().unreleased.is_empty());
+    ucx.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_start_up_bounds_name_crashed_silent_and_frozen_apart_in_seconds() {
+    use nixl_keepalive::ucx_settings::UcxSettings;
+    let ucx = FakeUcx::new(FakeConfig::default());
+    let (service, handle) = Keepalive::new(Arc::new(ucx.clone()), config());
+    // What UCX's own configuration prints for the default keepalive, on a
+    // host without an RDMA device, TCP and shared memory enabled.
+    let from_ucx = |name: &str| match name {
+        "KEEPALIVE_INTERVAL" => Some("20000000.00us".to_string()),
+        "TLS" => Some("all".to_string()),
+        _ => None,
+    };
+    let mut settings = UcxSettings::from_lookup(&|_| None, Some(&from_ucx)).unwrap();
+    settings.rdma_devices.value = false;
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(service.with_ucx_settings(&settings).run(shutdown.clone()));
+    let snapshot = handle.snapshot().await.unwrap();
+    let bound = snapshot.detection_bound.expect("bounds given");
+    // Crashed: the next heartbeat at worst (5 s + 0.5 s jitter) + 1 s, not
+    // the TCP timeout.
+    assert_eq!(bound.crashed, Some(Duration::from_millis(6500)));
+    // Silent: keepalive 20 s + the kernel's TCP retransmission limit.
+    assert_eq!(
+        bound.silent,
+        Some(Duration::from_millis(20_000 + 924_600 + 5_500 + 1_000))
+    );
+    // Frozen with reads in flight: 1.25 x the 10 s read-stall bound + 1 s.
+    assert_eq!(bound.frozen, Some(Duration::from_millis(13_500)));
+    assert_eq!(
+        bound.to_string(),
+        "crashed 6.5s, silent 951.1s, frozen with reads in flight 13.5s"
+    );
+    assert!(
+        snapshot.silent_peer_note.contains("UCX keepalive (20s)"),
+        "{}",
+        snapshot.silent_peer_note
+    );
+    assert!(!snapshot.to_string().contains("us"), "{snapshot}");
+    shutdown.cancel();
+    task.await.unwrap();
 }

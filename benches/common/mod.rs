@@ -237,6 +237,7 @@ impl FakeCluster {
             let hs = ucx.handshake(addr).unwrap();
             handle
                 .register(Registration {
+                    incarnation: None,
                     engine: hs.engine,
                     address: hs.addr,
                     agents: hs.agents,

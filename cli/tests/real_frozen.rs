@@ -1,8 +1,10 @@
 //! A prefill frozen with SIGSTOP: alive, silent. Records what real UCX
 //! reports to the decode side under several UCX settings, and asserts the
 //! measured fact: over these transports nothing reports the frozen peer
-//! (`genNotif` keeps returning SUCCESS), so the service must not release
-//! it: no guessing.
+//! (`genNotif` keeps returning SUCCESS), so nothing UCX says may release
+//! it: no guessing. (What does catch it is the service's own evidence,
+//! reads that stop completing: the read-stall check, turned off here to
+//! isolate UCX, and tested in `real_stall.rs`.)
 //!
 //! UCX reads its environment when the agent's UCX context is created, so
 //! each setting runs the decode side in a child process (this test binary
@@ -114,7 +116,14 @@ fn frozen_decode_child() {
         .unwrap();
     runtime.block_on(async move {
         let options = DecodeOptions { read_timeout: Duration::from_secs(3), ..DecodeOptions::default() };
-        let mut d = DecodeSide::start(rt, config(Duration::from_millis(500)), options);
+        // UCX alone: the read-stall check would mark the engine once the
+        // read below times out.
+        let config = config(Duration::from_millis(500))
+            .to_builder()
+            .read_stall(None, nixl_keepalive::StallAction::Fail)
+            .build()
+            .expect("valid config");
+        let mut d = DecodeSide::start(rt, config, options);
         let c = match d.decoder.connect(&addr, None).await.expect("handshake") {
             Handshake::New(c) => c,
             Handshake::Unchanged => unreachable!(),

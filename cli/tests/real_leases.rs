@@ -202,3 +202,126 @@ fn over_three_leases_no_block_is_read_after_its_lease_expired_and_completed_requ
         ));
     })
 }
+
+/// Freezes (SIGSTOP, then SIGCONT) of the prefill while `decode` reads
+/// from it, shorter and longer than its lease and than `decode`'s read
+/// timeout: running this long, then frozen that long.
+const FREEZES: &[(Duration, Duration)] = &[
+    (Duration::from_secs(2), Duration::from_millis(800)),
+    (Duration::from_secs(2), Duration::from_secs(4)),
+    (Duration::from_secs(2), Duration::from_secs(8)),
+];
+
+/// `decode`'s read timeout here: shorter than what a renewal leaves of a
+/// lease (2/3 of 3 s, less one 550 ms heartbeat gap: 1.45 s). A read stuck
+/// behind a frozen prefill is then given up, and its `RD:` dropped, before
+/// its lease can run out. (`decode`'s default, 5 s, against the prefill's
+/// default 30 s lease: 20 s - 5.5 s.)
+const READ_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The request ids in the prefill's "read completed after its lease
+/// expired" lines.
+fn late_requests(log: &str) -> Vec<String> {
+    log.lines()
+        .filter(|l| l.contains("after its lease expired"))
+        .filter_map(|l| {
+            let start = l.find("request=\"")? + "request=\"".len();
+            let end = l[start..].find('"')?;
+            Some(l[start..start + end].to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn with_the_prefill_frozen_again_and_again_no_read_given_up_or_done_after_a_freeze_completes_late()
+{
+    let Some(rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter("info")
+        .try_init();
+    common::block_on(async move {
+        let mut p = PrefillProc::start(&PrefillSpec {
+            ranks: Some(2),
+            args: vec!["--lease-secs".into(), LEASE.as_secs().to_string()],
+            ..Default::default()
+        });
+        let engine = EngineId::from(p.engine.as_str());
+        let options = DecodeOptions {
+            read_timeout: READ_TIMEOUT,
+            ..DecodeOptions::default()
+        };
+        let mut d = DecodeSide::start(rt, config(Duration::from_millis(500)), options);
+        let reading = tokio_util::sync::CancellationToken::new();
+        let reader = d.decoder.spawn(p.addr.clone(), reading.clone());
+        d.wait_for(Duration::from_secs(20), |e| match e {
+            Event::Registered { engine: id, .. } if *id == engine => Some(()),
+            _ => None,
+        })
+        .await;
+        // Per freeze: when it began (the SIGSTOP sent) and ended.
+        let mut freezes = Vec::new();
+        let mut running_since = Instant::now();
+        for (run, freeze) in FREEZES {
+            tokio::time::sleep(*run).await;
+            p.signal("STOP");
+            let stopped = Instant::now();
+            tokio::time::sleep(*freeze).await;
+            p.signal("CONT");
+            freezes.push((running_since, stopped));
+            running_since = Instant::now();
+        }
+        // Read again after the last freeze (the reader registers it anew).
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        reading.cancel();
+        reader.await.expect("reader");
+        let events = d.drain();
+        let stalled = events
+            .iter()
+            .filter(|e| matches!(e, Event::Stalled { .. }))
+            .count();
+        let stats = d.decoder.stats();
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let (verified, abandoned, corrupt, retired) = (
+            load(&stats.verified),
+            load(&stats.abandoned),
+            load(&stats.corrupt),
+            load(&stats.slots_retired),
+        );
+        let given_up = stats.given_up_requests.lock().unwrap().clone();
+        let completions = stats.completions.lock().unwrap().clone();
+        d.stop().await;
+        let (status, log) = p.stop();
+        assert!(status.success(), "prefill exited with {status}");
+        assert_eq!(corrupt, 0);
+        let late = summary(&log, "late_reads");
+        let late_ids = late_requests(&log);
+        assert_eq!(late_ids.len() as u64, late, "{log}");
+        // No read `decode` gave up completes at the prefill: its `RD:` was
+        // dropped with the request (NIXL sends a READ's notification only
+        // once its data moved and the request was not released).
+        let of_given_up: Vec<&String> =
+            late_ids.iter().filter(|id| given_up.contains(id)).collect();
+        assert!(
+            of_given_up.is_empty(),
+            "given-up reads completed at the prefill after their lease: {of_given_up:?}"
+        );
+        // And no other read either: an `RD:` handed to the prefill before it
+        // froze is handled, after it resumes, before its expired requests
+        // are swept (as vLLM's prefill does), so it is in time.
+        assert!(
+            late_ids.is_empty(),
+            "late completions at the prefill: {late_ids:?} (decode saw these done at {:?}; freezes {freezes:?})",
+            late_ids
+                .iter()
+                .map(|id| completions.iter().find(|(r, _)| r == id).map(|(_, at)| *at))
+                .collect::<Vec<_>>()
+        );
+        let delivered_before_freeze = 0;
+        report(&format!(
+            "lease {LEASE:?}, read timeout {READ_TIMEOUT:?}, freezes {FREEZES:?}: {verified} reads verified, {abandoned} given up, {stalled} stall(s), {retired} landing slot(s) retired; late completions at the prefill: {late} ({} of given-up reads; {delivered_before_freeze} handed to it before it froze)",
+            of_given_up.len()
+        ));
+    })
+}

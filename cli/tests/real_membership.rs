@@ -175,7 +175,11 @@ impl DecodeProc {
     fn wait_verified(&self, n: u64) -> Instant {
         let deadline = Instant::now() + PATIENCE;
         while self.verified_reads() < n {
-            assert!(Instant::now() < deadline, "fewer than {n} verified reads");
+            assert!(
+                Instant::now() < deadline,
+                "fewer than {n} verified reads; stdout: {:#?}",
+                self.lines.lock().unwrap()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         Instant::now()
@@ -732,7 +736,10 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
             EtcdSource::spawn(EtcdOptions::new(vec![etcd.url()], prefix), shutdown.clone());
         let mut reconciler = Reconciler::new();
         let listed = next(&mut source).await;
-        let SourceEvent::Listed { revision, entries } = &listed else {
+        let SourceEvent::Listed {
+            revision, entries, ..
+        } = &listed
+        else {
             panic!("{listed:?}")
         };
         assert_eq!(entries.len(), 2, "only the prefix: {entries:?}");
@@ -757,20 +764,21 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
             matches!(&put, SourceEvent::Put { revision, .. } if *revision > list_rev),
             "{put:?}"
         );
+        // Only announced: a record naming a new id at an address is no
+        // evidence about the engine there (the runtime's handshake at the
+        // address is).
         let actions = reconciler.apply(put);
-        assert_eq!(
-            actions,
-            vec![
-                Action::Retire {
-                    member: m1.clone(),
-                    why: RetireWhy::Replaced { by: m2.engine() }
-                },
-                Action::Announce(m2.clone())
-            ]
-        );
-        // The old key goes later: nothing more to do.
+        assert_eq!(actions, vec![Action::Announce(m2.clone())]);
+        // The old key goes later: its record is retired (the service
+        // judges it against e1's registration, if any).
         client.delete(format!("{prefix}e1"), None).await.unwrap();
-        assert!(reconciler.apply(next(&mut source).await).is_empty());
+        assert_eq!(
+            reconciler.apply(next(&mut source).await),
+            vec![Action::Retire {
+                member: m1.clone(),
+                why: RetireWhy::Deleted
+            }]
+        );
 
         // Under a 1 s lease that nobody keeps alive: etcd deletes it.
         let lease = client.lease_grant(1, None).await.unwrap().id();
@@ -807,4 +815,825 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
         ));
         shutdown.cancel();
     });
+}
+
+// etcd as it really behaves: transactions (one revision, several events),
+// revoked leases, a paused etcd, a wiped etcd, large prefixes, records
+// written by anyone. Each test asserts the member set (the decode's
+// `membership: joined/left` lines, and the members gauge) and which
+// engines were released (`event: released`).
+
+use std::collections::BTreeSet;
+
+use nixl_keepalive::membership::etcd::etcd_client::{
+    Client, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp,
+};
+use nixl_keepalive::membership::{Member, DEFAULT_PREFIX};
+
+fn key_of(engine: &str) -> String {
+    format!("{DEFAULT_PREFIX}{engine}")
+}
+
+fn record_of(p: &PrefillProc) -> String {
+    Member::new(p.engine.as_str(), p.addr.as_str(), 1).to_json()
+}
+
+/// Runs `f` with a client of `etcd`, on a runtime of its own.
+fn with_etcd<T>(etcd: &EtcdServer, f: impl AsyncFnOnce(&mut Client) -> T) -> T {
+    let url = etcd.url();
+    common::block_on(async move {
+        let mut client = Client::connect([url], None).await.expect("connect to etcd");
+        f(&mut client).await
+    })
+}
+
+/// Writes `records` in transactions of at most 100 puts and 1 MiB (etcd's
+/// default limits are 128 operations and 1.5 MiB a request), all under
+/// `lease` if given; the revision of each transaction.
+async fn put_in_transactions(
+    client: &mut Client,
+    records: Vec<(String, String)>,
+    lease: Option<i64>,
+) -> Vec<i64> {
+    let mut revisions = Vec::new();
+    let mut chunks: Vec<&[(String, String)]> = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, (k, v)) in records.iter().enumerate() {
+        if i > start && (i - start == 100 || bytes + k.len() + v.len() > 1 << 20) {
+            chunks.push(&records[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += k.len() + v.len();
+    }
+    chunks.push(&records[start..]);
+    for chunk in chunks {
+        let ops: Vec<TxnOp> = chunk
+            .iter()
+            .map(|(k, v)| {
+                TxnOp::put(
+                    k.as_str(),
+                    v.as_str(),
+                    lease.map(|l| PutOptions::new().with_lease(l)),
+                )
+            })
+            .collect();
+        let r = client.txn(Txn::new().and_then(ops)).await.expect("txn");
+        assert!(r.succeeded());
+        revisions.push(r.header().expect("header").revision());
+    }
+    revisions
+}
+
+fn sorted(engines: impl IntoIterator<Item = String>) -> BTreeSet<String> {
+    engines.into_iter().collect()
+}
+
+impl DecodeProc {
+    /// A decode that learns its prefills from `etcd`, with the control
+    /// endpoint (for `/metrics` and the snapshot).
+    fn on_etcd(etcd: &EtcdServer, extra: &[&str], env: &[(&str, &str)]) -> DecodeProc {
+        let url = etcd.url();
+        let mut args = vec![
+            "--etcd-endpoint",
+            url.as_str(),
+            "--control-addr",
+            "127.0.0.1:0",
+        ];
+        args.extend_from_slice(extra);
+        DecodeProc::start(&args, env)
+    }
+
+    /// Lines that start with `kind` (`event: released`) and contain every
+    /// one of `parts`: a record's text quoted inside another line (a
+    /// `bad_value` line) is not that kind of line.
+    fn lines_of(&self, kind: &str, parts: &[&str]) -> Vec<(Instant, String)> {
+        self.matching(parts)
+            .into_iter()
+            .filter(|(_, l)| l.starts_with(kind))
+            .collect()
+    }
+
+    /// The `engine=` of every `kind` line with all of `parts`, in order.
+    fn engines_in(&self, kind: &str, parts: &[&str]) -> Vec<String> {
+        self.lines_of(kind, parts)
+            .iter()
+            .map(|(_, l)| field(l, "engine=").to_string())
+            .collect()
+    }
+
+    /// The member set as the decode printed it: joined and not left since.
+    fn member_set(&self) -> BTreeSet<String> {
+        let mut set = BTreeSet::new();
+        for (_, l) in self.lines.lock().unwrap().iter() {
+            if l.starts_with("membership: joined ") {
+                set.insert(field(l, "engine=").to_string());
+            } else if l.starts_with("membership: left ") {
+                set.remove(field(l, "engine="));
+            }
+        }
+        set
+    }
+
+    /// Engines released so far, in order (an engine twice: twice).
+    fn released(&self) -> Vec<String> {
+        self.engines_in("event: released ", &[])
+    }
+
+    /// One series of `/metrics` (`name{labels}`), 0 when absent.
+    fn metric(&self, series: &str) -> f64 {
+        let (status, text) = self.http("GET", "/metrics", None, None);
+        assert_eq!(status, 200, "{text}");
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// Waits (bounded polling) until `done` holds; on the deadline, panics
+    /// with `what` and everything the decode printed.
+    fn wait_until(
+        &mut self,
+        what: &str,
+        within: Duration,
+        done: impl Fn(&DecodeProc) -> bool,
+    ) -> Instant {
+        let deadline = Instant::now() + within;
+        loop {
+            if done(self) {
+                return Instant::now();
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "decode exited ({status}) waiting for {what}; stdout: {:#?}",
+                    self.lines.lock().unwrap()
+                );
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "{what}: not within {within:?}; members {:?}, released {:?}; stdout: {:#?}",
+                    self.member_set(),
+                    self.released(),
+                    self.lines.lock().unwrap()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until each of `engines` is registered with the service, then
+    /// for as many more verified reads as there are engines (reads go on).
+    fn wait_registered(&mut self, engines: &BTreeSet<String>) {
+        for e in engines {
+            self.wait_nth(1, &["event: registered", e], PATIENCE);
+        }
+        let before = self.verified_reads();
+        self.wait_verified(before + engines.len() as u64);
+    }
+}
+
+#[test]
+fn a_prefix_delete_of_every_key_retires_and_releases_every_engine_once() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let ps: Vec<PrefillProc> = (0..3).map(|_| prefill_with_etcd(&etcd)).collect();
+    for p in &ps {
+        prefill_line(p, "ETCD registered");
+    }
+    let all = sorted(ps.iter().map(|p| p.engine.clone()));
+    let mut d = DecodeProc::on_etcd(&etcd, &[], &[]);
+    d.wait_registered(&all);
+    assert_eq!(d.member_set(), all);
+
+    // `etcdctl del --prefix`: one transaction, one revision, three events.
+    let deleted_at = Instant::now();
+    let deleted = with_etcd(&etcd, async |c| {
+        c.delete(DEFAULT_PREFIX, Some(DeleteOptions::new().with_prefix()))
+            .await
+            .expect("delete the prefix")
+            .deleted()
+    });
+    assert_eq!(deleted, 3);
+    let released_at = d.wait_until("every engine released", PATIENCE, |d| {
+        sorted(d.released()) == all
+    });
+    // Their leases live on, their keys are gone: nothing comes back and
+    // nothing is released twice (a lease TTL and more later).
+    std::thread::sleep(Duration::from_secs(2 * TTL_SECS));
+    assert!(d.member_set().is_empty(), "{:?}", d.member_set());
+    assert_eq!(d.metric("nixl_keepalive_membership_members"), 0.0);
+    let mut released = d.released();
+    released.sort();
+    assert_eq!(
+        released,
+        all.iter().cloned().collect::<Vec<_>>(),
+        "each once"
+    );
+    for e in &all {
+        let left = d.lines_of("membership: left ", &[e]);
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert!(left[0].1.contains("why=deleted"), "{left:?}");
+        assert_eq!(d.lines_of("membership: joined ", &[e]).len(), 1);
+    }
+    report(&format!(
+        "prefix delete of {deleted} keys (one revision): {} members left, all {} released within {}",
+        all.len(),
+        released.len(),
+        ms(released_at - deleted_at)
+    ));
+    d.stop();
+}
+
+#[test]
+fn a_multi_put_transaction_announces_every_engine_in_it() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    // Prefills that do not register themselves: the test writes their
+    // records, all in one transaction.
+    let ps: Vec<PrefillProc> = (0..3)
+        .map(|_| PrefillProc::start(&PrefillSpec::default()))
+        .collect();
+    let all = sorted(ps.iter().map(|p| p.engine.clone()));
+    let mut d = DecodeProc::on_etcd(&etcd, &[], &[]);
+    d.wait_line("membership: watching", PATIENCE);
+    let written_at = Instant::now();
+    let records = ps
+        .iter()
+        .map(|p| (key_of(&p.engine), record_of(p)))
+        .collect();
+    let revisions = with_etcd(&etcd, async |c| put_in_transactions(c, records, None).await);
+    assert_eq!(revisions.len(), 1, "one transaction: one revision");
+    let joined_at = d.wait_until("every engine joined", PATIENCE, |d| d.member_set() == all);
+    d.wait_registered(&all);
+    assert_eq!(d.metric("nixl_keepalive_membership_members"), 3.0);
+    assert!(d.released().is_empty(), "{:?}", d.released());
+    report(&format!(
+        "a 3-put transaction (revision {}): all 3 joined within {}, each registered and read",
+        revisions[0],
+        ms(joined_at - written_at)
+    ));
+    d.stop();
+}
+
+#[test]
+fn a_revoked_lease_holding_several_keys_retires_and_releases_exactly_the_engines_on_it() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let shared: Vec<PrefillProc> = (0..3)
+        .map(|_| PrefillProc::start(&PrefillSpec::default()))
+        .collect();
+    let own = prefill_with_etcd(&etcd);
+    prefill_line(&own, "ETCD registered");
+    let on_lease = sorted(shared.iter().map(|p| p.engine.clone()));
+    let records = shared
+        .iter()
+        .map(|p| (key_of(&p.engine), record_of(p)))
+        .collect();
+    let lease = with_etcd(&etcd, async |c| {
+        let lease = c.lease_grant(600, None).await.expect("lease").id();
+        put_in_transactions(c, records, Some(lease)).await;
+        lease
+    });
+    let mut all = on_lease.clone();
+    all.insert(own.engine.clone());
+    let mut d = DecodeProc::on_etcd(&etcd, &[], &[]);
+    d.wait_until("every engine joined", PATIENCE, |d| d.member_set() == all);
+    d.wait_registered(&all);
+
+    let revoked_at = Instant::now();
+    with_etcd(&etcd, async |c| {
+        c.lease_revoke(lease).await.expect("revoke")
+    });
+    let released_at = d.wait_until("the lease's engines released", PATIENCE, |d| {
+        sorted(d.released()) == on_lease
+    });
+    std::thread::sleep(Duration::from_secs(2 * TTL_SECS));
+    assert_eq!(d.member_set(), BTreeSet::from([own.engine.clone()]));
+    assert_eq!(d.metric("nixl_keepalive_membership_members"), 1.0);
+    assert_eq!(d.released().len(), 3, "{:?}", d.released());
+    assert_eq!(sorted(d.released()), on_lease);
+    assert_eq!(d.engine_state(&own.engine).as_deref(), Some("live"));
+    let before = d.verified_reads();
+    d.wait_verified(before + 1);
+    report(&format!(
+        "a revoked lease holding 3 keys: the 3 left and were released within {}; the engine on its own lease stayed live",
+        ms(released_at - revoked_at)
+    ));
+    d.stop();
+}
+
+#[test]
+fn etcd_paused_past_the_ttl_loses_the_leases_and_every_prefill_registers_again_and_is_read_again() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let ps: Vec<PrefillProc> = (0..2).map(|_| prefill_with_etcd(&etcd)).collect();
+    let first: Vec<String> = ps
+        .iter()
+        .map(|p| field(&prefill_line(p, "ETCD registered"), "lease=").to_string())
+        .collect();
+    let all = sorted(ps.iter().map(|p| p.engine.clone()));
+    let mut d = DecodeProc::on_etcd(&etcd, &[], &[]);
+    d.wait_registered(&all);
+
+    // SIGSTOP etcd for more than two TTLs: every lease expires (etcd never
+    // renews an expired lease; keep-alives answer `lease not found`).
+    let paused_at = etcd.pause();
+    std::thread::sleep(Duration::from_secs(2 * TTL_SECS + 1));
+    let resumed_at = etcd.resume();
+    for (p, lease) in ps.iter().zip(&first) {
+        let lost = prefill_line(p, "ETCD lease_lost");
+        assert_eq!(field(&lost, "lease="), lease, "{lost}");
+        let again = prefill_line(p, "ETCD registered");
+        assert_ne!(field(&again, "lease="), lease, "a new lease: {again}");
+    }
+    let registered_at = Instant::now();
+    // The decode sees each key deleted (the lease expired) and written
+    // again: each engine left at most once, was released exactly when it
+    // left, and is a member, registered and read again.
+    let back_at = d.wait_until("every prefill a member again", PATIENCE, |d| {
+        d.member_set() == all
+            && all.iter().all(|e| {
+                d.lines_of("event: registered ", &[e]).len()
+                    == 1 + d.lines_of("membership: left ", &[e]).len()
+            })
+    });
+    let before = d.verified_reads();
+    d.wait_verified(before + 2);
+    let mut left = Vec::new();
+    for e in &all {
+        let l = d.lines_of("membership: left ", &[e]);
+        assert!(l.len() <= 1, "{l:?}");
+        assert!(l.iter().all(|(_, l)| l.contains("why=deleted")), "{l:?}");
+        let r = d.lines_of("event: released ", &[e]);
+        assert_eq!(r.len(), l.len(), "released exactly when it left: {r:?}");
+        assert_eq!(d.engine_state(e).as_deref(), Some("live"));
+        left.extend(l.iter().map(|_| e.clone()));
+    }
+    assert_eq!(d.metric("nixl_keepalive_membership_members"), 2.0);
+    report(&format!(
+        "etcd paused {} (TTL {TTL_SECS} s): both prefills lost their lease and registered again {} after SIGCONT; the decode saw {} of 2 keys deleted (released those), and had both as members again, registered and read, {} after SIGCONT",
+        ms(resumed_at - paused_at),
+        ms(registered_at - resumed_at),
+        left.len(),
+        ms(back_at - resumed_at)
+    ));
+    d.stop();
+}
+
+#[test]
+fn etcd_restarted_empty_retires_no_healthy_prefill_and_only_the_one_that_never_came_back_after_the_grace(
+) {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(mut etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let healthy: Vec<PrefillProc> = (0..3).map(|_| prefill_with_etcd(&etcd)).collect();
+    let frozen = prefill_with_etcd(&etcd);
+    for p in healthy.iter().chain([&frozen]) {
+        prefill_line(p, "ETCD registered");
+    }
+    let healthy_set = sorted(healthy.iter().map(|p| p.engine.clone()));
+    let mut all = healthy_set.clone();
+    all.insert(frozen.engine.clone());
+    let grace = Duration::from_secs(TTL_SECS);
+    let grace_arg = TTL_SECS.to_string();
+    // Fail mode: the frozen prefill's reads never end; the read-stall check
+    // is pushed out of the way so that membership is what retires it.
+    let mut d = DecodeProc::on_etcd(
+        &etcd,
+        &["--etcd-reset-grace", &grace_arg, "--gone-mode", "fail"],
+        &[("NIXL_KEEPALIVE_READ_STALL", "120s")],
+    );
+    d.wait_registered(&all);
+
+    // One prefill freezes (it cannot register again), and etcd comes back
+    // with an empty data directory: a new cluster, revision 1.
+    frozen.signal("STOP");
+    let killed_at = Instant::now();
+    let wiped_at = etcd.wipe_and_restart();
+    d.wait_line("membership: outage", PATIENCE);
+    let (reset_at, reset) = d.wait_line("membership: store_reset", PATIENCE);
+    let awaited: usize = field(&reset, "awaited=").parse().unwrap();
+    assert!((1..=4).contains(&awaited), "{reset}");
+    for p in &healthy {
+        prefill_line(p, "ETCD lease_lost");
+        prefill_line(p, "ETCD registered");
+    }
+    let reregistered_at = Instant::now();
+    let (left_at, left) = d.wait_nth(1, &["membership: left", &frozen.engine], PATIENCE);
+    assert!(left.contains("why=missing_after_reset"), "{left}");
+    // Not before the grace period: it starts with the decode's list of the
+    // new store, which comes after the kill. (The `store_reset` line is no
+    // timestamp of that list: on a loaded machine it reaches us late.)
+    assert!(
+        left_at - killed_at >= grace,
+        "retired {} after etcd was killed, within the grace period ({})",
+        ms(left_at - killed_at),
+        ms(grace)
+    );
+    d.wait_nth(1, &["event: released", &frozen.engine], PATIENCE);
+    // Two more grace periods: no healthy prefill is retired or released.
+    std::thread::sleep(2 * grace);
+    assert_eq!(d.released(), vec![frozen.engine.clone()]);
+    assert_eq!(d.lines_of("membership: left ", &[]).len(), 1);
+    assert_eq!(d.member_set(), healthy_set);
+    assert_eq!(d.metric("nixl_keepalive_membership_members"), 3.0);
+    assert_eq!(d.metric("nixl_keepalive_membership_awaited"), 0.0);
+    assert_eq!(
+        d.metric("nixl_keepalive_membership_store_resets_total"),
+        1.0
+    );
+    for e in &healthy_set {
+        assert_eq!(d.engine_state(e).as_deref(), Some("live"));
+    }
+    let before = d.verified_reads();
+    d.wait_verified(before + 3);
+    frozen.signal("CONT");
+    report(&format!(
+        "etcd wiped and restarted (serving again {} after the kill): store reset seen {} after, {awaited} of 4 awaited; the 3 healthy prefills registered again {} after the restart, none retired; the frozen one retired (missing_after_reset) {} after the reset was seen (grace {})",
+        ms(wiped_at - killed_at),
+        ms(reset_at - wiped_at),
+        ms(reregistered_at - wiped_at),
+        ms(left_at - reset_at),
+        ms(grace)
+    ));
+    d.stop();
+}
+
+/// `n` valid member records padded (an unknown field) to about `size`
+/// bytes each, under `prefix`.
+fn padded_records(prefix: &str, n: usize, size: usize) -> Vec<(String, String)> {
+    (0..n)
+        .map(|i| {
+            let member = Member::new(
+                format!("bulk-{i:05}"),
+                format!("10.9.{}.{}:7000", i / 250, i % 250 + 1),
+                1,
+            );
+            let mut v = serde_json::to_value(&member).unwrap();
+            let pad = size.saturating_sub(member.to_json().len() + 12);
+            v["pad"] = serde_json::Value::String("p".repeat(pad));
+            (format!("{prefix}bulk-{i:05}"), v.to_string())
+        })
+        .collect()
+}
+
+/// The etcd source alone: a prefix of 4.9 MiB (1,200 valid records) is
+/// listed whole, with the default options and with a 1 MiB message limit
+/// (pages halved until they fit); one value over the limit makes the list
+/// fail as what it is. The baseline: one unpaged `get` with the client's
+/// default limit fails.
+#[test]
+fn a_prefix_over_4_mib_is_listed_whole_in_pages_and_a_value_over_the_limit_is_reported_as_such() {
+    use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdSource};
+    use nixl_keepalive::membership::{Action, MembershipSource, Reconciler, SourceEvent};
+
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let prefix = "/big/prefill/";
+    let records = padded_records(prefix, 1200, 4000);
+    let bytes: usize = records.iter().map(|(k, v)| k.len() + v.len()).sum();
+    assert!(bytes > 4 << 20, "{bytes}");
+    let url = etcd.url();
+    common::block_on(async move {
+        let mut client = Client::connect([url.clone()], None).await.expect("etcd");
+        put_in_transactions(&mut client, records, None).await;
+        // What the decode did before: one get of the whole prefix.
+        let unpaged = client
+            .get(prefix, Some(GetOptions::new().with_prefix()))
+            .await
+            .expect_err("over the client's default 4 MiB");
+        assert!(
+            unpaged.to_string().contains("message length too large"),
+            "{unpaged}"
+        );
+
+        async fn first(options: EtcdOptions) -> (SourceEvent, std::time::Duration) {
+            let shutdown = tokio_util::sync::CancellationToken::new();
+            let started = Instant::now();
+            let mut source = EtcdSource::spawn(options, shutdown.clone());
+            let e = tokio::time::timeout(PATIENCE, source.next())
+                .await
+                .expect("an event in time")
+                .expect("source running");
+            shutdown.cancel();
+            (e, started.elapsed())
+        }
+        let mut took = Vec::new();
+        for max_message in [None, Some(1 << 20)] {
+            let mut options = EtcdOptions::new(vec![url.clone()], prefix);
+            if let Some(m) = max_message {
+                options.max_message = m;
+            }
+            let (listed, t) = first(options).await;
+            took.push(t);
+            let SourceEvent::Listed { entries, .. } = &listed else {
+                panic!("{listed:?}")
+            };
+            assert_eq!(entries.len(), 1200);
+            let mut r = Reconciler::new();
+            let actions = r.apply(listed);
+            assert_eq!(
+                actions
+                    .iter()
+                    .filter(|a| matches!(a, Action::Announce(_)))
+                    .count(),
+                1200
+            );
+            assert_eq!(r.members().len(), 1200);
+        }
+
+        // One value over a 1 MiB limit: the list cannot complete, and says so.
+        client
+            .put(format!("{prefix}zz-huge"), vec![b'x'; 1_200_000], None)
+            .await
+            .unwrap();
+        let mut options = EtcdOptions::new(vec![url.clone()], prefix);
+        options.max_message = 1 << 20;
+        let (outage, _) = first(options).await;
+        let SourceEvent::Outage { error } = &outage else {
+            panic!("{outage:?}")
+        };
+        assert!(error.contains("cannot complete"), "{error}");
+        assert!(error.contains("message limit"), "{error}");
+        assert!(!error.contains("unreachable"), "{error}");
+        report(&format!(
+            "a {:.1} MiB prefix of 1,200 records: an unpaged get fails (over 4 MiB); listed whole in {} (pages of 1,000, 16 MiB limit) and in {} (1 MiB limit, pages halved); one 1.2 MB value over a 1 MiB limit: {error}",
+            bytes as f64 / (1 << 20) as f64,
+            ms(took[0]),
+            ms(took[1]),
+        ));
+    });
+}
+
+/// A fresh decode on a prefix of 5 MiB: a real prefill among 80 records
+/// over the record limit. Before, the list failed for ever ("etcd
+/// unreachable") and the decode had 0 members.
+#[test]
+fn a_fresh_decode_on_a_prefix_over_4_mib_finds_its_prefill_and_refuses_the_oversized_records() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let p = prefill_with_etcd(&etcd);
+    prefill_line(&p, "ETCD registered");
+    let junk: Vec<(String, String)> = padded_records(DEFAULT_PREFIX, 80, 64 << 10);
+    let bytes: usize = junk.iter().map(|(k, v)| k.len() + v.len()).sum();
+    assert!(bytes > 4 << 20, "{bytes}");
+    with_etcd(&etcd, async |c| put_in_transactions(c, junk, None).await);
+    let started = Instant::now();
+    let mut d = DecodeProc::on_etcd(&etcd, &[], &[]);
+    let members = BTreeSet::from([p.engine.clone()]);
+    let joined_at = d.wait_until("the prefill joined", PATIENCE, |d| {
+        d.member_set() == members
+    });
+    d.wait_registered(&members);
+    assert_eq!(d.metric("nixl_keepalive_membership_members"), 1.0);
+    assert_eq!(
+        d.metric("nixl_keepalive_membership_bad_values_total{reason=\"too_large\"}"),
+        80.0
+    );
+    assert!(d.lines_of("membership: outage ", &[]).is_empty());
+    assert!(d.released().is_empty());
+    let reported = d.lines_of("membership: bad_value ", &[]).len();
+    assert!(
+        reported
+            <= nixl_keepalive::membership::REFUSALS_BURST as usize
+                + 1
+                + started.elapsed().as_secs() as usize,
+        "{reported} bad_value lines"
+    );
+    report(&format!(
+        "fresh decode on a {:.1} MiB prefix (1 prefill + 80 records of 64 KiB): joined {} after start, 80 refused as too_large ({reported} reported), 0 outages",
+        bytes as f64 / (1 << 20) as f64,
+        ms(joined_at - started)
+    ));
+    d.stop();
+}
+
+#[test]
+fn hostile_records_change_nothing_print_escaped_and_are_reported_at_a_bounded_rate() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let p = prefill_with_etcd(&etcd);
+    prefill_line(&p, "ETCD registered");
+    let members = BTreeSet::from([p.engine.clone()]);
+    let mut d = DecodeProc::on_etcd(&etcd, &[], &[]);
+    d.wait_registered(&members);
+
+    let forged = format!("x\nevent: released engine={} reason=peer_gone", p.engine);
+    let value = |id: &str, address: &str| {
+        serde_json::json!({"engine_id": id, "address": address, "ranks": 1}).to_string()
+    };
+    let hostile: Vec<(String, String, &str)> = vec![
+        // Over the prefill's own key: refused, so the key still means p.
+        (
+            key_of(&p.engine),
+            value(&forged, p.addr.as_str()),
+            "engine_id",
+        ),
+        (key_of("forged"), value(&forged, "10.0.0.1:1"), "engine_id"),
+        (
+            key_of("esc"),
+            value("e\u{1b}[2J\u{1b}]0;pwned\u{7}", "10.0.0.1:1"),
+            "engine_id",
+        ),
+        (key_of("nul"), value("e\0x", "10.0.0.1:1"), "engine_id"),
+        (
+            key_of("big-address"),
+            value("e", &format!("{}:1", "h".repeat(1 << 20))),
+            "too_large",
+        ),
+        (
+            key_of("address"),
+            value("e", "10.0.0.1:1\nmembership: left"),
+            "address",
+        ),
+        (
+            format!("{DEFAULT_PREFIX}k\nmembership: left engine={}", p.engine),
+            "{".into(),
+            "json",
+        ),
+    ];
+    let written_at = Instant::now();
+    with_etcd(&etcd, async |c| {
+        for (k, v, _) in &hostile {
+            c.put(k.as_str(), v.as_str(), None).await.expect("put");
+        }
+    });
+    d.wait_until("every hostile record refused", PATIENCE, |d| {
+        d.lines_of("membership: bad_value ", &[]).len() == hostile.len()
+    });
+    for (_, _, reason) in &hostile {
+        assert!(
+            !d.lines_of("membership: bad_value ", &[&format!("reason={reason}")])
+                .is_empty(),
+            "{reason}"
+        );
+    }
+    // A flood: 2,000 broken records.
+    let flood: Vec<(String, String)> = (0..2000)
+        .map(|i| {
+            (
+                format!("{DEFAULT_PREFIX}junk-{i}"),
+                "\u{1b}[31m".to_string(),
+            )
+        })
+        .collect();
+    let flood_at = Instant::now();
+    with_etcd(&etcd, async |c| put_in_transactions(c, flood, None).await);
+    let total = (hostile.len() + 2000) as f64;
+    let counted_at = d.wait_until("every refusal counted", PATIENCE, |d| {
+        ["engine_id", "too_large", "address", "json"]
+            .iter()
+            .map(|r| {
+                d.metric(&format!(
+                    "nixl_keepalive_membership_bad_values_total{{reason=\"{r}\"}}"
+                ))
+            })
+            .sum::<f64>()
+            == total
+    });
+    let reported = d.lines_of("membership: bad_value ", &[]).len();
+    let bound = hostile.len()
+        + nixl_keepalive::membership::REFUSALS_BURST as usize
+        + 1
+        + flood_at.elapsed().as_secs() as usize;
+    assert!(
+        reported <= bound,
+        "{reported} bad_value lines for 2,000 refusals (bound {bound})"
+    );
+
+    // Nothing changed: p is the only member, live, read; nothing released.
+    assert_eq!(d.member_set(), members);
+    assert!(d.released().is_empty(), "{:?}", d.released());
+    assert!(d.lines_of("membership: left ", &[]).is_empty());
+    assert_eq!(d.engine_state(&p.engine).as_deref(), Some("live"));
+    let before = d.verified_reads();
+    d.wait_verified(before + 1);
+    // Every line printed is one line of printable text; the forged ones
+    // stayed inside their bad_value line.
+    for (_, l) in d.lines.lock().unwrap().iter() {
+        assert!(
+            !l.chars().any(char::is_control),
+            "control character in {l:?}"
+        );
+        assert!(l.len() < 2048, "a {} byte line", l.len());
+        assert!(
+            !l.starts_with("event: released") && !l.starts_with("membership: left"),
+            "forged: {l:?}"
+        );
+    }
+    let log = std::fs::read_to_string(&d.log).unwrap_or_default();
+    assert!(
+        !log.contains('\u{1b}') && !log.contains('\0'),
+        "raw escape in the log"
+    );
+    let warned = log.matches("record refused").count();
+    assert!(warned <= bound, "{warned} WARN lines");
+    report(&format!(
+        "{} hostile records + 2,000 broken ones: all refused and counted by reason within {} of the flood, {reported} reported (stdout) and {warned} logged; the prefill stayed the only member, live and read; nothing released; {} after the first write",
+        hostile.len(),
+        ms(counted_at - flood_at),
+        ms(counted_at - written_at)
+    ));
+    d.stop();
+}
+
+/// Records that disagree with a healthy prefill's registration (issue 14):
+/// a new engine id at its address, its engine id at another address, a
+/// record of another incarnation (a dead predecessor's) at its address.
+/// Each is announced, judged against the registration, and when it goes
+/// away it is a conflict, counted and logged once: the healthy prefill is
+/// never released and is read the whole time.
+#[test]
+fn conflicting_records_never_release_a_healthy_prefill() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let p = prefill_with_etcd(&etcd);
+    prefill_line(&p, "ETCD registered");
+    let members = BTreeSet::from([p.engine.clone()]);
+    let mut d = DecodeProc::on_etcd(&etcd, &[], &[]);
+    d.wait_registered(&members);
+    let record = |id: &str, address: &str, incarnation: Option<u64>| {
+        let mut v = serde_json::json!({"engine_id": id, "address": address, "ranks": 1});
+        if let Some(i) = incarnation {
+            v["incarnation"] = serde_json::json!(i);
+        }
+        v.to_string()
+    };
+    let nobody = format!("127.0.0.1:{}", common::etcd::free_port());
+    let conflicting: Vec<(String, String)> = vec![
+        // A new engine id at the healthy prefill's address.
+        (
+            key_of("forged-id"),
+            record("forged-id", p.addr.as_str(), None),
+        ),
+        // The healthy engine id at another address.
+        (key_of("elsewhere"), record(&p.engine, &nobody, None)),
+        // The healthy engine id at its address, another incarnation.
+        (
+            key_of("predecessor"),
+            record(&p.engine, p.addr.as_str(), Some(7)),
+        ),
+    ];
+    let before = d.verified_reads();
+    with_etcd(&etcd, async |c| {
+        for (k, v) in &conflicting {
+            c.put(k.as_str(), v.as_str(), None).await.expect("put");
+        }
+    });
+    d.wait_until("every record announced", PATIENCE, |d| {
+        d.lines_of("membership: joined ", &[]).len() > conflicting.len()
+    });
+    // Reads go on while they are listed (handshakes at the healthy
+    // address find the registered engine: nothing reloaded).
+    d.wait_verified(before + 20);
+    with_etcd(&etcd, async |c| {
+        for (k, _) in &conflicting {
+            c.delete(k.as_str(), None).await.expect("delete");
+        }
+    });
+    d.wait_until("the removals judged as conflicts", PATIENCE, |d| {
+        d.metric("nixl_keepalive_identity_conflicts_total{kind=\"record_address\"}") >= 1.0
+            && d.metric("nixl_keepalive_identity_conflicts_total{kind=\"record_incarnation\"}")
+                >= 1.0
+    });
+    let after = d.verified_reads();
+    d.wait_verified(after + 20);
+    assert!(d.released().is_empty(), "released: {:?}", d.released());
+    assert_eq!(d.engine_state(&p.engine).as_deref(), Some("live"));
+    assert_eq!(
+        d.lines_of("event: registered ", &[&p.engine]).len(),
+        1,
+        "registered once, never reloaded"
+    );
+    let conflicts = d.lines_of("event: conflict ", &[]).len();
+    assert_eq!(conflicts, 2, "one event per conflict");
+    report(&format!(
+        "{} conflicting records written and deleted next to a healthy prefill: {conflicts} conflicts refused, nothing released, reads {before} -> {}",
+        conflicting.len(),
+        d.verified_reads()
+    ));
+    d.stop();
 }

@@ -1,8 +1,14 @@
 //! Hung prefills on the real runtime: a SIGSTOPped prefill is never
 //! reported by UCX on shm/tcp (measured: `real_frozen.rs`), so the
-//! service's read-stall check is what finds one with reads in flight. Slow
-//! is not hung, and an idle frozen prefill cannot be told from an idle
-//! healthy one: both are kept, and the snapshot says so.
+//! service's read-stall check is what finds one with reads in flight: its
+//! own bound, or sooner `decode`'s timed-out reads (given up unanswered:
+//! evidence, not completions). Slow is not hung, and an idle frozen
+//! prefill cannot be told from an idle healthy one: both are kept, and the
+//! snapshot says so.
+//!
+//! Every count asserted on is final when it is read: `decode` counts a
+//! read before its guard ends, and the guard's end is what lets the
+//! engine be released.
 
 mod common;
 
@@ -10,7 +16,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
-use nixl_keepalive::{EngineId, EngineState, Event, ReleaseReason, StallAction};
+use nixl_keepalive::ucx_settings::{detection_bound, UcxSettings};
+use nixl_keepalive::{Config, EngineId, EngineState, Event, ReleaseReason, StallAction};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Handshake};
 use nixl_sys::testing::runtime_or_skip;
 
@@ -38,6 +45,84 @@ fn verified(d: &DecodeSide) -> u64 {
     d.decoder.stats().verified.load(Ordering::Relaxed)
 }
 
+/// Freezes `frozen` while both prefills are read; waits for its stall
+/// and release (within `bound` of the SIGSTOP, printing what it saw
+/// otherwise), then SIGCONT and waits until it is registered and read
+/// again. Returns (stop -> stalled, stop -> released, reads at the mark,
+/// stalled_for, given_up, resume -> registered again).
+async fn freeze_and_thaw(
+    d: &mut DecodeSide,
+    frozen: &PrefillProc,
+    healthy: &PrefillProc,
+    bound: Duration,
+) -> (Duration, Duration, u64, Duration, u64, Duration) {
+    let id = EngineId::from(frozen.engine.as_str());
+    let healthy_id = EngineId::from(healthy.engine.as_str());
+    let mut waiting = vec![id.clone(), healthy_id.clone()];
+    d.wait_for(Duration::from_secs(20), |e| {
+        if let Event::Registered { engine, .. } = e {
+            waiting.retain(|w| w != engine);
+        }
+        waiting.is_empty().then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    frozen.signal("STOP");
+    let t0 = Instant::now();
+    let before = verified(d);
+    let ((reads, stalled_for, given_up), stalled_at) = d
+        .wait_for(bound, |e| match e {
+            Event::Stalled {
+                engine,
+                reads_in_flight,
+                stalled_for,
+                given_up,
+                failed: true,
+            } if *engine == id => Some((*reads_in_flight, *stalled_for, *given_up)),
+            _ => None,
+        })
+        .await;
+    let left = bound.saturating_sub(t0.elapsed());
+    let (reason, released_at) = d
+        .wait_for(left.max(Duration::from_millis(1)), |e| match e {
+            Event::Released { engine, reason, .. } if *engine == id => Some(*reason),
+            _ => None,
+        })
+        .await;
+    assert_eq!(reason, ReleaseReason::Stalled);
+    assert!(
+        verified(d) > before,
+        "the healthy prefill's reads went on meanwhile"
+    );
+    // Counted before the guards ended, so final now.
+    let abandoned = d.decoder.stats().abandoned.load(Ordering::Relaxed);
+    assert!(abandoned >= 1, "the hung reads were given up, none hangs");
+    frozen.signal("CONT");
+    let t1 = Instant::now();
+    let (_, again) = d
+        .wait_for(Duration::from_secs(30), |e| {
+            matches!(e, Event::Registered { engine, .. } if *engine == id).then_some(())
+        })
+        .await;
+    let engine = d.decoder.handle().engine(&id).expect("registered again");
+    let resumed = verified(d);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while verified(d) == resumed {
+        assert!(Instant::now() < deadline, "no read verified after SIGCONT");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(engine.state(), EngineState::Live);
+    assert_eq!(d.decoder.stats().corrupt.load(Ordering::Relaxed), 0);
+    (
+        stalled_at - t0,
+        released_at - t0,
+        reads,
+        stalled_for,
+        given_up,
+        again - t1,
+    )
+}
+
 #[test]
 fn a_frozen_prefill_with_reads_in_flight_is_stalled_released_and_read_again_after_sigcont() {
     let Some(rt) = runtime_or_skip() else { return };
@@ -51,81 +136,85 @@ fn a_frozen_prefill_with_reads_in_flight_is_stalled_released_and_read_again_afte
             d.decoder.spawn(frozen.addr.clone(), stop.clone()),
             d.decoder.spawn(healthy.addr.clone(), stop.clone()),
         ];
-        let id = EngineId::from(frozen.engine.as_str());
-        let healthy_id = EngineId::from(healthy.engine.as_str());
-        let mut waiting = vec![id.clone(), healthy_id.clone()];
-        d.wait_for(Duration::from_secs(10), |e| {
-            if let Event::Registered { engine, .. } = e {
-                waiting.retain(|w| w != engine);
-            }
-            waiting.is_empty().then_some(())
-        })
-        .await;
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        frozen.signal("STOP");
-        let t0 = Instant::now();
-        let before = verified(&d);
-        let ((reads, stalled_for), stalled_at) = d
-            .wait_for(STALL * 4, |e| match e {
-                Event::Stalled {
-                    engine,
-                    reads_in_flight,
-                    stalled_for,
-                    failed: true,
-                } if *engine == id => Some((*reads_in_flight, *stalled_for)),
-                _ => None,
-            })
-            .await;
-        let (reason, released_at) = d
-            .wait_for(Duration::from_secs(10), |e| match e {
-                Event::Released { engine, reason, .. } if *engine == id => Some(*reason),
-                _ => None,
-            })
-            .await;
-        assert_eq!(reason, ReleaseReason::Stalled);
+        // 1.25 bounds plus the slack the frozen bound documents.
+        let bound = STALL + STALL / 4 + Duration::from_secs(1);
+        let (stalled, released, reads, stalled_for, given_up, again) =
+            freeze_and_thaw(&mut d, &frozen, &healthy, bound).await;
+        assert!(stalled_for >= STALL, "marked after {stalled_for:?} only");
         assert!(
-            verified(&d) > before,
-            "the healthy prefill's reads went on meanwhile"
+            stalled >= STALL,
+            "marked {stalled:?} after the freeze, before the bound"
         );
-        let abandoned = d.decoder.stats().abandoned.load(Ordering::Relaxed);
-        assert!(abandoned >= 1, "the hung reads were abandoned, none hangs");
+        assert_eq!(given_up, 0, "decode's reads do not time out here");
         let releases = d.decoder.stats().abandoned_release.lock().unwrap().clone();
-        // Measured with nixl-cu12 1.5.1: releasing a READ in progress to a
-        // frozen peer (UCX over shm/tcp) is accepted; the request is gone.
         let named: Vec<String> = releases
             .iter()
             .map(|(raw, n)| format!("{}x{n}", nixl_sys::NixlStatus::from_raw(*raw).name()))
             .collect();
+        // Measured with nixl-cu12 1.5.1: releasing a READ in progress to a
+        // frozen peer is accepted (see real_buffer.rs for what it does).
         assert!(
             releases.keys().all(|raw| *raw == 0),
             "releaseXferReq of a READ to a frozen peer: {named:?}"
         );
         report(&format!(
-            "SIGSTOP with {reads} read(s) in flight: stalled after {} (no completion for {}; bound {} x 1.25), released {} later; {abandoned} read(s) abandoned, releaseXferReq said {named:?}",
-            ms(stalled_at - t0),
-            ms(stalled_for),
+            "bound {}: SIGSTOP with {reads} read(s) in flight: stalled after {} (no completion for {}), released after {} (bound x 1.25 + 1 s = {}); releaseXferReq said {named:?}; after SIGCONT registered again {} later, reads verified",
             ms(STALL),
-            ms(released_at - stalled_at)
+            ms(stalled),
+            ms(stalled_for),
+            ms(released),
+            ms(bound),
+            ms(again)
         ));
-        // SIGCONT: the same process answers again, and the reader loop
-        // registers it afresh and reads from it.
-        frozen.signal("CONT");
-        let t1 = Instant::now();
-        let (_, again) = d
-            .wait_for(Duration::from_secs(20), |e| {
-                matches!(e, Event::Registered { engine, .. } if *engine == id).then_some(())
-            })
-            .await;
-        let engine = d.decoder.handle().engine(&id).expect("registered again");
-        let resumed = verified(&d);
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(verified(&d) > resumed);
-        assert_eq!(engine.state(), EngineState::Live);
-        assert_eq!(d.decoder.stats().corrupt.load(Ordering::Relaxed), 0);
+        stop.cancel();
+        for r in readers {
+            r.await.unwrap();
+        }
+        d.stop().await;
+    })
+}
+
+#[test]
+fn with_every_default_a_frozen_prefill_with_reads_in_flight_is_released_within_the_frozen_bound() {
+    let Some(rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    common::block_on(async move {
+        let frozen = PrefillProc::start(&PrefillSpec::default());
+        let healthy = PrefillProc::start(&PrefillSpec::default());
+        let config = Config::default();
+        let options = DecodeOptions::default();
+        // The documented bound: what the start-up line and the gauge say.
+        let gap = config.heartbeat_interval().unwrap() + config.jitter();
+        let bound = detection_bound(&UcxSettings::defaults(), gap)
+            .with_read_stall(config.read_stall())
+            .frozen
+            .expect("the read-stall check is on by default");
+        let mut d = DecodeSide::start(rt, config.clone(), options.clone());
+        let stop = d.shutdown.child_token();
+        let readers = [
+            d.decoder.spawn(frozen.addr.clone(), stop.clone()),
+            d.decoder.spawn(healthy.addr.clone(), stop.clone()),
+        ];
+        let (stalled, released, reads, stalled_for, given_up, again) =
+            freeze_and_thaw(&mut d, &frozen, &healthy, bound).await;
         report(&format!(
-            "after SIGCONT: registered again {} later, reads verified",
-            ms(again - t1)
+            "every default (read stall {}, decode read timeout {}): SIGSTOP -> stalled {} ({reads} read(s) in flight, {given_up} given up as timed out, quiet for {}), released {} (documented bound {}); after SIGCONT registered again {} later, reads verified",
+            ms(config.read_stall().unwrap()),
+            ms(options.read_timeout),
+            ms(stalled),
+            ms(stalled_for),
+            ms(released),
+            ms(bound),
+            ms(again)
         ));
+        // With the defaults decode's timed-out reads decide (the report
+        // says how many), never sooner than a read could time out.
+        assert!(
+            stalled
+                >= options.read_timeout.min(config.read_stall().unwrap())
+                    - Duration::from_millis(100),
+            "stalled {stalled:?} after the freeze: sooner than any read could time out"
+        );
         stop.cancel();
         for r in readers {
             r.await.unwrap();

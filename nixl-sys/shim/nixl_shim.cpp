@@ -11,11 +11,15 @@
 //
 // Every entry point catches all C++ exceptions: nothing unwinds into Rust.
 
+#include <dlfcn.h>
+#include <link.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
@@ -54,6 +58,8 @@ using release_xfer_fn = status_t (*)(const Agent *, XferReqH *);
 using invalidate_fn = status_t (*)(Agent *, const std::string &);
 // nixlAgent::releasedDlistH(nixlDlistH*) const
 using release_dlist_fn = status_t (*)(const Agent *, DlistH *);
+// nixlAgent::getLocalMD(nixl_blob_t&) const
+using get_local_md_fn = status_t (*)(const Agent *, std::string &);
 // nixlAgent::loadRemoteMD(const nixl_blob_t&, std::string&)
 using load_md_fn = status_t (*)(Agent *, const std::string &, std::string &);
 // nixlAgent::prepXferDlist(const nixl_xfer_dlist_t&, nixlDlistH*&, const nixl_opt_args_t*) const
@@ -159,6 +165,27 @@ nks_load_remote_md(const void *fn, void *agent, const void *md, size_t md_len, c
     });
 }
 
+// The agent's own metadata through the C++ member: compared with the C
+// API's answer for the same handle, it proves that the handle's first
+// member is the nixlAgent the shim takes it for.
+int
+nks_get_local_md(const void *fn, const void *agent, char **out, size_t *len) {
+    *out = nullptr;
+    *len = 0;
+    return guarded([&] {
+        std::string md;
+        status_t st = reinterpret_cast<get_local_md_fn>(fn)(static_cast<const Agent *>(agent), md);
+        if (st == 0) {
+            char *copy = static_cast<char *>(std::malloc(md.size() + 1));
+            if (!copy) throw std::bad_alloc();
+            std::memcpy(copy, md.data(), md.size());
+            *out = copy;
+            *len = md.size();
+        }
+        return st;
+    });
+}
+
 // `descs` is the nixl_xfer_dlist_t* held by a C API xfer dlist.
 int
 nks_prep_local_dlist(const void *fn, const void *agent, const void *descs, void **dlist_out,
@@ -212,6 +239,117 @@ nks_make_xfer_req(const void *fn, const void *agent, int op, const void *local,
 void
 nks_free(void *p) {
     std::free(p);
+}
+
+// --- UCX's own introspection (UCS VFS), in process -----------------------
+//
+// UCX registers every context, worker and endpoint in an in-process tree
+// (UCS VFS, on by default: UCX_VFS_ENABLE=y), the same tree its `ucx_vfs`
+// daemon serves: /ucp/context/<name>/worker/<name>/ep/<address>/...,
+// /ucp/context/<name>/worker/<name>/counters/ep_creations, ... libucs
+// exports the walkers. They are reached in the libucs already loaded in
+// the process (the one NIXL's UCX plugin uses), found by name, never
+// loaded here.
+//
+// ucs_string_buffer_t is a ucs_array of char: { char *buffer; size_t
+// length; size_t capacity; }, 24 bytes; 64 bytes are reserved for it.
+
+namespace {
+
+using vfs_list_cb = void (*)(const char *name, void *arg);
+using vfs_list_fn = int (*)(const char *path, vfs_list_cb cb, void *arg);
+using vfs_read_fn = int (*)(const char *path, void *strb);
+using strb_init_fn = void (*)(void *strb);
+using strb_cstr_fn = const char *(*)(const void *strb);
+using strb_cleanup_fn = void (*)(void *strb);
+
+struct Vfs {
+    vfs_list_fn list = nullptr;
+    vfs_read_fn read = nullptr;
+    strb_init_fn init = nullptr;
+    strb_cstr_fn cstr = nullptr;
+    strb_cleanup_fn cleanup = nullptr;
+};
+
+// Finds the first loaded libucs by its file name. Only reads the loader's
+// list: nothing is opened while dl_iterate_phdr holds its lock (a dlopen
+// from inside the callback deadlocks wherever dlopen itself walks the list,
+// as heap profilers that wrap dlopen do).
+int
+find_libucs(struct dl_phdr_info *info, size_t, void *arg) {
+    if (info->dlpi_name == nullptr) return 0;
+    const char *slash = std::strrchr(info->dlpi_name, '/');
+    const char *base = slash ? slash + 1 : info->dlpi_name;
+    if (std::strncmp(base, "libucs", 6) != 0) return 0;
+    *static_cast<std::string *>(arg) = info->dlpi_name;
+    return 1;
+}
+
+Vfs
+load_vfs() {
+    std::string path;
+    dl_iterate_phdr(find_libucs, &path);
+    Vfs found;
+    if (path.empty()) return found;
+    void *h = dlopen(path.c_str(), RTLD_NOLOAD | RTLD_LAZY);
+    if (h == nullptr) return found;
+    found.list = reinterpret_cast<vfs_list_fn>(dlsym(h, "ucs_vfs_path_list_dir"));
+    found.read = reinterpret_cast<vfs_read_fn>(dlsym(h, "ucs_vfs_path_read_file"));
+    found.init = reinterpret_cast<strb_init_fn>(dlsym(h, "ucs_string_buffer_init"));
+    found.cstr = reinterpret_cast<strb_cstr_fn>(dlsym(h, "ucs_string_buffer_cstr"));
+    found.cleanup = reinterpret_cast<strb_cleanup_fn>(dlsym(h, "ucs_string_buffer_cleanup"));
+    // libucs stays loaded: NIXL's plugin depends on it and is never unloaded.
+    dlclose(h);
+    if (!(found.list && found.read && found.init && found.cstr && found.cleanup)) {
+        return Vfs{};
+    }
+    return found;
+}
+
+// The walkers, found once libucs is in the process (looked for again until
+// then).
+Vfs
+vfs() {
+    static std::mutex lock;
+    static Vfs cached;
+    std::lock_guard<std::mutex> guard(lock);
+    if (cached.list == nullptr) cached = load_vfs();
+    return cached;
+}
+
+} // namespace
+
+// Calls `cb(name, arg)` for each child of the VFS directory `path`.
+// Returns 0 (UCS_OK) or UCX's status; -12 (UCS_ERR_NO_ELEM) when no libucs
+// with VFS is loaded.
+int
+nks_ucx_vfs_list(const char *path, void (*cb)(const char *, void *), void *arg) {
+    try {
+        Vfs v = vfs();
+        if (v.list == nullptr) return -12;
+        return v.list(path, cb, arg);
+    }
+    catch (...) {
+        return kException;
+    }
+}
+
+// Reads the VFS file `path` and hands its text to `cb(text, arg)`.
+int
+nks_ucx_vfs_read(const char *path, void (*cb)(const char *, void *), void *arg) {
+    try {
+        Vfs v = vfs();
+        if (v.read == nullptr) return -12;
+        alignas(16) unsigned char strb[64] = {};
+        v.init(strb);
+        int st = v.read(path, strb);
+        if (st == 0) cb(v.cstr(strb), arg);
+        v.cleanup(strb);
+        return st;
+    }
+    catch (...) {
+        return kException;
+    }
 }
 
 } // extern "C"

@@ -23,6 +23,7 @@ use std::ffi::{c_int, c_void, CStr, CString};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::endpoints::{EndpointCloses, UcxEndpoints};
 use crate::error::{check, check_agent_name, NixlError, WithDetail};
 use crate::runtime::{CapiAgentConfig, Raw, Runtime};
 use crate::status::NixlStatus;
@@ -227,6 +228,8 @@ impl Agent {
             st
         };
         op("createBackend", rt.capi_status(st)).detail(|| "UCX".into())?;
+        // The UCX plugin is loaded now: settle the endpoint close mode.
+        let _ = rt.endpoint_close_mode();
         Ok(Agent { inner })
     }
 
@@ -286,26 +289,38 @@ impl Agent {
                 if rt.names_have_length() {
                     // Safety: live agent. The shim passes the name with its
                     // length, so this reaches exactly the agent just loaded.
-                    let _ = unsafe { rt.invalidate_remote_md(self.inner.capi, &name) };
+                    let _ = rt
+                        .ep_close()
+                        .forcing(|| unsafe { rt.invalidate_remote_md(self.inner.capi, &name) });
                 }
                 Err(NixlError::agent_name("loadRemoteMD", &name, problem))
             }
         }
     }
 
-    /// Forgets a peer's metadata and disconnects from it. `NOT_FOUND` for
-    /// an agent this one does not know (already invalidated, or dropped by
-    /// NIXL): for a release, treat that as done.
-    pub fn invalidate_remote_metadata(&self, remote: &str) -> Result<(), NixlError> {
+    /// Forgets a peer's metadata and disconnects from it, closing its UCX
+    /// endpoints at once when the process's
+    /// [`EndpointCloseMode`](crate::EndpointCloseMode) is `Force` (see
+    /// [`crate::endpoints`]): its sockets and mappings go with them, live
+    /// peer or dead. Returns what the closes did. `NOT_FOUND` for an agent
+    /// this one does not know (already invalidated, or dropped by NIXL):
+    /// for a release, treat that as done.
+    pub fn invalidate_remote_metadata(&self, remote: &str) -> Result<EndpointCloses, NixlError> {
         remote_name("invalidateRemoteMD", remote)?;
+        let rt = self.inner.rt;
         // Safety: live agent.
-        let raw = unsafe {
-            self.inner
-                .rt
-                .invalidate_remote_md(self.inner.capi, remote.as_bytes())
-        };
+        let (raw, closes) = rt
+            .ep_close()
+            .forcing(|| unsafe { rt.invalidate_remote_md(self.inner.capi, remote.as_bytes()) });
         op("invalidateRemoteMD", raw).detail(|| format!("agent {remote}"))?;
-        Ok(())
+        Ok(closes)
+    }
+
+    /// The UCP endpoints this agent's UCX workers hold now, with UCX's
+    /// endpoint counters, read from UCX's own introspection (its VFS tree).
+    /// `None` when UCX's VFS is off (`UCX_VFS_ENABLE=n`) or not found.
+    pub fn ucx_endpoints(&self) -> Option<UcxEndpoints> {
+        crate::endpoints::ucx_endpoints(&self.inner.name)
     }
 
     /// Sends a notification. `SUCCESS` means handed to UCX, not delivered;

@@ -232,6 +232,24 @@ pub enum LoadError {
         /// The symbol.
         symbol: String,
     },
+    /// The runtime's C API handles are not laid out as this crate reads
+    /// them (a NIXL release this crate was not built for): refused before
+    /// anything relies on it.
+    LayoutMismatch {
+        /// The C API library.
+        path: PathBuf,
+        /// What the check found.
+        why: String,
+    },
+    /// An environment variable of this crate has a value it does not take.
+    BadSetting {
+        /// The variable.
+        variable: &'static str,
+        /// Its value.
+        value: String,
+        /// What it takes.
+        accepted: &'static str,
+    },
 }
 
 const INSTALL_HINT: &str = "install it with `scripts/install-nixl.sh` (fetches the pinned \
@@ -268,6 +286,20 @@ impl fmt::Display for LoadError {
                 f,
                 "{} lacks symbol {symbol} (unsupported NIXL version?); {INSTALL_HINT}",
                 path.display()
+            ),
+            LoadError::LayoutMismatch { path, why } => write!(
+                f,
+                "the NIXL runtime at {} is not one this crate can call safely: {why}; this crate supports the nixl-cu12 1.5.x C API (scripts/install-nixl.sh installs 1.5.1) and runtimes exporting nixl_capi_get_version",
+                path.display()
+            ),
+            LoadError::BadSetting {
+                variable,
+                value,
+                accepted,
+            } => write!(
+                f,
+                "{variable}={:?} is not a value it takes; accepted: {accepted}",
+                value.escape_debug().to_string()
             ),
         }
     }

@@ -12,6 +12,15 @@
 //! throughout. Either way statuses arrive as one type, [`NixlStatus`], in
 //! the C++ numbering, and become [`NixlError`] in one place.
 //!
+//! # Releasing a peer
+//!
+//! [`Agent::invalidate_remote_metadata`] also closes the peer's UCX
+//! endpoints at once, live peer or dead, and says what it closed
+//! ([`EndpointCloses`]): NIXL 1.5.1 alone closes a live peer's endpoint in
+//! UCX's flush mode, which keeps it (and its TCP socket) until the agent is
+//! destroyed. See [`endpoints`] for how, and [`Agent::ucx_endpoints`] for
+//! UCX's own view of an agent's endpoints.
+//!
 //! # Thread safety
 //!
 //! A NIXL agent's default thread-sync mode is NONE (no locking). This crate
@@ -33,6 +42,7 @@
 //! 1 ms.
 
 mod agent;
+pub mod endpoints;
 mod error;
 mod runtime;
 mod status;
@@ -42,6 +52,7 @@ pub use agent::{
     Agent, AgentConfig, Desc, DlistHandle, DramRegistration, Notification, ProgressThread,
     ThreadSync, XferRequest, XferState,
 };
+pub use endpoints::{EndpointCloseMode, EndpointCloses, UcxEndpoint, UcxEndpoints};
 pub use error::{check_agent_name, AgentNameProblem, LoadError, NixlError, Refusal, StatusSource};
 pub use runtime::{ApiKind, Runtime, DEFAULT_RUNTIME_DIR, PREFIX_ENV};
 pub use status::NixlStatus;

@@ -18,6 +18,7 @@ use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
 
+use crate::endpoints::{EndpointCloseMode, EpClose, EP_CLOSE_ENV};
 use crate::error::{LoadError, StatusSource};
 use crate::status::NixlStatus;
 
@@ -133,6 +134,7 @@ pub(crate) struct CppMembers {
     pub prep_local_dlist: Member,
     pub prep_remote_dlist: Member,
     pub make_xfer_req: Member,
+    pub get_local_md: Member,
 }
 
 const CPP_GEN_NOTIF: &str = "_ZNK9nixlAgent8genNotifERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEES7_PK21nixlAgentOptionalArgs";
@@ -147,6 +149,8 @@ const CPP_LOAD_REMOTE_MD: &str =
     "_ZN9nixlAgent12loadRemoteMDERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEERS5_";
 const CPP_PREP_LOCAL_DLIST: &str = "_ZNK9nixlAgent13prepXferDlistERK12nixlDescListI13nixlBasicDescERP10nixlDlistHPK21nixlAgentOptionalArgs";
 const CPP_PREP_REMOTE_DLIST: &str = "_ZNK9nixlAgent13prepXferDlistERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEERK12nixlDescListI13nixlBasicDescERP10nixlDlistHPK21nixlAgentOptionalArgs";
+const CPP_GET_LOCAL_MD: &str =
+    "_ZNK9nixlAgent10getLocalMDERNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE";
 const CPP_MAKE_XFER_REQ: &str = "_ZNK9nixlAgent11makeXferReqERK14nixl_xfer_op_tPK10nixlDlistHRKSt6vectorIiSaIiEES5_SA_RP12nixlXferReqHPK21nixlAgentOptionalArgs";
 
 // The shim (shim/nixl_shim.cpp, compiled by build.rs). Each takes the
@@ -209,6 +213,12 @@ extern "C" {
         out: *mut P,
         opt: *const c_void,
     ) -> St;
+    fn nks_get_local_md(
+        f: *const c_void,
+        agent: *const c_void,
+        out: *mut *mut c_char,
+        len: *mut usize,
+    ) -> St;
     fn nks_free(p: *mut c_void);
 }
 
@@ -222,6 +232,7 @@ pub struct Runtime {
     lib_dir: PathBuf,
     capi: Capi,
     flavor: Flavor,
+    ep_close: EpClose,
     // Kept so the libraries are never closed (the Runtime lives in a static).
     _libnixl: Library,
     _libcapi: Library,
@@ -245,6 +256,18 @@ impl Runtime {
         &self.lib_dir
     }
 
+    /// How the UCX endpoints of an invalidated agent are closed in this
+    /// process (see [`crate::endpoints`]): [`EndpointCloseMode::Pending`]
+    /// until an agent has loaded NIXL's UCX plugin (with the 1.5.x runtime,
+    /// the layout probe at load does).
+    pub fn endpoint_close_mode(&self) -> EndpointCloseMode {
+        self.ep_close.mode()
+    }
+
+    pub(crate) fn ep_close(&self) -> &EpClose {
+        &self.ep_close
+    }
+
     /// Which interface carries the statuses.
     pub fn api_kind(&self) -> ApiKind {
         match self.flavor {
@@ -262,6 +285,14 @@ impl Runtime {
             location: location.clone(),
             origin,
             tried,
+        })?;
+        // Before libnixl: NIXL's UCX plugin, loaded later, must find the
+        // endpoint-close interposer in the global scope.
+        let ep_close = EpClose::install().map_err(|bad| LoadError::BadSetting {
+            variable: EP_CLOSE_ENV,
+            value: bad.0,
+            accepted: "`force` (default: a released peer's UCX endpoints are closed at once) or \
+                       `nixl` (NIXL's own close mode, which keeps a live peer's endpoints)",
         })?;
         let nixl_path = lib_dir.join("libnixl.so");
         let capi_path = lib_dir.join("libnixl_capi.so");
@@ -369,16 +400,164 @@ impl Runtime {
                 prep_local_dlist: member(CPP_PREP_LOCAL_DLIST)?,
                 prep_remote_dlist: member(CPP_PREP_REMOTE_DLIST)?,
                 make_xfer_req: member(CPP_MAKE_XFER_REQ)?,
+                get_local_md: member(CPP_GET_LOCAL_MD)?,
             })
         };
-        Ok(Runtime {
+        let runtime = Runtime {
             lib_dir,
             capi,
             flavor,
+            ep_close,
             _libnixl: libnixl,
             _libcapi: libcapi,
-        })
+        };
+        runtime.verify_layout_at(0)?;
+        Ok(runtime)
     }
+
+    /// The shim takes a C API handle's first member for the C++ object
+    /// (`nixl_capi_agent_s { nixlAgent* inner; }` in 1.5.x): a layout
+    /// private to libnixl_capi that a later release may change. Checked
+    /// once, before anything uses it: a throwaway agent's metadata read
+    /// through the C API and through the C++ member on that pointer must
+    /// be the same bytes. On any difference (or a pointer that is not into
+    /// writable memory) the runtime is refused, never used half-right.
+    ///
+    /// `word` is which pointer-sized word of the handle is taken for the
+    /// object: 0, the layout the shim relies on (another value exists only
+    /// to prove, in a test, that a wrong layout is refused).
+    fn verify_layout_at(&self, word: usize) -> Result<(), LoadError> {
+        let Flavor::Collapsed(members) = &self.flavor else {
+            return Ok(());
+        };
+        let mismatch = |why: String| LoadError::LayoutMismatch {
+            path: self.lib_dir.join("libnixl_capi.so"),
+            why,
+        };
+        let name = std::ffi::CString::new(format!("nixl-sys-layout-probe-{}", std::process::id()))
+            .expect("no NUL");
+        let cfg = CapiAgentConfig {
+            enable_prog_thread: false,
+            enable_listen_thread: false,
+            listen_port: 0,
+            thread_sync: 0,
+            num_workers: 1,
+            pthr_delay_us: 0,
+            lthr_delay_us: 0,
+            capture_telemetry: false,
+        };
+        let mut agent: P = std::ptr::null_mut();
+        // Safety: valid NUL-terminated name, config and out-pointer.
+        let st = unsafe { (self.capi.create_configured_agent)(name.as_ptr(), &cfg, &mut agent) };
+        if st != 0 || agent.is_null() {
+            return Err(mismatch(format!(
+                "the probe agent could not be created (C API status {st})"
+            )));
+        }
+        let result = (|| {
+            // NIXL describes an agent only once it has a backend: the UCX
+            // one, as every agent of this crate has.
+            let ucx = c"UCX";
+            let mut mems: P = std::ptr::null_mut();
+            let mut params: P = std::ptr::null_mut();
+            let mut backend: P = std::ptr::null_mut();
+            // Safety: live agent; out-pointers valid; params and mem list
+            // destroyed once the backend exists; the C API backend handle
+            // is a wrapper, destroying it leaves the backend to the agent.
+            unsafe {
+                let st = (self.capi.get_plugin_params)(agent, ucx.as_ptr(), &mut mems, &mut params);
+                if st != 0 {
+                    return Err(mismatch(format!("the probe's UCX plugin parameters: {st}")));
+                }
+                let st = (self.capi.create_backend)(agent, ucx.as_ptr(), params, &mut backend);
+                (self.capi.destroy_params)(params);
+                (self.capi.destroy_mem_list)(mems);
+                if !backend.is_null() {
+                    (self.capi.destroy_backend)(backend);
+                }
+                if st != 0 {
+                    return Err(mismatch(format!("the probe's UCX backend: {st}")));
+                }
+            }
+            let mut data: P = std::ptr::null_mut();
+            let mut len = 0usize;
+            // Safety: live agent; NIXL mallocs `len` bytes at `data`.
+            let via_capi = unsafe {
+                let st = (self.capi.get_local_md)(agent, &mut data, &mut len);
+                if st != 0 {
+                    return Err(mismatch(format!(
+                        "getLocalMD through the C API failed ({st})"
+                    )));
+                }
+                let v = std::slice::from_raw_parts(data as *const u8, len).to_vec();
+                nks_free(data);
+                v
+            };
+            // Safety: reading a pointer-sized word of the handle; the handle
+            // is a live allocation of at least two words (the 1.5.x agent
+            // handle holds its nixlAgent pointer and more).
+            let inner = unsafe { *(agent as *const P).add(word) };
+            if !points_into_writable_memory(inner) {
+                return Err(mismatch(format!(
+                    "the agent handle's first member ({inner:p}) does not point into writable memory"
+                )));
+            }
+            let mut out: *mut c_char = std::ptr::null_mut();
+            let mut out_len = 0usize;
+            // Safety: `inner` points into the heap; if the layout is the
+            // one the shim expects it is the agent's nixlAgent.
+            let st =
+                unsafe { nks_get_local_md(members.get_local_md.0, inner, &mut out, &mut out_len) };
+            if st != 0 {
+                return Err(mismatch(format!(
+                    "nixlAgent::getLocalMD through the handle's first member answered {st}"
+                )));
+            }
+            // Safety: the shim malloc'd `out_len` bytes at `out`.
+            let via_cpp = unsafe {
+                let v = std::slice::from_raw_parts(out as *const u8, out_len).to_vec();
+                nks_free(out.cast());
+                v
+            };
+            if via_capi.is_empty() || via_capi != via_cpp {
+                return Err(mismatch(format!(
+                    "the agent's metadata differs between the C API ({} bytes) and the C++ member on the handle's first member ({} bytes)",
+                    via_capi.len(),
+                    via_cpp.len()
+                )));
+            }
+            Ok(())
+        })();
+        // Safety: the probe agent is ours; nothing else holds it.
+        unsafe { (self.capi.destroy_agent)(agent) };
+        result
+    }
+}
+
+/// Whether `p` lies in a mapping of this process that is readable and
+/// writable (a heap object), from `/proc/self/maps`.
+fn points_into_writable_memory(p: P) -> bool {
+    let addr = p as usize;
+    if addr == 0 {
+        return false;
+    }
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    maps.lines().any(|line| {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            return false;
+        };
+        let Some((lo, hi)) = range.split_once('-') else {
+            return false;
+        };
+        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+        else {
+            return false;
+        };
+        perms.starts_with("rw") && (lo..hi).contains(&addr)
+    })
 }
 
 /// Candidate library folders under a runtime location, in search order.
@@ -693,6 +872,30 @@ impl Runtime {
                 }
                 raw
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The layout check can fail: reading the handle's second word instead
+    /// of its first is refused, with the reason; the real layout passes.
+    #[test]
+    fn the_layout_check_refuses_a_handle_read_at_the_wrong_word() {
+        let Some(rt) = crate::testing::runtime_or_skip() else {
+            return;
+        };
+        if rt.api_kind() != ApiKind::CollapsedCapiWithShim {
+            return;
+        }
+        assert!(rt.verify_layout_at(0).is_ok());
+        match rt.verify_layout_at(1) {
+            Err(LoadError::LayoutMismatch { why, .. }) => {
+                assert!(!why.is_empty());
+            }
+            other => panic!("a wrong layout must be refused: {other:?}"),
         }
     }
 }

@@ -16,30 +16,7 @@ use std::fmt;
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NixlStatus(i32);
 
-macro_rules! statuses {
-    ($($name:ident = $code:expr),* $(,)?) => {
-        impl NixlStatus {
-            $(
-                #[doc = concat!("`NIXL_", stringify!($name), "` (", stringify!($code), ").")]
-                pub const $name: NixlStatus = NixlStatus($code);
-            )*
-
-            /// Every status this crate knows, in table order.
-            pub const ALL: &'static [NixlStatus] = &[$(NixlStatus::$name),*];
-
-            /// The name NIXL gives this status, with its `NIXL_` prefix,
-            /// or `None` for a code this table does not know.
-            pub const fn known_name(self) -> Option<&'static str> {
-                match self.0 {
-                    $($code => Some(concat!("NIXL_", stringify!($name))),)*
-                    _ => None,
-                }
-            }
-        }
-    };
-}
-
-statuses! {
+ucx_sys::status_table! { NixlStatus, "NIXL_", {
     IN_PROG = 1,
     SUCCESS = 0,
     ERR_NOT_POSTED = -1,
@@ -54,7 +31,7 @@ statuses! {
     ERR_REMOTE_DISCONNECT = -10,
     ERR_CANCELED = -11,
     ERR_NO_TELEMETRY = -12,
-}
+}}
 
 impl NixlStatus {
     /// Wraps a raw C++ `nixl_status_t` value.

@@ -297,7 +297,11 @@ fn sigkill_child_then_heartbeat(rt: &'static Runtime, cfg: &AgentConfig) {
     let inval = d.invalidate_remote_metadata(&child_name);
     eprintln!("invalidateRemoteMD after disconnect: {inval:?}");
     match inval {
-        Ok(()) => {}
+        // UCX had failed the endpoint: NIXL force-closes it itself.
+        Ok(closes) => assert!(
+            !closes.observed || (closes.already_failed == 1 && closes.left_open == 0),
+            "{closes:?}"
+        ),
         Err(e) => assert!(e.is_not_found(), "{e}"),
     }
     let after = d.gen_notif(&child_name, b"hb").unwrap_err();

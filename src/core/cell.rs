@@ -8,33 +8,59 @@
 //! - "the engine is still live, count one more read" is one compare-and-swap;
 //! - "one read ended" is one `fetch_add` (it lowers the in-flight count and
 //!   raises the completed count in the same addition);
+//! - "one read was given up" is one `fetch_sub` (it lowers the in-flight
+//!   count and leaves the completed count alone: a given-up read is
+//!   evidence against the engine, not a completion);
 //! - "no read is in flight, release it" is one compare-and-swap.
 //!
 //! They can never interleave wrongly: a release never happens with a read in
 //! flight, and a read never starts on a marked engine. The completed count
 //! lets the core tell a slow engine (reads still completing) from a hung one
 //! without another atomic on the hot path.
+//!
+//! # Why the completed count cannot fool the stall check
+//!
+//! The core compares the completed count between two of its checks; equal
+//! counts mean "no completion" only if the count cannot wrap between two
+//! checks. It has 36 bits (6.9 * 10^10), and the checks are at most
+//! [`super::MAX_STALL_CHECK_PERIOD`] (60 s) apart, so a wrap would take more
+//! than 10^9 completions a second at one engine: every begin and end is an
+//! atomic operation on this one word, which a core cannot do faster than a
+//! few hundred million times a second (the `read_accounting` benchmark
+//! measures 10 ns for a begin and an end). The in-flight count has 24 bits:
+//! a 16,777,216th read in flight at one engine is refused
+//! ([`BeginRefused::Full`]) instead of carrying into the state.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::engine::GiveUp;
 use crate::state::EngineState;
 use crate::transport::EngineId;
 use crate::NixlStatus;
 
-/// Bits 0..36: reads in flight (64 G reads is more than any decoder has).
-const COUNT_BITS: u32 = 36;
+/// Bits 0..24: reads in flight.
+const COUNT_BITS: u32 = 24;
 const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
-/// Bits 36..40: the state.
+/// The most reads one registration may have in flight at once.
+pub(crate) const MAX_READS_IN_FLIGHT: u64 = COUNT_MASK;
+/// Bits 24..28: the state.
 const STATE_SHIFT: u32 = COUNT_BITS;
 const STATE_MASK: u64 = 0xf << STATE_SHIFT;
-/// Bits 40..64: reads completed, wrapping. At the top of the word, so that
+/// Bits 28..64: reads completed, wrapping. At the top of the word, so that
 /// its overflow leaves the word instead of carrying into the state.
-const DONE_SHIFT: u32 = 40;
+const DONE_SHIFT: u32 = 28;
+/// How many bits the completed count has: it wraps at `2^DONE_BITS`.
+pub(crate) const DONE_BITS: u32 = 64 - DONE_SHIFT;
 /// Added when a read ends: one less in flight, one more completed.
 const END_READ: u64 = (1 << DONE_SHIFT) - 1;
+
+const _: () = assert!(
+    EngineState::Live as u64 == 0,
+    "begin_read's single comparison needs Live to be state 0"
+);
 
 fn state_bits(state: EngineState) -> u64 {
     (state as u64) << STATE_SHIFT
@@ -54,6 +80,28 @@ pub(crate) enum Wake {
     /// A transfer of this registration ended with this raw NIXL status
     /// (only errors are sent).
     TransferResult(u64, NixlStatus),
+    /// The runtime gave up a read of this registration while its transfer
+    /// was in progress.
+    GivenUp {
+        /// The registration.
+        serial: u64,
+        /// Why the runtime stopped waiting.
+        why: GiveUp,
+        /// No read of the engine completed while this one was in flight
+        /// (the completed count was the same at its begin and its end).
+        unanswered: bool,
+        /// The engine's completed count when it was given up.
+        done: u64,
+    },
+}
+
+/// Why a read was not started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BeginRefused {
+    /// The engine is not live.
+    State(EngineState),
+    /// [`MAX_READS_IN_FLIGHT`] reads are in flight already.
+    Full,
 }
 
 /// Where a cell's wake-ups go: the driver's one input channel. A trait so
@@ -72,6 +120,12 @@ pub(crate) struct EngineCell {
     word: AtomicU64,
     /// Cancelled when the core fails this registration's reads in flight.
     reads_failed: CancellationToken,
+    /// Cancelled when the registration's release came back from the
+    /// transport; `transfers_ended` is set before it.
+    release_done: CancellationToken,
+    /// The release ended every transfer still running to the engine (the
+    /// transport says its release closes the endpoints).
+    transfers_ended: AtomicBool,
     sink: Arc<dyn WakeSink>,
 }
 
@@ -85,6 +139,8 @@ impl EngineCell {
             serial: NEXT_SERIAL.fetch_add(1, Ordering::Relaxed),
             word: AtomicU64::new(state_bits(EngineState::Live)),
             reads_failed: CancellationToken::new(),
+            release_done: CancellationToken::new(),
+            transfers_ended: AtomicBool::new(false),
             sink,
         })
     }
@@ -115,12 +171,19 @@ impl EngineCell {
     }
 
     /// Counts one more read if the engine is live; else says why not.
-    pub(crate) fn begin_read(&self) -> Result<(), EngineState> {
+    /// Returns the completed count at that moment (read from the word the
+    /// compare-and-swap replaced: no extra atomic), so that the read can
+    /// tell at its end whether the engine completed anything meanwhile.
+    pub(crate) fn begin_read(&self) -> Result<u64, BeginRefused> {
         let mut word = self.word.load(Ordering::Relaxed);
         loop {
-            let state = state_of(word);
-            if state != EngineState::Live {
-                return Err(state);
+            // Live is state 0: one comparison finds both a marked engine
+            // (state bits set) and a full count.
+            if word & (STATE_MASK | COUNT_MASK) >= COUNT_MASK {
+                return Err(match state_of(word) {
+                    EngineState::Live => BeginRefused::Full,
+                    state => BeginRefused::State(state),
+                });
             }
             match self.word.compare_exchange_weak(
                 word,
@@ -128,7 +191,7 @@ impl EngineCell {
                 Ordering::AcqRel,
                 Ordering::Relaxed,
             ) {
-                Ok(_) => return Ok(()),
+                Ok(_) => return Ok(word >> DONE_SHIFT),
                 Err(now) => word = now,
             }
         }
@@ -139,6 +202,27 @@ impl EngineCell {
     pub(crate) fn end_read(&self) {
         let before = self.word.fetch_add(END_READ, Ordering::AcqRel);
         debug_assert!(before & COUNT_MASK > 0, "a read ended that never began");
+        if before & COUNT_MASK == 1 && state_of(before) != EngineState::Live {
+            self.sink.wake(Wake::Drained(self.serial));
+        }
+    }
+
+    /// Ends one read that the runtime gave up while its transfer was in
+    /// progress: one less in flight, no completion counted. The core hears
+    /// of it (with whether the engine completed anything since the read
+    /// began, `done_at_begin` being what [`EngineCell::begin_read`]
+    /// returned), and, as for any read, of the last read of a marked
+    /// registration ending.
+    pub(crate) fn give_up(&self, why: GiveUp, done_at_begin: u64) {
+        let before = self.word.fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(before & COUNT_MASK > 0, "a read ended that never began");
+        let done = before >> DONE_SHIFT;
+        self.sink.wake(Wake::GivenUp {
+            serial: self.serial,
+            why,
+            unanswered: done == done_at_begin,
+            done,
+        });
         if before & COUNT_MASK == 1 && state_of(before) != EngineState::Live {
             self.sink.wake(Wake::Drained(self.serial));
         }
@@ -206,6 +290,33 @@ impl EngineCell {
     pub(crate) fn reads_failed(&self) -> &CancellationToken {
         &self.reads_failed
     }
+
+    /// The registration's release came back from the transport;
+    /// `transfers_ended`: it ended every transfer still running to the
+    /// engine.
+    pub(crate) fn release_finished(&self, transfers_ended: bool) {
+        self.transfers_ended
+            .store(transfers_ended, Ordering::Release);
+        self.release_done.cancel();
+    }
+
+    /// Cancelled once the release came back (see
+    /// [`EngineCell::release_finished`]).
+    pub(crate) fn release_done(&self) -> &CancellationToken {
+        &self.release_done
+    }
+
+    /// Whether the release (once done) ended the engine's transfers.
+    pub(crate) fn transfers_ended(&self) -> bool {
+        self.transfers_ended.load(Ordering::Acquire)
+    }
+
+    /// Test only: `n` reads begun and completed at once.
+    #[cfg(test)]
+    pub(crate) fn add_completions(&self, n: u64) {
+        self.word
+            .fetch_add(n.wrapping_shl(DONE_SHIFT), Ordering::AcqRel);
+    }
 }
 
 #[cfg(test)]
@@ -236,7 +347,10 @@ pub(crate) mod tests {
         cell.begin_read().unwrap();
         assert_eq!(cell.mark(EngineState::Unreachable), Some(1));
         assert_eq!(cell.mark(EngineState::Retiring), None, "first mark stands");
-        assert_eq!(cell.begin_read(), Err(EngineState::Unreachable));
+        assert_eq!(
+            cell.begin_read(),
+            Err(BeginRefused::State(EngineState::Unreachable))
+        );
         assert_eq!(cell.try_release(), Err(1));
         cell.end_read();
         assert_eq!(sink.take(), vec![Wake::Drained(cell.serial())]);
@@ -253,6 +367,85 @@ pub(crate) mod tests {
         cell.end_read();
         assert_eq!(cell.progress(), (1, 1));
         assert!(sink.take().is_empty());
+    }
+
+    #[test]
+    fn a_given_up_read_ends_without_counting_a_completion_and_says_whether_it_was_answered() {
+        let sink = Arc::new(Collect::default());
+        let cell = EngineCell::new(EngineId::from("p"), sink.clone());
+        let first = cell.begin_read().unwrap();
+        let second = cell.begin_read().unwrap();
+        cell.give_up(GiveUp::TimedOut, first);
+        assert_eq!(
+            cell.progress(),
+            (1, 0),
+            "one less in flight, none completed"
+        );
+        let third = cell.begin_read().unwrap();
+        cell.end_read();
+        // `second` began before that completion, `third`'s completion is
+        // the one that ended: `second` was answered meanwhile.
+        cell.give_up(GiveUp::Cancelled, second);
+        assert_eq!(cell.progress(), (0, 1));
+        assert_eq!(
+            sink.take(),
+            vec![
+                Wake::GivenUp {
+                    serial: cell.serial(),
+                    why: GiveUp::TimedOut,
+                    unanswered: true,
+                    done: 0
+                },
+                Wake::GivenUp {
+                    serial: cell.serial(),
+                    why: GiveUp::Cancelled,
+                    unanswered: false,
+                    done: 1
+                },
+            ]
+        );
+        let _ = third;
+        // The last read of a marked registration given up drains it.
+        let last = cell.begin_read().unwrap();
+        cell.mark(EngineState::Stalled).unwrap();
+        cell.give_up(GiveUp::Cancelled, last);
+        assert_eq!(
+            sink.take().last(),
+            Some(&Wake::Drained(cell.serial())),
+            "drained after the give-up is known"
+        );
+        assert_eq!(cell.try_release(), Ok(()));
+    }
+
+    #[test]
+    fn reads_in_flight_are_refused_at_the_limit_instead_of_carrying_into_the_state() {
+        let sink = Arc::new(Collect::default());
+        let cell = EngineCell::new(EngineId::from("p"), sink);
+        cell.word.store(
+            (MAX_READS_IN_FLIGHT - 1) | state_bits(EngineState::Live),
+            Ordering::Release,
+        );
+        cell.begin_read().unwrap();
+        assert_eq!(cell.begin_read(), Err(BeginRefused::Full));
+        assert_eq!(cell.state(), EngineState::Live);
+        assert_eq!(cell.reads_in_flight(), MAX_READS_IN_FLIGHT);
+        cell.end_read();
+        assert!(cell.begin_read().is_ok());
+    }
+
+    #[test]
+    fn the_completed_count_does_not_wrap_at_2_pow_24_or_anywhere_a_check_period_could_reach() {
+        let sink = Arc::new(Collect::default());
+        let cell = EngineCell::new(EngineId::from("p"), sink);
+        cell.begin_read().unwrap();
+        cell.add_completions(1 << 24);
+        assert_eq!(cell.progress(), (1, 1 << 24));
+        // Wrapping needs 2^36 completions: at 10^9 a second (more than one
+        // word can take), 68 s, longer than the longest check period.
+        assert_eq!(DONE_BITS, 36);
+        assert!(
+            super::super::MAX_STALL_CHECK_PERIOD.as_secs_f64() * 1e9 < (1u64 << DONE_BITS) as f64
+        );
     }
 
     #[test]

@@ -10,9 +10,14 @@ pub(crate) enum Verdict {
     /// REMOTE_DISCONNECT: UCX has failed the endpoint. Deterministic: the
     /// engine is marked unreachable and its reads in flight are failed.
     Disconnect,
-    /// Any other error: counted and logged, never a release. NOT_FOUND is
-    /// one (NIXL may drop a dead agent's metadata by itself after a
-    /// transfer's REMOTE_DISCONNECT, which has marked the engine already).
+    /// NOT_FOUND: NIXL holds no metadata for the agent any more (it was
+    /// invalidated, or dropped by NIXL after a REMOTE_DISCONNECT, or
+    /// loaded over and invalidated by someone else). For a live engine it
+    /// is never transient: nothing to it can succeed until it is released
+    /// and loaded again (NIXL logs "remote agent ... was invalidated or
+    /// re-registered").
+    MetadataGone,
+    /// Any other error: counted and logged, never a release.
     Transient,
 }
 
@@ -20,6 +25,8 @@ pub(crate) enum Verdict {
 pub(crate) fn classify(status: NixlStatus) -> Verdict {
     if status.is_remote_disconnect() {
         Verdict::Disconnect
+    } else if status == NixlStatus::ERR_NOT_FOUND {
+        Verdict::MetadataGone
     } else if status.is_ok() {
         Verdict::Fine
     } else {
@@ -32,12 +39,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_remote_disconnect_is_a_disconnect() {
+    fn only_remote_disconnect_is_a_disconnect_and_not_found_means_the_metadata_is_gone() {
         for raw in -20..=2 {
             let status = NixlStatus::from_raw(raw);
             let verdict = classify(status);
             if raw == NixlStatus::ERR_REMOTE_DISCONNECT.raw() {
                 assert_eq!(verdict, Verdict::Disconnect);
+            } else if raw == NixlStatus::ERR_NOT_FOUND.raw() {
+                assert_eq!(verdict, Verdict::MetadataGone);
             } else if status.is_ok() {
                 assert_eq!(verdict, Verdict::Fine, "{status}");
             } else {

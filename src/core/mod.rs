@@ -36,6 +36,7 @@
 mod calls;
 pub(crate) mod cell;
 mod classify;
+mod identity;
 mod peer;
 mod rate;
 mod schedule;
@@ -56,15 +57,17 @@ pub(crate) use classify::{classify, Verdict};
 pub use schedule::HEARTBEAT_SLOT;
 
 use crate::config::{Config, StallAction};
-use crate::error::RegisterError;
+use crate::engine::GiveUp;
+use crate::error::{ClaimRefused, Conflict, RegisterError};
 use crate::event::{Event, ReleaseReason, Source, WaitedFor};
 use crate::log_limit::LogLimiter;
-use crate::registration::{GoneMode, PeerRef, Registration};
+use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::snapshot::{EngineSnapshot, HeartbeatSnapshot, Snapshot};
 use crate::state::EngineState;
 use crate::telemetry;
 use crate::transport::{AgentName, EngineId, PeerAddr, ReleaseStep};
 use crate::NixlStatus;
+use identity::{Holder, Ticket};
 use peer::{Mark, Peer};
 use rate::RateCap;
 use schedule::Schedule;
@@ -74,24 +77,45 @@ use schedule::Schedule;
 /// service's CPU at 10k engines).
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
+/// A handshake, as the core knows it: unique per process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct TicketId(pub(crate) u64);
+
+/// A question the runtime waits on (a claim, a registration): the driver
+/// keeps the reply channel under it until the core answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct RequestId(pub(crate) u64);
+
 /// Everything that can happen to the core, besides time passing.
 pub(crate) enum Input<R> {
     /// A handshake with `address` started: until it ends, the release of a
     /// marked engine there waits (the runtime may still be deciding whether
     /// the engine there is new).
-    HandshakeStarted { ticket: u64, address: PeerAddr },
-    /// The handshake `ticket` learned the engine id it will load: every
-    /// registration of that id must go first. Answered with
-    /// [`Action::LoadReady`] (or [`Action::LoadRefused`] when stopping).
-    ReadyToLoad { ticket: u64, engine: EngineId },
+    HandshakeStarted { ticket: TicketId, address: PeerAddr },
+    /// The handshake `ticket` found `claim` at its address and wants to
+    /// load it. Answered under `request` ([`Answer::Load`],
+    /// [`Answer::Current`] or [`Answer::ClaimRefused`]), at once or once
+    /// the engine id is free.
+    Claim {
+        ticket: TicketId,
+        request: RequestId,
+        claim: Claim,
+    },
+    /// The loading handshake `ticket` claims one more agent name.
+    /// Answered with [`Answer::AgentClaimed`].
+    ClaimAgent {
+        ticket: TicketId,
+        request: RequestId,
+        agent: AgentName,
+    },
     /// The handshake `ticket` ended without registering.
-    HandshakeFinished { ticket: u64 },
-    /// A registration, through the handshake `ticket` if any (which then
-    /// ends once it is decided). Answered with [`Action::Activated`] or
-    /// [`Action::Refused`] under `request`.
+    HandshakeFinished { ticket: TicketId },
+    /// A registration, through the handshake `ticket` whose claim was
+    /// granted, or on its own. Answered with [`Answer::Registered`] or
+    /// [`Answer::Refused`].
     Register {
-        request: u64,
-        ticket: Option<u64>,
+        request: RequestId,
+        ticket: Option<TicketId>,
         registration: Registration<R>,
         cell: Arc<EngineCell>,
     },
@@ -110,77 +134,53 @@ pub(crate) enum Input<R> {
     },
     /// The router or orchestrator says a peer is gone.
     PeerGone { peer: PeerRef, mode: GoneMode },
+    /// A membership record went away.
+    MemberGone {
+        departure: Departure,
+        mode: GoneMode,
+    },
     /// A transport call came back.
     CallDone(CallOutcome),
     /// The service is stopping.
     Shutdown,
 }
 
+/// The core's answer to a question the runtime waits on.
+pub(crate) enum Answer<R> {
+    /// The claim is granted: load.
+    Load,
+    /// This engine incarnation is registered at this address already:
+    /// nothing to load.
+    Current(Arc<EngineCell>),
+    /// The claim is refused.
+    ClaimRefused(ClaimRefused),
+    /// The extra agent name is this handshake's now, or another's.
+    AgentClaimed(Result<(), Conflict>),
+    /// The registration is active.
+    Registered(Arc<EngineCell>),
+    /// The registration was not taken.
+    Refused(RegisterError<R>),
+    /// The handshake ended before the answer: nobody waits for it.
+    Withdrawn,
+}
+
 /// A decision of the core, for the driver to carry out.
 pub(crate) enum Action<R> {
     /// Make these transport calls off the async threads.
     Call(Call<R>),
-    /// The registration `request` is active.
-    Activated { request: u64, cell: Arc<EngineCell> },
-    /// The registration `request` was not taken.
-    Refused {
-        request: u64,
-        error: RegisterError<R>,
+    /// A registration is active: list it where it is looked up by id
+    /// (before its event goes out).
+    Activated { cell: Arc<EngineCell> },
+    /// Answer the question `request`.
+    Answer {
+        request: RequestId,
+        answer: Answer<R>,
     },
-    /// The handshake `ticket` may load its engine's metadata: no
-    /// registration of that engine id is held any more.
-    LoadReady { ticket: u64 },
-    /// The handshake `ticket` may not load anything: the service stops.
-    LoadRefused { ticket: u64 },
     /// The registration `serial` of `engine` is gone: forget it wherever
-    /// it is looked up by id.
+    /// it is looked up by id (before its event goes out).
     Forget { engine: EngineId, serial: u64 },
     /// Publish an event.
     Emit(Event),
-}
-
-/// A handshake in progress.
-struct Ticket {
-    address: PeerAddr,
-    /// The engine id it will load, once it said so.
-    loading: Option<EngineId>,
-}
-
-/// A registration waiting for the release of its engine id's previous one.
-struct Queued<R> {
-    request: u64,
-    registration: Registration<R>,
-    cell: Arc<EngineCell>,
-}
-
-/// Why a registration is refused; becomes a [`RegisterError`] with the
-/// registration in it.
-enum Refusal {
-    Stopped,
-    AgentInUse { agent: AgentName, holder: EngineId },
-    NotThisEngine(EngineId),
-    Invalid(String),
-}
-
-impl Refusal {
-    fn into_error<R>(self, registration: Registration<R>) -> RegisterError<R> {
-        match self {
-            Refusal::Stopped => RegisterError::Stopped(registration),
-            Refusal::AgentInUse { agent, holder } => RegisterError::AgentInUse {
-                registration,
-                agent,
-                holder,
-            },
-            Refusal::NotThisEngine(expected) => RegisterError::NotThisEngine {
-                registration,
-                expected,
-            },
-            Refusal::Invalid(reason) => RegisterError::Invalid {
-                registration,
-                reason,
-            },
-        }
-    }
 }
 
 /// Where a shutdown stands.
@@ -200,18 +200,22 @@ pub(crate) struct Core<R> {
     by_id: Map<EngineId, u64>,
     /// The registration each address maps to now.
     by_addr: Map<PeerAddr, u64>,
-    /// The registration each agent name belongs to.
-    by_agent: Map<AgentName, u64>,
-    tickets: Map<u64, Ticket>,
+    /// Who holds each agent name: a registration or a granted load.
+    agents: Map<AgentName, Holder>,
+    tickets: Map<TicketId, Ticket>,
     /// Handshakes in progress per address.
     handshakes: Map<PeerAddr, usize>,
     /// Marked registrations whose release waits for a handshake at their
     /// address.
     held: Map<PeerAddr, BTreeSet<u64>>,
-    /// Handshakes waiting for an engine id to be free, by id.
-    loading: Map<EngineId, Vec<u64>>,
-    /// Registrations waiting for their engine id's previous registration.
-    queued: Map<EngineId, VecDeque<Queued<R>>>,
+    /// The one granted load of each engine id.
+    loads: Map<EngineId, TicketId>,
+    /// Claims waiting for an engine id, in arrival order.
+    waiting: Map<EngineId, VecDeque<TicketId>>,
+    /// Conflicts seen, and how often: each is logged once.
+    conflicts: Map<Conflict, u64>,
+    /// The newest handshake started so far.
+    newest_ticket: TicketId,
     schedule: Schedule,
     rate: RateCap,
     rng: StdRng,
@@ -221,8 +225,18 @@ pub(crate) struct Core<R> {
     /// Appended to a live engine's "why not released".
     silent_peer_note: String,
     census_due: Option<Instant>,
-    /// When the read-stall check runs next.
+    /// When the read-stall check runs next on its own period.
     stall_check_due: Option<Instant>,
+    /// When a stall may be decided before that: the earliest moment an
+    /// engine's quiet stretch reaches the bound, or now when a read was
+    /// given up as timed out (the runtime's verdict is judged at once).
+    stall_mark_due: Option<Instant>,
+    /// A decoder-wide stall (suspects, but no engine completing) is going
+    /// on and has been warned about: once per episode.
+    decoder_stuck: bool,
+    /// The transport's release ends the transfers still running to the
+    /// engine ([`crate::Transport::release_ends_transfers`]).
+    release_ends_transfers: bool,
     releases_in_flight: usize,
     stopping: Option<Stopping>,
     /// Lines about transient errors: one per registration, status and
@@ -239,16 +253,21 @@ impl<R> Core<R> {
             schedule: Schedule::new(now),
             census_due: config.metrics_period.map(|p| now + p),
             stall_check_due: config.read_stall.map(|b| now + stall_check_period(b)),
+            stall_mark_due: None,
+            decoder_stuck: false,
+            release_ends_transfers: false,
             config,
             peers: Map::default(),
             by_id: Map::default(),
             by_addr: Map::default(),
-            by_agent: Map::default(),
+            agents: Map::default(),
             tickets: Map::default(),
             handshakes: Map::default(),
             held: Map::default(),
-            loading: Map::default(),
-            queued: Map::default(),
+            loads: Map::default(),
+            waiting: Map::default(),
+            conflicts: Map::default(),
+            newest_ticket: TicketId(0),
             rng,
             actions: VecDeque::new(),
             idle_message: heartbeat_round(&BTreeSet::new()),
@@ -257,6 +276,13 @@ impl<R> Core<R> {
             stopping: None,
             transient_log: LogLimiter::standard(),
         }
+    }
+
+    /// Whether the transport's release ends the transfers still running to
+    /// an engine: decides what a given-up read's destination becomes
+    /// ([`crate::Destination`]).
+    pub(crate) fn set_release_ends_transfers(&mut self, ends: bool) {
+        self.release_ends_transfers = ends;
     }
 
     /// Sets the note a live engine's snapshot carries about silent peers.
@@ -280,6 +306,7 @@ impl<R> Core<R> {
             self.schedule.next(),
             self.census_due,
             self.stall_check_due,
+            self.stall_mark_due,
             drain,
         ]
         .into_iter()
@@ -321,9 +348,12 @@ impl<R> Core<R> {
                 }
             }
         }
-        if let (Some(due), Some(bound)) = (self.stall_check_due, self.config.read_stall) {
-            if due <= now {
+        if let Some(bound) = self.config.read_stall {
+            let periodic = self.stall_check_due.filter(|&due| due <= now);
+            if periodic.is_some() || self.stall_mark_due.is_some_and(|due| due <= now) {
                 self.check_stalls(now, bound);
+            }
+            if let Some(due) = periodic {
                 let period = stall_check_period(bound);
                 self.stall_check_due = Some(if now - due < period {
                     due + period
@@ -350,23 +380,33 @@ impl<R> Core<R> {
     pub(crate) fn handle(&mut self, now: Instant, input: Input<R>) {
         match input {
             Input::HandshakeStarted { ticket, address } => self.handshake_started(ticket, address),
-            Input::ReadyToLoad { ticket, engine } => self.ready_to_load(now, ticket, engine),
+            Input::Claim {
+                ticket,
+                request,
+                claim,
+            } => self.claim(now, ticket, request, claim),
+            Input::ClaimAgent {
+                ticket,
+                request,
+                agent,
+            } => self.claim_agent(ticket, request, agent),
             Input::HandshakeFinished { ticket } => self.handshake_finished(now, ticket),
             Input::Register {
                 request,
                 ticket,
                 registration,
                 cell,
-            } => {
-                self.register(now, request, ticket, registration, cell);
-                if let Some(ticket) = ticket {
-                    self.handshake_finished(now, ticket);
-                }
-            }
+            } => self.register(now, request, ticket, registration, cell),
             Input::Read(Wake::Drained(serial)) => self.try_release(now, serial),
             Input::Read(Wake::TransferResult(serial, status)) => {
                 self.status(now, serial, Source::Transfer, None, status)
             }
+            Input::Read(Wake::GivenUp {
+                serial,
+                why,
+                unanswered,
+                done,
+            }) => self.read_given_up(now, serial, why, unanswered, done),
             Input::AddLeases {
                 engine,
                 requests,
@@ -374,6 +414,7 @@ impl<R> Core<R> {
             } => self.add_leases(now, &engine, requests, renew_now),
             Input::RemoveLeases { engine, requests } => self.remove_leases(&engine, &requests),
             Input::PeerGone { peer, mode } => self.peer_gone(now, peer, mode),
+            Input::MemberGone { departure, mode } => self.member_gone(now, departure, mode),
             Input::CallDone(CallOutcome::Heartbeat { serial, results }) => {
                 self.heartbeat_done(now, serial, results)
             }
@@ -388,242 +429,7 @@ impl<R> Core<R> {
         self.actions.push_back(Action::Emit(event));
     }
 
-    // ----- handshakes and registrations -----
-
-    fn handshake_started(&mut self, ticket: u64, address: PeerAddr) {
-        *self.handshakes.entry(address.clone()).or_default() += 1;
-        self.tickets.insert(
-            ticket,
-            Ticket {
-                address,
-                loading: None,
-            },
-        );
-    }
-
-    fn handshake_finished(&mut self, now: Instant, ticket: u64) {
-        let Some(t) = self.tickets.remove(&ticket) else {
-            return;
-        };
-        if let Some(id) = &t.loading {
-            if let Some(waiting) = self.loading.get_mut(id) {
-                waiting.retain(|&w| w != ticket);
-                if waiting.is_empty() {
-                    self.loading.remove(id);
-                }
-            }
-        }
-        let count = self
-            .handshakes
-            .get_mut(&t.address)
-            .expect("every ticket counts at its address");
-        *count -= 1;
-        if *count == 0 {
-            self.handshakes.remove(&t.address);
-            for serial in self.held.remove(&t.address).unwrap_or_default() {
-                self.try_release(now, serial);
-            }
-        }
-    }
-
-    fn ready_to_load(&mut self, now: Instant, ticket: u64, engine: EngineId) {
-        if self.stopping.is_some() {
-            self.actions.push_back(Action::LoadRefused { ticket });
-            return;
-        }
-        let Some(t) = self.tickets.get_mut(&ticket) else {
-            // Its guard is gone already: nobody waits for the answer.
-            return;
-        };
-        t.loading = Some(engine.clone());
-        if !self.is_held(&engine) {
-            self.actions.push_back(Action::LoadReady { ticket });
-            return;
-        }
-        self.loading.entry(engine.clone()).or_default().push(ticket);
-        if let Some(&serial) = self.by_id.get(&engine) {
-            tracing::info!(%engine, "engine id to be loaded again: its registration goes first");
-            self.mark(now, serial, ReleaseReason::Reregistered);
-            // Already marked for another reason: the first mark stands,
-            // but a handshake no longer holds it back.
-            self.try_release(now, serial);
-        }
-    }
-
-    /// Whether any registration of `engine` is held (live, marked,
-    /// releasing) or waits to be activated.
-    fn is_held(&self, engine: &EngineId) -> bool {
-        self.by_id.contains_key(engine) || self.queued.contains_key(engine)
-    }
-
-    /// Someone is waiting for `engine` to be free: its registration must not
-    /// be held back by a handshake.
-    fn reload_wanted(&self, engine: &EngineId) -> bool {
-        self.loading.contains_key(engine) || self.queued.contains_key(engine)
-    }
-
-    fn register(
-        &mut self,
-        now: Instant,
-        request: u64,
-        ticket: Option<u64>,
-        registration: Registration<R>,
-        cell: Arc<EngineCell>,
-    ) {
-        if let Some(refusal) = self.refusal(ticket, &registration) {
-            let error = refusal.into_error(registration);
-            tracing::warn!(%error, "registration refused");
-            self.actions.push_back(Action::Refused { request, error });
-            return;
-        }
-        let id = registration.engine.clone();
-        let queued = Queued {
-            request,
-            registration,
-            cell,
-        };
-        if !self.is_held(&id) {
-            self.activate(now, queued);
-            return;
-        }
-        // The id is still held: NIXL cannot load metadata over loaded
-        // metadata, so the old registration goes first and this one waits.
-        tracing::info!(engine = %id, "engine registered again under the same id: the old registration goes first");
-        self.emit(Event::Replaced {
-            old: id.clone(),
-            new: id.clone(),
-            address: queued.registration.address.clone(),
-        });
-        self.queued.entry(id.clone()).or_default().push_back(queued);
-        if let Some(&old) = self.by_id.get(&id) {
-            self.mark(now, old, ReleaseReason::Reregistered);
-            self.try_release(now, old);
-        }
-    }
-
-    /// Why `registration` cannot be taken, if it cannot.
-    fn refusal(&self, ticket: Option<u64>, registration: &Registration<R>) -> Option<Refusal> {
-        if self.stopping.is_some() {
-            return Some(Refusal::Stopped);
-        }
-        let agents = &registration.agents;
-        if agents.is_empty() {
-            return Some(Refusal::Invalid("it names no agent".into()));
-        }
-        for (i, agent) in agents.iter().enumerate() {
-            if agents[..i].contains(agent) {
-                return Some(Refusal::Invalid(format!(
-                    "agent {agent} is named for two ranks"
-                )));
-            }
-        }
-        let expected = ticket
-            .and_then(|t| self.tickets.get(&t))
-            .and_then(|t| t.loading.as_ref());
-        if let Some(expected) = expected.filter(|e| **e != registration.engine) {
-            return Some(Refusal::NotThisEngine(expected.clone()));
-        }
-        let queued = self
-            .queued
-            .values()
-            .flatten()
-            .map(|q| (&q.registration.engine, &q.registration.agents));
-        for agent in agents {
-            // Indexed for registrations in the table; queued ones are few.
-            let holder = self
-                .by_agent
-                .get(agent)
-                .and_then(|s| self.peers.get(s))
-                .map(|p| p.id())
-                .or_else(|| {
-                    queued
-                        .clone()
-                        .find(|(_, a)| a.contains(agent))
-                        .map(|(id, _)| id)
-                });
-            if let Some(holder) = holder.filter(|h| **h != registration.engine) {
-                return Some(Refusal::AgentInUse {
-                    agent: agent.clone(),
-                    holder: holder.clone(),
-                });
-            }
-        }
-        None
-    }
-
-    fn activate(&mut self, now: Instant, queued: Queued<R>) {
-        let Queued {
-            request,
-            registration,
-            cell,
-        } = queued;
-        let serial = cell.serial();
-        let Registration {
-            engine,
-            address,
-            agents,
-            resources,
-        } = registration;
-        tracing::info!(%engine, %address, agents = agents.len(), serial, "engine registered");
-        self.by_id.insert(engine.clone(), serial);
-        for agent in &agents {
-            self.by_agent.insert(agent.clone(), serial);
-        }
-        let previous = self.by_addr.insert(address.clone(), serial);
-        self.peers.insert(
-            serial,
-            Peer::new(now, cell.clone(), address.clone(), agents, resources),
-        );
-        if let Some(interval) = self.config.heartbeat_interval {
-            // Spread first heartbeats over one interval: engines registered
-            // together must not all beat together.
-            let offset = interval.mul_f64(self.rng.random::<f64>());
-            self.schedule_heartbeat(serial, now + offset);
-        }
-        // Activated first: whoever sees the event finds the engine by id.
-        self.actions.push_back(Action::Activated { request, cell });
-        self.emit(Event::Registered {
-            engine: engine.clone(),
-            address: address.clone(),
-        });
-        if let Some(old) = previous.filter(|&old| old != serial) {
-            if let Some(old_peer) = self.peers.get(&old) {
-                let old_id = old_peer.id().clone();
-                if old_id != engine {
-                    tracing::warn!(old = %old_id, new = %engine, %address, "a new engine id answered at a known address: the old engine was replaced");
-                    self.emit(Event::Replaced {
-                        old: old_id,
-                        new: engine.clone(),
-                        address,
-                    });
-                    self.mark(now, old, ReleaseReason::Replaced);
-                }
-            }
-        }
-        // Someone is already waiting to load this id again (a race of two
-        // handshakes): this one goes too.
-        if self.reload_wanted(&engine) {
-            self.mark(now, serial, ReleaseReason::Reregistered);
-        }
-    }
-
-    /// No registration of `engine` is held any more: the next queued one
-    /// is activated, or the handshakes waiting to load it are answered.
-    fn engine_free(&mut self, now: Instant, engine: EngineId) {
-        if let Some(mut queue) = self.queued.remove(&engine) {
-            let next = queue.pop_front().expect("queues are never empty");
-            if !queue.is_empty() {
-                self.queued.insert(engine.clone(), queue);
-            }
-            self.activate(now, next);
-            return;
-        }
-        for ticket in self.loading.remove(&engine).unwrap_or_default() {
-            self.actions.push_back(Action::LoadReady { ticket });
-        }
-    }
-
-    // ----- statuses, leases, peer gone -----
+    // ----- statuses and leases -----
 
     /// A status from `source` for registration `serial` (and `agent`, for
     /// a heartbeat). The one place a status is acted on.
@@ -655,6 +461,12 @@ impl<R> Core<R> {
                         source,
                     });
                     self.mark(now, serial, ReleaseReason::Unreachable);
+                }
+            }
+            Verdict::MetadataGone => {
+                if peer.is_live() {
+                    tracing::warn!(%engine, ?agent, %source, %status, raw = status.raw(), "NOT_FOUND for the engine's own agent: NIXL no longer holds its metadata; released and connected again");
+                    self.mark(now, serial, ReleaseReason::MetadataLost);
                 }
             }
             Verdict::Transient => {
@@ -705,30 +517,6 @@ impl<R> Core<R> {
                     peer.message = None;
                 }
             }
-        }
-    }
-
-    fn peer_gone(&mut self, now: Instant, peer: PeerRef, mode: GoneMode) {
-        let serial = match &peer {
-            PeerRef::Engine(id) => self.by_id.get(id).copied(),
-            PeerRef::Address(addr) => self.by_addr.get(addr).copied(),
-        };
-        let Some(p) = serial.and_then(|s| self.peers.get(&s)) else {
-            tracing::debug!(?peer, "peer gone: not a known peer, nothing to do");
-            return;
-        };
-        let serial = serial.expect("found above");
-        if p.is_live() {
-            let engine = p.id().clone();
-            tracing::info!(%engine, ?mode, "peer gone: retiring");
-            self.emit(Event::Retiring {
-                engine,
-                fail_reads: mode == GoneMode::Fail,
-            });
-            self.mark(now, serial, ReleaseReason::PeerGone);
-        }
-        if mode == GoneMode::Fail {
-            self.fail_reads(serial);
         }
     }
 
@@ -876,15 +664,42 @@ impl<R> Core<R> {
 
     // ----- hung peers -----
 
-    /// Finds live registrations whose reads in flight have not completed
-    /// for `bound`. Slow is not hung: one completion, however late, resets
-    /// the clock. And a stall must be the peer's, not the decoder's: it
-    /// counts only while reads from other engines still complete (or no
-    /// other engine has reads in flight to compare with).
+    /// The read-stall check: finds live registrations whose reads stopped
+    /// completing, and judges them.
+    ///
+    /// An engine is *quiet* while it has a read outstanding (in flight, or
+    /// given up unanswered) and no completion has been seen; its quiet
+    /// stretch starts when that was first seen (a check, or a give-up),
+    /// never earlier, so a read that began just before a check is not
+    /// counted from an older check. A quiet engine is a suspect once its
+    /// stretch reaches `bound`, or at once when the runtime gave up one of
+    /// its reads as timed out with none of its reads completing meanwhile
+    /// (the runtime's own bound). Slow is not hung: one completion, however
+    /// late, ends the stretch.
+    ///
+    /// A suspect is judged stalled only when the stall is its own: another
+    /// engine's completion was seen within the last check period, or no
+    /// other engine has a read outstanding to compare with. When others
+    /// have reads outstanding and none completes, the decoder itself looks
+    /// stuck: nobody is blamed, and that is warned about once per episode.
+    ///
+    /// Every engine is sampled first and judged after, so the verdicts do
+    /// not depend on the order of the walk; suspects are judged (and their
+    /// events emitted) in registration order, so a seed reproduces them.
     fn check_stalls(&mut self, now: Instant, bound: Duration) {
-        let mut suspects = Vec::new();
-        let mut busy = 0usize;
+        /// What the sampling found of one suspect.
+        struct Suspect {
+            serial: u64,
+            reads: u64,
+            quiet: Duration,
+            given_up: u64,
+            completing: bool,
+        }
+        let window = stall_check_period(bound);
+        let mut outstanding = 0usize;
         let mut completing = 0usize;
+        let mut suspects = Vec::new();
+        let mut next_due: Option<Instant> = None;
         for (&serial, peer) in self.peers.iter_mut() {
             if !peer.is_live() {
                 continue;
@@ -892,48 +707,133 @@ impl<R> Core<R> {
             let (reads, done) = peer.cell.progress();
             let p = &mut peer.progress;
             if done != p.done_seen {
-                p.done_seen = done;
-                p.since = now;
-                p.last_completion = Some(now);
+                p.completed(now, done, reads);
+            } else if !p.outstanding(reads) {
+                p.quiet_since = None;
                 p.reported = false;
-            } else if reads == 0 {
-                p.since = now;
-                p.reported = false;
+            } else if p.quiet_since.is_none() {
+                p.quiet_since = Some(now);
             }
-            if reads > 0 {
-                busy += 1;
-            }
-            if p.last_completion.is_some_and(|at| now - at < bound) {
-                completing += 1;
-            }
-            if reads > 0 && now - p.since >= bound && !p.reported {
-                suspects.push((serial, reads, now - p.since));
+            let is_completing = p.last_completion.is_some_and(|at| now - at <= window);
+            outstanding += usize::from(p.outstanding(reads));
+            completing += usize::from(is_completing);
+            let Some(since) = p.quiet_since.filter(|_| !p.reported) else {
+                continue;
+            };
+            let quiet = now - since;
+            if quiet >= bound || p.timed_out > 0 {
+                suspects.push(Suspect {
+                    serial,
+                    reads,
+                    quiet,
+                    given_up: p.timed_out,
+                    completing: is_completing,
+                });
+            } else {
+                let due = since + bound;
+                next_due = Some(next_due.map_or(due, |d| d.min(due)));
             }
         }
-        for (serial, reads, stalled_for) in suspects {
-            // Anyone else progressing (the suspect never counts: its last
-            // completion is at least `bound` old), or nobody else to ask.
-            let others_busy = busy > 1;
-            if others_busy && completing == 0 {
-                tracing::warn!(busy, "no read of any engine completed within the read-stall bound: the decoder itself looks stuck, no engine is blamed");
-                return;
+        self.stall_mark_due = next_due;
+        suspects.sort_unstable_by_key(|s| s.serial);
+        let mut unjudged = 0usize;
+        for suspect in suspects {
+            // Every suspect has a read outstanding.
+            let others_outstanding = outstanding > 1;
+            let others_completing = completing > usize::from(suspect.completing);
+            if others_outstanding && !others_completing {
+                unjudged += 1;
+                continue;
             }
-            let peer = self.peers.get_mut(&serial).expect("collected above");
-            peer.progress.reported = true;
-            let engine = peer.id().clone();
-            let action = self.config.stall_action;
-            telemetry::read_stall(action.as_str());
-            tracing::warn!(%engine, reads, ?stalled_for, action = action.as_str(), "reads in flight stopped completing: the peer is hung");
-            self.emit(Event::Stalled {
-                engine,
-                reads_in_flight: reads,
-                stalled_for,
-                failed: action == StallAction::Fail,
-            });
-            if action == StallAction::Fail {
-                self.mark(now, serial, ReleaseReason::Stalled);
-            }
+            self.stalled(
+                now,
+                suspect.serial,
+                suspect.reads,
+                suspect.quiet,
+                suspect.given_up,
+            );
         }
+        if unjudged > 0 && !self.decoder_stuck {
+            telemetry::decoder_stuck();
+            tracing::warn!(
+                engines = unjudged,
+                outstanding,
+                bound = ?bound,
+                "reads of every engine with reads outstanding stopped completing: the decoder itself looks stuck, no engine is blamed (warned once until a read completes again)"
+            );
+        }
+        self.decoder_stuck = unjudged > 0;
+    }
+
+    /// A suspect judged stalled: reported once per stall, and with the
+    /// `fail` action marked, its reads failed, released once they end.
+    fn stalled(&mut self, now: Instant, serial: u64, reads: u64, quiet: Duration, given_up: u64) {
+        let peer = self.peers.get_mut(&serial).expect("judged while live");
+        peer.progress.reported = true;
+        let engine = peer.id().clone();
+        let action = self.config.stall_action;
+        telemetry::read_stall(action.as_str());
+        tracing::warn!(%engine, reads, ?quiet, given_up, action = action.as_str(), "reads stopped completing: the peer is hung");
+        self.emit(Event::Stalled {
+            engine,
+            reads_in_flight: reads,
+            stalled_for: quiet,
+            given_up,
+            failed: action == StallAction::Fail,
+        });
+        if action == StallAction::Fail {
+            self.mark(now, serial, ReleaseReason::Stalled);
+        }
+    }
+
+    /// The runtime gave up a read of registration `serial` in progress.
+    /// Not a completion. Unanswered (no read of the engine completed while
+    /// it was in flight, and none since the last check: the core's own
+    /// sample, which cannot wrap within a check period, confirms the
+    /// read's), it is evidence: it keeps the engine's quiet stretch going
+    /// with no read in flight, and a timed-out one is judged at once.
+    fn read_given_up(
+        &mut self,
+        now: Instant,
+        serial: u64,
+        why: GiveUp,
+        unanswered: bool,
+        done: u64,
+    ) {
+        telemetry::read_given_up(why, unanswered);
+        let Some(peer) = self.peers.get_mut(&serial) else {
+            return;
+        };
+        if !peer.is_live() || self.config.read_stall.is_none() {
+            return;
+        }
+        let reads = peer.cell.reads_in_flight();
+        let engine = peer.id().clone();
+        let p = &mut peer.progress;
+        let mut answered = !unanswered;
+        if done != p.done_seen {
+            // Completions since the last check, before this read began or
+            // while it was in flight: the engine answers.
+            p.completed(now, done, reads);
+            answered = true;
+        }
+        if answered {
+            tracing::debug!(%engine, why = why.as_str(), "read given up at an engine that completes reads: not evidence of a stall");
+            return;
+        }
+        p.unanswered += 1;
+        p.quiet_since.get_or_insert(now);
+        tracing::info!(%engine, why = why.as_str(), unanswered = p.unanswered, "read given up unanswered: counted against the engine, not as a completion");
+        if why == GiveUp::TimedOut {
+            p.timed_out += 1;
+            self.stall_mark_due = Some(now);
+        }
+    }
+
+    /// The release of `peer` came back: the runtime's given-up reads of it
+    /// learn what their destination buffers may become.
+    fn release_finished(&self, cell: &EngineCell, clean: bool) {
+        cell.release_finished(clean && self.release_ends_transfers);
     }
 
     // ----- marking and releasing -----
@@ -948,7 +848,7 @@ impl<R> Core<R> {
             return;
         }
         let state = match reason {
-            ReleaseReason::Unreachable => EngineState::Unreachable,
+            ReleaseReason::Unreachable | ReleaseReason::MetadataLost => EngineState::Unreachable,
             ReleaseReason::Replaced | ReleaseReason::Reregistered => EngineState::Replaced,
             ReleaseReason::PeerGone | ReleaseReason::Shutdown => EngineState::Retiring,
             ReleaseReason::Stalled => EngineState::Stalled,
@@ -964,9 +864,12 @@ impl<R> Core<R> {
         peer.message = None;
         tracing::info!(engine = %peer.id(), serial, state = state.as_str(), reads_in_flight = reads, "engine marked for release");
         self.unschedule_heartbeat(serial);
-        if matches!(reason, ReleaseReason::Unreachable | ReleaseReason::Stalled) {
-            // UCX has failed the endpoint, or the peer is hung: no read in
-            // flight will complete.
+        if matches!(
+            reason,
+            ReleaseReason::Unreachable | ReleaseReason::Stalled | ReleaseReason::MetadataLost
+        ) {
+            // UCX has failed the endpoint, the peer is hung, or NIXL holds
+            // no metadata for it: no read in flight will complete.
             self.fail_reads(serial);
         }
         self.try_release(now, serial);
@@ -1040,10 +943,12 @@ impl<R> Core<R> {
         self.releases_in_flight -= 1;
         let engine = peer.id().clone();
         let mark = peer.mark.expect("released registrations are marked");
+        let mut endpoints_left_open = 0u32;
         let (failed_steps, panicked) = match steps {
             Ok(steps) => {
                 let mut failed = 0;
                 for step in &steps {
+                    endpoints_left_open += step.endpoints_left_open();
                     if step.status == NixlStatus::ERR_NOT_FOUND {
                         tracing::debug!(%engine, target = ?step.target, "already dropped by NIXL: counts as released");
                     } else if !step.status.is_ok() {
@@ -1065,9 +970,16 @@ impl<R> Core<R> {
                 (0, true)
             }
         };
+        self.release_finished(&peer.cell, failed_steps == 0 && !panicked);
         let since_mark = now.saturating_duration_since(mark.at);
         telemetry::released(mark.reason, since_mark);
         tracing::info!(%engine, serial, reason = mark.reason.as_str(), after = ?since_mark, failed_steps, panicked, "engine released");
+        // Gone from the directory before the event: whoever sees it finds
+        // the successor, if any, never the released registration.
+        self.actions.push_back(Action::Forget {
+            engine: engine.clone(),
+            serial,
+        });
         self.emit(Event::Released {
             engine: engine.clone(),
             reason: mark.reason,
@@ -1078,23 +990,9 @@ impl<R> Core<R> {
             },
             failed_steps,
             panicked,
+            endpoints_left_open,
         });
-        self.actions.push_back(Action::Forget {
-            engine: engine.clone(),
-            serial,
-        });
-        for agent in peer.agents.iter() {
-            if self.by_agent.get(agent) == Some(&serial) {
-                self.by_agent.remove(agent);
-            }
-        }
-        if self.by_addr.get(&peer.address) == Some(&serial) {
-            self.by_addr.remove(&peer.address);
-        }
-        if self.by_id.get(&engine) == Some(&serial) {
-            self.by_id.remove(&engine);
-            self.engine_free(now, engine);
-        }
+        self.forget_registration(now, serial, &engine, &peer.address, &peer.agents);
     }
 
     /// The service is stopping: every live registration is marked (each
@@ -1109,17 +1007,23 @@ impl<R> Core<R> {
             expired: false,
         });
         tracing::info!(drain = ?self.config.shutdown_drain, "stopping: marking every engine; each is released as its reads end");
-        for (_, queue) in std::mem::take(&mut self.queued) {
-            for q in queue {
-                self.actions.push_back(Action::Refused {
-                    request: q.request,
-                    error: RegisterError::Stopped(q.registration),
-                });
-            }
-        }
-        for (_, tickets) in std::mem::take(&mut self.loading) {
-            for ticket in tickets {
-                self.actions.push_back(Action::LoadRefused { ticket });
+        // Claims waiting for an engine id are refused; granted loads may
+        // still register (the service then releases them like the rest).
+        let mut waiting: Vec<TicketId> = std::mem::take(&mut self.waiting)
+            .into_values()
+            .flatten()
+            .collect();
+        waiting.sort_unstable();
+        for ticket in waiting {
+            if let Some(t) = self.tickets.get_mut(&ticket) {
+                if let identity::Stage::Waiting { request, .. } =
+                    std::mem::replace(&mut t.stage, identity::Stage::Answered)
+                {
+                    self.actions.push_back(Action::Answer {
+                        request,
+                        answer: Answer::ClaimRefused(ClaimRefused::Stopped(crate::ServiceStopped)),
+                    });
+                }
             }
         }
         let mut serials: Vec<u64> = self.peers.keys().copied().collect();
@@ -1143,6 +1047,7 @@ impl<R> Core<R> {
             match p.resources {
                 Some(resources) => unreleased.push(Registration {
                     engine,
+                    incarnation: p.incarnation,
                     address: p.address,
                     agents: p.agents.to_vec(),
                     resources,
@@ -1183,12 +1088,7 @@ impl<R> Core<R> {
             .map(|(a, n)| (a.clone(), *n))
             .collect();
         handshakes_pending.sort();
-        let mut waiting: Vec<EngineId> = self
-            .queued
-            .keys()
-            .chain(self.loading.keys())
-            .cloned()
-            .collect();
+        let mut waiting: Vec<EngineId> = self.waiting.keys().cloned().collect();
         waiting.sort();
         waiting.dedup();
         Snapshot {
@@ -1204,6 +1104,31 @@ impl<R> Core<R> {
         }
     }
 
+    /// What a live engine's snapshot says about its reads and the stall
+    /// check.
+    fn stall_note(&self, now: Instant, p: &Peer<R>, reads: u64) -> String {
+        let progress = &p.progress;
+        if reads == 0 && progress.unanswered == 0 {
+            return "no read in flight: a frozen idle prefill is invisible to UCX on shm/tcp, and only a membership signal or the router (peer_gone) can retire it".to_string();
+        }
+        let given_up = match progress.unanswered {
+            0 => String::new(),
+            n => format!(", {n} given up unanswered"),
+        };
+        let Some(bound) = self.config.read_stall else {
+            return format!("{reads} read(s) in flight{given_up}; the read-stall check is off");
+        };
+        match progress.quiet_since {
+            Some(since) => format!(
+                "{reads} read(s) in flight{given_up}, none completed for at least {:?}; stalled after {bound:?} without a completion",
+                now.saturating_duration_since(since)
+            ),
+            None => format!(
+                "{reads} read(s) in flight{given_up}, completing; stalled after {bound:?} without a completion"
+            ),
+        }
+    }
+
     fn engine_snapshot(&self, now: Instant, p: &Peer<R>) -> EngineSnapshot {
         let reads = p.cell.reads_in_flight();
         let last_heartbeat = p.last_heartbeat.map(|(at, status)| HeartbeatSnapshot {
@@ -1216,17 +1141,7 @@ impl<R> Core<R> {
                     Some(h) => format!("last heartbeat {} {:?} ago", h.status.name(), h.ago),
                     None => "no heartbeat yet".to_string(),
                 };
-                let reads_note = if reads == 0 {
-                    "no read in flight: a frozen idle prefill is invisible to UCX on shm/tcp, and only a membership signal or the router (peer_gone) can retire it".to_string()
-                } else {
-                    match self.config.read_stall {
-                        Some(bound) => format!(
-                            "{reads} read(s) in flight, last completion {:?} ago; stalled after {bound:?} without one",
-                            now.saturating_duration_since(p.progress.since)
-                        ),
-                        None => format!("{reads} read(s) in flight; the read-stall check is off"),
-                    }
-                };
+                let reads_note = self.stall_note(now, p, reads);
                 format!(
                     "live: no REMOTE_DISCONNECT seen ({last}); {reads_note}; a silent peer is reported by UCX: {}",
                     self.silent_peer_note
@@ -1263,6 +1178,7 @@ impl<R> Core<R> {
         EngineSnapshot {
             engine: p.id().clone(),
             address: p.address.clone(),
+            incarnation: p.incarnation,
             agents: p.agents.to_vec(),
             state: p.cell.state(),
             reads_in_flight: reads,
@@ -1275,10 +1191,25 @@ impl<R> Core<R> {
     }
 }
 
-/// How often the read-stall check runs for a `bound`: four times per bound,
-/// so a stall is found within 1.25 bounds.
+/// The longest period of the read-stall check, whatever the bound: the
+/// completed count must not be able to wrap between two checks (see
+/// `cell.rs`).
+pub(crate) const MAX_STALL_CHECK_PERIOD: Duration = Duration::from_secs(60);
+
+// The proof, checked by the compiler: wrapping the completed count within
+// one check period would take more than 10^9 completions a second.
+const _: () = assert!(
+    MAX_STALL_CHECK_PERIOD.as_secs() * 1_000_000_000 < 1 << cell::DONE_BITS,
+    "the completed count could wrap between two stall checks"
+);
+
+/// How often the read-stall check runs for a `bound`: four times per bound
+/// (at most every [`MAX_STALL_CHECK_PERIOD`]). An engine's quiet stretch is
+/// first seen at most one period after it began and is judged exactly one
+/// bound after that, so a stall is found within 1.25 bounds (while other
+/// engines' reads complete at least once a period).
 fn stall_check_period(bound: Duration) -> Duration {
-    (bound / 4).max(HEARTBEAT_SLOT)
+    (bound / 4).clamp(HEARTBEAT_SLOT, MAX_STALL_CHECK_PERIOD)
 }
 
 /// The most bytes of one `HB:` notification. A round whose request ids do

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::cell::EngineCell;
+use super::TicketId;
 use crate::event::ReleaseReason;
+use crate::registration::Incarnation;
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use crate::NixlStatus;
 
@@ -22,6 +24,10 @@ pub(super) struct Mark {
 pub(super) struct Peer<R> {
     pub(super) cell: Arc<EngineCell>,
     pub(super) address: PeerAddr,
+    pub(super) incarnation: Option<Incarnation>,
+    /// The newest handshake started when it was activated: a handshake no
+    /// newer than this began before the registration existed.
+    pub(super) registered_after: TicketId,
     /// Shared with every heartbeat round in flight: no copy per round.
     pub(super) agents: Arc<[AgentName]>,
     /// `None` once handed to the transport.
@@ -42,37 +48,80 @@ pub(super) struct Peer<R> {
     pub(super) progress: Progress,
 }
 
-/// What the stall check last saw of a registration's reads.
+/// What the stall check knows of a registration's reads.
+///
+/// The check samples the registration's word (reads in flight, completed
+/// count) at its own times and hears of given-up reads when they happen,
+/// so every time kept here is *when it was seen*: a completion seen at a
+/// check happened at or before it, a read seen in flight began at or
+/// before it. The stall clock therefore starts as late as the evidence
+/// allows, and a mark is never early.
 pub(super) struct Progress {
     /// The wrapping count of reads completed, as last seen.
     pub(super) done_seen: u64,
-    /// Since when no read has completed while reads were in flight: the
-    /// last check that saw a completion, or no read in flight.
-    pub(super) since: Instant,
-    /// The last check that saw a read complete.
+    /// Since when the engine has had a read outstanding (in flight, or
+    /// given up unanswered) and no completion: the first time that was
+    /// seen. `None` while it has none (idle, or a completion seen since).
+    pub(super) quiet_since: Option<Instant>,
+    /// When a completion was last seen.
     pub(super) last_completion: Option<Instant>,
-    /// The current stall has been reported.
+    /// Reads given up unanswered since the last completion: they keep the
+    /// stall clock running with no read in flight.
+    pub(super) unanswered: u64,
+    /// Of those, timed out: the runtime's own verdict, judged at the next
+    /// check.
+    pub(super) timed_out: u64,
+    /// The current quiet stretch has been reported (once per stall).
     pub(super) reported: bool,
+}
+
+impl Progress {
+    fn new(done_seen: u64) -> Self {
+        Progress {
+            done_seen,
+            quiet_since: None,
+            last_completion: None,
+            unanswered: 0,
+            timed_out: 0,
+            reported: false,
+        }
+    }
+
+    /// A completion was seen at `now` (the completed count is `done`),
+    /// with `reads` in flight: the quiet stretch ends; with reads still in
+    /// flight a new one starts now.
+    pub(super) fn completed(&mut self, now: Instant, done: u64, reads: u64) {
+        self.done_seen = done;
+        self.last_completion = Some(now);
+        self.unanswered = 0;
+        self.timed_out = 0;
+        self.reported = false;
+        self.quiet_since = (reads > 0).then_some(now);
+    }
+
+    /// A read outstanding: in flight now, or given up unanswered.
+    pub(super) fn outstanding(&self, reads: u64) -> bool {
+        reads > 0 || self.unanswered > 0
+    }
 }
 
 impl<R> Peer<R> {
     pub(super) fn new(
-        now: Instant,
+        _now: Instant,
         cell: Arc<EngineCell>,
         address: PeerAddr,
+        incarnation: Option<Incarnation>,
+        registered_after: TicketId,
         agents: Vec<AgentName>,
         resources: R,
     ) -> Self {
         let (_, done_seen) = cell.progress();
         Peer {
-            progress: Progress {
-                done_seen,
-                since: now,
-                last_completion: None,
-                reported: false,
-            },
+            progress: Progress::new(done_seen),
             cell,
             address,
+            incarnation,
+            registered_after,
             agents: agents.into(),
             resources: Some(resources),
             mark: None,

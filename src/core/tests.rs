@@ -12,6 +12,8 @@ use tokio::time::Instant;
 
 use super::cell::tests::Collect;
 use super::*;
+use crate::engine::GiveUp;
+use crate::registration::{Departure, Incarnation};
 use crate::transport::{ReleaseTarget, TransportError};
 
 type Res = u32;
@@ -61,12 +63,42 @@ fn at(n: u8) -> PeerAddr {
     PeerAddr::new(format!("10.0.0.{n}:5600"))
 }
 
+/// An answer in words (answers hold registrations, which are not `Debug`
+/// for every resource type).
+fn describe(answer: &Option<Answer<Res>>) -> String {
+    match answer {
+        None => "no answer".into(),
+        Some(Answer::Load) => "load".into(),
+        Some(Answer::Current(c)) => format!("current {}", c.id()),
+        Some(Answer::ClaimRefused(e)) => format!("claim refused: {e}"),
+        Some(Answer::AgentClaimed(r)) => format!("agent claimed: {r:?}"),
+        Some(Answer::Registered(c)) => format!("registered {}", c.id()),
+        Some(Answer::Refused(e)) => format!("refused: {e}"),
+        Some(Answer::Withdrawn) => "withdrawn".into(),
+    }
+}
+
+fn agents(engine: &str) -> Vec<AgentName> {
+    vec![AgentName::new(format!("{engine}-rank0"))]
+}
+
+/// A registration of `engine` whose incarnation is its resources' number
+/// (a new registration of an id is a new process).
 fn registration(engine: &str, address: PeerAddr, resources: Res) -> Registration<Res> {
     Registration {
         engine: id(engine),
+        incarnation: Some(Incarnation(u64::from(resources))),
         address,
-        agents: vec![AgentName::new(format!("{engine}-rank0"))],
+        agents: agents(engine),
         resources,
+    }
+}
+
+fn claim(engine: &str, incarnation: u64) -> Claim {
+    Claim {
+        engine: id(engine),
+        incarnation: Some(Incarnation(incarnation)),
+        agents: agents(engine),
     }
 }
 
@@ -98,24 +130,64 @@ impl Harness {
         std::mem::take(&mut self.actions)
     }
 
-    fn ticket(&mut self) -> u64 {
+    fn next_id(&mut self) -> u64 {
         self.next += 1;
         self.next
     }
 
-    fn handshake(&mut self, address: PeerAddr) -> u64 {
-        let ticket = self.ticket();
+    fn handshake(&mut self, address: PeerAddr) -> TicketId {
+        let ticket = TicketId(self.next_id());
         self.input(Input::HandshakeStarted { ticket, address });
         ticket
     }
 
-    /// Registers without a handshake; returns the request id and the cell.
+    /// The handshake `ticket` claims `claim`; returns the question's id.
+    fn claim(&mut self, ticket: TicketId, claim: Claim) -> RequestId {
+        let request = RequestId(self.next_id());
+        self.input(Input::Claim {
+            ticket,
+            request,
+            claim,
+        });
+        request
+    }
+
+    fn finish(&mut self, ticket: TicketId) {
+        self.input(Input::HandshakeFinished { ticket });
+    }
+
+    /// Takes the answer to `request`, if the core has given it.
+    fn answer(&mut self, request: RequestId) -> Option<Answer<Res>> {
+        let i = self
+            .actions
+            .iter()
+            .position(|a| matches!(a, Action::Answer { request: r, .. } if *r == request))?;
+        match self.actions.remove(i) {
+            Action::Answer { answer, .. } => Some(answer),
+            _ => unreachable!(),
+        }
+    }
+
+    fn answered_load(&mut self, request: RequestId) -> bool {
+        matches!(self.answer(request), Some(Answer::Load))
+    }
+
+    fn refused_conflict(&mut self, request: RequestId) -> Conflict {
+        match self.answer(request) {
+            Some(Answer::ClaimRefused(ClaimRefused::Conflict(c))) => c,
+            Some(Answer::Refused(RegisterError::Conflict { conflict, .. })) => conflict,
+            other => panic!("expected a conflict, got {}", describe(&other)),
+        }
+    }
+
+    /// Registers through `ticket` (or alone); returns the question's id
+    /// and the cell.
     fn register_with(
         &mut self,
-        ticket: Option<u64>,
+        ticket: Option<TicketId>,
         registration: Registration<Res>,
-    ) -> (u64, Arc<EngineCell>) {
-        let request = self.ticket();
+    ) -> (RequestId, Arc<EngineCell>) {
+        let request = RequestId(self.next_id());
         let cell = EngineCell::new(registration.engine.clone(), self.sink.clone());
         self.input(Input::Register {
             request,
@@ -126,15 +198,42 @@ impl Harness {
         (request, cell)
     }
 
-    /// Registers and expects it activated; clears the actions.
+    fn registered(&mut self, request: RequestId) -> bool {
+        matches!(self.answer(request), Some(Answer::Registered(_)))
+    }
+
+    /// Registers alone and expects it activated; clears the actions.
     fn live(&mut self, engine: &str, address: PeerAddr, resources: Res) -> Arc<EngineCell> {
         let (request, cell) = self.register_with(None, registration(engine, address, resources));
-        let activated = self
-            .take()
-            .into_iter()
-            .any(|a| matches!(a, Action::Activated { request: r, .. } if r == request));
-        assert!(activated, "{engine} activated");
+        assert!(self.registered(request), "{engine} activated");
+        self.take();
         cell
+    }
+
+    /// The full protocol: handshake at `address`, claim, load, register.
+    fn connect(&mut self, engine: &str, address: PeerAddr, resources: Res) -> Arc<EngineCell> {
+        let ticket = self.handshake(address.clone());
+        let request = self.claim(ticket, claim(engine, u64::from(resources)));
+        assert!(self.answered_load(request), "{engine} may load");
+        let (request, cell) =
+            self.register_with(Some(ticket), registration(engine, address, resources));
+        assert!(self.registered(request), "{engine} registered");
+        cell
+    }
+
+    /// Nothing per handshake is left once every handshake has ended.
+    fn assert_no_ticket_state(&self) {
+        assert!(self.core.tickets.is_empty(), "tickets left");
+        assert!(self.core.waiting.is_empty(), "waiting claims left");
+        assert!(self.core.loads.is_empty(), "loads left");
+        assert!(self.core.handshakes.is_empty(), "handshake counts left");
+        assert!(
+            self.core
+                .agents
+                .values()
+                .all(|h| matches!(h, Holder::Registration(_))),
+            "agent names held by loads"
+        );
     }
 
     /// The transport calls decided since the last take, and the rest kept.
@@ -224,6 +323,18 @@ impl Harness {
     /// Ends a read the way the guard does: the cell, then its wake-up.
     fn end_read(&mut self, cell: &EngineCell) {
         cell.end_read();
+        self.deliver();
+    }
+
+    /// Gives a read up the way the guard does (`begun` is what its
+    /// `begin_read` returned), then delivers the wake-ups.
+    fn give_up(&mut self, cell: &EngineCell, why: GiveUp, begun: u64) {
+        cell.give_up(why, begun);
+        self.deliver();
+    }
+
+    /// Delivers the cells' wake-ups to the core.
+    fn deliver(&mut self) {
         for wake in self.sink.take() {
             self.input(Input::Read(wake));
         }
@@ -311,7 +422,7 @@ fn errors_that_are_not_disconnects_are_counted_and_never_release() {
     let cell = h.live("p", at(1), 1);
     for status in [
         NixlStatus::ERR_BACKEND,
-        NixlStatus::ERR_NOT_FOUND,
+        NixlStatus::ERR_NOT_ALLOWED,
         NixlStatus::ERR_CANCELED,
     ] {
         h.transfer(&cell, status);
@@ -373,17 +484,26 @@ fn a_replaced_engine_is_released_only_after_its_reads_and_pending_handshakes_end
 }
 
 #[test]
-fn a_registration_of_an_id_still_held_waits_for_the_old_release() {
+fn a_registration_without_a_handshake_of_a_held_id_is_refused_and_handed_back() {
     let mut h = harness();
     let first = h.live("p", at(1), 1);
     first.begin_read().unwrap();
-    let (request, second) = h.register_with(None, registration("p", at(1), 2));
-    assert!(!h.has_action(|a| matches!(a, Action::Activated { .. })));
-    assert_eq!(first.state(), EngineState::Replaced);
-    assert_eq!(second.state(), EngineState::Live, "not yet in the table");
-    h.end_read(&first);
-    assert_eq!(h.released(), vec![1]);
-    assert!(h.has_action(|a| matches!(a, Action::Activated { request: r, .. } if *r == request)));
+    let (request, _) = h.register_with(None, registration("p", at(1), 2));
+    match h.answer(request) {
+        Some(Answer::Refused(RegisterError::Conflict {
+            registration,
+            conflict: Conflict::EngineInUse { engine, .. },
+        })) => {
+            assert_eq!(engine, id("p"));
+            assert_eq!(registration.resources, 2, "handed back whole");
+        }
+        other => panic!("{}", describe(&other)),
+    }
+    assert_eq!(
+        first.state(),
+        EngineState::Live,
+        "the registered one is kept"
+    );
 }
 
 #[test]
@@ -435,56 +555,55 @@ fn agent_names_are_unique_over_engines_and_ranks() {
     let mut hostile = registration("hostile", at(2), 2);
     hostile.agents = vec![AgentName::from("victim-rank0")];
     let (request, _) = h.register_with(None, hostile);
-    match h.take().pop() {
-        Some(Action::Refused {
-            request: r,
-            error:
-                RegisterError::AgentInUse {
-                    agent,
-                    holder,
-                    registration,
-                },
-        }) => {
-            assert_eq!(r, request);
+    match h.answer(request) {
+        Some(Answer::Refused(RegisterError::Conflict {
+            registration,
+            conflict: Conflict::AgentInUse { agent, holder, .. },
+        })) => {
             assert_eq!(agent.as_str(), "victim-rank0");
             assert_eq!(holder, id("victim"));
             assert_eq!(registration.resources, 2, "handed back whole");
         }
-        _ => panic!("refused"),
+        other => panic!("{}", describe(&other)),
     }
     let mut twice = registration("twice", at(3), 3);
     twice.agents = vec![AgentName::from("x"), AgentName::from("x")];
-    h.register_with(None, twice);
-    assert!(h.has_action(|a| matches!(
-        a,
-        Action::Refused {
-            error: RegisterError::Invalid { .. },
-            ..
+    let (request, _) = h.register_with(None, twice);
+    assert!(matches!(
+        h.answer(request),
+        Some(Answer::Refused(RegisterError::Invalid { .. }))
+    ));
+    let mut forged = registration("p\nevent: released engine=victim", at(4), 4);
+    forged.agents = vec![AgentName::from("forged")];
+    let (request, _) = h.register_with(None, forged);
+    match h.answer(request) {
+        Some(Answer::Refused(RegisterError::Invalid { reason, .. })) => {
+            assert!(reason.contains("control character"), "{reason}")
         }
-    )));
+        other => panic!("{}", describe(&other)),
+    }
 }
 
 #[test]
-fn a_registration_through_a_handshake_must_be_the_engine_it_was_made_ready_for() {
+fn a_registration_through_a_handshake_must_be_what_it_claimed_at_its_address() {
     let mut h = harness();
+    let healthy = h.live("q", at(2), 9);
     let ticket = h.handshake(at(1));
-    h.input(Input::ReadyToLoad {
-        ticket,
-        engine: id("p"),
-    });
-    assert!(h.has_action(|a| matches!(a, Action::LoadReady { ticket: t } if *t == ticket)));
-    h.register_with(Some(ticket), registration("q", at(1), 1));
-    assert!(h.has_action(|a| matches!(
-        a,
-        Action::Refused {
-            error: RegisterError::NotThisEngine { .. },
-            ..
-        }
-    )));
-    assert!(
-        h.core.snapshot(h.now).handshakes_pending.is_empty(),
-        "the handshake ended"
-    );
+    let request = h.claim(ticket, claim("p", 1));
+    assert!(h.answered_load(request));
+    // The same engine, but naming another address (where a healthy engine
+    // lives): refused, and the healthy engine is not replaced.
+    let (request, _) = h.register_with(Some(ticket), registration("p", at(2), 1));
+    assert!(matches!(
+        h.answer(request),
+        Some(Answer::Refused(RegisterError::Invalid { .. }))
+    ));
+    assert_eq!(healthy.state(), EngineState::Live);
+    assert!(h
+        .events()
+        .iter()
+        .all(|e| !matches!(e, Event::Replaced { .. })));
+    h.assert_no_ticket_state();
 }
 
 #[test]
@@ -492,10 +611,7 @@ fn a_release_that_panics_is_reported_as_a_panic_and_the_id_is_free_again() {
     let mut h = harness();
     let cell = h.live("p", at(1), 1);
     let ticket = h.handshake(at(1));
-    h.input(Input::ReadyToLoad {
-        ticket,
-        engine: id("p"),
-    });
+    let request = h.claim(ticket, claim("p", 2));
     assert_eq!(cell.state(), EngineState::Released);
     let serial = match h.calls().pop() {
         Some(Call::Release { serial, .. }) => serial,
@@ -517,7 +633,7 @@ fn a_release_that_panics_is_reported_as_a_panic_and_the_id_is_free_again() {
             ..
         }
     )));
-    assert!(h.has_action(|a| matches!(a, Action::LoadReady { ticket: t } if *t == ticket)));
+    assert!(h.answered_load(request));
     assert!(h.core.snapshot(h.now).engines.is_empty());
 }
 
@@ -540,42 +656,43 @@ fn reconnecting_to_a_pinned_id_marked_unreachable_under_our_own_handshake_does_n
         "held by the handshake, as a replaced engine would be"
     );
     // The handshake finds the same id: it must go first, not wait for us.
-    h.input(Input::ReadyToLoad {
-        ticket,
-        engine: id("p"),
-    });
+    let request = h.claim(ticket, claim("p", 2));
     assert_eq!(h.released(), vec![1]);
-    assert!(h.has_action(|a| matches!(a, Action::LoadReady { ticket: t } if *t == ticket)));
+    assert!(h.answered_load(request));
     let (request, _) = h.register_with(Some(ticket), registration("p", at(1), 2));
-    assert!(h.has_action(|a| matches!(a, Action::Activated { request: r, .. } if *r == request)));
+    assert!(h.registered(request));
     assert!(h.core.snapshot(h.now).handshakes_pending.is_empty());
+    h.assert_no_ticket_state();
 }
 
 #[test]
-fn shutdown_never_activates_a_queued_registration_and_hands_back_each_unreleased_once() {
+fn shutdown_refuses_waiting_claims_and_hands_back_each_unreleased_once() {
     let mut h = harness();
     let first = h.live("p", at(1), 1);
     first.begin_read().unwrap();
     let busy = h.live("busy", at(2), 3);
     busy.begin_read().unwrap();
-    let (queued, second) = h.register_with(None, registration("p", at(1), 2));
+    // A restart of p waits for the old registration's reads.
+    let ticket = h.handshake(at(1));
+    let waiting = h.claim(ticket, claim("p", 2));
+    assert!(h.answer(waiting).is_none(), "waits for the old release");
     h.input(Input::Shutdown);
-    // The queued registration is refused, whole.
-    assert!(h.has_action(|a| matches!(a, Action::Refused { request, error: RegisterError::Stopped(r) } if *request == queued && r.resources == 2)));
+    assert!(matches!(
+        h.answer(waiting),
+        Some(Answer::ClaimRefused(ClaimRefused::Stopped(_)))
+    ));
     h.end_read(&first);
     assert_eq!(h.released(), vec![1]);
     assert!(
         !h.has_action(|a| matches!(a, Action::Activated { .. })),
         "nothing activated"
     );
-    assert_eq!(
-        second.begin_read(),
-        Ok(()),
-        "never registered: the cell is not in the table"
-    );
     // A registration after the stop began is refused too.
-    h.register_with(None, registration("late", at(3), 4));
-    assert!(h.has_action(|a| matches!(a, Action::Refused { error: RegisterError::Stopped(r), .. } if r.resources == 4)));
+    let (request, _) = h.register_with(None, registration("late", at(3), 4));
+    assert!(
+        matches!(h.answer(request), Some(Answer::Refused(RegisterError::Stopped(r))) if r.resources == 4)
+    );
+    h.finish(ticket);
     assert!(!h.core.is_stopped(h.now), "a read is still in flight");
     h.advance(Duration::from_secs(5));
     assert!(h.core.is_stopped(h.now), "the drain deadline passed");
@@ -586,15 +703,30 @@ fn shutdown_never_activates_a_queued_registration_and_hands_back_each_unreleased
 }
 
 #[test]
+fn a_load_granted_before_shutdown_is_taken_and_released_by_the_service_exactly_once() {
+    let mut h = harness();
+    let ticket = h.handshake(at(1));
+    let request = h.claim(ticket, claim("p", 1));
+    assert!(h.answered_load(request));
+    h.input(Input::Shutdown);
+    // Its metadata is loaded by now: the service takes it and gives it back.
+    let (request, cell) = h.register_with(Some(ticket), registration("p", at(1), 1));
+    assert!(h.registered(request));
+    assert_eq!(h.released(), vec![1]);
+    assert_eq!(cell.state(), EngineState::Released);
+    assert!(h.core.is_stopped(h.now));
+    let (unreleased, unfinished) = h.core.into_unreleased();
+    assert!(unreleased.is_empty() && unfinished.is_empty());
+}
+
+#[test]
 fn a_late_transfer_report_from_an_old_registration_never_touches_its_successor() {
     let mut h = harness();
     let old = h.live("p", at(1), 1);
     let ticket = h.handshake(at(1));
-    h.input(Input::ReadyToLoad {
-        ticket,
-        engine: id("p"),
-    });
+    let request = h.claim(ticket, claim("p", 2));
     assert_eq!(h.released(), vec![1]);
+    assert!(h.answered_load(request));
     h.register_with(Some(ticket), registration("p", at(1), 2));
     h.take();
     // The old process's transfer reports a disconnect, late.
@@ -603,6 +735,353 @@ fn a_late_transfer_report_from_an_old_registration_never_touches_its_successor()
     assert_eq!(snapshot.engines.len(), 1);
     assert_eq!(snapshot.engines[0].state, EngineState::Live);
     assert!(h.events().is_empty());
+}
+
+// ----- identity: one prefill, one identity (issue 14) -----
+
+#[test]
+fn not_found_for_a_live_engines_own_agent_releases_it_and_fails_its_reads() {
+    let mut h = harness();
+    let cell = h.live("p", at(1), 1);
+    cell.begin_read().unwrap();
+    h.transfer(&cell, NixlStatus::ERR_NOT_FOUND);
+    assert_eq!(cell.state(), EngineState::Unreachable, "marked, never kept");
+    assert!(cell.reads_failed().is_cancelled());
+    h.end_read(&cell);
+    assert_eq!(h.released(), vec![1]);
+    assert!(h.events().iter().any(|e| matches!(
+        e,
+        Event::Released {
+            reason: ReleaseReason::MetadataLost,
+            ..
+        }
+    )));
+    // From a heartbeat too.
+    let cell = h.live("q", at(2), 2);
+    h.advance(Duration::from_secs(6));
+    h.complete(NixlStatus::ERR_NOT_FOUND);
+    assert_eq!(cell.state(), EngineState::Released);
+}
+
+#[test]
+fn two_claims_of_one_engine_id_at_once_load_it_once_and_the_second_finds_it_registered() {
+    let mut h = harness();
+    let a = h.handshake(at(1));
+    let b = h.handshake(at(1));
+    let first = h.claim(a, claim("p", 1));
+    let second = h.claim(b, claim("p", 1));
+    assert!(h.answered_load(first));
+    assert!(
+        h.answer(second).is_none(),
+        "one load per engine id: it waits"
+    );
+    let (request, cell) = h.register_with(Some(a), registration("p", at(1), 1));
+    assert!(h.registered(request));
+    // Same engine, same incarnation, same address: nothing to load.
+    match h.answer(second) {
+        Some(Answer::Current(c)) => assert_eq!(c.serial(), cell.serial()),
+        other => panic!("{}", describe(&other)),
+    }
+    h.finish(b);
+    h.advance(Duration::from_secs(30));
+    h.complete(NixlStatus::SUCCESS);
+    assert_eq!(
+        cell.state(),
+        EngineState::Live,
+        "never marked, never released"
+    );
+    assert!(h.released().is_empty());
+    h.assert_no_ticket_state();
+}
+
+#[test]
+fn a_second_claim_waiting_on_a_dropped_load_is_granted_and_nothing_of_the_first_stays() {
+    let mut h = harness();
+    let a = h.handshake(at(1));
+    let b = h.handshake(at(1));
+    let first = h.claim(a, claim("p", 1));
+    let second = h.claim(b, claim("p", 1));
+    assert!(h.answered_load(first));
+    // The first handshake's future is dropped after its grant.
+    h.finish(a);
+    assert!(h.answered_load(second), "the id is free again");
+    let (request, _) = h.register_with(Some(b), registration("p", at(1), 1));
+    assert!(h.registered(request));
+    h.assert_no_ticket_state();
+}
+
+#[test]
+fn a_dropped_future_at_each_step_leaves_no_state_and_every_registration_ends_once() {
+    let mut h = harness();
+    let old = h.live("p", at(1), 1);
+    old.begin_read().unwrap();
+    // Started, then dropped.
+    let t = h.handshake(at(1));
+    h.finish(t);
+    // Waiting behind the old registration's read, then dropped.
+    let t = h.handshake(at(1));
+    let waiting = h.claim(t, claim("p", 2));
+    assert!(h.answer(waiting).is_none());
+    h.finish(t);
+    assert!(matches!(h.answer(waiting), Some(Answer::Withdrawn)));
+    // Granted, then dropped before registering.
+    h.end_read(&old);
+    assert_eq!(h.released(), vec![1], "the old one was marked and goes");
+    let t = h.handshake(at(1));
+    let granted = h.claim(t, claim("p", 3));
+    assert!(h.answered_load(granted));
+    h.finish(t);
+    h.assert_no_ticket_state();
+    // A claim of a handshake already gone is withdrawn, not answered.
+    let gone = h.claim(t, claim("p", 4));
+    assert!(matches!(h.answer(gone), Some(Answer::Withdrawn)));
+    // A fresh one registers; shutdown then releases it: each ended once.
+    let cell = h.connect("p", at(1), 5);
+    h.input(Input::Shutdown);
+    assert_eq!(h.released(), vec![5]);
+    assert_eq!(cell.state(), EngineState::Released);
+    let (unreleased, unfinished) = h.core.into_unreleased();
+    assert!(unreleased.is_empty() && unfinished.is_empty());
+}
+
+#[test]
+fn a_reply_naming_another_engines_agent_is_refused_before_any_load_and_the_victim_stays_live() {
+    let mut h = harness();
+    let victim = h.connect("victim", at(1), 1);
+    let t = h.handshake(at(2));
+    let request = h.claim(
+        t,
+        Claim {
+            engine: id("hostile"),
+            incarnation: Some(Incarnation(7)),
+            agents: agents("victim"),
+        },
+    );
+    let conflict = h.refused_conflict(request);
+    assert_eq!(
+        conflict,
+        Conflict::AgentInUse {
+            agent: AgentName::from("victim-rank0"),
+            claimed_by: id("hostile"),
+            holder: id("victim"),
+        }
+    );
+    h.finish(t);
+    assert!(h.released().is_empty(), "nothing invalidated");
+    assert_eq!(victim.state(), EngineState::Live);
+    h.advance(Duration::from_secs(6));
+    assert_eq!(h.complete(NixlStatus::SUCCESS).1, 1, "still heartbeated");
+    h.assert_no_ticket_state();
+}
+
+#[test]
+fn a_replayed_reply_at_another_address_is_refused_and_the_engine_stays_live() {
+    let mut h = harness();
+    let healthy = h.connect("p", at(1), 1);
+    // Same engine id, incarnation and agents, from another address.
+    let t = h.handshake(at(2));
+    let request = h.claim(t, claim("p", 1));
+    assert_eq!(
+        h.refused_conflict(request),
+        Conflict::EngineElsewhere {
+            engine: id("p"),
+            address: at(2),
+            live_at: at(1),
+        }
+    );
+    h.finish(t);
+    // And a second prefill started with the same --engine-id elsewhere.
+    let t = h.handshake(at(3));
+    let request = h.claim(t, claim("p", 99));
+    assert!(matches!(
+        h.refused_conflict(request),
+        Conflict::EngineElsewhere { .. }
+    ));
+    h.finish(t);
+    assert_eq!(healthy.state(), EngineState::Live);
+    assert!(h.released().is_empty());
+    h.assert_no_ticket_state();
+}
+
+#[test]
+fn a_new_incarnation_at_the_engines_own_address_is_a_restart_released_before_it_loads() {
+    let mut h = harness();
+    let old = h.connect("p", at(1), 1);
+    old.begin_read().unwrap();
+    let t = h.handshake(at(1));
+    let request = h.claim(t, claim("p", 2));
+    assert_eq!(old.state(), EngineState::Replaced);
+    assert!(h.answer(request).is_none(), "waits for the old reads");
+    h.end_read(&old);
+    assert_eq!(h.released(), vec![1]);
+    assert!(h.answered_load(request));
+}
+
+#[test]
+fn a_handshake_older_than_the_registration_cannot_retire_it_with_its_stale_reply() {
+    let mut h = harness();
+    // A slow handshake starts (its reply is of an older process)...
+    let slow = h.handshake(at(1));
+    // ...meanwhile another handshake registers the current process.
+    let current = h.connect("p", at(1), 2);
+    let request = h.claim(slow, claim("p", 1));
+    assert!(matches!(
+        h.refused_conflict(request),
+        Conflict::StaleReply { .. }
+    ));
+    h.finish(slow);
+    assert_eq!(current.state(), EngineState::Live);
+    // A fresh handshake that finds another process is a restart.
+    let fresh = h.handshake(at(1));
+    h.claim(fresh, claim("p", 3));
+    assert_eq!(current.state(), EngineState::Released);
+}
+
+#[test]
+fn the_same_agents_under_another_incarnation_claimed_while_the_old_is_marked_wait_then_load() {
+    let mut h = harness();
+    let old = h.connect("p", at(1), 1);
+    h.transfer(&old, NixlStatus::ERR_REMOTE_DISCONNECT);
+    assert_eq!(h.released(), vec![1]);
+    h.take();
+    let cell = h.connect("p", at(1), 2);
+    assert_eq!(cell.state(), EngineState::Live);
+}
+
+#[test]
+fn the_same_incarnation_with_other_agents_is_a_conflict() {
+    let mut h = harness();
+    let healthy = h.connect("p", at(1), 1);
+    let t = h.handshake(at(1));
+    let mut c = claim("p", 1);
+    c.agents = vec![AgentName::from("other")];
+    let request = h.claim(t, c);
+    assert!(matches!(
+        h.refused_conflict(request),
+        Conflict::AgentsChanged { .. }
+    ));
+    h.finish(t);
+    assert_eq!(healthy.state(), EngineState::Live);
+}
+
+#[test]
+fn an_extra_agent_name_is_granted_only_when_nobody_holds_it() {
+    let mut h = harness();
+    h.connect("victim", at(1), 1);
+    let t = h.handshake(at(2));
+    let request = h.claim(t, claim("p", 2));
+    assert!(h.answered_load(request));
+    let request = RequestId(h.next_id());
+    h.input(Input::ClaimAgent {
+        ticket: t,
+        request,
+        agent: AgentName::from("victim-rank0"),
+    });
+    assert!(matches!(
+        h.answer(request),
+        Some(Answer::AgentClaimed(Err(Conflict::AgentInUse { .. })))
+    ));
+    let request = RequestId(h.next_id());
+    h.input(Input::ClaimAgent {
+        ticket: t,
+        request,
+        agent: AgentName::from("stray"),
+    });
+    assert!(matches!(
+        h.answer(request),
+        Some(Answer::AgentClaimed(Ok(())))
+    ));
+    // Held while loading: another claim of it is refused.
+    let u = h.handshake(at(3));
+    let request = h.claim(
+        u,
+        Claim {
+            engine: id("r"),
+            incarnation: None,
+            agents: vec![AgentName::from("stray")],
+        },
+    );
+    assert!(matches!(
+        h.refused_conflict(request),
+        Conflict::AgentInUse { .. }
+    ));
+    h.finish(u);
+    h.finish(t);
+    h.assert_no_ticket_state();
+}
+
+#[test]
+fn a_conflict_is_published_once_and_counted_every_time() {
+    let mut h = harness();
+    h.connect("p", at(1), 1);
+    h.events();
+    for _ in 0..5 {
+        let t = h.handshake(at(2));
+        let request = h.claim(t, claim("p", 1));
+        h.refused_conflict(request);
+        h.finish(t);
+    }
+    let published = h
+        .events()
+        .into_iter()
+        .filter(|e| matches!(e, Event::Conflict { .. }))
+        .count();
+    assert_eq!(published, 1);
+    assert_eq!(h.core.conflicts.values().sum::<u64>(), 5);
+}
+
+#[test]
+fn membership_retires_an_engine_only_with_its_own_record() {
+    let mut h = harness();
+    let cell = h.connect("p", at(1), 1);
+    let gone = |engine: &str, incarnation: u64, address: PeerAddr| Input::MemberGone {
+        departure: Departure {
+            engine: id(engine),
+            incarnation: Some(Incarnation(incarnation)),
+            address,
+        },
+        mode: GoneMode::Drain,
+    };
+    // A dead predecessor's record expiring late.
+    h.input(gone("p", 0, at(1)));
+    // A record of the same id at another address.
+    h.input(gone("p", 1, at(2)));
+    // A record of an engine not registered.
+    h.input(gone("nobody", 1, at(1)));
+    assert_eq!(cell.state(), EngineState::Live);
+    let conflicts: Vec<&'static str> = h
+        .events()
+        .iter()
+        .filter_map(|e| match e {
+            Event::Conflict { conflict } => Some(conflict.kind()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(conflicts, vec!["record_incarnation", "record_address"]);
+    // Its own record: retired. A record without an incarnation that
+    // matches the address counts as its own.
+    h.input(gone("p", 1, at(1)));
+    assert_eq!(h.released(), vec![1]);
+    let other = h.connect("q", at(3), 3);
+    h.input(Input::MemberGone {
+        departure: Departure {
+            engine: id("q"),
+            incarnation: None,
+            address: at(3),
+        },
+        mode: GoneMode::Drain,
+    });
+    assert_eq!(other.state(), EngineState::Released);
+}
+
+#[test]
+fn a_new_engine_id_at_an_address_replaces_only_through_a_registration_there() {
+    let mut h = harness();
+    let old = h.connect("old", at(1), 1);
+    // A handshake at the address answers a new id: authoritative.
+    h.connect("new", at(1), 2);
+    assert_eq!(old.state(), EngineState::Released);
+    assert_eq!(h.released(), vec![1]);
 }
 
 // ----- shutdown and timers -----
@@ -617,11 +1096,11 @@ fn shutdown_releases_idle_engines_waits_for_reads_and_refuses_handshakes() {
     h.input(Input::Shutdown);
     assert_eq!(idle.state(), EngineState::Released);
     assert_eq!(h.released(), vec![1]);
-    h.input(Input::ReadyToLoad {
-        ticket,
-        engine: id("x"),
-    });
-    assert!(h.has_action(|a| matches!(a, Action::LoadRefused { ticket: t } if *t == ticket)));
+    let request = h.claim(ticket, claim("x", 1));
+    assert!(matches!(
+        h.answer(request),
+        Some(Answer::ClaimRefused(ClaimRefused::Stopped(_)))
+    ));
     assert!(!h.core.is_stopped(h.now));
     h.advance(Duration::from_secs(1));
     // The read ends within the drain: released even with a handshake open.
@@ -773,4 +1252,423 @@ fn an_idle_live_engine_says_only_membership_or_the_router_can_retire_it() {
         why.contains("only a membership signal or the router"),
         "{why}"
     );
+}
+
+// ----- the stall clock, right by construction -----
+
+/// One completed read (begun and ended at once).
+fn complete_one(cell: &EngineCell) {
+    cell.begin_read().unwrap();
+    cell.end_read();
+}
+
+/// The `Stalled` events decided since the last take, with their fields.
+fn stalled_events(h: &mut Harness) -> Vec<(EngineId, Duration, u64)> {
+    h.events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Stalled {
+                engine,
+                stalled_for,
+                given_up,
+                ..
+            } => Some((engine, stalled_for, given_up)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Steps the clock in `step`s until `until`; before each step `f` may
+/// start and end reads. Heartbeats are answered. Returns when the
+/// registration behind `watch` left `Live`, if it did.
+fn step_until(
+    h: &mut Harness,
+    until: Instant,
+    step: Duration,
+    watch: &EngineCell,
+    mut f: impl FnMut(&mut Harness, Instant),
+) -> Option<Instant> {
+    while h.now < until {
+        let now = h.now;
+        f(h, now);
+        h.advance(step);
+        h.complete(NixlStatus::SUCCESS);
+        if watch.state() != EngineState::Live {
+            return Some(h.now);
+        }
+    }
+    None
+}
+
+#[test]
+fn a_read_begun_1ms_before_a_check_is_marked_no_sooner_than_the_bound_and_its_stalled_for_is_true()
+{
+    let bound = Duration::from_secs(10);
+    let mut h = harness();
+    let t0 = h.now;
+    let hung = h.live("hung", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    // The stall check runs every 2.5 s from t0: the read begins 1 ms
+    // before the first one.
+    h.advance(Duration::from_millis(2499));
+    h.events();
+    let begun = h.now;
+    hung.begin_read().unwrap();
+    let marked = step_until(
+        &mut h,
+        t0 + bound * 2,
+        Duration::from_millis(10),
+        &hung,
+        |_, _| complete_one(&fine),
+    )
+    .expect("marked");
+    let in_flight = marked - begun;
+    assert!(
+        in_flight >= bound,
+        "marked after the read was in flight for {in_flight:?} only (bound {bound:?})"
+    );
+    assert!(in_flight <= bound + bound / 4, "marked late: {in_flight:?}");
+    let events = stalled_events(&mut h);
+    assert_eq!(events.len(), 1, "{events:?}");
+    let (engine, stalled_for, given_up) = &events[0];
+    assert_eq!((engine, *given_up), (&id("hung"), 0));
+    assert!(
+        *stalled_for <= in_flight && *stalled_for >= bound,
+        "stalled_for {stalled_for:?} for a read in flight {in_flight:?}"
+    );
+}
+
+#[test]
+fn a_read_begun_just_after_a_check_is_marked_within_a_quarter_bound_past_the_bound() {
+    let bound = Duration::from_secs(10);
+    let mut h = harness();
+    let t0 = h.now;
+    let hung = h.live("hung", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    h.advance(Duration::from_millis(2501));
+    let begun = h.now;
+    hung.begin_read().unwrap();
+    let marked = step_until(
+        &mut h,
+        t0 + bound * 2,
+        Duration::from_millis(10),
+        &hung,
+        |_, _| complete_one(&fine),
+    )
+    .expect("marked");
+    assert!(marked - begun <= bound + bound / 4, "{:?}", marked - begun);
+    assert!(marked - begun >= bound);
+}
+
+#[test]
+fn when_every_engine_stops_completing_at_once_no_engine_is_blamed_whichever_read_began_first() {
+    let mut h = harness();
+    let t0 = h.now;
+    let a = h.live("a", at(1), 1);
+    let b = h.live("b", at(2), 2);
+    // Each has a long read in flight throughout; both complete short reads
+    // until the decoder stops at about 7.5 s: a's last completion is seen
+    // by the check at 7.5 s, b's by the one at 10 s.
+    a.begin_read().unwrap();
+    b.begin_read().unwrap();
+    let marked = step_until(
+        &mut h,
+        t0 + Duration::from_secs(90),
+        Duration::from_millis(100),
+        &a,
+        |_, now| {
+            if now < t0 + Duration::from_millis(7400) {
+                complete_one(&a);
+            }
+            if now < t0 + Duration::from_millis(7600) {
+                complete_one(&b);
+            }
+        },
+    );
+    assert_eq!(marked, None, "a was blamed for the decoder's stall");
+    assert_eq!(b.state(), EngineState::Live);
+    assert!(stalled_events(&mut h).is_empty());
+}
+
+#[test]
+fn an_engine_completing_exactly_2_pow_24_reads_between_two_checks_is_not_stalled() {
+    let mut h = harness();
+    let t0 = h.now;
+    let busy = h.live("busy", at(1), 1);
+    busy.begin_read().unwrap();
+    let marked = step_until(
+        &mut h,
+        t0 + Duration::from_secs(60),
+        Duration::from_millis(2500),
+        &busy,
+        |_, _| busy.add_completions(1 << 24),
+    );
+    assert_eq!(
+        marked, None,
+        "completing 2^24 reads per check looked like none"
+    );
+    assert!(stalled_events(&mut h).is_empty());
+}
+
+/// Runs `f` with the core's WARN lines captured; returns them.
+fn warnings_of(f: impl FnOnce()) -> String {
+    use std::io::Write;
+    use std::sync::Mutex;
+    #[derive(Clone, Default)]
+    struct Buffer(Arc<Mutex<Vec<u8>>>);
+    impl Write for Buffer {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buffer = Buffer::default();
+    let writer = buffer.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+    text
+}
+
+#[test]
+fn the_decoder_is_stuck_warning_comes_once_per_episode() {
+    let mut log = String::new();
+    let mut h = harness();
+    let t0 = h.now;
+    let a = h.live("a", at(1), 1);
+    let b = h.live("b", at(2), 2);
+    a.begin_read().unwrap();
+    b.begin_read().unwrap();
+    log += &warnings_of(|| {
+        // Nothing completes for 60 s: one episode.
+        step_until(
+            &mut h,
+            t0 + Duration::from_secs(60),
+            Duration::from_millis(500),
+            &a,
+            |_, _| {},
+        );
+        // Reads complete again, then stop again: a second one.
+        complete_one(&a);
+        complete_one(&b);
+        step_until(
+            &mut h,
+            t0 + Duration::from_secs(120),
+            Duration::from_millis(500),
+            &a,
+            |_, _| {},
+        );
+    });
+    let episodes = log.matches("the decoder itself looks stuck").count();
+    assert_eq!(episodes, 2, "{log}");
+    assert_eq!(a.state(), EngineState::Live);
+    assert!(stalled_events(&mut h).is_empty());
+}
+
+#[test]
+fn a_stall_reported_only_is_warned_once_per_stall() {
+    let mut config = config();
+    config.stall_action = crate::config::StallAction::Report;
+    let mut h = harness_with(config);
+    let t0 = h.now;
+    let hung = h.live("hung", at(1), 1);
+    hung.begin_read().unwrap();
+    let log = warnings_of(|| {
+        step_until(
+            &mut h,
+            t0 + Duration::from_secs(120),
+            Duration::from_millis(500),
+            &hung,
+            |_, _| {},
+        );
+    });
+    assert_eq!(log.matches("the peer is hung").count(), 1, "{log}");
+    assert_eq!(stalled_events(&mut h).len(), 1);
+}
+
+// ----- given-up reads: evidence, not completions -----
+
+#[test]
+fn a_read_given_up_as_timed_out_unanswered_while_others_complete_stalls_its_engine_at_once() {
+    let mut h = harness();
+    let t0 = h.now;
+    let hung = h.live("hung", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    let begun = hung.begin_read().unwrap();
+    let second = hung.begin_read().unwrap();
+    // The runtime's read timeout (5 s) is shorter than the bound (10 s).
+    step_until(
+        &mut h,
+        t0 + Duration::from_secs(5),
+        Duration::from_millis(100),
+        &hung,
+        |_, _| complete_one(&fine),
+    );
+    assert_eq!(hung.state(), EngineState::Live);
+    h.events();
+    h.give_up(&hung, GiveUp::TimedOut, begun);
+    h.advance(Duration::ZERO);
+    assert_eq!(hung.state(), EngineState::Stalled, "judged at once");
+    assert!(
+        hung.reads_failed().is_cancelled(),
+        "its other reads are failed"
+    );
+    let events = stalled_events(&mut h);
+    assert_eq!(events.len(), 1);
+    let (engine, stalled_for, given_up) = &events[0];
+    assert_eq!((engine, *given_up), (&id("hung"), 1));
+    assert!(*stalled_for <= Duration::from_secs(5), "{stalled_for:?}");
+    // The other read is given up too (the service failed it): released.
+    h.give_up(&hung, GiveUp::Cancelled, second);
+    assert_eq!(h.released(), vec![1]);
+    assert_eq!(fine.state(), EngineState::Live);
+}
+
+#[test]
+fn a_read_given_up_at_an_engine_that_completed_another_meanwhile_is_not_evidence() {
+    let mut h = harness();
+    let t0 = h.now;
+    let slowish = h.live("slowish", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    let stuck_read = slowish.begin_read().unwrap();
+    let marked = step_until(
+        &mut h,
+        t0 + Duration::from_secs(5),
+        Duration::from_millis(100),
+        &slowish,
+        |_, now| {
+            complete_one(&fine);
+            if now == t0 + Duration::from_secs(4) {
+                complete_one(&slowish);
+            }
+        },
+    );
+    assert_eq!(marked, None);
+    h.give_up(&slowish, GiveUp::TimedOut, stuck_read);
+    h.advance(Duration::from_secs(1));
+    assert_eq!(slowish.state(), EngineState::Live);
+    assert!(stalled_events(&mut h).is_empty());
+}
+
+#[test]
+fn reads_given_up_cancelled_are_not_completions_the_stall_clock_keeps_running() {
+    let bound = Duration::from_secs(10);
+    let mut h = harness();
+    let t0 = h.now;
+    let hung = h.live("hung", at(1), 1);
+    let fine = h.live("fine", at(2), 2);
+    let begun_at = h.now;
+    let begun = hung.begin_read().unwrap();
+    step_until(
+        &mut h,
+        t0 + Duration::from_secs(3),
+        Duration::from_millis(100),
+        &hung,
+        |_, _| complete_one(&fine),
+    );
+    // Cancelled by the runtime: no verdict, and no read in flight any
+    // more, but no completion either.
+    h.give_up(&hung, GiveUp::Cancelled, begun);
+    assert_eq!(hung.state(), EngineState::Live);
+    let marked = step_until(
+        &mut h,
+        t0 + bound * 2,
+        Duration::from_millis(100),
+        &hung,
+        |_, _| complete_one(&fine),
+    )
+    .expect("the given-up read still counts against it");
+    assert!(marked - begun_at >= bound);
+    assert!(marked - begun_at <= bound + bound / 4);
+    // Nothing in flight: released at once.
+    assert_eq!(hung.state(), EngineState::Released);
+    assert!(h.events().iter().any(|e| matches!(
+        e,
+        Event::Released {
+            reason: ReleaseReason::Stalled,
+            ..
+        }
+    )));
+}
+
+#[test]
+fn reads_given_up_timed_out_everywhere_while_nothing_completes_blame_no_engine() {
+    let mut h = harness();
+    let t0 = h.now;
+    let a = h.live("a", at(1), 1);
+    let b = h.live("b", at(2), 2);
+    let ra = a.begin_read().unwrap();
+    let rb = b.begin_read().unwrap();
+    h.advance(Duration::from_secs(5));
+    h.give_up(&a, GiveUp::TimedOut, ra);
+    h.give_up(&b, GiveUp::TimedOut, rb);
+    let marked = step_until(
+        &mut h,
+        t0 + Duration::from_secs(60),
+        Duration::from_millis(500),
+        &a,
+        |_, _| {},
+    );
+    assert_eq!(marked, None);
+    assert_eq!(b.state(), EngineState::Live);
+    assert!(stalled_events(&mut h).is_empty());
+}
+
+#[test]
+fn a_single_engine_whose_read_timed_out_unanswered_is_stalled_there_is_nothing_to_compare_with() {
+    let mut h = harness();
+    let only = h.live("only", at(1), 1);
+    let r = only.begin_read().unwrap();
+    h.advance(Duration::from_secs(5));
+    h.give_up(&only, GiveUp::TimedOut, r);
+    h.advance(Duration::ZERO);
+    // Marked stalled and, nothing being in flight, handed to the release.
+    assert_eq!(only.state(), EngineState::Released);
+    assert_eq!(stalled_events(&mut h).len(), 1);
+    assert_eq!(h.released(), vec![1]);
+}
+
+#[test]
+fn with_the_read_stall_check_off_a_given_up_read_marks_nothing() {
+    let mut config = config();
+    config.read_stall = None;
+    let mut h = harness_with(config);
+    let only = h.live("only", at(1), 1);
+    let r = only.begin_read().unwrap();
+    h.advance(Duration::from_secs(5));
+    h.give_up(&only, GiveUp::TimedOut, r);
+    h.advance(Duration::from_secs(60));
+    assert_eq!(only.state(), EngineState::Live);
+}
+
+#[test]
+fn a_given_up_reads_destination_is_decided_when_the_release_comes_back() {
+    for ends in [false, true] {
+        let mut h = harness();
+        h.core.set_release_ends_transfers(ends);
+        let only = h.live("only", at(1), 1);
+        let r = only.begin_read().unwrap();
+        h.advance(Duration::from_secs(5));
+        h.give_up(&only, GiveUp::TimedOut, r);
+        h.advance(Duration::ZERO);
+        assert_eq!(
+            only.state(),
+            EngineState::Released,
+            "decided and handed over"
+        );
+        assert!(
+            !only.release_done().is_cancelled(),
+            "not before the transport came back"
+        );
+        assert_eq!(h.released(), vec![1]);
+        assert!(only.release_done().is_cancelled());
+        assert_eq!(only.transfers_ended(), ends);
+    }
 }

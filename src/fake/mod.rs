@@ -43,8 +43,12 @@
 //! - **Handshake** ([`FakeUcx::handshake`] = [`FakeUcx::fetch_metadata`] +
 //!   [`FakeUcx::load_metadata`]): the side channel gives the engine id and
 //!   its agents; then `loadRemoteMD` per agent and `prepXferDlist` per rank.
-//!   Loading an agent name whose metadata is still loaded is refused with
-//!   `NOT_ALLOWED` (NIXL cannot update metadata in place). Nobody listening
+//!   Loading another process's metadata under an agent name that is still
+//!   loaded is refused with `NOT_ALLOWED` (NIXL cannot update metadata in
+//!   place); loading the identical metadata again is accepted and keeps
+//!   one entry, as measured with NIXL 1.5.1. [`FakeUcx::replay_at`] stages
+//!   a hostile prefill that answers with another's reply;
+//!   [`FakeUcx::connect`] is the reference runtime. Nobody listening
 //!   (crashed, not restarted) fails the handshake; so does a frozen or
 //!   partitioned engine (its side channel does not answer).
 //! - **Endpoints**: one per loaded remote agent. Once UCX fails one (by a
@@ -62,7 +66,13 @@
 //!   `REMOTE_DISCONNECT` drops the agent's metadata as NIXL 0.6+ does.
 //! - **Release** ([`Transport::release`]): `releasedDlistH` per handle, then
 //!   `invalidateRemoteMD` per agent; a step whose target is already gone
-//!   answers `NOT_FOUND`; double release never panics.
+//!   answers `NOT_FOUND`; double release never panics. After each
+//!   successful invalidation, a [`ReleaseTarget::Endpoints`] step: the
+//!   agent's endpoint is closed (`EndpointClose::Closed`), live peer or
+//!   dead, as measured with the real transport (`nixl-sys` forces the
+//!   close). [`FakeConfig::nixl_flush_close`] models NIXL 1.5.1's own
+//!   close mode instead (also measured): a live peer's endpoint is left
+//!   open, only a failed one is closed.
 //! - **Status mapping**: UCX statuses become NIXL statuses as in NIXL's UCX
 //!   backend ([`nixl_status_from_ucs`]); each call records both.
 //!
@@ -133,8 +143,8 @@ pub use status::nixl_status_from_ucs;
 use world::{Gone, HandleSlot, LoadedAgent, NotifyBlock, ProcessId, Silence, World};
 
 use crate::{
-    AgentName, EngineId, NixlStatus, PeerAddr, ReleaseStep, ReleaseTarget, Transport,
-    TransportError, UcsStatus,
+    AgentName, EndpointClose, EngineId, NixlStatus, PeerAddr, ReleaseStep, ReleaseTarget,
+    Transport, TransportError, UcsStatus,
 };
 
 /// How the simulated UCX behaves.
@@ -159,6 +169,13 @@ pub struct FakeConfig {
     /// Whether to record every call for [`FakeUcx::calls`]. Default `true`;
     /// turn it off for long benchmarks.
     pub record_calls: bool,
+    /// Whether a release closes endpoints the way NIXL 1.5.1 does on its
+    /// own (UCX's flush mode): an endpoint UCX has not failed (a live peer)
+    /// is reported [`EndpointClose::LeftOpen`](crate::EndpointClose), a
+    /// failed one closed. Default `false`: every endpoint closed, as
+    /// measured with the real transport, whose `nixl-sys` forces the close.
+    /// Both are measured behaviour.
+    pub nixl_flush_close: bool,
 }
 
 impl Default for FakeConfig {
@@ -168,6 +185,7 @@ impl Default for FakeConfig {
             frozen_peers_detected: false,
             drop_metadata_on_disconnect: false,
             record_calls: true,
+            nixl_flush_close: false,
         }
     }
 }
@@ -209,17 +227,67 @@ pub enum FakeError {
     },
 }
 
-/// What a prefill engine's side channel answers: its engine id and agent
-/// metadata. Load it with [`FakeUcx::load_metadata`].
+/// Why [`FakeUcx::connect`] did not connect. Nothing stays loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum FakeConnectError {
+    /// The side channel did not answer.
+    #[error("handshake: {0}")]
+    Fetch(FakeError),
+    /// The service refused the claim (nothing was loaded).
+    #[error("{0}")]
+    Refused(crate::ClaimRefused),
+    /// NIXL refused the metadata.
+    #[error("load: {0}")]
+    Load(FakeError),
+    /// NIXL loaded other agent names than the reply claimed: given back.
+    #[error("the reply claimed agents {claimed:?}, its metadata loaded {loaded:?}")]
+    AgentMismatch {
+        /// What the reply said.
+        claimed: Vec<AgentName>,
+        /// What NIXL loaded.
+        loaded: Vec<AgentName>,
+    },
+    /// The registration was not taken.
+    #[error("register: {0}")]
+    Register(String),
+}
+
+/// What a prefill engine's side channel answers: its engine id, its
+/// process's incarnation, its agent names and their metadata. Load it with
+/// [`FakeUcx::load_metadata`].
+///
+/// `engine` and `agents` are what the reply *says*; the metadata blob
+/// belongs to one process, and loading it loads that process's agents,
+/// whatever the reply said (a test may edit `agents` to stage a reply that
+/// names other agents than its metadata, as a misconfigured or hostile
+/// prefill would).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FakeMetadata {
     /// The engine id.
     pub engine: EngineId,
     /// The side-channel address it was fetched from.
     pub addr: PeerAddr,
-    /// One agent per rank, in rank order.
+    /// One agent per rank, in rank order, as the reply names them.
     pub agents: Vec<AgentName>,
     process: ProcessId,
+}
+
+impl FakeMetadata {
+    /// The incarnation of the process whose metadata this is (one per
+    /// start: a restart under a pinned id has a new one).
+    pub fn incarnation(&self) -> crate::Incarnation {
+        crate::Incarnation(self.process as u64 + 1)
+    }
+
+    /// Who the reply says the prefill is: what the runtime hands
+    /// [`crate::Handshake::ready_to_load`] before loading anything.
+    pub fn claim(&self) -> crate::Claim {
+        crate::Claim {
+            engine: self.engine.clone(),
+            incarnation: Some(self.incarnation()),
+            agents: self.agents.clone(),
+        }
+    }
 }
 
 /// A completed handshake: what the decoder runtime registers with the
@@ -228,9 +296,12 @@ pub struct FakeMetadata {
 pub struct FakeHandshake {
     /// The engine id.
     pub engine: EngineId,
+    /// The incarnation of the process loaded.
+    pub incarnation: crate::Incarnation,
     /// The side-channel address.
     pub addr: PeerAddr,
-    /// The loaded agents, one per rank, in rank order.
+    /// The agents NIXL loaded (the metadata's own names), one per rank, in
+    /// rank order.
     pub agents: Vec<AgentName>,
     /// The prepped dlist handles, one per rank.
     pub resources: FakeResources,
@@ -242,6 +313,7 @@ impl From<FakeHandshake> for crate::Registration<FakeResources> {
     fn from(hs: FakeHandshake) -> Self {
         crate::Registration {
             engine: hs.engine,
+            incarnation: Some(hs.incarnation),
             address: hs.addr,
             agents: hs.agents,
             resources: hs.resources,
@@ -379,6 +451,22 @@ impl FakeUcx {
         let ranks = world.processes[old].agents.len();
         let id = world.processes[old].engine.clone();
         world.spawn(addr.clone(), id, ranks)
+    }
+
+    /// A hostile (or misconfigured) prefill at `addr` that answers every
+    /// handshake with `victim`'s current reply, word for word: its engine
+    /// id, incarnation, agent names and metadata. Loading that metadata
+    /// loads the victim's own agents (NIXL accepts identical metadata twice
+    /// and keeps one entry). Whatever listened at `addr` is gone.
+    pub fn replay_at(&self, addr: PeerAddr, victim: &EngineId) {
+        let mut world = self.lock();
+        let p = world.process_of(victim);
+        if let Some(&old) = world.by_addr.get(&addr) {
+            world.processes[old]
+                .gone
+                .get_or_insert(Gone { during_read: false });
+        }
+        world.replays.insert(addr, p);
     }
 
     /// The engine listening at `addr` now, if any.
@@ -534,6 +622,15 @@ impl FakeUcx {
     pub fn fetch_metadata(&self, addr: &PeerAddr) -> Result<FakeMetadata, FakeError> {
         let now = Instant::now();
         let world = self.lock();
+        if let Some(&victim) = world.replays.get(addr) {
+            let process = &world.processes[victim];
+            return Ok(FakeMetadata {
+                engine: process.engine.clone(),
+                addr: addr.clone(),
+                agents: process.agents.clone(),
+                process: victim,
+            });
+        }
         let Some(&p) = world.by_addr.get(addr) else {
             return Err(FakeError::NoListener(addr.clone()));
         };
@@ -555,11 +652,15 @@ impl FakeUcx {
         })
     }
 
-    /// Loads fetched metadata: `loadRemoteMD` for each agent, then
-    /// `prepXferDlist` per rank. All or nothing: if any agent's metadata is
-    /// still loaded, that `loadRemoteMD` is refused with `NOT_ALLOWED` and
-    /// nothing is loaded. Metadata of a process that has died since it was
-    /// fetched loads fine; its endpoints reset on first use.
+    /// Loads fetched metadata: `loadRemoteMD` for each agent of the
+    /// metadata's process, then `prepXferDlist` per rank. As measured with
+    /// NIXL 1.5.1: loading the *identical* metadata of an agent that is
+    /// loaded already (the same process's) is accepted and keeps one entry
+    /// (so one `invalidateRemoteMD` later removes it for both holders);
+    /// another process's metadata under a loaded name is refused with
+    /// `NOT_ALLOWED`, and then nothing is loaded. Metadata of a process
+    /// that has died since it was fetched loads fine; its endpoints reset
+    /// on first use.
     pub fn load_metadata(&self, metadata: &FakeMetadata) -> Result<FakeHandshake, FakeError> {
         let now = Instant::now();
         let mut world = self.lock();
@@ -573,11 +674,13 @@ impl FakeUcx {
             ucs: None,
             status,
         };
-        if let Some(agent) = metadata
-            .agents
-            .iter()
-            .find(|a| world.loaded.contains_key(*a))
-        {
+        let agents = world.processes[metadata.process].agents.clone();
+        if let Some(agent) = agents.iter().find(|a| {
+            world
+                .loaded
+                .get(*a)
+                .is_some_and(|l| l.process != metadata.process)
+        }) {
             world.record(call(
                 FakeOp::LoadRemoteMd,
                 agent,
@@ -588,19 +691,16 @@ impl FakeUcx {
                 status: NixlStatus::ERR_NOT_ALLOWED,
             });
         }
-        for agent in &metadata.agents {
-            world.loaded.insert(
-                agent.clone(),
-                LoadedAgent {
-                    process: metadata.process,
-                    loaded_at: now,
-                    failed: None,
-                },
-            );
+        for agent in &agents {
+            world.loaded.entry(agent.clone()).or_insert(LoadedAgent {
+                process: metadata.process,
+                loaded_at: now,
+                failed: None,
+            });
             world.record(call(FakeOp::LoadRemoteMd, agent, NixlStatus::SUCCESS));
         }
-        let mut handles = Vec::with_capacity(metadata.agents.len());
-        for agent in &metadata.agents {
+        let mut handles = Vec::with_capacity(agents.len());
+        for agent in &agents {
             handles.push(world.handles.len());
             world.handles.push(HandleSlot {
                 process: metadata.process,
@@ -611,13 +711,76 @@ impl FakeUcx {
         }
         Ok(FakeHandshake {
             engine: metadata.engine.clone(),
+            incarnation: metadata.incarnation(),
             addr: metadata.addr.clone(),
-            agents: metadata.agents.clone(),
+            agents,
             resources: FakeResources {
                 engine: metadata.engine.clone(),
                 handles,
             },
         })
+    }
+
+    /// Connects the service to the prefill at `addr` the way a decoder
+    /// runtime must, step by step: the reference implementation of the
+    /// handshake protocol ([`crate::KeepaliveHandle::handshake`]).
+    ///
+    /// 1. start the handshake (a marked engine at `addr` waits for it);
+    /// 2. ask the side channel who is there ([`fetch_metadata`]);
+    /// 3. have the service arbitrate that claim before loading anything:
+    ///    the engine already registered comes back as it is; a conflict is
+    ///    refused with nothing loaded;
+    /// 4. load ([`load_metadata`]); if NIXL loaded other agent names than
+    ///    the reply claimed, give everything back, unloading only names
+    ///    that are this handshake's ([`crate::ReadyToLoad::claim_agent`]),
+    ///    never another engine's;
+    /// 5. register.
+    ///
+    /// [`fetch_metadata`]: Self::fetch_metadata
+    /// [`load_metadata`]: Self::load_metadata
+    pub async fn connect(
+        &self,
+        keepalive: &crate::KeepaliveHandle<FakeResources>,
+        addr: &PeerAddr,
+    ) -> Result<crate::EngineRef, FakeConnectError> {
+        let handshake = keepalive.handshake(addr.clone());
+        let metadata = self.fetch_metadata(addr).map_err(FakeConnectError::Fetch)?;
+        self.connect_with(handshake, metadata).await
+    }
+
+    /// [`connect`](Self::connect) from step 3 on, with a handshake
+    /// already started and a reply already fetched (which a test may have
+    /// edited, as a hostile prefill would send it).
+    pub async fn connect_with(
+        &self,
+        handshake: crate::Handshake<FakeResources>,
+        metadata: FakeMetadata,
+    ) -> Result<crate::EngineRef, FakeConnectError> {
+        let ready = match handshake.ready_to_load(metadata.claim()).await {
+            Ok(crate::Ready::Current(engine)) => return Ok(engine),
+            Ok(crate::Ready::Load(ready)) => ready,
+            Err(refused) => return Err(FakeConnectError::Refused(refused)),
+        };
+        let loaded = self
+            .load_metadata(&metadata)
+            .map_err(FakeConnectError::Load)?;
+        if loaded.agents != ready.claim().agents {
+            let mut ours = ready.claim().agents.clone();
+            for agent in &loaded.agents {
+                if !ours.contains(agent) && ready.claim_agent(agent.clone()).await.is_ok() {
+                    ours.push(agent.clone());
+                }
+            }
+            let _ = self.release(&loaded.engine, &ours, loaded.resources);
+            return Err(FakeConnectError::AgentMismatch {
+                claimed: ready.claim().agents.clone(),
+                loaded: loaded.agents,
+            });
+        }
+        ready
+            .register(loaded.resources)
+            .await
+            .map_err(|e| FakeConnectError::Register(e.to_string()))
     }
 
     /// A full handshake with the engine at `addr`: [`fetch_metadata`]
@@ -812,11 +975,23 @@ impl Transport for FakeUcx {
                 status,
             });
         }
+        let flush_close = world.config.nixl_flush_close;
         for agent in agents {
-            let status = match world.loaded.remove(agent) {
+            let removed = world.loaded.remove(agent);
+            let status = match removed {
                 Some(_) => NixlStatus::SUCCESS,
                 None => NixlStatus::ERR_NOT_FOUND,
             };
+            let close = removed.map(|loaded| {
+                if flush_close && loaded.failed.is_none() {
+                    EndpointClose::LeftOpen {
+                        closed: 0,
+                        left_open: 1,
+                    }
+                } else {
+                    EndpointClose::Closed { endpoints: 1 }
+                }
+            });
             world.record(FakeCall {
                 at: now,
                 op: FakeOp::InvalidateRemoteMd,
@@ -830,6 +1005,15 @@ impl Transport for FakeUcx {
                 target: ReleaseTarget::RemoteMetadata(agent.clone()),
                 status,
             });
+            if let Some(close) = close {
+                steps.push(ReleaseStep {
+                    target: ReleaseTarget::Endpoints {
+                        agent: agent.clone(),
+                        close,
+                    },
+                    status,
+                });
+            }
         }
         steps
     }

@@ -85,6 +85,8 @@ pub(super) struct World {
     pub(super) handles: Vec<HandleSlot>,
     pub(super) blocks: HashMap<EngineId, NotifyBlock>,
     pub(super) calls: Vec<FakeCall>,
+    /// Addresses whose side channel replays another process's reply.
+    pub(super) replays: HashMap<PeerAddr, ProcessId>,
 }
 
 impl World {
@@ -100,6 +102,7 @@ impl World {
             handles: Vec::new(),
             blocks: HashMap::new(),
             calls: Vec::new(),
+            replays: HashMap::new(),
         }
     }
 
@@ -118,6 +121,7 @@ impl World {
     /// Starts a process; whatever listened at `addr` before is gone.
     pub(super) fn spawn(&mut self, addr: PeerAddr, engine: EngineId, ranks: usize) -> EngineId {
         assert!(ranks > 0, "a prefill engine needs at least one rank");
+        self.replays.remove(&addr);
         if let Some(&old) = self.by_addr.get(&addr) {
             self.processes[old]
                 .gone

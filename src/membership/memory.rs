@@ -9,6 +9,14 @@
 //! is not kept alive for its TTL; a store that is down expires nothing,
 //! and when it comes back every lease gets its full TTL again (etcd
 //! extends leases when a leader takes over after a restart).
+//!
+//! Revisions follow etcd as measured (3.4): one write is one revision, and
+//! every event of one transaction shares it: [`InMemoryStore::put_all`] (a
+//! multi-put transaction), [`InMemoryStore::delete_prefix`], and a lease's
+//! expiry or [`InMemoryStore::revoke_lease`] with several keys each send
+//! several events of one revision. [`InMemoryStore::wipe`] is an etcd
+//! restarted with an empty data directory: revision back to 0, every key
+//! and lease gone, a new cluster id.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -33,6 +41,7 @@ struct Lease {
 struct Inner {
     kv: BTreeMap<String, (Vec<u8>, Option<LeaseId>)>,
     revision: i64,
+    cluster_id: u64,
     up: bool,
     watchers: Vec<mpsc::UnboundedSender<SourceEvent>>,
     leases: HashMap<LeaseId, Lease>,
@@ -49,6 +58,7 @@ impl Inner {
     fn listing(&self) -> SourceEvent {
         SourceEvent::Listed {
             revision: self.revision,
+            cluster_id: self.cluster_id,
             entries: self
                 .kv
                 .iter()
@@ -57,17 +67,38 @@ impl Inner {
         }
     }
 
-    fn delete(&mut self, key: &str) -> bool {
-        if self.kv.remove(key).is_none() {
-            return false;
+    /// Deletes `keys` in one transaction: one revision, one event each.
+    /// The number deleted.
+    fn delete_all(&mut self, keys: Vec<String>) -> usize {
+        let keys: Vec<String> = keys
+            .into_iter()
+            .filter(|k| self.kv.remove(k).is_some())
+            .collect();
+        if keys.is_empty() {
+            return 0;
         }
         self.revision += 1;
         let revision = self.revision;
-        self.send(SourceEvent::Deleted {
-            key: key.to_string(),
-            revision,
-        });
-        true
+        for key in &keys {
+            self.send(SourceEvent::Deleted {
+                key: key.clone(),
+                revision,
+            });
+        }
+        keys.len()
+    }
+
+    /// Revokes `lease`: it and every key attached to it go, in one
+    /// revision.
+    fn revoke(&mut self, lease: LeaseId) -> usize {
+        self.leases.remove(&lease);
+        let keys: Vec<String> = self
+            .kv
+            .iter()
+            .filter(|(_, (_, l))| *l == Some(lease))
+            .map(|(k, _)| k.clone())
+            .collect();
+        self.delete_all(keys)
     }
 }
 
@@ -93,7 +124,10 @@ impl InMemoryStore {
     /// An empty store that is up.
     pub fn new() -> Self {
         let store = InMemoryStore::default();
-        store.lock().up = true;
+        let mut inner = store.lock();
+        inner.up = true;
+        inner.cluster_id = 1;
+        drop(inner);
         store
     }
 
@@ -129,25 +163,74 @@ impl InMemoryStore {
     }
 
     fn put_inner(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> bool {
+        self.put_all(vec![(key.to_string(), value)], lease)
+    }
+
+    /// Writes every record in one transaction (one revision, one event
+    /// each, in order), all attached to `lease`. Refused (false) while down
+    /// or when the lease is gone.
+    pub fn put_all(&self, records: Vec<(String, Vec<u8>)>, lease: Option<LeaseId>) -> bool {
         let mut inner = self.lock();
         if !inner.up || lease.is_some_and(|l| !inner.leases.contains_key(&l)) {
             return false;
         }
         inner.revision += 1;
         let revision = inner.revision;
-        inner.kv.insert(key.to_string(), (value.clone(), lease));
-        inner.send(SourceEvent::Put {
-            key: key.to_string(),
-            value,
-            revision,
-        });
+        for (key, value) in records {
+            inner.kv.insert(key.clone(), (value.clone(), lease));
+            inner.send(SourceEvent::Put {
+                key,
+                value,
+                revision,
+            });
+        }
         true
     }
 
     /// Deletes `key`; false when absent or the store is down.
     pub fn delete(&self, key: &str) -> bool {
         let mut inner = self.lock();
-        inner.up && inner.delete(key)
+        inner.up && inner.delete_all(vec![key.to_string()]) == 1
+    }
+
+    /// Deletes every key that starts with `prefix`, in one revision (as
+    /// `etcdctl del --prefix`); how many. Nothing while down.
+    pub fn delete_prefix(&self, prefix: &str) -> usize {
+        let mut inner = self.lock();
+        if !inner.up {
+            return 0;
+        }
+        let keys: Vec<String> = inner
+            .kv
+            .range(prefix.to_string()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, _)| k.clone())
+            .collect();
+        inner.delete_all(keys)
+    }
+
+    /// Revokes `lease`: its keys are deleted in one revision; how many.
+    /// Nothing while down.
+    pub fn revoke_lease(&self, lease: LeaseId) -> usize {
+        let mut inner = self.lock();
+        if !inner.up {
+            return 0;
+        }
+        inner.revoke(lease)
+    }
+
+    /// An etcd restarted with a wiped data directory: every key and lease
+    /// gone, the revision back to 0, a new cluster id. Watchers get the
+    /// (empty) store as a list when it is up, as the etcd source does when
+    /// it reconnects.
+    pub fn wipe(&self) {
+        let mut inner = self.lock();
+        inner.kv.clear();
+        inner.leases.clear();
+        inner.revision = 0;
+        inner.cluster_id += 1;
+        let listing = inner.listing();
+        inner.send(listing);
     }
 
     /// A new lease of `ttl`, or `None` while down.
@@ -185,7 +268,8 @@ impl InMemoryStore {
     }
 
     /// Expires the leases whose TTL has passed, deleting their keys (one
-    /// deletion each, as etcd does). Nothing expires while down.
+    /// revision per lease, one event per key, as etcd does). Nothing
+    /// expires while down.
     pub fn expire_leases(&self) {
         let mut inner = self.lock();
         if !inner.up {
@@ -199,16 +283,7 @@ impl InMemoryStore {
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
-            inner.leases.remove(&id);
-            let keys: Vec<String> = inner
-                .kv
-                .iter()
-                .filter(|(_, (_, l))| *l == Some(id))
-                .map(|(k, _)| k.clone())
-                .collect();
-            for k in keys {
-                inner.delete(&k);
-            }
+            inner.revoke(id);
         }
     }
 

@@ -34,14 +34,43 @@
 //! {"engine_id": "8c1e...-uuid", "address": "10.0.0.7:17001", "ranks": 2}
 //! ```
 //!
-//! - `engine_id`: the engine id its handshake reports, 1 to 256 bytes;
-//! - `address`: its side-channel address, `host:port`;
+//! - `engine_id`: the engine id its handshake reports, 1 to 256 bytes of
+//!   printable text (no control characters: no NUL, ESC or newline);
+//! - `address`: its side-channel address, `host:port`, at most
+//!   [`MAX_ADDRESS`] bytes: a DNS name, an IPv4 address or a bracketed
+//!   IPv6 address, then a port from 1 to 65535;
 //! - `ranks`: its ranks (NIXL agents), 1 to 64.
 //!
-//! Unknown fields are ignored (room to grow). A value that breaks these
-//! rules is counted (`nixl_keepalive_membership_bad_values_total`) and
-//! logged, and the key is treated as unchanged: never a panic, never a
-//! removal.
+//! A value is at most [`MAX_RECORD`] bytes (checked before it is parsed)
+//! and a key at most [`MAX_KEY`]. Unknown fields are ignored (room to
+//! grow). A record that breaks these rules is refused: counted by reason
+//! (`nixl_keepalive_membership_bad_values_total{reason}`), logged at a
+//! bounded rate with its key escaped and cut (see [`SchemaError::reason`]),
+//! and the key is treated as unchanged: never a panic, never a removal.
+//!
+//! # Revisions
+//!
+//! etcd gives every event of one transaction the same revision: a prefix
+//! delete of 10 keys, a 5-put transaction, or the revocation of a lease
+//! that held several keys arrive as several events with one revision (as
+//! measured on etcd 3.4). Every event is applied, in order, whatever its
+//! revision; the revision is kept only to resume the watch.
+//!
+//! # A store reset
+//!
+//! An etcd restarted with a wiped data directory (or restored from an old
+//! snapshot) starts again at a lower revision, under a new cluster id. The
+//! first list after it (its revision below the last one seen, or its
+//! cluster id changed) is a **store reset**: the membership plane lost its
+//! data, which is no evidence that any engine died. So it is handled as an
+//! outage followed by a grace period of [`MembershipConfig::reset_grace`]
+//! (set it to the prefills' lease TTL: a prefill whose lease is gone
+//! registers again within about a third of it): the engines the new store
+//! lists are kept or announced, the ones it lacks are kept and awaited,
+//! and only those still missing when the grace period ends are retired
+//! ([`RetireWhy::MissingAfterReset`]). The grace period starts again with
+//! every list of the prefix while engines are still awaited (an outage
+//! during it gives them no chance to register).
 //!
 //! # Parts
 //!
@@ -55,7 +84,7 @@
 //!   [`KeepaliveHandle`] and tells the runtime through
 //!   [`MembershipUpdate`]s.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::time::Duration;
 
@@ -64,18 +93,31 @@ use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::{EngineId, Event, GoneMode, KeepaliveHandle, PeerAddr, PeerRef, ReleaseReason};
+use crate::text::{check_name, Escaped, NameError};
+use crate::{
+    Departure, EngineId, Event, GoneMode, Incarnation, KeepaliveHandle, PeerAddr, ReleaseReason,
+};
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod memory;
+mod refusals;
 
 /// The key prefix prefills register under unless told otherwise.
 pub const DEFAULT_PREFIX: &str = "/nixl-keepalive/prefill/";
 
-/// Longest engine id a value may carry (bytes), and most ranks: the
-/// library's bounds, the same for every source.
-pub use crate::text::{MAX_ENGINE_ID, MAX_RANKS};
+/// Longest engine id a value may carry (bytes), longest address, and most
+/// ranks: the library's bounds, the same for every source.
+pub use crate::text::{MAX_ADDRESS, MAX_ENGINE_ID, MAX_RANKS};
+
+/// The largest value accepted under one key, in bytes. A member's JSON is
+/// about 100 bytes with a UUID engine id and under 600 with the longest id
+/// and address; the rest is room for fields added later. Checked before
+/// the value is parsed, so a megabyte of JSON costs no parsing.
+pub const MAX_RECORD: usize = 4096;
+
+/// The longest key accepted, in bytes: a prefix and an engine id.
+pub const MAX_KEY: usize = 1024;
 
 /// One prefill engine as the membership plane knows it: the JSON value of
 /// its key (see the module docs for the schema).
@@ -87,23 +129,59 @@ pub struct Member {
     pub address: String,
     /// Its ranks (NIXL agents).
     pub ranks: u16,
+    /// The incarnation of the process that wrote the record (the one its
+    /// handshake reports), when the prefill knows it: a record of a dead
+    /// predecessor is then told apart from its successor's. Optional, for
+    /// prefills that do not report one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incarnation: Option<u64>,
 }
 
-/// A key's value that does not follow the schema.
+/// A record (key and value) that does not follow the schema. Every text
+/// from the record is escaped and cut (it comes from whoever can write to
+/// etcd).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SchemaError {
+    /// The key is longer than [`MAX_KEY`] bytes.
+    #[error("key is {0} bytes long; expected at most {MAX_KEY}")]
+    KeyTooLong(usize),
+    /// The value is larger than [`MAX_RECORD`] bytes (not parsed).
+    #[error("value is {0} bytes long; expected at most {MAX_RECORD}")]
+    TooLarge(usize),
     /// Not JSON, or not an object with the three fields of the right types.
     #[error("value is not a member object ({0}); expected {{\"engine_id\": string, \"address\": \"host:port\", \"ranks\": 1..=64}}")]
     Json(String),
-    /// `engine_id` empty or longer than [`MAX_ENGINE_ID`] bytes.
-    #[error("engine_id must be 1 to {MAX_ENGINE_ID} bytes, got {0}")]
-    EngineId(usize),
-    /// `address` is not `host:port` with a port number.
-    #[error("address {0:?} is not host:port")]
-    Address(String),
+    /// `engine_id` empty, longer than [`MAX_ENGINE_ID`] bytes, or holding
+    /// a control character.
+    #[error("engine_id: {0}")]
+    EngineId(NameError),
+    /// `address` is not `host:port` (see the module docs for its form).
+    #[error("address {shown} is not host:port: {why}; expected a DNS name, an IPv4 address or a bracketed IPv6 address, then ':' and a port from 1 to 65535, at most {MAX_ADDRESS} bytes")]
+    Address {
+        /// The address, escaped and cut.
+        shown: String,
+        /// What is wrong with it.
+        why: String,
+    },
     /// `ranks` outside 1..=[`MAX_RANKS`].
     #[error("ranks must be 1 to {MAX_RANKS}, got {0}")]
     Ranks(u16),
+}
+
+impl SchemaError {
+    /// The reason, as the `reason` label of
+    /// `nixl_keepalive_membership_bad_values_total`: `key`, `too_large`,
+    /// `json`, `engine_id`, `address` or `ranks`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            SchemaError::KeyTooLong(_) => "key",
+            SchemaError::TooLarge(_) => "too_large",
+            SchemaError::Json(_) => "json",
+            SchemaError::EngineId(_) => "engine_id",
+            SchemaError::Address { .. } => "address",
+            SchemaError::Ranks(_) => "ranks",
+        }
+    }
 }
 
 impl Member {
@@ -113,15 +191,58 @@ impl Member {
             engine_id: engine_id.into(),
             address: address.into(),
             ranks,
+            incarnation: None,
         }
     }
 
-    /// Parses and checks a key's value.
+    /// The same member, naming the incarnation of its process.
+    pub fn with_incarnation(mut self, incarnation: u64) -> Self {
+        self.incarnation = Some(incarnation);
+        self
+    }
+
+    /// What the record says of its engine, for the service to judge
+    /// against the engine's registration when the record goes away
+    /// ([`KeepaliveHandle::member_gone`]); `address` is the record's
+    /// address as resolved when it was announced.
+    pub fn departure(&self, address: PeerAddr) -> Departure {
+        Departure {
+            engine: self.engine(),
+            incarnation: self.incarnation.map(Incarnation),
+            address,
+        }
+    }
+
+    /// Whether `other` can be a record of the same process at the same
+    /// address: the same engine id and address, and the same incarnation
+    /// where both name one.
+    fn same_process(&self, other: &Member) -> bool {
+        self.engine_id == other.engine_id
+            && self.address == other.address
+            && (self.incarnation.is_none()
+                || other.incarnation.is_none()
+                || self.incarnation == other.incarnation)
+    }
+
+    /// Parses and checks a key's value: its size first, then its JSON,
+    /// then the schema's rules.
     pub fn from_json(bytes: &[u8]) -> Result<Member, SchemaError> {
-        let m: Member =
-            serde_json::from_slice(bytes).map_err(|e| SchemaError::Json(e.to_string()))?;
+        if bytes.len() > MAX_RECORD {
+            return Err(SchemaError::TooLarge(bytes.len()));
+        }
+        let m: Member = serde_json::from_slice(bytes)
+            .map_err(|e| SchemaError::Json(Escaped(&e.to_string()).to_string()))?;
         m.check()?;
         Ok(m)
+    }
+
+    /// Parses and checks a record: its key's length, then its value (see
+    /// [`Member::from_json`]).
+    pub fn from_record(key: &str, value: &[u8]) -> Result<Member, SchemaError> {
+        if key.len() > MAX_KEY {
+            return Err(SchemaError::KeyTooLong(key.len()));
+        }
+        Member::from_json(value)
     }
 
     /// The value to store under the key.
@@ -131,16 +252,11 @@ impl Member {
 
     /// Checks the schema's rules.
     pub fn check(&self) -> Result<(), SchemaError> {
-        if self.engine_id.is_empty() || self.engine_id.len() > MAX_ENGINE_ID {
-            return Err(SchemaError::EngineId(self.engine_id.len()));
-        }
-        let port_ok = self
-            .address
-            .rsplit_once(':')
-            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
-        if !port_ok {
-            return Err(SchemaError::Address(self.address.clone()));
-        }
+        check_name("engine id", &self.engine_id, MAX_ENGINE_ID).map_err(SchemaError::EngineId)?;
+        check_address(&self.address).map_err(|why| SchemaError::Address {
+            shown: Escaped(&self.address).to_string(),
+            why,
+        })?;
         if self.ranks == 0 || self.ranks > MAX_RANKS {
             return Err(SchemaError::Ranks(self.ranks));
         }
@@ -158,16 +274,66 @@ impl Member {
     }
 }
 
+/// The address rules: bounded and printable ([`check_name`]), then
+/// `host:port` with a host a decoder can connect to.
+fn check_address(address: &str) -> Result<(), String> {
+    check_name("address", address, MAX_ADDRESS).map_err(|e| match e {
+        // The address is shown once, by the caller.
+        NameError::Control { code, at, .. } => {
+            format!("it holds a control character (U+{code:04X}) at byte {at}")
+        }
+        other => other.to_string(),
+    })?;
+    let Some((host, port)) = address.rsplit_once(':') else {
+        return Err("no ':port'".into());
+    };
+    if port.is_empty()
+        || !port.bytes().all(|b| b.is_ascii_digit())
+        || !port.parse::<u16>().is_ok_and(|p| p > 0)
+    {
+        return Err("the port is not a number from 1 to 65535".into());
+    }
+    if let Some(v6) = host.strip_prefix('[') {
+        let ok = v6
+            .strip_suffix(']')
+            .is_some_and(|v6| v6.parse::<std::net::Ipv6Addr>().is_ok());
+        return if ok {
+            Ok(())
+        } else {
+            Err("the bracketed host is not an IPv6 address".into())
+        };
+    }
+    if host.is_empty() {
+        return Err("the host is empty".into());
+    }
+    if !host
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+    {
+        return Err(
+            "the host holds characters other than letters, digits, '.', '-' and '_'".into(),
+        );
+    }
+    Ok(())
+}
+
 /// What a membership source reports. Revisions are the source's own
-/// (etcd's store revision), increasing.
+/// (etcd's store revision): they never decrease within one store, and
+/// several events may share one (every event of one etcd transaction, a
+/// prefix delete or a lease revocation has the same revision).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SourceEvent {
     /// The whole prefix at `revision`: at start, after a compaction and
-    /// after every outage. Keys not listed are gone.
+    /// after every outage. Keys not listed are gone. A revision below the
+    /// last one seen, or another `cluster_id`, is a store reset (see the
+    /// module docs).
     Listed {
         /// The revision the list was read at; the watch goes on from the
         /// next one.
         revision: i64,
+        /// Which store answered: etcd's cluster id (a wiped or restored
+        /// etcd gets a new one).
+        cluster_id: u64,
         /// Every key with its raw value.
         entries: Vec<(String, Vec<u8>)>,
     },
@@ -177,14 +343,17 @@ pub enum SourceEvent {
         key: String,
         /// Its raw value.
         value: Vec<u8>,
-        /// The revision of the write.
+        /// The revision of the write (shared by every event of its
+        /// transaction).
         revision: i64,
     },
-    /// A key was deleted (by its engine, or by its lease's expiry).
+    /// A key was deleted (by its engine, by a prefix delete, or by its
+    /// lease's expiry or revocation).
     Deleted {
         /// The key.
         key: String,
-        /// The revision of the deletion.
+        /// The revision of the deletion (shared by every event of its
+        /// transaction).
         revision: i64,
     },
     /// The source lost the membership plane; it retries and will send
@@ -216,6 +385,9 @@ pub enum RetireWhy {
     /// A fresh list of the prefix no longer has it (deleted while the
     /// watch was down or behind a compaction).
     MissingFromList,
+    /// The store was reset (wiped, or restored from an old snapshot) and
+    /// the engine had not registered again when the grace period ended.
+    MissingAfterReset,
 }
 
 impl RetireWhy {
@@ -225,6 +397,7 @@ impl RetireWhy {
             RetireWhy::Deleted => "deleted",
             RetireWhy::Replaced { .. } => "replaced",
             RetireWhy::MissingFromList => "missing_from_list",
+            RetireWhy::MissingAfterReset => "missing_after_reset",
         }
     }
 }
@@ -248,6 +421,13 @@ pub enum Action {
         /// What was wrong.
         error: SchemaError,
     },
+    /// The store was reset: the engines it lacks are kept and awaited for
+    /// the grace period; the driver calls [`Reconciler::end_reset_grace`]
+    /// when it ends.
+    StoreReset {
+        /// Engines known before the reset that the new store lacks.
+        awaited: usize,
+    },
 }
 
 /// The membership state machine: keys to members, the last revision seen.
@@ -256,7 +436,16 @@ pub enum Action {
 #[derive(Debug, Default)]
 pub struct Reconciler {
     members: BTreeMap<String, Member>,
+    /// How many keys hold each record identity (engine id, incarnation,
+    /// address): a record that goes away while another key still says the
+    /// same retires nothing.
+    identities: HashMap<(String, Option<u64>, String), usize>,
     revision: i64,
+    /// The store's cluster id, from the last list.
+    cluster_id: Option<u64>,
+    /// After a store reset: members the new store lacked, by key, until
+    /// they register again or the grace period ends.
+    awaited: BTreeMap<String, Member>,
 }
 
 impl Reconciler {
@@ -265,7 +454,8 @@ impl Reconciler {
         Self::default()
     }
 
-    /// The last revision applied.
+    /// The highest revision seen (the watch resumes after it). Only for
+    /// resuming: events are applied whatever their revision.
     pub fn revision(&self) -> i64 {
         self.revision
     }
@@ -275,74 +465,173 @@ impl Reconciler {
         &self.members
     }
 
+    /// After a store reset, the members the new store lacks (by key),
+    /// kept until they register again or [`Reconciler::end_reset_grace`].
+    pub fn awaited(&self) -> &BTreeMap<String, Member> {
+        &self.awaited
+    }
+
     /// Applies one source event. Outages change nothing here.
     pub fn apply(&mut self, event: SourceEvent) -> Vec<Action> {
         match event {
-            SourceEvent::Listed { revision, entries } => self.listed(revision, entries),
+            SourceEvent::Listed {
+                revision,
+                cluster_id,
+                entries,
+            } => self.list(revision, cluster_id, entries),
             SourceEvent::Put {
                 key,
                 value,
                 revision,
-            } => self.put(key, &value, revision),
-            SourceEvent::Deleted { key, revision } => self.deleted(&key, revision),
+            } => {
+                self.seen(revision);
+                self.recall_awaited(&key);
+                self.put(key, &value)
+            }
+            SourceEvent::Deleted { key, revision } => {
+                self.seen(revision);
+                self.recall_awaited(&key);
+                self.deleted(&key)
+            }
             SourceEvent::Outage { .. } => Vec::new(),
         }
     }
 
-    fn engine_elsewhere(&self, engine: &str) -> bool {
-        self.members.values().any(|m| m.engine_id == engine)
+    /// The reset's grace period is over: every member still awaited is
+    /// retired, unless its engine is listed under another key now.
+    pub fn end_reset_grace(&mut self) -> Vec<Action> {
+        let awaited = std::mem::take(&mut self.awaited);
+        awaited
+            .into_values()
+            .filter_map(|member| self.retire(member, RetireWhy::MissingAfterReset))
+            .collect()
     }
 
-    /// A write. Stale revisions (already applied) are ignored.
-    fn put(&mut self, key: String, value: &[u8], revision: i64) -> Vec<Action> {
-        if revision <= self.revision {
-            return Vec::new();
+    // Revisions and store resets.
+
+    /// An event's revision: kept for resuming only. Events of one revision
+    /// (one transaction) are all applied.
+    fn seen(&mut self, revision: i64) {
+        self.revision = self.revision.max(revision);
+    }
+
+    /// A list: after a store reset, the members the new store lacks are set
+    /// aside (awaited, not retired); then the list is reconciled as any
+    /// other. The list's revision is taken as it is (after a reset it is
+    /// lower).
+    fn list(
+        &mut self,
+        revision: i64,
+        cluster_id: u64,
+        entries: Vec<(String, Vec<u8>)>,
+    ) -> Vec<Action> {
+        let reset = self.cluster_id.is_some_and(|c| c != cluster_id) || revision < self.revision;
+        self.cluster_id = Some(cluster_id);
+        for (key, _) in &entries {
+            self.recall_awaited(key);
         }
+        let mut actions = Vec::new();
+        if reset {
+            let listed: HashSet<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
+            let lacking: Vec<String> = self
+                .members
+                .keys()
+                .filter(|k| !listed.contains(k.as_str()))
+                .cloned()
+                .collect();
+            for key in lacking {
+                let member = self.remove_member(&key).expect("listed above");
+                self.awaited.insert(key, member);
+            }
+            actions.push(Action::StoreReset {
+                awaited: self.awaited.len(),
+            });
+        }
+        actions.extend(self.listed(entries));
         self.revision = revision;
-        let member = match Member::from_json(value) {
+        actions
+    }
+
+    /// A key of an awaited member is in the store again: it is a member
+    /// again, so what the store says now is compared with what it said
+    /// before the reset (the same record announces nothing).
+    fn recall_awaited(&mut self, key: &str) {
+        if let Some(member) = self.awaited.remove(key) {
+            self.insert_member(key.to_string(), member);
+        }
+    }
+
+    // The members and their identity index.
+
+    fn insert_member(&mut self, key: String, member: Member) -> Option<Member> {
+        *self.identities.entry(identity_key(&member)).or_default() += 1;
+        let old = self.members.insert(key, member);
+        if let Some(old) = &old {
+            self.forget_identity(old);
+        }
+        old
+    }
+
+    fn remove_member(&mut self, key: &str) -> Option<Member> {
+        let old = self.members.remove(key)?;
+        self.forget_identity(&old);
+        Some(old)
+    }
+
+    fn forget_identity(&mut self, member: &Member) {
+        let k = identity_key(member);
+        if let Some(n) = self.identities.get_mut(&k) {
+            *n -= 1;
+            if *n == 0 {
+                self.identities.remove(&k);
+            }
+        }
+    }
+
+    /// Whether some key still holds a record of this very process at this
+    /// address: then a record of it going away under another key is no
+    /// evidence that it left.
+    fn still_listed(&self, member: &Member) -> bool {
+        self.identities.contains_key(&identity_key(member))
+    }
+
+    /// A retirement of `member`'s record, unless another key still lists
+    /// the same process at the same address. The service judges it
+    /// against the registration ([`KeepaliveHandle::member_gone`]): only a
+    /// record that is the registration's own retires the engine.
+    fn retire(&self, member: Member, why: RetireWhy) -> Option<Action> {
+        (!self.still_listed(&member)).then_some(Action::Retire { member, why })
+    }
+
+    // Membership rules. The membership plane announces and retires
+    // records; it never decides who is at an address: a record naming a
+    // new engine id at an address is only announced (the runtime's
+    // handshake there is what replaces an engine).
+
+    /// A write.
+    fn put(&mut self, key: String, value: &[u8]) -> Vec<Action> {
+        let member = match Member::from_record(&key, value) {
             Ok(m) => m,
             Err(error) => return vec![Action::BadValue { key, error }],
         };
+        let old = self.insert_member(key, member.clone());
         let mut actions = Vec::new();
-        // Another key at the same address with another engine id: the
-        // engine there was replaced (a restart under a fresh id registers
-        // a fresh key before its old lease expires).
-        let displaced: Vec<String> = self
-            .members
-            .iter()
-            .filter(|(k, m)| {
-                **k != key && m.address == member.address && m.engine_id != member.engine_id
-            })
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in displaced {
-            let old = self.members.remove(&k).expect("listed above");
-            if !self.engine_elsewhere(&old.engine_id) {
-                actions.push(Action::Retire {
-                    member: old,
-                    why: RetireWhy::Replaced {
-                        by: member.engine(),
-                    },
-                });
-            }
-        }
-        let old = self.members.insert(key, member.clone());
         match old {
             Some(old) if old == member => {}
-            Some(old) if old.engine_id == member.engine_id => {
-                // Same engine, new address or ranks: announce it again so
-                // the runtime handshakes where it is now.
+            Some(old) if old.same_process(&member) => {
+                // Same process, new ranks: announce it again.
                 actions.push(Action::Announce(member));
             }
             Some(old) => {
-                if !self.engine_elsewhere(&old.engine_id) {
-                    actions.push(Action::Retire {
-                        member: old,
-                        why: RetireWhy::Replaced {
-                            by: member.engine(),
-                        },
-                    });
-                }
+                // The key names another process (a restart under a pinned
+                // id writes its key again) or moved: the old record is
+                // gone.
+                actions.extend(self.retire(
+                    old,
+                    RetireWhy::Replaced {
+                        by: member.engine(),
+                    },
+                ));
                 actions.push(Action::Announce(member));
             }
             None => actions.push(Action::Announce(member)),
@@ -350,30 +639,26 @@ impl Reconciler {
         actions
     }
 
-    /// A deletion (or lease expiry). Stale revisions are ignored.
-    fn deleted(&mut self, key: &str, revision: i64) -> Vec<Action> {
-        if revision <= self.revision {
-            return Vec::new();
-        }
-        self.revision = revision;
-        match self.members.remove(key) {
-            Some(member) if !self.engine_elsewhere(&member.engine_id) => vec![Action::Retire {
-                member,
-                why: RetireWhy::Deleted,
-            }],
-            _ => Vec::new(),
+    /// A deletion (by its engine, a prefix delete, or a lease's expiry or
+    /// revocation).
+    fn deleted(&mut self, key: &str) -> Vec<Action> {
+        match self.remove_member(key) {
+            Some(member) => self
+                .retire(member, RetireWhy::Deleted)
+                .into_iter()
+                .collect(),
+            None => Vec::new(),
         }
     }
 
-    /// A fresh list of the whole prefix: everything missing is retired,
-    /// everything new announced. Applied whatever its revision: a list
-    /// is the truth as of now (after an etcd restore it may even be
-    /// older).
-    fn listed(&mut self, revision: i64, entries: Vec<(String, Vec<u8>)>) -> Vec<Action> {
+    /// A fresh list of the whole prefix: every key missing is retired,
+    /// every new or changed key announced. Applied whatever its revision:
+    /// a list is the truth as of now.
+    fn listed(&mut self, entries: Vec<(String, Vec<u8>)>) -> Vec<Action> {
         let mut actions = Vec::new();
         let mut fresh = BTreeMap::new();
         for (key, value) in entries {
-            match Member::from_json(&value) {
+            match Member::from_record(&key, &value) {
                 Ok(m) => {
                     fresh.insert(key, m);
                 }
@@ -386,39 +671,39 @@ impl Reconciler {
                 }
             }
         }
-        let engines_now: HashMap<&str, &Member> =
-            fresh.values().map(|m| (m.engine_id.as_str(), m)).collect();
-        for old in self.members.values() {
-            if engines_now.contains_key(old.engine_id.as_str()) {
-                continue;
-            }
-            let by = fresh
-                .values()
-                .find(|m| m.address == old.address)
-                .map(|m| m.engine());
-            let why = match by {
-                Some(by) => RetireWhy::Replaced { by },
-                None => RetireWhy::MissingFromList,
-            };
-            actions.push(Action::Retire {
-                member: old.clone(),
-                why,
-            });
+        let old = std::mem::take(&mut self.members);
+        self.identities.clear();
+        for (key, member) in &fresh {
+            self.insert_member(key.clone(), member.clone());
         }
-        let known: HashMap<&str, &Member> = self
-            .members
-            .values()
-            .map(|m| (m.engine_id.as_str(), m))
-            .collect();
-        for m in fresh.values() {
-            if known.get(m.engine_id.as_str()) != Some(&m) {
-                actions.push(Action::Announce(m.clone()));
+        // Missing keys first, then new and changed ones, in key order.
+        for (key, was) in &old {
+            if !fresh.contains_key(key) {
+                actions.extend(self.retire(was.clone(), RetireWhy::MissingFromList));
             }
         }
-        self.members = fresh;
-        self.revision = revision;
+        for (key, now) in &fresh {
+            match old.get(key) {
+                Some(was) if was == now => {}
+                Some(was) if was.same_process(now) => actions.push(Action::Announce(now.clone())),
+                Some(was) => {
+                    actions
+                        .extend(self.retire(was.clone(), RetireWhy::Replaced { by: now.engine() }));
+                    actions.push(Action::Announce(now.clone()));
+                }
+                None => actions.push(Action::Announce(now.clone())),
+            }
+        }
         actions
     }
+}
+
+fn identity_key(member: &Member) -> (String, Option<u64>, String) {
+    (
+        member.engine_id.clone(),
+        member.incarnation,
+        member.address.clone(),
+    )
 }
 
 /// What the driver tells the decoder runtime.
@@ -433,15 +718,21 @@ pub enum MembershipUpdate {
         /// Why.
         why: RetireWhy,
     },
-    /// A value broke the schema (counted, logged; the key is unchanged).
+    /// A record broke the schema: counted, the key unchanged. Reported at
+    /// a bounded rate (a burst of [`REFUSALS_BURST`], then one per
+    /// [`REFUSALS_PERIOD`]); the others are only counted.
     BadValue {
-        /// The key.
+        /// The key (print it with [`Escaped`]: it may hold anything).
         key: String,
         /// What was wrong.
         error: SchemaError,
+        /// Refused records since the previous `BadValue` that were
+        /// counted but not reported.
+        unreported: u64,
     },
-    /// The membership plane is unreachable: nothing is retired until it is
-    /// back. Sent once per outage.
+    /// The membership plane is unavailable (unreachable, or its prefix
+    /// cannot be listed): nothing is retired until it is back. Sent once
+    /// per outage.
     Outage {
         /// What failed first.
         error: String,
@@ -450,6 +741,14 @@ pub enum MembershipUpdate {
     Restored {
         /// How long the outage lasted.
         outage: Duration,
+    },
+    /// The store was reset (see the module docs): the engines it lacks are
+    /// kept for `grace`, and retired only if still missing then.
+    StoreReset {
+        /// Engines awaited.
+        awaited: usize,
+        /// How long they may take to register again.
+        grace: Duration,
     },
     /// An engine retired by membership was released by the service.
     Released {
@@ -468,15 +767,28 @@ pub enum MembershipUpdate {
 pub struct MembershipConfig {
     /// What a removal does to reads in flight (default: drain).
     pub gone_mode: GoneMode,
+    /// After a store reset, how long the engines the new store lacks may
+    /// take to register again before they are retired. Set it to the
+    /// prefills' lease TTL (default 10 s, the prefill's default
+    /// `--etcd-ttl` and Dynamo's lease).
+    pub reset_grace: Duration,
 }
 
 impl Default for MembershipConfig {
     fn default() -> Self {
         MembershipConfig {
             gone_mode: GoneMode::Drain,
+            reset_grace: Duration::from_secs(10),
         }
     }
 }
+
+/// Refused records reported (logged at WARN and sent as
+/// [`MembershipUpdate::BadValue`]) at once before the rate applies.
+pub const REFUSALS_BURST: u32 = 10;
+/// After the burst, one refused record reported per this period; the
+/// others are counted, and the next report says how many.
+pub const REFUSALS_PERIOD: Duration = Duration::from_secs(1);
 
 /// Metric names (Prometheus).
 pub mod metric {
@@ -488,12 +800,17 @@ pub mod metric {
     pub const LISTS: &str = "nixl_keepalive_membership_lists_total";
     /// Gauge: engines the membership plane lists now.
     pub const MEMBERS: &str = "nixl_keepalive_membership_members";
-    /// Counter `{why}`: engines retired (deleted, replaced, missing_from_list).
+    /// Counter `{why}`: engines retired (deleted, replaced,
+    /// missing_from_list, missing_after_reset).
     pub const RETIRED: &str = "nixl_keepalive_membership_retired_total";
     /// Counter: engines announced.
     pub const JOINED: &str = "nixl_keepalive_membership_joined_total";
-    /// Counter: values that broke the key schema.
+    /// Counter `{reason}`: records refused (see [`super::SchemaError::reason`]).
     pub const BAD_VALUES: &str = "nixl_keepalive_membership_bad_values_total";
+    /// Counter: store resets (revision went back, or cluster id changed).
+    pub const STORE_RESETS: &str = "nixl_keepalive_membership_store_resets_total";
+    /// Gauge: engines kept after a store reset, awaiting their new record.
+    pub const AWAITED: &str = "nixl_keepalive_membership_awaited";
     /// Histogram: from seeing a removal to the engine's release, seconds.
     pub const DELETION_TO_RELEASE: &str = "nixl_keepalive_membership_deletion_to_release_seconds";
 }
@@ -531,6 +848,10 @@ async fn drive<S: MembershipSource, R: Send + 'static>(
     // Engines retired by membership, waiting for their release.
     let mut pending: HashMap<EngineId, Instant> = HashMap::new();
     let mut outage_since: Option<Instant> = None;
+    // When the grace period after a store reset ends.
+    let mut grace_until: Option<Instant> = None;
+    let mut refusals = refusals::RefusalLog::new(Instant::now());
+    let mut resolved = Resolved::default();
     metrics::gauge!(metric::WATCH_UP).set(0.0);
     loop {
         let event = tokio::select! {
@@ -539,6 +860,16 @@ async fn drive<S: MembershipSource, R: Send + 'static>(
                 Some(e) => e,
                 None => break,
             },
+            _ = sleep_until_some(grace_until) => {
+                grace_until = None;
+                let actions = reconciler.end_reset_grace();
+                tracing::info!(retired = actions.len(), "membership: store reset's grace period over");
+                for action in actions {
+                    carry_out(action, &handle, &config, &mut pending, &mut refusals, &mut resolved, &updates).await;
+                }
+                set_member_gauges(&reconciler);
+                continue;
+            }
             e = events.recv() => {
                 match e {
                     Ok(Event::Released { engine, reason, .. }) => {
@@ -559,13 +890,17 @@ async fn drive<S: MembershipSource, R: Send + 'static>(
                 continue;
             }
         };
+        let listed = matches!(event, SourceEvent::Listed { .. });
         match &event {
             SourceEvent::Outage { error } => {
+                // The grace period waits for the store: it starts again
+                // with the next list.
+                grace_until = None;
                 if outage_since.is_none() {
                     outage_since = Some(Instant::now());
                     metrics::gauge!(metric::WATCH_UP).set(0.0);
                     metrics::counter!(metric::OUTAGES).increment(1);
-                    tracing::warn!(%error, "membership plane unreachable: keeping every engine until it is back");
+                    tracing::warn!(%error, "membership plane unavailable: keeping every engine until it is back");
                     let _ = updates.send(MembershipUpdate::Outage {
                         error: error.clone(),
                     });
@@ -587,36 +922,141 @@ async fn drive<S: MembershipSource, R: Send + 'static>(
             _ => {}
         }
         for action in reconciler.apply(event) {
-            match action {
-                Action::Announce(member) => {
-                    metrics::counter!(metric::JOINED).increment(1);
-                    tracing::info!(engine = %member.engine_id, address = %member.address, ranks = member.ranks, "membership: engine joined");
-                    let _ = updates.send(MembershipUpdate::Joined(member));
-                }
-                Action::Retire { member, why } => {
-                    let engine = member.engine();
-                    metrics::counter!(metric::RETIRED, "why" => why.as_str()).increment(1);
-                    tracing::info!(%engine, address = %member.address, why = why.as_str(), "membership: engine left: retiring it");
-                    if handle.engine(&engine).is_some() {
-                        pending.entry(engine.clone()).or_insert_with(Instant::now);
-                    }
-                    retire(&handle, engine, config.gone_mode);
-                    let _ = updates.send(MembershipUpdate::Left { member, why });
-                }
-                Action::BadValue { key, error } => {
-                    metrics::counter!(metric::BAD_VALUES).increment(1);
-                    tracing::warn!(%key, %error, "membership: bad value ignored");
-                    let _ = updates.send(MembershipUpdate::BadValue { key, error });
-                }
-            }
+            carry_out(
+                action,
+                &handle,
+                &config,
+                &mut pending,
+                &mut refusals,
+                &mut resolved,
+                &updates,
+            )
+            .await;
         }
-        metrics::gauge!(metric::MEMBERS).set(reconciler.members().len() as f64);
+        if listed {
+            grace_until = reset_grace_deadline(&reconciler, &config);
+        }
+        set_member_gauges(&reconciler);
     }
     metrics::gauge!(metric::WATCH_UP).set(0.0);
 }
 
-/// The one call into the service: by engine id, never by address (the
-/// address may already hold the engine's replacement).
-fn retire<R: Send + 'static>(handle: &KeepaliveHandle<R>, engine: EngineId, mode: GoneMode) {
-    handle.peer_gone(PeerRef::Engine(engine), mode);
+/// The addresses of announced records, resolved when they were announced
+/// ([`PeerAddr::resolve`], as the runtime resolves them to handshake):
+/// a record's departure names the address its engine was registered at,
+/// even if the name no longer resolves (a pod and its DNS entry go away
+/// together).
+#[derive(Default)]
+struct Resolved(HashMap<(String, String), PeerAddr>);
+
+impl Resolved {
+    async fn announce(&mut self, member: &Member) {
+        let address = match PeerAddr::resolve(&member.address).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::debug!(address = %Escaped(&member.address), error = %e, "membership: a record's address does not resolve to one address; compared as written");
+                member.peer_addr()
+            }
+        };
+        if self.0.len() >= MAX_RESOLVED {
+            self.0.clear();
+        }
+        self.0
+            .insert((member.engine_id.clone(), member.address.clone()), address);
+    }
+
+    fn departed(&mut self, member: &Member) -> PeerAddr {
+        self.0
+            .remove(&(member.engine_id.clone(), member.address.clone()))
+            .unwrap_or_else(|| member.peer_addr())
+    }
+}
+
+/// The most resolved addresses remembered (a hostile plane writing
+/// endless records cannot grow it without bound).
+const MAX_RESOLVED: usize = 1 << 16;
+
+/// One action of the reconciler, carried out.
+async fn carry_out<R: Send + 'static>(
+    action: Action,
+    handle: &KeepaliveHandle<R>,
+    config: &MembershipConfig,
+    pending: &mut HashMap<EngineId, Instant>,
+    refusals: &mut refusals::RefusalLog,
+    resolved: &mut Resolved,
+    updates: &mpsc::UnboundedSender<MembershipUpdate>,
+) {
+    match action {
+        Action::Announce(member) => {
+            resolved.announce(&member).await;
+            metrics::counter!(metric::JOINED).increment(1);
+            tracing::info!(engine = %member.engine_id, address = %member.address, ranks = member.ranks, "membership: engine joined");
+            let _ = updates.send(MembershipUpdate::Joined(member));
+        }
+        Action::Retire { member, why } => {
+            let engine = member.engine();
+            metrics::counter!(metric::RETIRED, "why" => why.as_str()).increment(1);
+            tracing::info!(%engine, address = %Escaped(&member.address), why = why.as_str(), "membership: record gone: the service retires its engine if it is that registration's own");
+            if handle.engine(&engine).is_some() {
+                pending.entry(engine.clone()).or_insert_with(Instant::now);
+            }
+            let address = resolved.departed(&member);
+            handle.member_gone(member.departure(address), config.gone_mode);
+            let _ = updates.send(MembershipUpdate::Left { member, why });
+        }
+        Action::BadValue { key, error } => refused(key, error, refusals, updates),
+        Action::StoreReset { awaited } => {
+            metrics::counter!(metric::STORE_RESETS).increment(1);
+            tracing::warn!(
+                awaited,
+                grace_ms = config.reset_grace.as_millis() as u64,
+                "membership plane was reset (its revision went back or its cluster id changed): the engines it lacks are kept for the grace period"
+            );
+            let _ = updates.send(MembershipUpdate::StoreReset {
+                awaited,
+                grace: config.reset_grace,
+            });
+        }
+    }
+}
+
+// Store resets: the grace period.
+
+/// After a list: engines still awaited get (again) a whole grace period.
+fn reset_grace_deadline(reconciler: &Reconciler, config: &MembershipConfig) -> Option<Instant> {
+    (!reconciler.awaited().is_empty()).then(|| Instant::now() + config.reset_grace)
+}
+
+/// Sleeps until `deadline`; never resolves without one.
+async fn sleep_until_some(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn set_member_gauges(reconciler: &Reconciler) {
+    metrics::gauge!(metric::MEMBERS).set(reconciler.members().len() as f64);
+    metrics::gauge!(metric::AWAITED).set(reconciler.awaited().len() as f64);
+}
+
+// Refused records.
+
+/// A refused record: counted by reason; logged and reported at a bounded
+/// rate, its key escaped and cut.
+fn refused(
+    key: String,
+    error: SchemaError,
+    refusals: &mut refusals::RefusalLog,
+    updates: &mpsc::UnboundedSender<MembershipUpdate>,
+) {
+    metrics::counter!(metric::BAD_VALUES, "reason" => error.reason()).increment(1);
+    if let Some(unreported) = refusals.refused(Instant::now()) {
+        tracing::warn!(key = %Escaped(&key), %error, reason = error.reason(), unreported, "membership: record refused; the key is treated as unchanged");
+        let _ = updates.send(MembershipUpdate::BadValue {
+            key,
+            error,
+            unreported,
+        });
+    }
 }

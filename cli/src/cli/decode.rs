@@ -26,8 +26,9 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use nixl_keepalive::log_limit::LogLimiter;
-use nixl_keepalive::membership::{self, MembershipUpdate, RetireWhy};
+use nixl_keepalive::membership::{self, MembershipUpdate};
 use nixl_keepalive::nixl_transport::NixlTransport;
+use nixl_keepalive::text::Escaped;
 use nixl_keepalive::ucx_settings::UcxSettings;
 use nixl_keepalive::{Config, Event, Keepalive, PeerAddr};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder};
@@ -66,6 +67,13 @@ pub(crate) struct DecodeArgs {
     /// What an etcd removal does to reads in flight.
     #[arg(long, value_enum, default_value = "drain")]
     gone_mode: GoneModeArg,
+
+    /// After etcd was reset (restarted empty, or restored: its revision
+    /// went back or its cluster id changed), how long the prefills it lacks
+    /// may take to register again before they are retired, in seconds. Set
+    /// it to the prefills' `--etcd-ttl`.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    etcd_reset_grace: u64,
 
     /// Serve the control endpoint (`POST /v1/peer_gone`, `GET
     /// /v1/snapshot`) and `/metrics` here. Loopback unless
@@ -264,12 +272,19 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
         let reader_drain = options.read_timeout + options.handshake_timeout * 2;
         let decoder = Decoder::new(keepalive.clone(), transport.clone(), options);
         let mut readers: HashMap<PeerAddr, Reader> = HashMap::new();
-        for a in &args.prefill {
-            let address = PeerAddr::from(a.as_str());
+        let prefills = match resolve_prefills(&args.prefill).await {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        for address in prefills {
             let stop = reading.child_token();
             let task = decoder.spawn(address.clone(), stop.clone());
             readers.insert(address, Reader { stop, task, pinned: true });
         }
+        let mut members = Members::default();
         let mut updates = start_membership(&args, &keepalive, &shutdown);
         let mut summary = tokio::time::interval(Duration::from_secs(5));
         summary.tick().await;
@@ -285,7 +300,7 @@ pub(crate) fn run(args: DecodeArgs) -> ExitCode {
                 },
                 Some(update) = next_update(&mut updates) => {
                     print_update(&update);
-                    follow_membership(&update, &decoder, &mut readers, &reading);
+                    follow_membership(&update, &decoder, &mut readers, &mut members, &reading).await;
                 }
                 _ = summary.tick() => {
                     print_untold(&mut quiet);
@@ -349,7 +364,10 @@ fn start_membership(
         let (updates, _task) = membership::spawn(
             source,
             keepalive.clone(),
-            MembershipConfig { gone_mode },
+            MembershipConfig {
+                gone_mode,
+                reset_grace: Duration::from_secs(args.etcd_reset_grace),
+            },
             shutdown.clone(),
         );
         Some(updates)
@@ -373,20 +391,69 @@ async fn next_update(
     }
 }
 
+/// Resolves the `--prefill` addresses to the one address each names
+/// ([`PeerAddr::resolve`]), so that aliases of one prefill
+/// (`localhost:p`, `127.0.0.1:p`) and duplicates get one reader, with one
+/// warning per duplicate. A name that does not resolve, or resolves to
+/// several addresses, stops start-up with an error that says so.
+async fn resolve_prefills(args: &[String]) -> Result<Vec<PeerAddr>, String> {
+    let mut seen: Vec<(PeerAddr, &str)> = Vec::new();
+    for a in args {
+        let address = PeerAddr::resolve(a)
+            .await
+            .map_err(|e| format!("--prefill {e}"))?;
+        match seen.iter().find(|(s, _)| *s == address) {
+            Some((_, first)) => {
+                tracing::warn!(first = %Escaped(first), again = %Escaped(a), %address, "--prefill names one prefill twice: one reader");
+                println!(
+                    "warning: --prefill {} and {} are one prefill ({address}): one reader",
+                    Escaped(first),
+                    Escaped(a)
+                );
+            }
+            None => seen.push((address, a)),
+        }
+    }
+    Ok(seen.into_iter().map(|(a, _)| a).collect())
+}
+
+/// Membership records per resolved address: a reader that membership
+/// started stops only when no record names its address any more (a dead
+/// predecessor's record expiring after its successor registered at the
+/// same address must not stop the successor's reader).
+#[derive(Default)]
+struct Members {
+    /// Record -> the address it named, resolved when it joined.
+    by_key: HashMap<(String, Option<u64>, String), PeerAddr>,
+}
+
+impl Members {
+    fn count_at(&self, address: &PeerAddr) -> usize {
+        self.by_key.values().filter(|a| *a == address).count()
+    }
+}
+
 /// A joined engine gets a reader (unless its address has one); a left
-/// engine's reader stops (unless `--prefill` named its address, or the
-/// engine was replaced at the same address, where the reader goes on with
-/// the new one). Its NIXL state is released by the service after
-/// `peer_gone`, not here.
-fn follow_membership(
+/// engine's reader stops when no record names its address any more
+/// (unless `--prefill` named it). Its NIXL state is released by the
+/// service (after its own arbitration), not here.
+async fn follow_membership(
     update: &MembershipUpdate,
     decoder: &Arc<Decoder>,
     readers: &mut HashMap<PeerAddr, Reader>,
+    members: &mut Members,
     reading: &CancellationToken,
 ) {
     match update {
         MembershipUpdate::Joined(member) => {
-            let address = member.peer_addr();
+            let address = match PeerAddr::resolve(&member.address).await {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(engine = %Escaped(&member.engine_id), error = %e, "membership: joined engine's address not usable: no reader");
+                    return;
+                }
+            };
+            members.by_key.insert(member_key(member), address.clone());
             if let Some(r) = readers.get(&address) {
                 if !r.task.is_finished() {
                     return;
@@ -403,11 +470,13 @@ fn follow_membership(
                 },
             );
         }
-        MembershipUpdate::Left { member, why } => {
-            if let RetireWhy::Replaced { .. } = why {
+        MembershipUpdate::Left { member, .. } => {
+            let Some(address) = members.by_key.remove(&member_key(member)) else {
+                return;
+            };
+            if members.count_at(&address) > 0 {
                 return;
             }
-            let address = member.peer_addr();
             if readers.get(&address).is_some_and(|r| !r.pinned) {
                 let r = readers.remove(&address).expect("checked");
                 r.stop.cancel();
@@ -417,22 +486,45 @@ fn follow_membership(
     }
 }
 
+/// A record as the reader bookkeeping tracks it: what it says (engine id,
+/// incarnation, address). Two keys saying exactly the same are one record
+/// (membership retires neither while the other stays).
+fn member_key(member: &membership::Member) -> (String, Option<u64>, String) {
+    (
+        member.engine_id.clone(),
+        member.incarnation,
+        member.address.clone(),
+    )
+}
+
 /// One line per membership update: `membership: <kind> key=value ...`.
 fn print_update(update: &MembershipUpdate) {
     match update {
         MembershipUpdate::Joined(m) => println!(
             "membership: joined engine={} address={} ranks={}",
-            m.engine_id, m.address, m.ranks
+            Escaped(&m.engine_id),
+            Escaped(&m.address),
+            m.ranks
         ),
         MembershipUpdate::Left { member, why } => println!(
             "membership: left engine={} address={} why={}",
-            member.engine_id,
-            member.address,
+            Escaped(&member.engine_id),
+            Escaped(&member.address),
             why.as_str()
         ),
-        MembershipUpdate::BadValue { key, error } => {
-            println!("membership: bad_value key={key} error={error}")
-        }
+        MembershipUpdate::BadValue {
+            key,
+            error,
+            unreported,
+        } => println!(
+            "membership: bad_value key={} reason={} unreported={unreported} error={error}",
+            Escaped(key),
+            error.reason()
+        ),
+        MembershipUpdate::StoreReset { awaited, grace } => println!(
+            "membership: store_reset awaited={awaited} grace_ms={}",
+            grace.as_millis()
+        ),
         MembershipUpdate::Outage { error } => println!("membership: outage error={error}"),
         MembershipUpdate::Restored { outage } => {
             println!("membership: restored outage_ms={}", outage.as_millis())
@@ -540,6 +632,7 @@ fn print_event(event: &Event, quiet: &mut TransientLog) {
         Event::Replaced { old, new, address } => println!("event: replaced old={old} new={new} address={address}"),
         Event::Retiring { engine, fail_reads } => println!("event: retiring engine={engine} fail_reads={fail_reads}"),
         Event::ReadsFailed { engine, count } => println!("event: reads_failed engine={engine} count={count}"),
+        Event::Conflict { conflict } => println!("event: conflict kind={} engine={} detail={:?}", conflict.kind(), conflict.engine(), conflict.to_string()),
         Event::TransientError { engine, status, source } => {
             // One line per engine, status and source per period, with
             // the count it stands for (a broken prefill once printed
@@ -555,9 +648,10 @@ fn print_event(event: &Event, quiet: &mut TransientLog) {
             engine,
             reads_in_flight,
             stalled_for,
+            given_up,
             failed,
         } => println!(
-            "event: stalled engine={engine} reads={reads_in_flight} stalled_ms={} failed={failed}",
+            "event: stalled engine={engine} reads={reads_in_flight} stalled_ms={} given_up={given_up} failed={failed}",
             stalled_for.as_millis()
         ),
         Event::TransportPanicked { engine, call, message } => {
@@ -569,8 +663,9 @@ fn print_event(event: &Event, quiet: &mut TransientLog) {
             waited_for,
             failed_steps,
             panicked,
+            endpoints_left_open,
         } => println!(
-            "event: released engine={engine} reason={} waited_ms={} reads_at_mark={} handshake={} failed_steps={failed_steps} panicked={panicked}",
+            "event: released engine={engine} reason={} waited_ms={} reads_at_mark={} handshake={} failed_steps={failed_steps} panicked={panicked} endpoints_left_open={endpoints_left_open}",
             reason.as_str(),
             waited_for.duration.as_millis(),
             waited_for.reads_in_flight_at_mark,

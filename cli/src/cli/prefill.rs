@@ -169,7 +169,7 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
             prefill.incarnation()
         );
         tracing::info!(%engine, listen = %local, ranks = args.ranks, blocks = args.blocks, "prefill ready");
-        let registration = register(&args, &engine, local);
+        let registration = register(&args, &engine, prefill.incarnation(), local);
         super::wait_for_signal().await;
         tracing::info!("prefill stopping");
         // The key goes first, so decoders retire this engine before its
@@ -202,7 +202,12 @@ impl NoRegistration {
 }
 
 /// Registers in etcd with `--etcd-endpoint`, printing each change.
-fn register(args: &PrefillArgs, engine: &EngineId, local: SocketAddr) -> Option<Registration> {
+fn register(
+    args: &PrefillArgs,
+    engine: &EngineId,
+    incarnation: u64,
+    local: SocketAddr,
+) -> Option<Registration> {
     if args.etcd_endpoint.is_empty() {
         return None;
     }
@@ -211,7 +216,10 @@ fn register(args: &PrefillArgs, engine: &EngineId, local: SocketAddr) -> Option<
         use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdRegistration, RegistrationEvent};
         use nixl_keepalive::membership::Member;
         let options = EtcdOptions::new(args.etcd_endpoint.clone(), args.etcd_prefix.clone());
-        let member = Member::new(engine.as_str(), local.to_string(), args.ranks);
+        // The incarnation the side channel reports: decoders tell this
+        // process's record from a predecessor's with it.
+        let member = Member::new(engine.as_str(), local.to_string(), args.ranks)
+            .with_incarnation(incarnation);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
             while let Some(e) = rx.recv().await {

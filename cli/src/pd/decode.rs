@@ -8,12 +8,20 @@
 //!   prepped (one descriptor per block), local landing slots registered;
 //!   [`RemoteEngine::read_block`]: one READ, polled to its end, bytes
 //!   checked;
+//! - landing slots: a READ given up in progress keeps its slot (see
+//!   [`ReadOutcome::lent_slot`]): NIXL 1.5.1 may still write it (measured,
+//!   `cli/tests/real_buffer.rs`). The [`Decoder`] hands it back only when
+//!   the service's [`GivenUpRead`] says [`Destination::Reusable`]; with the
+//!   NIXL 1.5.1 transport it says [`Destination::Retire`], and the slot is
+//!   never reused (its memory is kept, mapped, for the life of the
+//!   process);
 //! - [`Decoder`]: the above with the service, through the library's
 //!   handshake protocol (`handshake`, `ready_to_load`, `register`),
 //!   read guards reporting each transfer's status; [`Decoder::spawn`] runs
 //!   the whole loop for one prefill address, re-handshaking after a
 //!   release once something listens again.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -28,7 +36,8 @@ use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
 use nixl_keepalive::text::Escaped;
 use nixl_keepalive::{
-    AgentName, EngineId, EngineRef, EngineState, PeerAddr, Registration, ServiceStopped,
+    AgentName, Claim, ClaimRefused, Destination, EngineId, EngineRef, EngineState, GiveUp,
+    GivenUpRead, Incarnation, PeerAddr, Ready, ServiceStopped,
 };
 use nixl_keepalive::{KeepaliveHandle, Transport};
 
@@ -60,7 +69,12 @@ pub enum HandshakeError {
         /// NIXL's error.
         source: NixlError,
     },
-    /// The metadata named another agent than the reply did.
+    /// The metadata named another agent than the reply did. What was
+    /// loaded under the reply's own (claimed) names was invalidated; the
+    /// name NIXL loaded instead was unloaded only if the service granted
+    /// it to this handshake (it may be another engine's: NIXL keeps one
+    /// entry for identical metadata, and unloading it would cut that
+    /// engine off).
     #[error(
         "metadata for rank {rank} names agent {}, the reply said {}",
         Escaped(got),
@@ -74,6 +88,14 @@ pub enum HandshakeError {
         /// The agent the metadata named.
         got: String,
     },
+    /// Who the prefill says it is conflicts with an engine already
+    /// registered or being loaded (the service logged it once and counted
+    /// it); nothing was loaded.
+    #[error(transparent)]
+    Conflict(nixl_keepalive::Conflict),
+    /// The reply's identity is malformed (the service refused the claim).
+    #[error("{0}")]
+    Invalid(String),
     /// Two ranks of the reply name one agent (see the protocol). Caught by
     /// the wire decoder; checked again for replies built in code.
     #[error("{engine}: ranks {first} and {second} both name agent {:?}; each rank must have its own agent", Escaped(agent))]
@@ -113,6 +135,8 @@ impl HandshakeError {
             HandshakeError::DuplicateAgent { .. } => "duplicate_agent",
             HandshakeError::Stopped(_) => "stopped",
             HandshakeError::Refused(_) => "refused",
+            HandshakeError::Conflict(_) => "conflict",
+            HandshakeError::Invalid(_) => "invalid",
         }
     }
 }
@@ -165,17 +189,23 @@ pub enum ReadOutcome {
     /// NIXL refused or failed the transfer with this raw status.
     Failed(NixlStatus),
     /// Still in progress at the deadline; the request was released
-    /// (`releaseXferReq`, which aborts it where the backend can), with
-    /// this raw status.
+    /// (`releaseXferReq`: NIXL 1.5.1 answers SUCCESS, which stops the
+    /// read's `RD:` notification but not its bytes), with this raw status.
+    /// Its landing slot stays lent to the transfer.
     TimedOut {
         /// What `releaseXferReq` returned for the request in progress.
         release: NixlStatus,
+        /// The landing slot the transfer may still write.
+        slot: usize,
     },
     /// The service failed the engine's reads (unreachable, stalled, gone in
-    /// fail mode); the request was released, with this raw status.
+    /// fail mode); the request was released, with this raw status. Its
+    /// landing slot stays lent to the transfer.
     Abandoned {
         /// What `releaseXferReq` returned for the request in progress.
         release: NixlStatus,
+        /// The landing slot the transfer may still write.
+        slot: usize,
     },
     /// The engine's dlists were already released: nothing was posted.
     Released,
@@ -189,6 +219,15 @@ impl ReadOutcome {
         match self {
             ReadOutcome::Verified | ReadOutcome::Corrupt { .. } => Some(NixlStatus::SUCCESS),
             ReadOutcome::Failed(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The landing slot a read given up in progress left lent to its
+    /// transfer: not free again until [`RemoteEngine::return_slot`].
+    pub fn lent_slot(self) -> Option<usize> {
+        match self {
+            ReadOutcome::TimedOut { slot, .. } | ReadOutcome::Abandoned { slot, .. } => Some(slot),
             _ => None,
         }
     }
@@ -207,11 +246,37 @@ impl ReadOutcome {
     }
 }
 
+/// The decode side's landing slots for one engine: registered DRAM, one
+/// block each, and the local dlist over them.
 struct LocalSlots {
-    // Field order: the dlist goes before the memory it describes.
-    dlist: DlistHandle,
+    /// `None` only while dropping: it goes before the memory it describes.
+    dlist: Option<DlistHandle>,
     regions: Vec<DramRegistration>,
     free: Mutex<Vec<usize>>,
+    /// Slots lent to transfers given up in progress, not proven over.
+    lent: Mutex<BTreeSet<usize>>,
+}
+
+impl LocalSlots {
+    fn dlist(&self) -> &DlistHandle {
+        self.dlist.as_ref().expect("only taken when dropped")
+    }
+}
+
+impl Drop for LocalSlots {
+    /// A lent slot's memory is never freed: a given-up READ may still
+    /// write it (NIXL 1.5.1 over TCP: measured), for as long as the decode
+    /// agent lives. Its registration is leaked on purpose (the memory and
+    /// a reference to the agent); the others are given back.
+    fn drop(&mut self) {
+        drop(self.dlist.take());
+        let lent = std::mem::take(&mut *self.lent.lock().unwrap_or_else(|e| e.into_inner()));
+        for (slot, region) in std::mem::take(&mut self.regions).into_iter().enumerate() {
+            if lent.contains(&slot) {
+                std::mem::forget(region);
+            }
+        }
+    }
 }
 
 /// One loaded prefill engine: its metadata loaded into the decode agent,
@@ -266,8 +331,12 @@ impl RemoteEngine {
             });
         }
         let mut loaded: Vec<String> = Vec::new();
+        // Only names the reply claimed (and the service granted to this
+        // handshake) are ours to unload: NIXL keeps one entry for identical
+        // metadata, so a name loaded "again" may be another engine's.
+        let claimed: Vec<&str> = reply.ranks.iter().map(|r| r.agent.as_str()).collect();
         let undo = |loaded: &[String]| {
-            for name in loaded {
+            for name in loaded.iter().filter(|n| claimed.contains(&n.as_str())) {
                 let _ = agent.invalidate_remote_metadata(name);
             }
         };
@@ -319,8 +388,9 @@ impl RemoteEngine {
             let descs: Vec<Desc> = regions.iter().map(|r| r.desc()).collect();
             let dlist = agent.prep_local_dlist(&descs)?;
             Ok(LocalSlots {
-                dlist,
+                dlist: Some(dlist),
                 free: Mutex::new((0..regions.len()).collect()),
+                lent: Mutex::default(),
                 regions,
             })
         })();
@@ -355,6 +425,11 @@ impl RemoteEngine {
     /// and posts a READ whose completion notification is `RD:<request>`,
     /// polls it until done, failed, `timeout`, or `abandon()` says to give
     /// up, then checks the bytes. Never hangs past `timeout`.
+    ///
+    /// A read given up in progress ([`ReadOutcome::lent_slot`]) keeps its
+    /// landing slot: the transfer may still write it. Hand it back with
+    /// [`RemoteEngine::return_slot`] once the transfer is proven over, or
+    /// never (it stays out of use, and its memory outlives this engine).
     pub fn read_block(
         &self,
         agent: &Agent,
@@ -374,12 +449,48 @@ impl RemoteEngine {
             return ReadOutcome::NoSlot;
         };
         let outcome = self.read_into(agent, request, slot, rank, block, timeout, abandon);
-        self.local
-            .free
+        if outcome.lent_slot().is_some() {
+            self.local
+                .lent
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(slot);
+        } else {
+            self.local
+                .free
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(slot);
+        }
+        outcome
+    }
+
+    /// Hands back a slot a given-up read left lent, once its transfer is
+    /// proven over ([`Destination::Reusable`]). A slot not lent is left
+    /// alone.
+    pub fn return_slot(&self, slot: usize) {
+        let was_lent = self
+            .local
+            .lent
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push(slot);
-        outcome
+            .remove(&slot);
+        if was_lent {
+            self.local
+                .free
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(slot);
+        }
+    }
+
+    /// Landing slots lent to given-up transfers, not handed back.
+    pub fn lent_slots(&self) -> usize {
+        self.local
+            .lent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -396,7 +507,7 @@ impl RemoteEngine {
         let notif = format!("RD:{request}");
         let created = self.dlists.with_handle(rank as usize, |remote| {
             agent.create_read(
-                &self.local.dlist,
+                self.local.dlist(),
                 &[slot as i32],
                 remote,
                 &[block as i32],
@@ -421,8 +532,10 @@ impl RemoteEngine {
             Err(e) => return ReadOutcome::Failed(e.status),
         };
         let mut pause = Duration::from_micros(50);
-        // Giving up on a READ in progress: release the request, which asks
-        // the backend to abort it, and keep what NIXL said.
+        // Giving up on a READ in progress: release the request and keep
+        // what NIXL said. Measured with NIXL 1.5.1: SUCCESS, and the READ's
+        // `RD:` notification is never sent, but over TCP its bytes still
+        // land when the prefill resumes: the slot stays lent.
         let give_up = |req: nixl_sys::XferRequest| match req.release() {
             Ok(()) => NixlStatus::SUCCESS,
             Err(e) => e.status,
@@ -431,11 +544,13 @@ impl RemoteEngine {
             if abandon() {
                 return ReadOutcome::Abandoned {
                     release: give_up(req),
+                    slot,
                 };
             }
             if start.elapsed() >= timeout {
                 return ReadOutcome::TimedOut {
                     release: give_up(req),
+                    slot,
                 };
             }
             std::thread::sleep(pause);
@@ -452,6 +567,68 @@ impl RemoteEngine {
             Some(offset) => ReadOutcome::Corrupt { offset },
         }
     }
+}
+
+/// The pause before asking an address again whose prefill conflicts with
+/// an engine already registered (the same engine id elsewhere, another
+/// engine's agent names).
+const CONFLICT_PAUSE: Duration = Duration::from_secs(10);
+
+/// How many given-up request ids [`ReadStats`] keeps.
+pub const GIVEN_UP_KEPT: usize = 10_000;
+
+/// How many verified requests [`ReadStats`] remembers.
+pub const COMPLETIONS_KEPT: usize = 4096;
+
+/// Counts one read's outcome (stats, metrics, logs).
+fn count(
+    stats: &ReadStats,
+    engine: &EngineId,
+    request: &str,
+    rank: u16,
+    block: u32,
+    outcome: ReadOutcome,
+) {
+    let counter = match outcome {
+        ReadOutcome::Verified => {
+            let mut done = stats.completions.lock().unwrap_or_else(|e| e.into_inner());
+            if done.len() == COMPLETIONS_KEPT {
+                done.pop_front();
+            }
+            done.push_back((request.to_string(), Instant::now()));
+            &stats.verified
+        }
+        ReadOutcome::Corrupt { offset } => {
+            tracing::error!(%engine, rank, block, offset, "read returned wrong bytes");
+            &stats.corrupt
+        }
+        ReadOutcome::Failed(status) => {
+            tracing::debug!(%engine, %status, "read failed");
+            &stats.failed
+        }
+        ReadOutcome::TimedOut { release, .. } | ReadOutcome::Abandoned { release, .. } => {
+            tracing::info!(%engine, request, %release, raw = release.raw(), outcome = outcome.as_str(), "read given up: its request released");
+            metrics::counter!("nixl_keepalive_pd_abandoned_release_total", "status" => release.name())
+                .increment(1);
+            *stats
+                .abandoned_release
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(release.raw())
+                .or_default() += 1;
+            let mut ids = stats
+                .given_up_requests
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if ids.len() < GIVEN_UP_KEPT {
+                ids.push(request.to_string());
+            }
+            &stats.abandoned
+        }
+        ReadOutcome::Released | ReadOutcome::NoSlot => &stats.refused,
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+    metrics::counter!("nixl_keepalive_pd_reads_total", "outcome" => outcome.as_str()).increment(1);
 }
 
 /// How a [`Decoder`] reads.
@@ -508,10 +685,38 @@ pub struct ReadStats {
     /// What `releaseXferReq` returned for abandoned reads: raw status ->
     /// count.
     pub abandoned_release: Mutex<std::collections::BTreeMap<i32, u64>>,
+    /// The ids of the requests whose reads were given up (the first
+    /// [`GIVEN_UP_KEPT`]), so that a prefill's late completions can be
+    /// matched to them.
+    pub given_up_requests: Mutex<Vec<String>>,
+    /// The last [`COMPLETIONS_KEPT`] requests whose reads were verified,
+    /// with when `decode` saw them done (their `RD:` had been handed to
+    /// the prefill by then), to match a prefill's late completions.
+    pub completions: Mutex<std::collections::VecDeque<(String, Instant)>>,
+    /// Landing slots of given-up reads handed back (the service proved
+    /// the transfer over).
+    pub slots_returned: AtomicU64,
+    /// Landing slots of given-up reads retired for good (the transfer may
+    /// still write them: NIXL 1.5.1).
+    pub slots_retired: AtomicU64,
     /// Reads refused before posting (engine not live, released, no slot).
     pub refused: AtomicU64,
     /// Handshakes that registered an engine.
     pub handshakes: AtomicU64,
+}
+
+/// The claim a handshake reply makes: who the prefill says it is, before
+/// anything of it is loaded.
+pub fn claim_of(reply: &HandshakeReply) -> Claim {
+    Claim {
+        engine: EngineId::new(reply.engine.as_str()),
+        incarnation: Some(Incarnation(reply.incarnation)),
+        agents: reply
+            .ranks
+            .iter()
+            .map(|r| AgentName::new(r.agent.as_str()))
+            .collect(),
+    }
 }
 
 /// What a handshake found.
@@ -540,6 +745,8 @@ pub struct Decoder {
     /// Request ids are `<decode agent>-<n>`: unique per request, and per
     /// decoder across decoders (agent names are unique).
     next_request: AtomicU64,
+    /// Registrations this decoder loaded, until released.
+    loaded: Mutex<Vec<Connected>>,
 }
 
 impl Decoder {
@@ -555,6 +762,7 @@ impl Decoder {
             options,
             stats: Arc::default(),
             next_request: AtomicU64::new(0),
+            loaded: Mutex::default(),
         })
     }
 
@@ -599,42 +807,77 @@ impl Decoder {
         result
     }
 
-    /// The handshake and registration calls themselves (see `connect`).
+    /// The handshake and registration calls themselves (see `connect`):
+    /// the library's protocol, step by step.
     async fn handshake(
         &self,
         address: &PeerAddr,
         current: Option<&Connected>,
     ) -> Result<Handshake, HandshakeError> {
-        // The library's reconnect protocol: whatever registration of the
-        // engine id we find is released first, whatever its state.
         let handshake = self.handle.handshake(address.clone());
         let reply = fetch(address, self.options.handshake_timeout).await?;
-        if let Some(c) = current {
-            if c.remote.engine.as_str() == reply.engine
-                && c.remote.incarnation == reply.incarnation
-                && c.engine.state() == EngineState::Live
-            {
-                return Ok(Handshake::Unchanged);
+        let ready = match handshake.ready_to_load(claim_of(&reply)).await {
+            Ok(Ready::Load(ready)) => ready,
+            Ok(Ready::Current(engine)) => {
+                // This process is registered already: nothing to load.
+                if let Some(c) = current.filter(|c| c.engine.same_registration(&engine)) {
+                    let _ = c;
+                    return Ok(Handshake::Unchanged);
+                }
+                return match self.loaded(&engine) {
+                    Some(connected) => Ok(Handshake::New(connected)),
+                    None => Err(HandshakeError::Invalid(format!(
+                        "engine {} is registered by another runtime of this agent",
+                        engine.id()
+                    ))),
+                };
             }
-        }
-        let id = EngineId::new(reply.engine.as_str());
-        let ready = handshake.ready_to_load(&id).await?;
+            Err(ClaimRefused::Conflict(conflict)) => {
+                return Err(HandshakeError::Conflict(conflict))
+            }
+            Err(ClaimRefused::Invalid { reason, .. }) => {
+                return Err(HandshakeError::Invalid(reason))
+            }
+            Err(ClaimRefused::Stopped(stopped)) => return Err(HandshakeError::Stopped(stopped)),
+        };
         let agent = self.transport.agent().clone();
         let addr = address.clone();
         let slots = self.options.reads_in_flight.max(1);
-        let remote =
+        let loaded =
             tokio::task::spawn_blocking(move || RemoteEngine::load(&agent, addr, &reply, slots))
                 .await
-                .expect("load does not panic")?;
-        let registered = ready
-            .register(Registration {
-                engine: remote.engine.clone(),
-                address: address.clone(),
-                agents: remote.agents.clone(),
-                resources: remote.dlists.clone(),
-            })
-            .await;
-        let engine = match registered {
+                .expect("load does not panic");
+        let remote = match loaded {
+            Ok(remote) => remote,
+            Err(HandshakeError::AgentMismatch {
+                rank,
+                expected,
+                got,
+            }) => {
+                // NIXL loaded a name the reply did not claim. Unload it only
+                // if it is nobody else's (granted to this handshake now).
+                let stray = AgentName::new(got.as_str());
+                match ready.claim_agent(stray.clone()).await {
+                    Ok(()) => {
+                        let agent = self.transport.agent().clone();
+                        let _ = tokio::task::spawn_blocking(move || {
+                            agent.invalidate_remote_metadata(stray.as_str())
+                        })
+                        .await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(%address, agent = %stray, error = %e, "the reply's metadata named another engine's agent: left loaded for its owner");
+                    }
+                }
+                return Err(HandshakeError::AgentMismatch {
+                    rank,
+                    expected,
+                    got,
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        let engine = match ready.register(remote.dlists.clone()).await {
             Ok(engine) => engine,
             Err(refused) => {
                 let text = refused.to_string();
@@ -651,10 +894,30 @@ impl Decoder {
         };
         self.stats.handshakes.fetch_add(1, Ordering::Relaxed);
         tracing::info!(engine = %remote.engine, %address, ranks = remote.agents.len(), "engine loaded and registered");
-        Ok(Handshake::New(Connected {
+        let connected = Connected {
             engine,
             remote: Arc::new(remote),
-        }))
+        };
+        self.remember(&connected);
+        Ok(Handshake::New(connected))
+    }
+
+    /// Keeps what reads from a registration need, for any reader that
+    /// finds the engine registered already (two readers of one prefill).
+    fn remember(&self, connected: &Connected) {
+        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        loaded.retain(|c| c.engine.state() != EngineState::Released);
+        loaded.push(connected.clone());
+    }
+
+    /// What this decoder loaded for `engine`'s registration, if anything.
+    fn loaded(&self, engine: &EngineRef) -> Option<Connected> {
+        self.loaded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|c| c.engine.same_registration(engine))
+            .cloned()
     }
 
     /// One request: a read of `block` of `rank`, as vLLM's decode does it.
@@ -662,9 +925,19 @@ impl Decoder {
     /// the request gets a fresh id, which is leased (the service's
     /// heartbeats name it) from now until its read has ended; the read is
     /// posted and polled on a blocking thread (`RQ:` before it, `RD:` on
-    /// completion, see the [protocol](super)), its status reported to the
-    /// service, and then the lease is removed. No lease outlives its read,
-    /// so heartbeats name exactly the requests still pending.
+    /// completion, see the [protocol](super)), its outcome counted, its
+    /// status reported to the service, and then the lease is removed. No
+    /// lease outlives its read, so heartbeats name exactly the requests
+    /// still pending.
+    ///
+    /// A read given up in progress (timed out, or failed by the service)
+    /// ends its guard with [`nixl_keepalive::ReadGuard::give_up`]: not a
+    /// completion, and for a time-out the service's evidence of a hung
+    /// prefill. Its landing slot stays lent until the service says the
+    /// transfer is over ([`Destination::Reusable`]), else for good.
+    ///
+    /// Every count is made before the guard ends: whoever sees the engine
+    /// released (the last guard's end releases it) sees the read counted.
     pub async fn read(&self, connected: &Connected, rank: u16, block: u32) -> ReadOutcome {
         let guard = match connected.engine.begin_read() {
             Ok(g) => g,
@@ -685,48 +958,52 @@ impl Decoder {
         let remote = connected.remote.clone();
         let agent = self.transport.agent().clone();
         let timeout = self.options.read_timeout;
+        let stats = self.stats.clone();
         let id = request.clone();
-        let outcome = tokio::task::spawn_blocking(move || {
+        let who = engine.clone();
+        let (outcome, given_up) = tokio::task::spawn_blocking(move || {
             let outcome =
                 remote.read_block(&agent, &id, rank, block, timeout, &|| guard.is_failed());
-            match outcome.status() {
-                Some(status) => guard.finish(status),
-                None => drop(guard),
-            }
-            outcome
+            count(&stats, &who, &id, rank, block, outcome);
+            let given_up = match outcome {
+                ReadOutcome::TimedOut { .. } => Some(guard.give_up(GiveUp::TimedOut)),
+                ReadOutcome::Abandoned { .. } => Some(guard.give_up(GiveUp::Cancelled)),
+                _ => {
+                    match outcome.status() {
+                        Some(status) => guard.finish(status),
+                        None => drop(guard),
+                    }
+                    None
+                }
+            };
+            (outcome, given_up)
         })
         .await
         .expect("reads do not panic");
         self.handle.remove_leases(&engine, vec![request]);
-        let counter = match outcome {
-            ReadOutcome::Verified => &self.stats.verified,
-            ReadOutcome::Corrupt { offset } => {
-                tracing::error!(engine = %connected.remote.engine, rank, block, offset, "read returned wrong bytes");
-                &self.stats.corrupt
-            }
-            ReadOutcome::Failed(status) => {
-                tracing::debug!(engine = %connected.remote.engine, %status, "read failed");
-                &self.stats.failed
-            }
-            ReadOutcome::TimedOut { release } | ReadOutcome::Abandoned { release } => {
-                tracing::info!(engine = %connected.remote.engine, %release, raw = release.raw(), "read given up: its request released");
-                metrics::counter!("nixl_keepalive_pd_abandoned_release_total", "status" => release.name())
-                    .increment(1);
-                *self
-                    .stats
-                    .abandoned_release
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .entry(release.raw())
-                    .or_default() += 1;
-                &self.stats.abandoned
-            }
-            ReadOutcome::Released | ReadOutcome::NoSlot => &self.stats.refused,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("nixl_keepalive_pd_reads_total", "outcome" => outcome.as_str())
-            .increment(1);
+        if let (Some(given_up), Some(slot)) = (given_up, outcome.lent_slot()) {
+            self.reclaim_when_over(connected.remote.clone(), slot, given_up);
+        }
         outcome
+    }
+
+    /// Waits (in a task) for the service to say what becomes of a
+    /// given-up read's landing slot: handed back when the transfer is
+    /// proven over, else retired for good.
+    fn reclaim_when_over(&self, remote: Arc<RemoteEngine>, slot: usize, given_up: GivenUpRead) {
+        let stats = self.stats.clone();
+        tokio::spawn(async move {
+            match given_up.destination().await {
+                Destination::Reusable => {
+                    remote.return_slot(slot);
+                    stats.slots_returned.fetch_add(1, Ordering::Relaxed);
+                }
+                Destination::Retire => {
+                    stats.slots_retired.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(engine = %remote.engine, slot, "landing slot retired: the given-up READ may still write it (NIXL's release does not end it); never reused");
+                }
+            }
+        });
     }
 
     /// Runs the reader for one prefill address until `shutdown`: handshake
@@ -781,8 +1058,14 @@ impl Decoder {
                     }
                     Err(e) => {
                         let now = tokio::time::Instant::now();
-                        let after = retry.failed();
-                        if let Some(suppressed) = warnings.admit(e.reason(), now) {
+                        let mut after = retry.failed();
+                        if let HandshakeError::Conflict(conflict) = &e {
+                            // The service logged the conflict once, with
+                            // both sides; a collision of identities does
+                            // not heal in milliseconds: back off further.
+                            after.pause = after.pause.max(CONFLICT_PAUSE);
+                            tracing::debug!(%address, %conflict, next_try_in = ?after.pause, "handshake refused: identity conflict");
+                        } else if let Some(suppressed) = warnings.admit(e.reason(), now) {
                             tracing::warn!(
                                 %address,
                                 error = %e,

@@ -2,9 +2,14 @@
 //! are held from when it is scheduled (`RQ:<id>`) for one lease; an `HB:`
 //! naming it sets its expiry to `max(old, now + 2/3 lease)`; unknown ids
 //! are ignored; its read completion (`RD:<id>`) frees its blocks; a lease
-//! that runs out frees them too. A read completion that arrives after its
-//! request's lease ran out is a read of freed (in vLLM: possibly reused)
-//! memory, and is what this table exists to catch.
+//! that ran out frees them when the prefill next sweeps ([`Leases::expire`]).
+//! As in vLLM's prefill, which handles the notifications that arrived
+//! before it looks for expired requests, a request is held until that
+//! sweep: an `HB:` or `RD:` handled before it still finds the request (a
+//! prefill that was frozen handles what arrived meanwhile first). A read
+//! completion that arrives after the sweep freed its request's blocks is a
+//! read of freed (in vLLM: possibly reused) memory, and is what this table
+//! exists to catch.
 //!
 //! Pure: every call takes `now`, so the rules are tested without a clock.
 
@@ -113,31 +118,27 @@ impl Leases {
         let until = now + self.lease * 2 / 3;
         let mut extended = Vec::new();
         for id in ids {
+            // Held until swept, as in vLLM (see the module docs).
             match self.live.get_mut(id) {
-                Some(t) if *t > now => {
+                Some(t) => {
                     *t = (*t).max(until);
                     extended.push(id);
                 }
-                _ => self.counts.ignored += 1,
+                None => self.counts.ignored += 1,
             }
         }
         self.counts.extended += extended.len() as u64;
         extended
     }
 
-    /// `RD:<id>`: the request's read completed. Frees its blocks.
+    /// `RD:<id>`: the request's read completed. Frees its blocks. A
+    /// request whose lease ran out but that no sweep has freed yet still
+    /// holds its blocks: in time (see the module docs).
     pub fn read_done(&mut self, id: &str, now: Instant) -> ReadDone {
-        if let Some(t) = self.live.remove(id) {
-            if t > now {
-                self.counts.completed += 1;
-                return ReadDone::InTime;
-            }
-            // Ran out, not yet swept: freed at `t` all the same.
-            self.counts.expired += 1;
-            self.counts.late_reads += 1;
-            return ReadDone::AfterExpiry {
-                expired_for: now - t,
-            };
+        let _ = now;
+        if self.live.remove(id).is_some() {
+            self.counts.completed += 1;
+            return ReadDone::InTime;
         }
         if let Some(t) = self.expired.remove(id) {
             self.counts.late_reads += 1;
@@ -228,22 +229,26 @@ mod tests {
     }
 
     #[test]
-    fn a_read_completed_after_the_lease_ran_out_is_caught_swept_or_not() {
+    fn what_arrives_before_the_sweep_still_finds_its_request_and_a_read_after_it_is_caught() {
         let t0 = Instant::now();
         let mut l = Leases::new(LEASE);
         l.schedule("swept", t0);
         l.schedule("unswept", t0);
-        // A heartbeat after the expiry does not revive a lease.
-        assert!(l
-            .heartbeat(["unswept"], t0 + Duration::from_secs(31))
-            .is_empty());
+        l.schedule("renewed", t0);
+        // Past the expiry, before any sweep (a prefill frozen meanwhile
+        // handles what arrived first): the request still holds its blocks,
+        // and a heartbeat still renews it, as in vLLM.
         assert_eq!(
             l.read_done("unswept", t0 + Duration::from_secs(31)),
-            ReadDone::AfterExpiry {
-                expired_for: Duration::from_secs(1)
-            }
+            ReadDone::InTime
         );
-        assert_eq!(l.expire(t0 + Duration::from_secs(32)).len(), 1);
+        assert_eq!(
+            l.heartbeat(["renewed"], t0 + Duration::from_secs(31)),
+            ["renewed"]
+        );
+        // The sweep frees what ran out and was not renewed.
+        let gone = l.expire(t0 + Duration::from_secs(32));
+        assert_eq!(gone, vec![("swept".to_string(), Duration::from_secs(2))]);
         assert_eq!(
             l.read_done("swept", t0 + Duration::from_secs(35)),
             ReadDone::AfterExpiry {
@@ -251,7 +256,7 @@ mod tests {
             }
         );
         let c = l.counts();
-        assert_eq!((c.late_reads, c.expired, c.completed), (2, 2, 0));
+        assert_eq!((c.late_reads, c.expired, c.completed), (1, 1, 1));
     }
 
     #[test]

@@ -36,6 +36,11 @@ use super::wire::{self, HandshakeReply, RankInfo};
 use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::EngineId;
 
+/// Rounds of `getNotifs` before a lease sweep while notifications keep
+/// arriving: what arrived before the sweep is handled first, and a steady
+/// stream cannot hold sweeps off for long.
+const SWEEP_DRAIN_ROUNDS: usize = 16;
+
 /// How to start a prefill engine.
 #[derive(Clone, Debug)]
 pub struct PrefillConfig {
@@ -225,19 +230,17 @@ impl Prefill {
                 let mut last_sweep = Instant::now();
                 let mut pause = me.config.poll_interval;
                 while !stop.load(Ordering::Acquire) {
-                    let mut busy = false;
-                    for rank in &me.ranks {
-                        match rank.agent.get_notifs() {
-                            Ok(notifs) => {
-                                busy |= !notifs.is_empty();
-                                for n in notifs {
-                                    me.on_notification(rank.agent.name(), &n.agent, &n.message);
-                                }
-                            }
-                            Err(e) => tracing::warn!(error = %e, "getNotifs failed"),
-                        }
-                    }
+                    let busy = me.poll_once();
                     if last_sweep.elapsed() >= me.sweep_interval() {
+                        // As vLLM's prefill: what has arrived is handled
+                        // before expired requests are freed (after a
+                        // freeze, a completion that arrived in time is in
+                        // time). Drained, bounded.
+                        for _ in 0..SWEEP_DRAIN_ROUNDS {
+                            if !me.poll_once() {
+                                break;
+                            }
+                        }
                         last_sweep = Instant::now();
                         me.expire_leases();
                     }
@@ -250,6 +253,24 @@ impl Prefill {
                 }
             })
             .expect("spawn prefill poller")
+    }
+
+    /// One round of `getNotifs` over every rank, each notification handled.
+    /// Whether any arrived.
+    fn poll_once(&self) -> bool {
+        let mut busy = false;
+        for rank in &self.ranks {
+            match rank.agent.get_notifs() {
+                Ok(notifs) => {
+                    busy |= !notifs.is_empty();
+                    for n in notifs {
+                        self.on_notification(rank.agent.name(), &n.agent, &n.message);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "getNotifs failed"),
+            }
+        }
+        busy
     }
 
     /// How often leases are swept: a tenth of a lease, at most 1 s, so an

@@ -144,6 +144,37 @@ impl EtcdServer {
         self.spawn();
         Instant::now()
     }
+
+    /// Kills etcd, removes its data directory, and starts it again on the
+    /// same ports: a new cluster (new cluster id, revision 1, no keys, no
+    /// leases). Returns when it serves again.
+    pub fn wipe_and_restart(&mut self) -> Instant {
+        self.stop();
+        std::fs::remove_dir_all(&self.data).expect("remove etcd's data directory");
+        self.spawn();
+        Instant::now()
+    }
+
+    /// SIGSTOP: etcd freezes (its connections stay open, nothing answers).
+    pub fn pause(&self) -> Instant {
+        self.signal("STOP");
+        Instant::now()
+    }
+
+    /// SIGCONT after [`EtcdServer::pause`].
+    pub fn resume(&self) -> Instant {
+        self.signal("CONT");
+        Instant::now()
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("etcd running").id();
+        let st = Command::new("kill")
+            .args([&format!("-{sig}"), &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(st.success(), "kill -{sig} {pid} failed");
+    }
 }
 
 fn which_etcdctl() -> Option<PathBuf> {

@@ -3,7 +3,9 @@
 //! that shows in CI logs even for passing tests.
 #![allow(dead_code)]
 
+pub mod decode;
 pub mod etcd;
+pub mod procfs;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
@@ -19,10 +21,34 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 /// Real tests take this lock: one at a time in a test binary, so the suite
-/// fits a 2-core machine and timings are not skewed by each other.
+/// fits a 2-core machine and timings are not skewed by each other. Taking
+/// it also pins UCX to loopback ([`pin_ucx_to_loopback`]).
 pub fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    pin_ucx_to_loopback();
+    guard
+}
+
+/// The network devices UCX may use in the real tests: loopback only.
+pub const UCX_DEVICES: &str = "lo";
+
+/// Pins UCX to loopback (`UCX_NET_DEVICES=lo`) for the decode in this
+/// process and every process the tests spawn (they inherit it), unless
+/// `UCX_NET_DEVICES` is set already. Unpinned, UCX uses every interface it
+/// finds, and a temporary address elsewhere on the machine that vanishes
+/// (measured: another test's veth) hangs reads over it until their
+/// timeout. Set once, under the [`serial`] lock: no other thread is inside
+/// UCX then (real tests finish loading the runtime, `runtime_or_skip`,
+/// before they take the lock, and create UCX contexts only under it), and
+/// UCX reads `UCX_*` when a context is created.
+pub fn pin_ucx_to_loopback() {
+    static PIN: std::sync::Once = std::sync::Once::new();
+    PIN.call_once(|| {
+        if std::env::var_os("UCX_NET_DEVICES").is_none() {
+            std::env::set_var("UCX_NET_DEVICES", UCX_DEVICES);
+        }
+    });
 }
 
 /// Prints a measurement straight to the stderr handle (libtest captures
@@ -325,6 +351,146 @@ pub fn block_on<F: std::future::Future>(body: F) -> F::Output {
         .build()
         .expect("tokio runtime")
         .block_on(body)
+}
+
+/// A real `nixl-keepalive decode` process: its stdout lines as they come
+/// (with when), its stderr in a file, its metrics on a free port.
+pub struct DecodeProc {
+    child: Child,
+    /// `host:port` of its `/metrics`.
+    pub metrics: String,
+    /// Where its stderr goes.
+    pub log: std::path::PathBuf,
+    lines: std::sync::mpsc::Receiver<(String, Instant)>,
+    /// Every stdout line seen so far, in order.
+    pub seen: Vec<String>,
+}
+
+impl DecodeProc {
+    /// Starts `nixl-keepalive decode` with `args` and `env` (plus a
+    /// metrics address).
+    pub fn start(args: &[&str], env: &[(&str, &str)]) -> DecodeProc {
+        let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .to_string();
+        let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("{}.log", unique("decode")));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nixl-keepalive"));
+        cmd.arg("decode")
+            .args(args)
+            .args(["--metrics-addr", &metrics])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).expect("decode log"));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn nixl-keepalive decode");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send((line, Instant::now()));
+            }
+        });
+        DecodeProc {
+            child,
+            metrics,
+            log,
+            lines: rx,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits (up to `within`) for a stdout line containing `what`; returns
+    /// when it came. Panics with everything seen when it does not.
+    pub fn wait(&mut self, what: &str, within: Duration) -> Instant {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((line, at)) => {
+                    let hit = line.contains(what);
+                    self.seen.push(line);
+                    if hit {
+                        return at;
+                    }
+                }
+                Err(e) => panic!(
+                    "decode never printed {what:?} within {within:?} ({e}); stdout so far:\n{}\nstderr:\n{}",
+                    self.seen.join("\n"),
+                    self.log_text()
+                ),
+            }
+        }
+    }
+
+    /// Takes every line printed so far, for `for` seconds more.
+    pub fn collect_for(&mut self, d: Duration) {
+        let deadline = Instant::now() + d;
+        while let Ok((line, _)) = self
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            self.seen.push(line);
+        }
+    }
+
+    /// The lines seen so far that contain `what`.
+    pub fn lines_with(&self, what: &str) -> Vec<&String> {
+        self.seen.iter().filter(|l| l.contains(what)).collect()
+    }
+
+    /// Its stderr so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `GET /metrics`.
+    pub fn scrape(&self) -> String {
+        use std::io::Read;
+        let mut s = std::net::TcpStream::connect(&self.metrics).expect("metrics endpoint");
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut body = String::new();
+        let _ = s.read_to_string(&mut body);
+        body
+    }
+
+    /// SIGTERM, and waits (at most 30 s) for it to exit.
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(s) = self.child.try_wait().expect("wait decode") {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "decode did not stop within 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for DecodeProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The value of a metric line that starts with `name` (labels included),
+/// if present.
+pub fn metric(scrape: &str, name: &str) -> Option<f64> {
+    scrape
+        .lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
 }
 
 /// Milliseconds, for reports.

@@ -11,7 +11,7 @@ use std::time::Duration;
 use nixl_keepalive::fake::{FakeError, FakeResources, FakeUcx};
 use nixl_keepalive::{
     AgentName, EngineId, EngineRef, EngineState, Event, KeepaliveHandle, NixlStatus, PeerAddr,
-    Registration, ReleaseStep, Transport, TransportError,
+    Ready, ReleaseStep, Transport, TransportError,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -325,8 +325,13 @@ impl Decoder {
         tokio::time::sleep(inner.shape.handshake).await;
         let metadata = inner.ucx.fetch_metadata(&addr).map_err(|e| e.to_string())?;
         let ready = tokio::select! {
-            ready = handshake.ready_to_load(&metadata.engine) => ready.map_err(|e| e.to_string())?,
+            ready = handshake.ready_to_load(metadata.claim()) => ready.map_err(|e| e.to_string())?,
             _ = inner.stopping.cancelled() => return Err("the decoder is stopping".into()),
+        };
+        let ready = match ready {
+            Ready::Load(ready) => ready,
+            // This process is registered already (ours): nothing to load.
+            Ready::Current(_) => return Ok(()),
         };
         if inner.stopping.is_cancelled() {
             return Ok(());
@@ -336,13 +341,7 @@ impl Decoder {
             other => other.to_string(),
         })?;
         let tracked = inner.audit.track(hs.resources.clone());
-        let registration = Registration {
-            engine: hs.engine.clone(),
-            address: hs.addr.clone(),
-            agents: hs.agents.clone(),
-            resources: hs.resources,
-        };
-        match ready.register(registration).await {
+        match ready.register(hs.resources).await {
             Ok(engine) => {
                 inner.counts.handshakes_ok.fetch_add(1, Ordering::Relaxed);
                 self.current()[prefill] = Some(Current { engine, tracked });

@@ -21,6 +21,7 @@ use std::time::Duration;
 use nixl_keepalive::fake::{FakeError, FakeResources, FakeUcx};
 use nixl_keepalive::membership::memory::{InMemoryStore, LeaseId};
 use nixl_keepalive::membership::{self, Member, MembershipConfig, MembershipUpdate};
+use nixl_keepalive::text::Escaped;
 use nixl_keepalive::{EngineId, GoneMode, KeepaliveHandle, PeerAddr};
 use tokio_util::sync::CancellationToken;
 
@@ -73,6 +74,7 @@ impl DemoMembership {
             handle,
             MembershipConfig {
                 gone_mode: GoneMode::Fail,
+                reset_grace: LEASE_TTL,
             },
             shutdown.clone(),
         );
@@ -122,10 +124,15 @@ fn on_update(update: &MembershipUpdate, timeline: &Timeline, in_outage: &mut boo
                 "membership: {engine} released {:.1} ms after its key went",
                 after.as_secs_f64() * 1000.0
             ),
-            MembershipUpdate::BadValue { key, error } => {
+            MembershipUpdate::BadValue { key, error, .. } => {
+                let key = Escaped(key);
                 timeline.violation(format!("membership: bad value at {key}: {error}"));
                 format!("membership: bad value at {key}")
             }
+            MembershipUpdate::StoreReset { awaited, grace } => format!(
+                "membership: etcd was reset: {awaited} engines kept for {:.1} s",
+                grace.as_secs_f64()
+            ),
         };
         timeline.log(line);
     }
@@ -147,10 +154,12 @@ impl DemoMembership {
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         for (p, addr) in addrs.iter().enumerate() {
-            let engine = match ucx.fetch_metadata(addr) {
-                Ok(m) => m.engine,
+            let (engine, incarnation) = match ucx.fetch_metadata(addr) {
+                Ok(m) => (m.engine.clone(), Some(m.incarnation().0)),
                 // Partitioned from the decoder, not from etcd.
-                Err(FakeError::Unresponsive { engine, .. }) if !frozen.contains(&p) => engine,
+                Err(FakeError::Unresponsive { engine, .. }) if !frozen.contains(&p) => {
+                    (engine, None)
+                }
                 // Killed, or frozen: no keep-alive.
                 Err(_) => continue,
             };
@@ -162,7 +171,9 @@ impl DemoMembership {
             let Some(lease) = self.store.grant_lease(LEASE_TTL) else {
                 continue; // etcd down: retried next round
             };
-            let member = Member::new(engine.as_str(), addr.as_str(), ranks);
+            // The process's incarnation, as its side channel reports it.
+            let mut member = Member::new(engine.as_str(), addr.as_str(), ranks);
+            member.incarnation = incarnation;
             let key = format!("{}{engine}", membership::DEFAULT_PREFIX);
             if self.store.put_member(&key, &member, Some(lease)) {
                 leases.insert(p, (engine, lease));

@@ -114,6 +114,7 @@ pub(super) struct EventCounts {
     pub(super) reads_failed: u64,
     pub(super) stalled: u64,
     pub(super) transient_errors: u64,
+    pub(super) conflicts: u64,
     pub(super) released: u64,
     pub(super) released_by_reason: BTreeMap<&'static str, u64>,
     /// Events the listener missed (it fell behind the event capacity).
@@ -132,6 +133,7 @@ impl EventCounts {
             Event::TransientError { .. } | Event::TransportPanicked { .. } => {
                 self.transient_errors += 1
             }
+            Event::Conflict { .. } => self.conflicts += 1,
             Event::Released { reason, .. } => {
                 self.released += 1;
                 *self.released_by_reason.entry(reason.as_str()).or_default() += 1;
@@ -290,6 +292,9 @@ impl Timeline {
             Event::ReadsFailed { engine, count } => {
                 format!("{count} read(s) from {engine} failed by the service")
             }
+            Event::Conflict { conflict } => {
+                format!("identity conflict refused ({}): {conflict}", conflict.kind())
+            }
             Event::TransientError {
                 engine,
                 status,
@@ -308,6 +313,7 @@ impl Timeline {
                 reads_in_flight,
                 stalled_for,
                 failed,
+                ..
             } => format!(
                 "{engine}: {reads_in_flight} read(s) stalled for {stalled_for:?} while others completed: hung{}",
                 if *failed { "; its reads failed" } else { " (reported only)" }

@@ -1,0 +1,224 @@
+//! One identity per prefill, with real processes on the real NIXL runtime:
+//! a hostile prefill replaying a healthy prefill's handshake reply next to
+//! it, a prefill listed twice and under an alias, and two prefills started
+//! with one engine id. In each, the healthy prefill's reads stay verified
+//! the whole time, it is never released, and the newcomer is refused with
+//! one log line and a counter.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{metric, report, serial, DecodeProc, PrefillProc, PrefillSpec};
+use nixl_sys::testing::runtime_or_skip;
+
+/// The service's settings for these tests: heartbeats every 500 ms.
+const ENV: &[(&str, &str)] = &[
+    ("NIXL_KEEPALIVE_INTERVAL", "500ms"),
+    ("NIXL_KEEPALIVE_RATE_PERIOD", "100ms"),
+    ("NIXL_KEEPALIVE_JITTER", "50ms"),
+];
+
+/// One frame of the side channel: a 4-byte big-endian length, the bytes.
+fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let mut payload = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut payload)?;
+    Ok(payload)
+}
+
+fn write_frame(s: &mut TcpStream, payload: &[u8]) -> std::io::Result<()> {
+    s.write_all(&(payload.len() as u32).to_be_bytes())?;
+    s.write_all(payload)
+}
+
+/// The healthy prefill's reply, byte for byte, as a decoder got it.
+fn capture_reply(prefill: &PrefillProc) -> Vec<u8> {
+    let mut s = TcpStream::connect(prefill.addr.as_str()).expect("connect to the prefill");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write_frame(&mut s, &nixl_keepalive_cli::pd::wire::encode_request()).unwrap();
+    read_frame(&mut s).expect("the prefill's reply")
+}
+
+/// A hostile side channel that answers every handshake with `reply` once
+/// `armed` is set (before, it closes every connection unanswered: the
+/// healthy prefill registers first, as it would in production, where the
+/// replay comes later).
+fn replay(reply: Vec<u8>, armed: Arc<AtomicBool>) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut s) = conn else { continue };
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            if armed.load(Ordering::SeqCst) && read_frame(&mut s).is_ok() {
+                let _ = write_frame(&mut s, &reply);
+            }
+        }
+    });
+    addr
+}
+
+/// The read summaries (`reads: verified=N corrupt=N failed=N ...`) seen.
+fn summaries(decode: &DecodeProc) -> Vec<(u64, u64, u64)> {
+    decode
+        .lines_with("reads: verified=")
+        .iter()
+        .map(|l| {
+            let field = |k: &str| -> u64 {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix(k))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("no {k} in {l}"))
+            };
+            (field("verified="), field("corrupt="), field("failed="))
+        })
+        .collect()
+}
+
+/// The healthy engine was read the whole time, every byte right, and
+/// never released.
+fn assert_healthy_kept(decode: &DecodeProc, engine: &str) {
+    let sums = summaries(decode);
+    assert!(sums.len() >= 2, "read summaries: {sums:?}");
+    for pair in sums.windows(2) {
+        assert!(pair[1].0 > pair[0].0, "reads went on: {sums:?}");
+    }
+    let last = sums.last().unwrap();
+    assert_eq!(
+        (last.1, last.2),
+        (0, 0),
+        "no corrupt or failed read: {sums:?}"
+    );
+    let released = decode.lines_with(&format!("event: released engine={engine}"));
+    assert!(
+        released.is_empty(),
+        "the healthy engine was released: {released:?}"
+    );
+    let registered = decode.lines_with(&format!("event: registered engine={engine}"));
+    assert_eq!(registered.len(), 1, "registered once, never reloaded");
+}
+
+#[test]
+fn a_hostile_prefill_replaying_a_healthy_reply_is_refused_and_the_healthy_one_keeps_reading() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let healthy = PrefillProc::start(&PrefillSpec::default());
+    let armed = Arc::new(AtomicBool::new(false));
+    let hostile = replay(capture_reply(&healthy), armed.clone());
+    let mut decode = DecodeProc::start(
+        &["--prefill", healthy.addr.as_str(), "--prefill", &hostile],
+        ENV,
+    );
+    decode.wait(
+        &format!("event: registered engine={}", healthy.engine),
+        Duration::from_secs(30),
+    );
+    armed.store(true, Ordering::SeqCst);
+    decode.wait(
+        "event: conflict kind=engine_elsewhere",
+        Duration::from_secs(30),
+    );
+    // Two read summaries at least (every 5 s), with the replay refused
+    // again meanwhile (the reader retries it with back-off).
+    decode.collect_for(Duration::from_secs(12));
+    assert_healthy_kept(&decode, &healthy.engine);
+    let scrape = decode.scrape();
+    let conflicts = metric(
+        &scrape,
+        "nixl_keepalive_identity_conflicts_total{kind=\"engine_elsewhere\"}",
+    )
+    .unwrap_or(0.0);
+    assert!(conflicts >= 1.0, "counted: {scrape}");
+    let refused = metric(
+        &scrape,
+        "nixl_keepalive_pd_handshake_failures_total{reason=\"conflict\"}",
+    )
+    .unwrap_or(0.0);
+    assert!(refused >= 1.0, "{scrape}");
+    let log = decode.log_text();
+    let warned = log.matches("identity conflict").count();
+    assert_eq!(warned, 1, "one WARN line for the conflict:\n{log}");
+    assert_eq!(decode.lines_with("event: conflict").len(), 1);
+    report(&format!(
+        "hostile replay next to a healthy prefill: refused {conflicts} time(s), one WARN, healthy reads {:?}",
+        summaries(&decode).last()
+    ));
+    assert!(decode.stop().success());
+}
+
+#[test]
+fn one_prefill_listed_twice_and_under_an_alias_gets_one_reader_and_one_warning_per_duplicate() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let p = PrefillProc::start(&PrefillSpec::default());
+    let port = p.addr.as_str().rsplit_once(':').unwrap().1.to_string();
+    let alias = format!("localhost:{port}");
+    let mut decode = DecodeProc::start(
+        &[
+            "--prefill",
+            p.addr.as_str(),
+            "--prefill",
+            &alias,
+            "--prefill",
+            p.addr.as_str(),
+        ],
+        ENV,
+    );
+    decode.wait(
+        &format!("event: registered engine={}", p.engine),
+        Duration::from_secs(30),
+    );
+    decode.collect_for(Duration::from_secs(11));
+    assert_eq!(
+        decode.lines_with("warning: --prefill").len(),
+        2,
+        "one warning per duplicate: {:#?}",
+        decode.seen
+    );
+    assert_healthy_kept(&decode, &p.engine);
+    assert!(decode.lines_with("event: conflict").is_empty());
+    assert!(decode.stop().success());
+}
+
+#[test]
+fn two_prefills_started_with_one_engine_id_do_not_churn_and_the_first_keeps_reading() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let id = common::unique("pinned");
+    let spec = PrefillSpec {
+        engine_id: Some(id.clone()),
+        ..Default::default()
+    };
+    let first = PrefillProc::start(&spec);
+    let second = PrefillProc::start(&spec);
+    // Whichever handshakes first is kept; the other is the conflict.
+    let mut decode = DecodeProc::start(
+        &[
+            "--prefill",
+            first.addr.as_str(),
+            "--prefill",
+            second.addr.as_str(),
+        ],
+        ENV,
+    );
+    decode.wait(
+        &format!("event: registered engine={id}"),
+        Duration::from_secs(30),
+    );
+    decode.wait(
+        "event: conflict kind=engine_elsewhere",
+        Duration::from_secs(30),
+    );
+    decode.collect_for(Duration::from_secs(11));
+    assert_healthy_kept(&decode, &id);
+    assert_eq!(decode.lines_with("event: conflict").len(), 1);
+    let log = decode.log_text();
+    assert_eq!(log.matches("identity conflict").count(), 1, "{log}");
+    assert!(decode.stop().success());
+}

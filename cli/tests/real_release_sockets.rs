@@ -1,0 +1,436 @@
+//! A release leaves nothing behind: real `prefill` and `decode` processes
+//! on the real NIXL runtime, counted from `/proc` (file descriptors,
+//! sockets, ESTABLISHED TCP connections between the two) and from the
+//! decode's own metrics (what each release did to the UCX endpoints, and
+//! UCX's own count of the endpoints the decode holds, from its VFS tree).
+//!
+//! - A live prefill released 100 times by the router (`POST
+//!   /v1/peer_gone`, by engine and by address, drain and fail), each time
+//!   handshaken and registered again under its own id (the pinned-id
+//!   reload of a live process): both processes flat.
+//! - The same through cluster membership (etcd): its key deleted (a
+//!   removal) and written again, 100 times (`--features etcd`).
+//! - A prefill killed and restarted at the same port 100 times, with a new
+//!   id (replaced) or its pinned id: the decode flat.
+//!
+//! The prefill runs UCX keepalive every 500 ms: UCX shares one TCP
+//! connection between both directions, and after the decode has closed its
+//! endpoint it is the prefill's keepalive round that closes the rest (with
+//! UCX's default, 20 s). Everything is pinned to loopback
+//! (`UCX_NET_DEVICES=lo`, `common::pin_ucx_to_loopback`).
+//!
+//! NIXL 1.5.1 on its own (`NIXL_SYS_EP_CLOSE=nixl`) kept one connection and
+//! one descriptor per release on each side for good: these tests fail then.
+//! `REAL_RELEASE_CYCLES` changes the 100 (e.g. for a longer run).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::decode::DecodeProc;
+use common::procfs::{between, held, Held};
+use common::{ms, report, serial, PrefillProc, PrefillSpec};
+use nixl_sys::testing::runtime_or_skip;
+
+/// Generous bound for anything a cycle waits for (a handshake retry backs
+/// off to 4 s at most; a release follows its mark within milliseconds).
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// The prefill's UCX keepalive interval.
+const PREFILL_KEEPALIVE: Duration = Duration::from_millis(500);
+
+/// How long lingering connections may take to close after the last
+/// release: the prefill's keepalive closes them at its next rounds; 20
+/// intervals, plus a side-channel probe's lifetime.
+const SETTLE: Duration = Duration::from_secs(12);
+
+/// Descriptors a process may hold above its baseline at one look without
+/// it being a leak: UCX's connection from a worker to itself, which it opens
+/// lazily (two descriptors per worker), a side-channel probe or a metrics
+/// request in progress (a leak is one per release and rank: 200 here).
+const TRANSIENT_FDS: usize = 6;
+
+/// Connections to other processes a process may have beside its
+/// registration's at one look: a side-channel probe, a metrics request.
+const TRANSIENT_CONNECTIONS: usize = 2;
+
+const RANKS: u16 = 2;
+
+/// The TCP connections UCX keeps for one live registration: per rank, one
+/// from the decode and one the prefill opens back (to answer wireup and to
+/// check its endpoints), each when first needed. Between 1 and this many
+/// join a registered prefill and the decode at any time; each release of
+/// NIXL 1.5.1 alone left one more per rank for good.
+const PER_REGISTRATION: usize = 2 * RANKS as usize;
+
+fn cycles() -> usize {
+    std::env::var("REAL_RELEASE_CYCLES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100)
+}
+
+fn prefill_spec() -> PrefillSpec {
+    PrefillSpec {
+        ranks: Some(RANKS),
+        env: vec![(
+            "UCX_KEEPALIVE_INTERVAL".into(),
+            format!("{}ms", PREFILL_KEEPALIVE.as_millis()),
+        )],
+        ..Default::default()
+    }
+}
+
+/// Mappings a process may gain without a leak: a new thread's stack and
+/// malloc arena, a few each (a peer's shared memory kept mapped would be at
+/// least one per release).
+const TRANSIENT_MAPS: usize = 16;
+
+/// What a live, registered prefill and the decode hold once reads have
+/// gone to every rank (UCX connects a rank's endpoint at its first use) and
+/// whatever the warm-up release left has closed: the connections between
+/// them and each one's holdings.
+fn baseline(d: &DecodeProc, p: &PrefillProc) -> (usize, Held, Held) {
+    std::thread::sleep(PREFILL_KEEPALIVE * 4);
+    let between0 = between(d.pid(), p.pid);
+    assert!(
+        between0 >= 1,
+        "no connection seen between decode and prefill"
+    );
+    (between0, held(d.pid()), held(p.pid))
+}
+
+/// Whether `now` holds no more than `base` (plus transients): what
+/// [`assert_flat`] asserts.
+fn is_flat(base: Held, now: Held) -> bool {
+    now.maps <= base.maps + TRANSIENT_MAPS
+        && now.fds <= base.fds + TRANSIENT_FDS
+        && now.sockets <= base.sockets + TRANSIENT_FDS
+        && now.established_out <= base.established_out.max(PER_REGISTRATION) + TRANSIENT_CONNECTIONS
+}
+
+/// Waits (at most [`SETTLE`]) until the decode and the prefill are back
+/// where they were (`d0`, `p0`, `between0` connections between them, or
+/// one registration's worth); returns how long it took, the connections
+/// left between them, and what each holds then.
+fn settle_flat(
+    d: u32,
+    p: u32,
+    between0: usize,
+    d0: Held,
+    p0: Held,
+) -> (Duration, usize, Held, Held) {
+    let t = Instant::now();
+    loop {
+        let (n, d1, p1) = (between(d, p), held(d), held(p));
+        let done = n <= between0.max(PER_REGISTRATION) && is_flat(d0, d1) && is_flat(p0, p1);
+        if done || t.elapsed() >= SETTLE {
+            return (t.elapsed(), n, d1, p1);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Asserts `now` holds no more than `base` (plus transients).
+fn assert_flat(who: &str, base: Held, now: Held, releases: usize) {
+    assert!(
+        now.maps <= base.maps + TRANSIENT_MAPS,
+        "{who}: {} mappings after {releases} releases, {} before: {base:?} -> {now:?}",
+        now.maps,
+        base.maps
+    );
+    assert!(
+        now.fds <= base.fds + TRANSIENT_FDS,
+        "{who}: {} descriptors after {releases} releases, {} before: {base:?} -> {now:?}",
+        now.fds,
+        base.fds
+    );
+    assert!(
+        now.sockets <= base.sockets + TRANSIENT_FDS,
+        "{who}: {} sockets after {releases} releases, {} before: {base:?} -> {now:?}",
+        now.sockets,
+        base.sockets
+    );
+    assert!(
+        now.established_out <= base.established_out.max(PER_REGISTRATION) + TRANSIENT_CONNECTIONS,
+        "{who}: {} ESTABLISHED to other processes after {releases} releases, {} before: \
+         {base:?} -> {now:?}",
+        now.established_out,
+        base.established_out
+    );
+}
+
+/// The decode's endpoint metrics after `releases` releases of a
+/// `RANKS`-rank engine: every endpoint closed, none left open, and UCX's
+/// own count of the decode's endpoints small (its loopback endpoint, the
+/// current engine's, and at most one transient).
+fn assert_endpoint_metrics(d: &DecodeProc, releases: usize) -> (f64, f64) {
+    let closed = d
+        .metric("nixl_keepalive_release_endpoints_total{outcome=\"closed\"}")
+        .unwrap_or(0.0);
+    let left_open = d
+        .metric("nixl_keepalive_release_endpoints_total{outcome=\"left_open\"}")
+        .unwrap_or(0.0);
+    let not_observed = d
+        .metric("nixl_keepalive_release_endpoints_total{outcome=\"not_observed\"}")
+        .unwrap_or(0.0);
+    let ucx = d
+        .metric("nixl_keepalive_ucx_endpoints")
+        .expect("the decode exports UCX's endpoint count");
+    assert_eq!(left_open, 0.0, "endpoints left open");
+    assert_eq!(not_observed, 0.0, "endpoint closes not observed");
+    assert_eq!(
+        closed,
+        (releases * RANKS as usize) as f64,
+        "one endpoint closed per rank and release"
+    );
+    assert!(
+        ucx <= 1.0 + f64::from(RANKS) + 1.0,
+        "UCX holds {ucx} endpoints in the decode after {releases} releases"
+    );
+    (closed, ucx)
+}
+
+/// The `n`-th `event: released` line that has `engine` in it; asserts no
+/// step failed.
+fn wait_released(d: &mut DecodeProc, n: usize, engine: &str) -> Instant {
+    let (at, line) = d.wait_nth(n, &["event: released", engine], PATIENCE);
+    assert!(line.contains("failed_steps=0"), "{line}");
+    at
+}
+
+#[test]
+fn a_hundred_router_releases_of_a_live_prefill_leave_both_processes_flat() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let p = PrefillProc::start(&prefill_spec());
+    let mut d = DecodeProc::start(&["--prefill", p.addr.as_str()], &[], PATIENCE);
+    let engine = p.engine.clone();
+    d.wait_nth(1, &["event: registered", &engine], PATIENCE);
+
+    // Each cycle: the router says the engine is gone; the service releases
+    // it; the reader finds the same live process at the address and loads
+    // and registers it again.
+    let bodies = [
+        format!(r#"{{"engine": "{engine}", "mode": "drain"}}"#),
+        format!(r#"{{"address": "{}", "mode": "fail"}}"#, p.addr),
+        format!(r#"{{"engine": "{engine}", "mode": "fail"}}"#),
+        format!(r#"{{"address": "{}", "mode": "drain"}}"#, p.addr),
+    ];
+    let cycle = |d: &mut DecodeProc, i: usize| -> Duration {
+        let asked = Instant::now();
+        d.peer_gone(&bodies[i % bodies.len()]);
+        wait_released(d, i + 1, &engine);
+        d.wait_nth(i + 2, &["event: registered", &engine], PATIENCE);
+        asked.elapsed()
+    };
+    // Round 0; then the baseline.
+    cycle(&mut d, 0);
+    let (between0, d0, p0) = baseline(&d, &p);
+
+    let n = cycles();
+    let started = Instant::now();
+    let mut slowest = Duration::ZERO;
+    for i in 1..=n {
+        slowest = slowest.max(cycle(&mut d, i));
+    }
+    let took = started.elapsed();
+    let lingering = between(d.pid(), p.pid);
+    let (settled, left, d1, p1) = settle_flat(d.pid(), p.pid, between0, d0, p0);
+    report(&format!(
+        "{n} router releases of a live {RANKS}-rank prefill (+1 warm-up) in {:.1} s \
+         (slowest release+reload {}): connections between them {between0} -> {lingering} \
+         right after -> {left} after {}; decode fds {} -> {}, \
+         sockets {} -> {}, ESTABLISHED to others {} -> {}; prefill fds {} -> {}, sockets {} -> {}, \
+         ESTABLISHED to others {} -> {}",
+        took.as_secs_f64(),
+        ms(slowest),
+        ms(settled),
+        d0.fds,
+        d1.fds,
+        d0.sockets,
+        d1.sockets,
+        d0.established_out,
+        d1.established_out,
+        p0.fds,
+        p1.fds,
+        p0.sockets,
+        p1.sockets,
+        p0.established_out,
+        p1.established_out,
+    ));
+    assert!(
+        left <= between0.max(PER_REGISTRATION),
+        "{left} connections between decode and prefill {SETTLE:?} after {n} releases, \
+         {between0} before (one registration keeps at most {PER_REGISTRATION})"
+    );
+    assert_flat("decode", d0, d1, n);
+    assert_flat("prefill", p0, p1, n);
+    let (closed, ucx) = assert_endpoint_metrics(&d, n + 1);
+    report(&format!(
+        "endpoints closed by the releases: {closed}; UCX endpoints in the decode after the last release: {ucx}"
+    ));
+    d.stop();
+}
+
+#[test]
+fn a_hundred_killed_and_restarted_prefills_leave_the_decode_flat() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let pinned = common::unique("pinned");
+    let mut p = PrefillProc::start(&prefill_spec());
+    let listen = p.listen();
+    let mut d = DecodeProc::start(&["--prefill", p.addr.as_str()], &[], PATIENCE);
+    d.wait_nth(1, &["event: registered"], PATIENCE);
+
+    // Each cycle: SIGKILL; the decode releases the engine (UCX reports the
+    // peer; its endpoints are already failed); a new process at the same
+    // port, with a new id (a replacement) or the pinned one in turn.
+    let cycle = |d: &mut DecodeProc, p: &mut PrefillProc, i: usize| -> Duration {
+        let killed = p.kill();
+        // One prefill at a time: every release so far counts.
+        wait_released(d, i + 1, "engine=");
+        let released = killed.elapsed();
+        let mut spec = prefill_spec();
+        spec.listen = Some(listen.clone());
+        if i % 2 == 1 {
+            spec.engine_id = Some(pinned.clone());
+        }
+        *p = PrefillProc::start(&spec);
+        d.wait_nth(i + 2, &["event: registered"], PATIENCE);
+        released
+    };
+    cycle(&mut d, &mut p, 0);
+    std::thread::sleep(Duration::from_millis(500));
+    let d0 = held(d.pid());
+
+    let n = cycles();
+    let started = Instant::now();
+    let mut slowest = Duration::ZERO;
+    for i in 1..=n {
+        slowest = slowest.max(cycle(&mut d, &mut p, i));
+    }
+    let took = started.elapsed();
+    // The last prefill is live and registered, as after round 0.
+    let t = Instant::now();
+    let mut d1 = held(d.pid());
+    while !is_flat(d0, d1) && t.elapsed() < SETTLE {
+        std::thread::sleep(Duration::from_millis(20));
+        d1 = held(d.pid());
+    }
+    let settled = t.elapsed();
+    report(&format!(
+        "{n} kill/restart cycles (+1 warm-up) in {:.1} s (slowest kill -> release {}), settled \
+         in {}: decode fds {} -> {}, sockets {} -> {}, ESTABLISHED to others {} -> {}, threads {} -> {}, \
+         mappings {} -> {}, RSS {} -> {} KiB",
+        took.as_secs_f64(),
+        ms(slowest),
+        ms(settled),
+        d0.fds,
+        d1.fds,
+        d0.sockets,
+        d1.sockets,
+        d0.established_out,
+        d1.established_out,
+        d0.threads,
+        d1.threads,
+        d0.maps,
+        d1.maps,
+        d0.rss_kib,
+        d1.rss_kib,
+    ));
+    assert_flat("decode", d0, d1, n);
+    assert!(
+        d1.threads <= d0.threads + 2,
+        "decode threads {} -> {}",
+        d0.threads,
+        d1.threads
+    );
+    let (closed, ucx) = assert_endpoint_metrics(&d, n + 1);
+    report(&format!(
+        "endpoints closed by the releases: {closed}; UCX endpoints in the decode after the last release: {ucx}"
+    ));
+    d.stop();
+}
+
+#[cfg(feature = "etcd")]
+#[test]
+fn a_hundred_membership_removals_of_a_live_prefill_leave_both_processes_flat() {
+    use common::etcd::EtcdServer;
+    use std::process::{Command, Stdio};
+
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let p = PrefillProc::start(&prefill_spec());
+    let engine = p.engine.clone();
+    // The test writes the prefill's key itself (no lease): deleting it is a
+    // removal, writing it again a join, the process live throughout.
+    let key = format!("/nixl-keepalive/prefill/{engine}");
+    let value = format!(
+        r#"{{"engine_id": "{engine}", "address": "{}", "ranks": {RANKS}}}"#,
+        p.addr
+    );
+    let etcdctl = |args: &[&str]| {
+        let st = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &etcd.url()])
+            .args(args)
+            .stdout(Stdio::null())
+            .status()
+            .expect("run etcdctl");
+        assert!(st.success(), "etcdctl {args:?}: {st}");
+    };
+    etcdctl(&["put", &key, &value]);
+    let mut d = DecodeProc::start(&["--etcd-endpoint", &etcd.url()], &[], PATIENCE);
+    d.wait_nth(1, &["event: registered", &engine], PATIENCE);
+
+    let cycle = |d: &mut DecodeProc, i: usize| -> Duration {
+        let removed = Instant::now();
+        etcdctl(&["del", &key]);
+        d.wait_nth(i + 1, &["membership: left", &engine], PATIENCE);
+        wait_released(d, i + 1, &engine);
+        let took = removed.elapsed();
+        etcdctl(&["put", &key, &value]);
+        d.wait_nth(i + 2, &["event: registered", &engine], PATIENCE);
+        took
+    };
+    cycle(&mut d, 0);
+    let (between0, d0, p0) = baseline(&d, &p);
+
+    let n = cycles();
+    let started = Instant::now();
+    let mut slowest = Duration::ZERO;
+    for i in 1..=n {
+        slowest = slowest.max(cycle(&mut d, i));
+    }
+    let took = started.elapsed();
+    let (settled, left, d1, p1) = settle_flat(d.pid(), p.pid, between0, d0, p0);
+    report(&format!(
+        "{n} membership removals of a live prefill (+1 warm-up) in {:.1} s (slowest deletion -> \
+         release {}), settled in {}: connections between them {between0} -> {left}; decode fds \
+         {} -> {}, ESTABLISHED to others {} -> {}; prefill fds {} -> {}, ESTABLISHED to others {} -> {}",
+        took.as_secs_f64(),
+        ms(slowest),
+        ms(settled),
+        d0.fds,
+        d1.fds,
+        d0.established_out,
+        d1.established_out,
+        p0.fds,
+        p1.fds,
+        p0.established_out,
+        p1.established_out,
+    ));
+    assert!(
+        left <= between0.max(PER_REGISTRATION),
+        "{left} connections left, {between0} before (one registration keeps at most \
+         {PER_REGISTRATION})"
+    );
+    assert_flat("decode", d0, d1, n);
+    assert_flat("prefill", p0, p1, n);
+    assert_endpoint_metrics(&d, n + 1);
+    d.stop();
+}

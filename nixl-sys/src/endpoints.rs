@@ -1,0 +1,413 @@
+//! What happens to a remote agent's UCX endpoints when its metadata is
+//! invalidated, and UCX's own view of the endpoints an agent holds.
+//!
+//! # Closing a released peer's endpoints
+//!
+//! NIXL 1.5.1's UCX plugin disconnects a remote agent with
+//! `ucp_ep_close_nbx` in UCX's *flush* mode unless UCX has already failed
+//! the endpoint (then it forces the close). In flush mode UCX keeps an
+//! endpoint whose peer is connected until the UCX worker is destroyed
+//! (`ucp_ep_disconnected`: "to enable remote endpoints keep sending"), so
+//! every invalidation of a *live* peer left its endpoint, its TCP socket and
+//! its shared-memory mappings in the process, for good (measured: one
+//! ESTABLISHED connection on each side per release). A peer that died is
+//! failed by UCX first and was closed for real.
+//!
+//! This crate loads a small interposer (`shim/ep_close.c`) with
+//! `RTLD_GLOBAL` before libnixl, so that NIXL's UCX plugin binds its
+//! `ucp_ep_close_nbx` there. Inside [`crate::Agent::invalidate_remote_metadata`]
+//! only, on the calling thread, a flush-mode close becomes a forced one
+//! (`UCP_EP_CLOSE_FLAG_FORCE`: the endpoint and its transports are destroyed
+//! at once); everywhere else it forwards untouched. Upstream NIXL later
+//! added the same as the opt-in backend parameter `ucx_ep_close_force`.
+//!
+//! What stays, measured with the 1.5.1 wheel (loopback): the TCP
+//! connection UCX shares between the two directions is half-closed by the
+//! decode and fully closed by the *prefill*, when its UCX keepalive
+//! (`UCX_KEEPALIVE_INTERVAL` in the prefill's environment, 20 s by default)
+//! next checks the endpoint it made for the decode and learns that it was
+//! removed. A prefill with UCX keepalive off keeps that socket, and the
+//! decode its half, until one of them exits.
+//!
+//! `NIXL_SYS_EP_CLOSE=nixl` leaves NIXL's own close mode (the interposer is
+//! not loaded); `force` (or unset) is the default.
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::OnceLock;
+
+use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+
+/// The environment variable that chooses the endpoint close mode.
+pub const EP_CLOSE_ENV: &str = "NIXL_SYS_EP_CLOSE";
+
+/// The file name of NIXL's UCX plugin, whose binding is checked.
+const UCX_PLUGIN_FILE: &str = "libplugin_UCX.so";
+
+/// The interposer, built by build.rs.
+static EP_CLOSE_SO: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libnixl_sys_ep_close.so"));
+
+/// How this process closes the UCX endpoints of an invalidated agent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EndpointCloseMode {
+    /// Forced: a live peer's endpoints (socket, mappings) are destroyed by
+    /// the invalidation itself. Verified: NIXL's UCX plugin calls the
+    /// interposer.
+    Force,
+    /// NIXL's own mode, chosen with `NIXL_SYS_EP_CLOSE=nixl`: a live peer's
+    /// endpoints stay until the agent is destroyed.
+    Nixl,
+    /// Forcing was wanted but cannot be done in this process; the reason
+    /// says why (NIXL's plugin loaded before this crate, or with
+    /// `NIXL_UCX_DEEPBIND`, or the interposer could not be loaded). NIXL's
+    /// own mode applies.
+    Unavailable(String),
+    /// Not known yet: no agent (hence no UCX plugin) exists yet. (With
+    /// the 1.5.x runtime the layout probe at load creates one, so this is
+    /// only seen with a V1 C API runtime before its first agent.)
+    Pending,
+}
+
+impl EndpointCloseMode {
+    /// Whether invalidations close live peers' endpoints.
+    pub fn is_force(&self) -> bool {
+        matches!(self, EndpointCloseMode::Force)
+    }
+}
+
+impl std::fmt::Display for EndpointCloseMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EndpointCloseMode::Force => write!(f, "force"),
+            EndpointCloseMode::Nixl => write!(f, "nixl ({EP_CLOSE_ENV}=nixl)"),
+            EndpointCloseMode::Unavailable(why) => write!(f, "unavailable: {why}"),
+            EndpointCloseMode::Pending => write!(f, "pending (no agent yet)"),
+        }
+    }
+}
+
+/// What the UCX endpoint closes inside one `invalidateRemoteMD` did.
+///
+/// NIXL closes one endpoint per UCX worker (one here) when it invalidates
+/// an agent whose connection nothing else holds. No close at all means the
+/// agent was unknown (`NOT_FOUND`), or a handle still holds its connection
+/// (a transfer request or dlist not yet released), or the closes could not
+/// be seen ([`EndpointCloses::observed`] is false).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EndpointCloses {
+    /// Live endpoints closed at once in UCX's force mode.
+    pub forced: u32,
+    /// Endpoints UCX had already failed (a dead peer): NIXL forces those
+    /// itself; closed too.
+    pub already_failed: u32,
+    /// Endpoints closed in UCX's flush mode: UCX keeps each (its socket,
+    /// its mappings) until the agent is destroyed.
+    pub left_open: u32,
+    /// Whether the closes were observed: the mode is
+    /// [`EndpointCloseMode::Force`]. When false, the counts are all 0 and
+    /// say nothing.
+    pub observed: bool,
+}
+
+impl EndpointCloses {
+    /// Endpoints closed for real (forced by us, or already failed).
+    pub fn closed(&self) -> u32 {
+        self.forced + self.already_failed
+    }
+}
+
+/// `struct nks_ep_closes` of shim/ep_close.c.
+#[repr(C)]
+#[derive(Default)]
+struct RawCloses {
+    forced: u32,
+    already_forced: u32,
+    left_open: u32,
+    unresolved: u32,
+}
+
+/// The loaded interposer.
+pub(crate) struct Interposer {
+    begin: unsafe extern "C" fn(),
+    end: unsafe extern "C" fn(*mut RawCloses),
+    bound: unsafe extern "C" fn(*const c_char) -> c_int,
+    mode: OnceLock<EndpointCloseMode>,
+    _lib: Library,
+}
+
+/// The interposer's state in this process, decided before libnixl loads.
+pub(crate) enum EpClose {
+    /// Loaded; whether the UCX plugin binds it is checked after the first
+    /// agent exists.
+    Loaded(Interposer),
+    /// Not loaded, with the mode that applies.
+    Off(EndpointCloseMode),
+}
+
+/// A bad `NIXL_SYS_EP_CLOSE` value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadEpCloseSetting(pub String);
+
+impl EpClose {
+    /// Reads `NIXL_SYS_EP_CLOSE` and, for `force`, loads the interposer
+    /// into the global symbol scope. Must run before libnixl is loaded.
+    pub(crate) fn install() -> Result<EpClose, BadEpCloseSetting> {
+        match std::env::var(EP_CLOSE_ENV) {
+            Ok(v) if v == "nixl" => return Ok(EpClose::Off(EndpointCloseMode::Nixl)),
+            Ok(v) if v.is_empty() || v == "force" => {}
+            Ok(v) => return Err(BadEpCloseSetting(v)),
+            Err(std::env::VarError::NotPresent) => {}
+            Err(std::env::VarError::NotUnicode(v)) => {
+                return Err(BadEpCloseSetting(v.to_string_lossy().into_owned()))
+            }
+        }
+        if plugin_already_loaded() {
+            return Ok(EpClose::Off(EndpointCloseMode::Unavailable(format!(
+                "NIXL's {UCX_PLUGIN_FILE} was loaded before nixl-sys: it is bound to UCX already"
+            ))));
+        }
+        match load_interposer() {
+            Ok(i) => Ok(EpClose::Loaded(i)),
+            Err(why) => Ok(EpClose::Off(EndpointCloseMode::Unavailable(why))),
+        }
+    }
+
+    /// The mode in force. Checks the binding once the UCX plugin is loaded.
+    pub(crate) fn mode(&self) -> EndpointCloseMode {
+        match self {
+            EpClose::Off(mode) => mode.clone(),
+            EpClose::Loaded(i) => {
+                if let Some(m) = i.mode.get() {
+                    return m.clone();
+                }
+                let file = CString::new(UCX_PLUGIN_FILE).expect("no NUL");
+                // Safety: reads the loaded plugin's relocations through
+                // dl_iterate_phdr; the name is a valid C string.
+                let bound = unsafe { (i.bound)(file.as_ptr()) };
+                let mode = match bound {
+                    1 => EndpointCloseMode::Force,
+                    0 => EndpointCloseMode::Unavailable(format!(
+                        "{UCX_PLUGIN_FILE} calls another ucp_ep_close_nbx (loaded with \
+                         RTLD_DEEPBIND: is NIXL_UCX_DEEPBIND set?)"
+                    )),
+                    -1 => EndpointCloseMode::Unavailable(format!(
+                        "{UCX_PLUGIN_FILE} does not import ucp_ep_close_nbx"
+                    )),
+                    _ => return EndpointCloseMode::Pending,
+                };
+                i.mode.get_or_init(|| mode).clone()
+            }
+        }
+    }
+
+    /// Runs `f` (an `invalidateRemoteMD`) with flush-mode closes on this
+    /// thread forced, and reports what the closes did.
+    pub(crate) fn forcing<T>(&self, f: impl FnOnce() -> T) -> (T, EndpointCloses) {
+        let EpClose::Loaded(i) = self else {
+            return (f(), EndpointCloses::default());
+        };
+        if !self.mode().is_force() {
+            return (f(), EndpointCloses::default());
+        }
+        /// Closes the thread's scope even if `f` unwinds.
+        struct Scope<'a> {
+            interposer: &'a Interposer,
+            open: bool,
+        }
+        impl Scope<'_> {
+            fn end(&mut self) -> RawCloses {
+                let mut raw = RawCloses::default();
+                if std::mem::take(&mut self.open) {
+                    // Safety: closes the scope this guard opened, on this
+                    // thread.
+                    unsafe { (self.interposer.end)(&mut raw) };
+                }
+                raw
+            }
+        }
+        impl Drop for Scope<'_> {
+            fn drop(&mut self) {
+                self.end();
+            }
+        }
+        // Safety: opens a scope on this thread, closed by `Scope`.
+        unsafe { (i.begin)() };
+        let mut scope = Scope {
+            interposer: i,
+            open: true,
+        };
+        let out = f();
+        let raw = scope.end();
+        (
+            out,
+            EndpointCloses {
+                forced: raw.forced,
+                already_failed: raw.already_forced,
+                left_open: raw.left_open + raw.unresolved,
+                observed: true,
+            },
+        )
+    }
+}
+
+/// Whether NIXL's UCX plugin is in the process already (then it is bound).
+fn plugin_already_loaded() -> bool {
+    let name = CString::new(UCX_PLUGIN_FILE).expect("no NUL");
+    // Safety: RTLD_NOLOAD only looks the object up; the handle is closed.
+    unsafe {
+        let h = libc::dlopen(name.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY);
+        if h.is_null() {
+            false
+        } else {
+            libc::dlclose(h);
+            true
+        }
+    }
+}
+
+fn load_interposer() -> Result<Interposer, String> {
+    let name = c"nixl-sys-ep-close";
+    // Safety: a fresh anonymous file owned by this function until the
+    // dlopen below has mapped it.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(format!(
+            "memfd_create failed: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // Safety: `fd` is ours; File closes it on drop.
+    let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    std::io::Write::write_all(&mut file, EP_CLOSE_SO)
+        .map_err(|e| format!("writing the interposer to a memfd failed: {e}"))?;
+    let path = format!("/proc/self/fd/{fd}");
+    // Safety: our own object, built from shim/ep_close.c; its only
+    // initialisers are static data. RTLD_GLOBAL puts its ucp_ep_close_nbx
+    // ahead of UCX's for objects loaded later (NIXL's plugin).
+    let lib = unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) }
+        .map_err(|e| format!("loading the interposer failed: {e}"))?;
+    drop(file);
+    // Safety: the symbols' types are those of shim/ep_close.c.
+    unsafe {
+        let begin = *lib
+            .get::<unsafe extern "C" fn()>(b"nks_ep_close_scope_begin\0")
+            .map_err(|e| e.to_string())?;
+        let end = *lib
+            .get::<unsafe extern "C" fn(*mut RawCloses)>(b"nks_ep_close_scope_end\0")
+            .map_err(|e| e.to_string())?;
+        let bound = *lib
+            .get::<unsafe extern "C" fn(*const c_char) -> c_int>(b"nks_ep_close_bound\0")
+            .map_err(|e| e.to_string())?;
+        Ok(Interposer {
+            begin,
+            end,
+            bound,
+            mode: OnceLock::new(),
+            _lib: lib,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// UCX's own view: the UCS VFS tree of the process.
+// ---------------------------------------------------------------------------
+
+extern "C" {
+    fn nks_ucx_vfs_list(
+        path: *const c_char,
+        cb: extern "C" fn(*const c_char, *mut c_void),
+        arg: *mut c_void,
+    ) -> c_int;
+    fn nks_ucx_vfs_read(
+        path: *const c_char,
+        cb: extern "C" fn(*const c_char, *mut c_void),
+        arg: *mut c_void,
+    ) -> c_int;
+}
+
+extern "C" fn push_name(name: *const c_char, arg: *mut c_void) {
+    // Safety: `arg` is the `Vec<String>` passed by `vfs_list`; `name` a C
+    // string valid during the callback.
+    let v = unsafe { &mut *(arg as *mut Vec<String>) };
+    v.push(
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned(),
+    );
+}
+
+fn vfs_list(path: &str) -> Option<Vec<String>> {
+    let p = CString::new(path).ok()?;
+    let mut out: Vec<String> = Vec::new();
+    // Safety: valid C string; the callback only pushes into `out`.
+    let st =
+        unsafe { nks_ucx_vfs_list(p.as_ptr(), push_name, (&mut out as *mut Vec<String>).cast()) };
+    (st == 0).then_some(out)
+}
+
+fn vfs_read(path: &str) -> Option<String> {
+    let p = CString::new(path).ok()?;
+    let mut out: Vec<String> = Vec::new();
+    // Safety: as in `vfs_list`.
+    let st =
+        unsafe { nks_ucx_vfs_read(p.as_ptr(), push_name, (&mut out as *mut Vec<String>).cast()) };
+    (st == 0).then(|| out.concat().trim_end().to_string())
+}
+
+/// One UCP endpoint as UCX's VFS shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UcxEndpoint {
+    /// Its VFS name (the endpoint's address in this process).
+    pub id: String,
+    /// The peer worker's name (`host:pid`), or UCX's `<no debug data>`
+    /// unless the *peer* runs with `UCX_ADDRESS_DEBUG_INFO=y`.
+    pub peer_name: String,
+    /// Its error-handling mode (`peer` under NIXL).
+    pub error_mode: String,
+}
+
+/// The UCP endpoints and endpoint counters of one agent's UCX workers, read
+/// from UCX's own VFS tree (`/ucp/context/<agent name>/worker/*`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UcxEndpoints {
+    /// Every endpoint the workers hold now, NIXL's own loopback endpoint
+    /// included (one per worker).
+    pub endpoints: Vec<UcxEndpoint>,
+    /// Endpoints ever created (`counters/ep_creations`).
+    pub created: u64,
+    /// Endpoint closes requested (`counters/ep_closures`).
+    pub closed: u64,
+    /// Endpoints UCX failed (`counters/ep_failures`).
+    pub failed: u64,
+}
+
+/// Reads the endpoints of the UCX context named `context` (NIXL names the
+/// UCX context of an agent after the agent). `None` when UCX's VFS is not
+/// there (`UCX_VFS_ENABLE=n`, no libucs loaded) or no such context exists.
+pub(crate) fn ucx_endpoints(context: &str) -> Option<UcxEndpoints> {
+    let base = format!("/ucp/context/{context}/worker");
+    let workers = vfs_list(&base)?;
+    let mut out = UcxEndpoints::default();
+    for w in workers {
+        let wpath = format!("{base}/{w}");
+        // Listing the worker's own node runs its refresh, which adds the
+        // endpoints created since the last look to the tree.
+        let _ = vfs_list(&wpath);
+        let counter = |name: &str| {
+            vfs_read(&format!("{wpath}/counters/{name}"))
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        out.created += counter("ep_creations");
+        out.closed += counter("ep_closures");
+        out.failed += counter("ep_failures");
+        for ep in vfs_list(&format!("{wpath}/ep")).unwrap_or_default() {
+            let epath = format!("{wpath}/ep/{ep}");
+            out.endpoints.push(UcxEndpoint {
+                peer_name: vfs_read(&format!("{epath}/peer_name")).unwrap_or_default(),
+                error_mode: vfs_read(&format!("{epath}/error_mode")).unwrap_or_default(),
+                id: ep,
+            });
+        }
+    }
+    Some(out)
+}

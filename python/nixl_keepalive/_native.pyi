@@ -1,0 +1,194 @@
+"""Type stubs of the native module (``python/src/*.rs``)."""
+
+from typing import Any, Awaitable, Iterator, AsyncIterator, Optional, Sequence, Union
+
+__version__: str
+REMOTE_DISCONNECT: int
+NOT_FOUND: int
+SUCCESS: int
+
+class KeepaliveError(Exception):
+    """Base class of nixl_keepalive's errors."""
+
+class ConfigError(KeepaliveError, ValueError):
+    """A configuration value was refused (every refused value is in the
+    message and in ``errors``)."""
+
+    errors: list[dict[str, str]]
+
+class ServiceStopped(KeepaliveError):
+    """The keepalive service has stopped; nothing was done."""
+
+class ReadRefused(KeepaliveError):
+    """A read was not started: the engine is not live."""
+
+    engine: str
+    state: str
+
+class RegistrationRefused(KeepaliveError):
+    """The service did not take a registration; ``registration`` holds it
+    whole (engine, address, agents, kept_agents, dlist_handles) to give
+    back. ``reason``: stopped, conflict, invalid, service_gone."""
+
+    reason: str
+    engine: str
+    conflict: Optional[str]
+    agent: Optional[str]
+    holder: Optional[str]
+    registration: Optional[dict[str, Any]]
+
+class IdentityConflict(KeepaliveError):
+    """A handshake's claim conflicts with a registered engine (``conflict``:
+    agent_in_use, engine_elsewhere, agents_changed, ...); nothing may be
+    loaded, the registered engine is kept."""
+
+    conflict: str
+    engine: str
+    agent: Optional[str]
+    holder: Optional[str]
+
+Status = Union[int, str, BaseException, type]
+
+class Config:
+    """The service's configuration: ``NIXL_KEEPALIVE_*`` knobs as keyword
+    arguments (``interval``, ``jitter``, ``rate_period``, ``rate_burst``,
+    ``event_capacity``, ``shutdown_drain``, ``metrics_period``,
+    ``read_stall``, ``read_stall_action``) over the environment
+    (``env=False`` ignores it); ``seed`` fixes the jitter's randomness.
+    Time values: UCX syntax strings (``"250ms"``, ``"inf"``), seconds, or
+    ``timedelta``. Raises :class:`ConfigError`."""
+
+    def __init__(self, *, env: bool = True, seed: Optional[int] = None, **knobs: Any) -> None: ...
+    def as_dict(self) -> dict[str, Any]:
+        """The configuration in force, by keyword (seconds; ``None``:
+        disabled)."""
+
+class Engine:
+    """A registered prefill engine (one registration of it)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def agents(self) -> list[str]: ...
+    @property
+    def incarnation(self) -> Optional[int]: ...
+    @property
+    def state(self) -> str:
+        """live, unreachable, replaced, retiring, stalled or released."""
+    @property
+    def is_live(self) -> bool: ...
+    @property
+    def reads_in_flight(self) -> int: ...
+    @property
+    def reads_failed(self) -> bool: ...
+    def read(self) -> Read:
+        """Starts a read (a context manager); raises :class:`ReadRefused`
+        at once when the engine is not live."""
+    def report_transfer(self, status: Status) -> None:
+        """Reports how a transfer not tracked with :meth:`read` ended."""
+
+class Read:
+    """One read in flight; leaving its ``with`` block ends it."""
+
+    @property
+    def engine(self) -> str: ...
+    @property
+    def failed(self) -> bool:
+        """The service failed this engine's reads: abandon the transfer."""
+    @property
+    def open(self) -> bool: ...
+    def finish(self, status: Status) -> None:
+        """Ends the read with the transfer's raw status (int), the NIXL
+        exception it raised, or ``"DONE"``."""
+    def close(self) -> None: ...
+    def __enter__(self) -> Read: ...
+    def __exit__(self, *exc: object) -> bool: ...
+
+class Handshake:
+    """A handshake in progress with one prefill address."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def ended(self) -> bool: ...
+    def ready_to_load(
+        self, engine_id: str, agents: Sequence[Union[str, bytes]], incarnation: Optional[int] = None
+    ) -> Optional[Engine]:
+        """``None``: load now, then :meth:`register`. An ``Engine``: this
+        exact incarnation is already registered; load nothing. Raises
+        :class:`IdentityConflict` or :class:`ServiceStopped`."""
+    def ready_to_load_async(
+        self, engine_id: str, agents: Sequence[Union[str, bytes]], incarnation: Optional[int] = None
+    ) -> Awaitable[Optional[Engine]]: ...
+    def register(self, dlist_handles: Sequence[Any]) -> Engine:
+        """Registers the loaded engine with its prepped remote dlist
+        handles; raises :class:`RegistrationRefused`."""
+    def register_async(self, dlist_handles: Sequence[Any]) -> Awaitable[Engine]: ...
+    def claim_agent(self, agent: Union[str, bytes]) -> None:
+        """Claims a name ``add_remote_agent`` returned that the reply did
+        not list, before unloading it; :class:`IdentityConflict`: leave it
+        loaded (another engine's)."""
+    def finish(self) -> None: ...
+
+class Events:
+    """The service's events as dicts (``kind``, ``engine``, ...)."""
+
+    def get(self, timeout: Optional[float] = None) -> Optional[dict[str, Any]]:
+        """The next event, or ``None`` after ``timeout`` seconds; raises
+        :class:`ServiceStopped` once the service stopped and every event
+        was read."""
+    def get_nowait(self) -> Optional[dict[str, Any]]: ...
+    def __iter__(self) -> Iterator[dict[str, Any]]: ...
+    def __next__(self) -> dict[str, Any]: ...
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]: ...
+    def __anext__(self) -> Awaitable[dict[str, Any]]: ...
+
+class Service:
+    """The running service (wrapped by :class:`nixl_keepalive.Keepalive`)."""
+
+    def __init__(self, agent: Any, config: Config) -> None: ...
+    @property
+    def agent(self) -> Any: ...
+    @property
+    def stopped(self) -> bool: ...
+    def handshake(self, address: str) -> Handshake: ...
+    def register(
+        self,
+        engine_id: str,
+        address: str,
+        agents: Sequence[str],
+        dlist_handles: Sequence[Any],
+        incarnation: Optional[int] = None,
+    ) -> Engine: ...
+    def engine(self, engine_id: str) -> Optional[Engine]: ...
+    def add_leases(self, engine: Union[str, Engine], requests: Sequence[str], renew_now: bool = False) -> None: ...
+    def remove_leases(self, engine: Union[str, Engine], requests: Sequence[str]) -> None: ...
+    def renew_leases(self, engine: Union[str, Engine]) -> None: ...
+    def peer_gone(
+        self, engine: Optional[Union[str, Engine]] = None, *, address: Optional[str] = None, mode: str = "drain"
+    ) -> None: ...
+    def snapshot(self) -> dict[str, Any]: ...
+    def snapshot_async(self) -> Awaitable[dict[str, Any]]: ...
+    def events(self) -> Events: ...
+    def close(self) -> dict[str, Any]: ...
+    def close_async(self) -> Awaitable[dict[str, Any]]: ...
+    def give_back(self, registration: dict[str, Any]) -> list[dict[str, Any]]: ...
+    def transport_stats(self) -> dict[str, Any]: ...
+
+def status_name(status: int) -> str:
+    """The name of a raw NIXL status (``NIXL_ERR_REMOTE_DISCONNECT``)."""
+
+def classify_exception(exc: Union[BaseException, type]) -> Optional[int]:
+    """The raw status a NIXL exception stands for; ``None`` if not NIXL's."""
+
+def xfer_status(agent: Any, handle: Any) -> int:
+    """The raw status of a transfer (``agent.agent.getXferStatus``), where
+    ``check_xfer_state`` collapses errors to ``"ERR"``."""
+
+def knobs() -> list[dict[str, str]]:
+    """Every knob: keyword, variable, default, syntax, meaning."""
+
+def bench_read_guards(engine: Engine, n: int) -> float: ...
+def bench_service_heartbeats(engines: int, interval: float, seconds: float) -> int: ...

@@ -1,0 +1,515 @@
+//! The service object Python holds: spawns the library's service on the
+//! binding's runtime over a [`PyTransport`], and carries the runtime's
+//! side of it (leases, "peer gone", snapshot, events, close).
+
+use std::collections::{HashMap, HashSet};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+
+use nixl_keepalive::ucx_settings::UcxSettings;
+use nixl_keepalive::{
+    AgentName, EngineId, EngineRef, EngineState, GoneMode, KeepaliveHandle, PeerAddr, PeerRef,
+    ReleaseTarget, Snapshot, Stopped, Transport,
+};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::engine::{Engine, Identity};
+use crate::errors;
+use crate::protocol::{self, Events, Handshake};
+use crate::runtime;
+use crate::transport::{PyResources, PyTransport};
+
+/// What the service object, its handshakes and its events share.
+pub(crate) struct Shared {
+    pub(crate) handle: KeepaliveHandle<PyResources>,
+    pub(crate) transport: Arc<PyTransport>,
+    /// Registrations made through this binding, by engine id: the latest
+    /// one of each id, with what the library does not keep.
+    registry: Mutex<HashMap<EngineId, (EngineRef, Identity)>>,
+    shutdown: CancellationToken,
+    /// Cancelled once the service task has ended.
+    pub(crate) stopped: CancellationToken,
+    task: Mutex<Option<JoinHandle<Stopped<PyResources>>>>,
+}
+
+impl Shared {
+    /// Keeps what the binding knows of a new registration; forgets
+    /// released ones.
+    pub(crate) fn remember(&self, engine: EngineRef, identity: Identity) -> Engine {
+        let mut reg = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        reg.retain(|_, (e, _)| e.state() != EngineState::Released);
+        reg.insert(engine.id().clone(), (engine.clone(), identity.clone()));
+        Engine {
+            inner: engine,
+            identity,
+        }
+    }
+
+    /// The `Engine` for `engine`, a registration the library answered
+    /// with: what this binding knows of it when it made it, else `claimed`.
+    pub(crate) fn current(&self, engine: EngineRef, claimed: Identity) -> Engine {
+        let reg = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let identity = match reg.get(engine.id()) {
+            Some((e, identity)) if e.same_registration(&engine) => identity.clone(),
+            _ => claimed,
+        };
+        Engine {
+            inner: engine,
+            identity,
+        }
+    }
+
+    fn lookup(&self, engine: &EngineId) -> Option<Engine> {
+        {
+            let reg = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((e, identity)) = reg.get(engine) {
+                if e.state() != EngineState::Released {
+                    return Some(Engine {
+                        inner: e.clone(),
+                        identity: identity.clone(),
+                    });
+                }
+            }
+        }
+        self.handle.engine(engine).map(|inner| Engine {
+            inner,
+            identity: Identity {
+                address: String::new(),
+                agents: Vec::new(),
+                incarnation: None,
+            },
+        })
+    }
+}
+
+/// The keepalive service, running on its own thread over the caller's
+/// `nixl_agent`. The public `nixl_keepalive.Keepalive` wraps it.
+#[pyclass(module = "nixl_keepalive._native", frozen)]
+pub(crate) struct Service {
+    shared: Arc<Shared>,
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        // Not closed: the service stops in the background, draining and
+        // releasing as at close.
+        self.shared.shutdown.cancel();
+    }
+}
+
+/// An engine id from a str or an `Engine`.
+fn engine_id(engine: &Bound<'_, PyAny>) -> PyResult<EngineId> {
+    if let Ok(e) = engine.cast::<Engine>() {
+        return Ok(e.get().inner.id().clone());
+    }
+    match engine.extract::<String>() {
+        Ok(s) => Ok(EngineId::from(s)),
+        Err(_) => Err(PyTypeError::new_err(
+            "engine must be an engine id (str) or an Engine",
+        )),
+    }
+}
+
+#[pymethods]
+impl Service {
+    /// Starts the service over `agent` (a `nixl_agent`, made with a
+    /// locking thread-sync mode) with `config`.
+    #[new]
+    fn new(py: Python<'_>, agent: Py<PyAny>, config: &Config) -> PyResult<Service> {
+        for method in ["send_notif", "release_dlist_handle", "remove_remote_agent"] {
+            if !agent.bind(py).hasattr(method)? {
+                return Err(PyTypeError::new_err(format!(
+                    "agent has no {method}(): pass the decoder's nixl_agent"
+                )));
+            }
+        }
+        let settings = UcxSettings::read()
+            .map_err(|e| errors::ConfigError::new_err(format!("UCX settings: {e}")))?;
+        let transport = Arc::new(PyTransport::new(agent));
+        let rt = runtime::get();
+        let _enter = rt.enter();
+        let (service, handle) =
+            nixl_keepalive::Keepalive::new(transport.clone(), config.inner.clone());
+        let service = service.with_ucx_settings(&settings);
+        let shutdown = CancellationToken::new();
+        let stopped = CancellationToken::new();
+        let task = {
+            let shutdown = shutdown.clone();
+            let stopped = stopped.clone();
+            rt.spawn(async move {
+                let out = service.run(shutdown).await;
+                stopped.cancel();
+                out
+            })
+        };
+        Ok(Service {
+            shared: Arc::new(Shared {
+                handle,
+                transport,
+                registry: Mutex::default(),
+                shutdown,
+                stopped,
+                task: Mutex::new(Some(task)),
+            }),
+        })
+    }
+
+    /// The agent the service calls.
+    #[getter]
+    fn agent(&self, py: Python<'_>) -> Py<PyAny> {
+        self.shared.transport.agent().clone_ref(py)
+    }
+
+    /// Whether the service has stopped.
+    #[getter]
+    fn stopped(&self) -> bool {
+        self.shared.stopped.is_cancelled()
+    }
+
+    /// Starts a handshake with the prefill at `address` (`host:port`).
+    fn handshake(&self, address: String) -> Handshake {
+        protocol::start(&self.shared, address)
+    }
+
+    /// Registers an engine without a handshake of its own (its metadata
+    /// loaded, its dlists prepped). Prefer `handshake` for engine ids that
+    /// may come back.
+    #[pyo3(signature = (engine_id, address, agents, dlist_handles, incarnation = None))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        engine_id: String,
+        address: String,
+        agents: Vec<String>,
+        dlist_handles: Vec<Py<PyAny>>,
+        incarnation: Option<u64>,
+    ) -> PyResult<Engine> {
+        let fut = protocol::register_direct(
+            self.shared.clone(),
+            engine_id,
+            address,
+            agents,
+            incarnation,
+            dlist_handles,
+        );
+        runtime::wait(py, fut)?
+    }
+
+    /// The registered engine `engine_id`, if any.
+    fn engine(&self, engine_id: String) -> Option<Engine> {
+        self.shared.lookup(&EngineId::from(engine_id))
+    }
+
+    /// Renews these lease request ids with every heartbeat to `engine`
+    /// until removed; with `renew_now`, a renewal goes out as soon as the
+    /// engine's rate cap allows. Each id must be 1 to 256 bytes of
+    /// printable text without `,` (the separator of `HB:`'s ids): else
+    /// `ValueError` naming it, and none is added.
+    #[pyo3(signature = (engine, requests, renew_now = false))]
+    fn add_leases(
+        &self,
+        engine: &Bound<'_, PyAny>,
+        requests: Vec<String>,
+        renew_now: bool,
+    ) -> PyResult<()> {
+        self.shared
+            .handle
+            .add_leases(&engine_id(engine)?, requests, renew_now)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// Stops renewing these lease request ids.
+    fn remove_leases(&self, engine: &Bound<'_, PyAny>, requests: Vec<String>) -> PyResult<()> {
+        self.shared
+            .handle
+            .remove_leases(&engine_id(engine)?, requests);
+        Ok(())
+    }
+
+    /// A lease renewal to `engine` as soon as its rate cap allows.
+    fn renew_leases(&self, engine: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.shared.handle.renew_leases(&engine_id(engine)?);
+        Ok(())
+    }
+
+    /// The router or orchestrator says a peer is gone: by engine id or by
+    /// address (exactly one), `mode` `drain` (reads in flight finish) or
+    /// `fail` (they are failed at once). Idempotent; a no-op for unknown
+    /// peers.
+    #[pyo3(signature = (engine = None, *, address = None, mode = "drain"))]
+    fn peer_gone(
+        &self,
+        engine: Option<&Bound<'_, PyAny>>,
+        address: Option<String>,
+        mode: &str,
+    ) -> PyResult<()> {
+        let mode = match mode {
+            "drain" => GoneMode::Drain,
+            "fail" => GoneMode::Fail,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "mode {other:?} is not accepted; expected \"drain\" or \"fail\""
+                )))
+            }
+        };
+        let peer = match (engine, address) {
+            (Some(e), None) => PeerRef::Engine(engine_id(e)?),
+            (None, Some(a)) => PeerRef::Address(PeerAddr::from(a)),
+            _ => {
+                return Err(PyTypeError::new_err(
+                    "peer_gone takes exactly one of an engine (id or Engine) and address=",
+                ))
+            }
+        };
+        self.shared.handle.peer_gone(peer, mode);
+        Ok(())
+    }
+
+    /// The service's table as plain dicts.
+    fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let handle = self.shared.handle.clone();
+        let snap = runtime::wait(py, async move { handle.snapshot().await })?;
+        match snap {
+            Ok(s) => snapshot_dict(py, &s),
+            Err(_) => Err(errors::ServiceStopped::new_err(
+                "the keepalive service has stopped",
+            )),
+        }
+    }
+
+    /// `snapshot` as an awaitable.
+    fn snapshot_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let handle = self.shared.handle.clone();
+        runtime::for_async();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let snap = handle.snapshot().await;
+            Python::attach(|py| match snap {
+                Ok(s) => snapshot_dict(py, &s).map(|d| d.unbind()),
+                Err(_) => Err(errors::ServiceStopped::new_err(
+                    "the keepalive service has stopped",
+                )),
+            })
+        })
+    }
+
+    /// The service's events from now on.
+    fn events(&self) -> Events {
+        protocol::subscribe(&self.shared)
+    }
+
+    /// Stops the service as the Rust shutdown does: every engine is marked
+    /// (new reads refused), each is released as its reads end, for at
+    /// most the shutdown drain; registrations arriving now are refused.
+    /// Waits for that (GIL released), and returns what was left:
+    /// `unreleased` (registrations still held, as dicts for `give_back`,
+    /// once their reads have ended) and `releases_unfinished` (engine ids
+    /// whose release call had not come back). A second call returns
+    /// nothing left.
+    fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.shared.shutdown.cancel();
+        let task = self
+            .shared
+            .task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let Some(mut task) = task else {
+            return stopped_dict(py, None);
+        };
+        match runtime::wait(py, async { (&mut task).await }) {
+            Ok(joined) => stopped_dict(py, joined.ok()),
+            Err(interrupted) => {
+                *self.shared.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
+                Err(interrupted)
+            }
+        }
+    }
+
+    /// `close` as an awaitable.
+    fn close_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.shared.shutdown.cancel();
+        let task = self
+            .shared
+            .task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        runtime::for_async();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let joined = match task {
+                Some(task) => task.await.ok(),
+                None => None,
+            };
+            Python::attach(|py| stopped_dict(py, joined).map(|d| d.unbind()))
+        })
+    }
+
+    /// Gives back a registration the service handed back (from
+    /// `RegistrationRefused.registration` or `close()["unreleased"]`),
+    /// through the agent, as the service would: each dlist handle, then
+    /// each agent's remote metadata. Only once no read from it is in
+    /// flight. Returns each step with its raw status.
+    fn give_back<'py>(
+        &self,
+        py: Python<'py>,
+        registration: &Bound<'py, PyDict>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let engine: String = registration
+            .get_item("engine")?
+            .ok_or_else(|| PyValueError::new_err("registration has no 'engine'"))?
+            .extract()?;
+        let agents: Vec<String> = match registration.get_item("agents")? {
+            Some(a) => a.extract()?,
+            None => Vec::new(),
+        };
+        let handles: Vec<Py<PyAny>> = match registration.get_item("dlist_handles")? {
+            Some(h) => h.extract()?,
+            None => Vec::new(),
+        };
+        // Given back once: a second call finds nothing to release.
+        registration.set_item("dlist_handles", PyList::empty(py))?;
+        registration.set_item("agents", PyList::empty(py))?;
+        let transport = self.shared.transport.clone();
+        let engine = EngineId::from(engine);
+        let agents: Vec<AgentName> = agents.into_iter().map(AgentName::from).collect();
+        let steps = py.detach(move || {
+            catch_unwind(AssertUnwindSafe(|| {
+                transport.release(
+                    &engine,
+                    &agents,
+                    PyResources {
+                        dlist_handles: handles,
+                    },
+                )
+            }))
+        });
+        let steps = steps.map_err(|panic| {
+            let text = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "the release failed".into());
+            PyRuntimeError::new_err(text)
+        })?;
+        let list = PyList::empty(py);
+        for step in steps {
+            let d = PyDict::new(py);
+            match &step.target {
+                ReleaseTarget::DlistHandle(i) => {
+                    d.set_item("target", "dlist_handle")?;
+                    d.set_item("index", *i)?;
+                }
+                ReleaseTarget::RemoteMetadata(agent) => {
+                    d.set_item("target", "remote_metadata")?;
+                    d.set_item("agent", agent.as_str())?;
+                }
+                ReleaseTarget::Endpoints { agent, close } => {
+                    d.set_item("target", "endpoints")?;
+                    d.set_item("agent", agent.as_str())?;
+                    d.set_item("close", close.as_str())?;
+                }
+            }
+            d.set_item("status", step.status.raw())?;
+            d.set_item("status_name", step.status.name())?;
+            list.append(d)?;
+        }
+        Ok(list)
+    }
+
+    /// How long the service's calls on the agent waited for the GIL:
+    /// `calls`, `gil_wait_total`, `gil_wait_max` (seconds) and
+    /// `gil_waits_over_10ms`.
+    fn transport_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (calls, total, max, over) = self.shared.transport.gil.read();
+        let d = PyDict::new(py);
+        d.set_item("calls", calls)?;
+        d.set_item("gil_wait_total", total.as_secs_f64())?;
+        d.set_item("gil_wait_max", max.as_secs_f64())?;
+        d.set_item("gil_waits_over_10ms", over)?;
+        Ok(d)
+    }
+}
+
+/// What `close` returns.
+fn stopped_dict(
+    py: Python<'_>,
+    stopped: Option<Stopped<PyResources>>,
+) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    let unreleased = PyList::empty(py);
+    let unfinished = PyList::empty(py);
+    if let Some(s) = stopped {
+        for r in s.unreleased {
+            unreleased.append(protocol::registration_dict(py, r, &HashSet::new())?)?;
+        }
+        for e in s.releases_unfinished {
+            unfinished.append(e.as_str())?;
+        }
+    }
+    d.set_item("unreleased", unreleased)?;
+    d.set_item("releases_unfinished", unfinished)?;
+    Ok(d)
+}
+
+/// The snapshot as plain dicts (durations in seconds).
+fn snapshot_dict<'py>(py: Python<'py>, s: &Snapshot) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let engines = PyList::empty(py);
+    for e in &s.engines {
+        let x = PyDict::new(py);
+        x.set_item("engine", e.engine.as_str())?;
+        x.set_item("address", e.address.as_str())?;
+        x.set_item(
+            "agents",
+            PyList::new(py, e.agents.iter().map(|a| a.as_str()))?,
+        )?;
+        x.set_item("state", e.state.as_str())?;
+        x.set_item("reads_in_flight", e.reads_in_flight)?;
+        x.set_item("leases", PyList::new(py, &e.leases)?)?;
+        match &e.last_heartbeat {
+            Some(h) => {
+                let hb = PyDict::new(py);
+                hb.set_item("ago", h.ago.as_secs_f64())?;
+                hb.set_item("status", h.status.raw())?;
+                hb.set_item("status_name", h.status.name())?;
+                x.set_item("last_heartbeat", hb)?;
+            }
+            None => x.set_item("last_heartbeat", py.None())?,
+        }
+        x.set_item(
+            "next_heartbeat_in",
+            e.next_heartbeat_in.map(|t| t.as_secs_f64()),
+        )?;
+        x.set_item("transient_errors", e.transient_errors)?;
+        x.set_item("why", e.why.as_str())?;
+        engines.append(x)?;
+    }
+    d.set_item("engines", engines)?;
+    let pending = PyDict::new(py);
+    for (addr, n) in &s.handshakes_pending {
+        pending.set_item(addr.as_str(), *n)?;
+    }
+    d.set_item("handshakes_pending", pending)?;
+    d.set_item(
+        "waiting_for_reload",
+        PyList::new(py, s.waiting_for_reload.iter().map(|e| e.as_str()))?,
+    )?;
+    d.set_item("silent_peer_note", s.silent_peer_note.as_str())?;
+    d.set_item("limiter_keys", s.limiter_keys)?;
+    d.set_item("heartbeat_timers", s.heartbeat_timers)?;
+    match &s.detection_bound {
+        Some(b) => {
+            let x = PyDict::new(py);
+            x.set_item("crashed", b.crashed.map(|t| t.as_secs_f64()))?;
+            x.set_item("silent", b.silent.map(|t| t.as_secs_f64()))?;
+            d.set_item("detection_bound", x)?;
+        }
+        None => d.set_item("detection_bound", py.None())?,
+    }
+    Ok(d)
+}

@@ -1,0 +1,53 @@
+//! `nixl_keepalive._native`: the keepalive service for Python decode
+//! runtimes (vLLM's NixlConnector, SGLang), over the caller's own
+//! `nixl_agent`.
+//!
+//! The service is the Rust library's, unchanged: it runs as a task on the
+//! binding's own tokio runtime ([`runtime`]), on threads of its own, and
+//! never takes the GIL except for the length of one call on the caller's
+//! agent ([`transport`]). Python waits for the service with the GIL
+//! released. The Python-facing package (`python/nixl_keepalive/`) adds the
+//! context managers and iterators around these classes.
+//!
+//! One module, [`protocol`], holds every use of the library's handshake
+//! protocol and of its events, so that a change of either lands in one
+//! place.
+
+use pyo3::prelude::*;
+
+mod bench;
+mod config;
+mod engine;
+mod errors;
+mod keepalive;
+mod protocol;
+mod runtime;
+mod status;
+mod transport;
+
+/// The extension module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    runtime::init_logging();
+    m.add_class::<config::Config>()?;
+    m.add_class::<keepalive::Service>()?;
+    m.add_class::<protocol::Events>()?;
+    m.add_class::<protocol::Handshake>()?;
+    m.add_class::<engine::Engine>()?;
+    m.add_class::<engine::Read>()?;
+    errors::add(m)?;
+    m.add_function(wrap_pyfunction!(status::status_name, m)?)?;
+    m.add_function(wrap_pyfunction!(status::classify_exception, m)?)?;
+    m.add_function(wrap_pyfunction!(status::xfer_status, m)?)?;
+    m.add_function(wrap_pyfunction!(config::knobs, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::bench_read_guards, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::bench_service_heartbeats, m)?)?;
+    m.add(
+        "REMOTE_DISCONNECT",
+        nixl_keepalive::NixlStatus::ERR_REMOTE_DISCONNECT.raw(),
+    )?;
+    m.add("NOT_FOUND", nixl_keepalive::NixlStatus::ERR_NOT_FOUND.raw())?;
+    m.add("SUCCESS", nixl_keepalive::NixlStatus::SUCCESS.raw())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,390 @@
+"""The Python API's rules, over a recording stand-in for ``nixl_agent``
+(no NIXL needed; these always run). The stand-in behaves as NIXL 1.5.1's
+Python API was measured to: every call succeeds until told otherwise, and
+a failure is raised as NIXL's exception class of that status (matched by
+name, as the binding matches the real classes).
+
+The service runs on the wall clock here (it is the real binding); each
+test waits for the state it asserts with a deadline, never a fixed sleep
+that decides the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import nixl_keepalive as nk
+from conftest import EventLog, wait_for
+
+
+class nixlRemoteDisconnectError(Exception):
+    """Named as NIXL's class: the binding classifies by class name."""
+
+
+class nixlNotFoundError(Exception):
+    pass
+
+
+class nixlBackendError(Exception):
+    pass
+
+
+class RecordingAgent:
+    """What the service calls on a ``nixl_agent``, recorded with when."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls = []  # (what, arg, time)
+        self.fail = {}  # agent name -> exception class raised by send_notif
+        self.name = "recording-agent"
+
+    def _record(self, what, arg):
+        with self.lock:
+            self.calls.append((what, arg, time.monotonic()))
+
+    def send_notif(self, agent, msg):
+        self._record("send_notif", (agent, bytes(msg)))
+        exc = self.fail.get(agent)
+        if exc is not None:
+            raise exc("injected")
+
+    def release_dlist_handle(self, handle):
+        self._record("release_dlist_handle", handle)
+
+    def remove_remote_agent(self, agent):
+        self._record("remove_remote_agent", agent)
+
+    def of(self, what):
+        with self.lock:
+            return [c for c in self.calls if c[0] == what]
+
+    def heartbeats_to(self, agent):
+        return [c[1][1] for c in self.of("send_notif") if c[1][0] == agent]
+
+
+FAST = dict(interval="50ms", env=False, seed=1)
+
+
+@pytest.fixture
+def agent():
+    return RecordingAgent()
+
+
+@pytest.fixture
+def ka(agent):
+    k = nk.Keepalive(agent, **FAST)
+    yield k
+    k.close()
+
+
+def connect(ka, engine="e1", address="10.0.0.1:1", agents=("e1-rank0",), handles=("dl-0",), incarnation=1):
+    with ka.handshake(address) as h:
+        got = h.ready_to_load(engine, list(agents), incarnation=incarnation)
+        assert got is None, "a new engine must be loaded"
+        return h.register(list(handles))
+
+
+# -- configuration ---------------------------------------------------------------
+
+
+def test_a_bad_keyword_value_names_keyword_variable_value_and_what_is_accepted(agent):
+    with pytest.raises(nk.ConfigError) as e:
+        nk.Keepalive(agent, interval="1ns", env=False)
+    text = str(e.value)
+    assert "interval='1ns'" in text and "NIXL_KEEPALIVE_INTERVAL" in text, text
+    assert "must be from 10ms to 86400s" in text and "UCX time" in text, text
+    assert isinstance(e.value, ValueError) and isinstance(e.value, nk.KeepaliveError)
+    assert e.value.errors[0]["variable"] == "NIXL_KEEPALIVE_INTERVAL"
+    assert e.value.errors[0]["source"] == "keyword"
+
+
+def test_every_bad_value_from_keywords_and_environment_is_listed_at_once(monkeypatch):
+    monkeypatch.setenv("NIXL_KEEPALIVE_RATE_BURST", "zero")
+    monkeypatch.setenv("NIXL_KEEPALIVE_READ_STALL_ACTION", "explode")
+    with pytest.raises(nk.ConfigError) as e:
+        nk.Config(event_capacity=0, jitter="10h")
+    text = str(e.value)
+    assert text.startswith("4 configuration values are not accepted"), text
+    for needle in ('NIXL_KEEPALIVE_RATE_BURST="zero"', "environment:", "explode", "`fail` or `report`",
+                   "keyword argument event_capacity=0", "keyword argument jitter='10h'"):
+        assert needle in text, (needle, text)
+    assert {x["variable"] for x in e.value.errors} == {
+        "NIXL_KEEPALIVE_RATE_BURST", "NIXL_KEEPALIVE_READ_STALL_ACTION",
+        "NIXL_KEEPALIVE_EVENT_CAPACITY", "NIXL_KEEPALIVE_JITTER"}
+
+
+def test_keywords_override_the_environment_and_derive_like_rust(monkeypatch):
+    monkeypatch.setenv("NIXL_KEEPALIVE_INTERVAL", "2s")
+    assert nk.Config().as_dict()["interval"] == 2.0
+    c = nk.Config(interval=0.25).as_dict()
+    assert (c["interval"], c["jitter"], c["rate_period"]) == (0.25, 0.025, 0.25)
+    assert nk.Config(interval=float("inf")).as_dict()["interval"] is None
+    import datetime
+    assert nk.Config(shutdown_drain=datetime.timedelta(milliseconds=1500)).as_dict()["shutdown_drain"] == 1.5
+    assert nk.Config(env=False).as_dict()["interval"] == 5.0
+
+
+def test_unknown_keywords_and_wrong_types_are_type_errors(agent):
+    with pytest.raises(TypeError, match="unknown configuration keyword .intervall.; accepted: interval"):
+        nk.Config(intervall="1s")
+    with pytest.raises(TypeError, match="rate_burst .*whole number"):
+        nk.Config(rate_burst=True)
+    with pytest.raises(TypeError, match="either a Config or keyword"):
+        nk.Keepalive(agent, nk.Config(), interval="1s")
+    with pytest.raises(TypeError, match="no send_notif"):
+        nk.Keepalive(object(), env=False)
+
+
+# -- statuses ----------------------------------------------------------------------
+
+
+def test_nixl_exceptions_are_classified_by_class_and_check_xfer_states_err_is_refused():
+    assert nk.classify_exception(nixlRemoteDisconnectError("x")) == nk.REMOTE_DISCONNECT == -10
+    assert nk.classify_exception(nixlNotFoundError) == nk.NOT_FOUND == -4
+    assert nk.classify_exception(nixlBackendError("x")) == -3
+    assert nk.classify_exception(RuntimeError("x")) is None
+    assert nk.status_name(-10) == "NIXL_ERR_REMOTE_DISCONNECT"
+
+
+def test_a_read_reports_a_raw_status_and_refuses_a_collapsed_one(ka, agent):
+    log = EventLog(ka)
+    engine = connect(ka)
+    with engine.read() as r:
+        with pytest.raises(ValueError, match="collapsed"):
+            r.finish("ERR")
+        with pytest.raises(ValueError, match="in progress"):
+            r.finish("PROC")
+        with pytest.raises(TypeError, match="bool"):
+            r.finish(True)
+        assert r.open
+        r.finish(nixlRemoteDisconnectError("from transfer()"))
+        assert not r.open
+    e = log.wait("unreachable", 5, engine="e1")
+    assert (e["status"], e["status_name"], e["source"]) == (-10, "NIXL_ERR_REMOTE_DISCONNECT", "transfer")
+    log.wait("released", 5, engine="e1", reason="unreachable")
+
+
+# -- the rules ---------------------------------------------------------------------
+
+
+def test_a_heartbeat_remote_disconnect_releases_the_engine_through_the_agent(ka, agent):
+    log = EventLog(ka)
+    connect(ka, agents=("e1-rank0", "e1-rank1"), handles=("dl-0", "dl-1"))
+    wait_for("a heartbeat", lambda: agent.heartbeats_to("e1-rank1"), 5)
+    agent.fail["e1-rank1"] = nixlRemoteDisconnectError
+    e = log.wait("unreachable", 5, engine="e1")
+    assert (e["status"], e["source"]) == (-10, "heartbeat")
+    released = log.wait("released", 5, engine="e1")
+    assert released["reason"] == "unreachable" and released["failed_steps"] == 0
+    assert [c[1] for c in agent.of("release_dlist_handle")] == ["dl-0", "dl-1"]
+    assert [c[1] for c in agent.of("remove_remote_agent")] == ["e1-rank0", "e1-rank1"]
+    assert ka.engine("e1") is None
+
+
+def test_other_errors_are_counted_never_a_release(ka, agent):
+    log = EventLog(ka)
+    engine = connect(ka)
+    agent.fail["e1-rank0"] = nixlBackendError
+    e = log.wait("transient_error", 5, engine="e1")
+    assert (e["status"], e["source"]) == (-3, "heartbeat")
+    wait_for("three failed heartbeats", lambda: len(agent.heartbeats_to("e1-rank0")) >= 4, 5)
+    assert engine.state == "live" and not agent.of("release_dlist_handle")
+
+
+def test_no_release_while_a_read_is_in_flight(ka, agent):
+    log = EventLog(ka)
+    engine = connect(ka)
+    read = engine.read()
+    agent.fail["e1-rank0"] = nixlRemoteDisconnectError
+    log.wait("unreachable", 5, engine="e1")
+    with pytest.raises(nk.ReadRefused) as refused:
+        engine.read()
+    assert (refused.value.engine, refused.value.state) == ("e1", "unreachable")
+    assert read.failed, "an unreachable engine's reads are failed"
+    # Six heartbeat intervals with the read still open: nothing may be
+    # released (an absence needs a window; the release below shows the
+    # service was not idle).
+    seen = len(agent.calls)
+    time.sleep(0.3)
+    assert not agent.of("release_dlist_handle"), agent.calls[seen:]
+    closed_at = time.monotonic()
+    read.close()
+    log.wait("released", 5, engine="e1")
+    assert all(c[2] >= closed_at for c in agent.of("release_dlist_handle"))
+
+
+def test_leases_ride_on_heartbeats_until_removed(ka, agent):
+    engine = connect(ka)
+    ka.add_leases(engine, ["req-1", "req-2"], renew_now=True)
+    wait_for("HB with both leases", lambda: any(m in (b"HB:req-1,req-2", b"HB:req-2,req-1")
+                                                for m in agent.heartbeats_to("e1-rank0")), 5)
+    assert sorted(ka.snapshot()["engines"][0]["leases"]) == ["req-1", "req-2"]
+    ka.remove_leases("e1", ["req-1", "req-2"])
+    mark = len(agent.heartbeats_to("e1-rank0"))
+    wait_for("an empty HB after removal", lambda: b"HB:" in agent.heartbeats_to("e1-rank0")[mark:], 5)
+
+
+def test_peer_gone_fail_fails_reads_at_once_and_releases_when_they_end(ka, agent):
+    log = EventLog(ka)
+    engine = connect(ka, address="10.0.0.9:9")
+    read = engine.read()
+    ka.peer_gone(address="10.0.0.9:9", mode="fail")
+    log.wait("retiring", 5, engine="e1", fail_reads=True)
+    wait_for("the read failed", lambda: read.failed, 5)
+    assert log.find("reads_failed", engine="e1")["count"] == 1
+    assert not agent.of("release_dlist_handle")
+    read.finish("DONE")
+    assert log.wait("released", 5, engine="e1")["reason"] == "peer_gone"
+    with pytest.raises(ValueError, match="drain.*fail"):
+        ka.peer_gone("e1", mode="later")
+    with pytest.raises(TypeError, match="exactly one"):
+        ka.peer_gone()
+
+
+def test_the_snapshot_is_plain_dicts(ka, agent):
+    connect(ka)
+    wait_for("a heartbeat back", lambda: ka.snapshot()["engines"][0]["last_heartbeat"], 5)
+    snap = ka.snapshot()
+    e = snap["engines"][0]
+    assert (e["engine"], e["address"], e["agents"], e["state"], e["reads_in_flight"]) == (
+        "e1", "10.0.0.1:1", ["e1-rank0"], "live", 0)
+    assert e["last_heartbeat"]["status_name"] == "NIXL_SUCCESS" and isinstance(e["why"], str)
+    assert snap["detection_bound"]["crashed"] is not None
+    assert asyncio.run(ka.snapshot_async())["engines"][0]["engine"] == "e1"
+
+
+# -- identities ------------------------------------------------------------------------
+
+
+def test_the_same_incarnation_is_not_loaded_twice_and_a_new_one_goes_after_the_old_release(ka, agent):
+    log = EventLog(ka)
+    first = connect(ka, incarnation=7)
+    with ka.handshake("10.0.0.1:1") as h:
+        again = h.ready_to_load("e1", ["e1-rank0"], incarnation=7)
+        assert again is not None and again.id == "e1" and again.incarnation == 7
+        assert h.ended
+    with ka.handshake("10.0.0.1:1") as h:
+        assert h.ready_to_load("e1", ["e1-rank0"], incarnation=8) is None
+        # The old registration was released before we may load.
+        assert first.state == "released"
+        assert [c[1] for c in agent.of("remove_remote_agent")] == ["e1-rank0"]
+        second = h.register(["dl-new"])
+    assert log.wait("released", 5, engine="e1")["reason"] == "reregistered"
+    assert second.incarnation == 8 and second.is_live
+
+
+def test_an_agent_held_by_another_engine_is_refused_before_anything_is_loaded(ka, agent):
+    connect(ka, engine="e1", agents=("shared-agent",))
+    with ka.handshake("10.0.0.2:2") as h:
+        with pytest.raises(nk.IdentityConflict) as e:
+            h.ready_to_load("e2", ["shared-agent"], incarnation=1)
+    assert (e.value.conflict, e.value.agent, e.value.holder) == ("agent_in_use", "shared-agent", "e1")
+    assert not agent.of("remove_remote_agent")
+
+
+def test_an_engine_id_live_at_another_address_is_refused_and_kept(ka, agent):
+    log = EventLog(ka)
+    first = connect(ka, engine="e1", address="10.0.0.1:1")
+    with ka.handshake("10.0.0.7:7") as h:
+        with pytest.raises(nk.IdentityConflict) as e:
+            h.ready_to_load("e1", ["e1-rank0"], incarnation=2)
+    assert e.value.conflict == "engine_elsewhere"
+    c = log.wait("conflict", 5, engine="e1")
+    assert c["conflict"] == "engine_elsewhere" and "10.0.0.7:7" in c["message"], c
+    assert first.is_live and not agent.of("remove_remote_agent")
+
+
+def test_a_refused_registration_comes_back_whole_and_give_back_spares_the_holders_agent(ka, agent):
+    connect(ka, engine="e1", agents=("shared-agent",))
+    with pytest.raises(nk.RegistrationRefused) as e:
+        ka.register("e2", "10.0.0.2:2", ["own-agent", "shared-agent"], ["dl-e2"])
+    refused = e.value
+    assert (refused.reason, refused.conflict, refused.agent, refused.holder) == (
+        "conflict", "agent_in_use", "shared-agent", "e1")
+    reg = refused.registration
+    assert reg["dlist_handles"] == ["dl-e2"] and reg["agents"] == ["own-agent"]
+    assert reg["kept_agents"] == ["shared-agent"]
+    steps = ka.give_back(reg)
+    assert [(s["target"], s["status_name"]) for s in steps] == [
+        ("dlist_handle", "NIXL_SUCCESS"), ("remote_metadata", "NIXL_SUCCESS")]
+    assert [c[1] for c in agent.of("remove_remote_agent")] == ["own-agent"]
+    assert ka.give_back(reg) == [], "given back once"
+
+
+def test_the_async_handshake_and_async_events(ka, agent):
+    async def main():
+        events = ka.events()
+        async with ka.handshake("10.0.0.3:3") as h:
+            assert await h.ready_to_load("e3", [b"e3-rank0"], incarnation=1) is None
+            engine = await h.register(["dl-e3"])
+        assert engine.agents == ["e3-rank0"]
+        first = await asyncio.wait_for(events.__anext__(), 5)
+        assert (first["kind"], first["engine"]) == ("registered", "e3")
+        ka.peer_gone(engine)
+        kinds = []
+        async for e in events:
+            kinds.append(e["kind"])
+            if e["kind"] == "released":
+                break
+        assert kinds[-1] == "released" and "retiring" in kinds
+        return await ka.aclose()
+
+    left = asyncio.run(main())
+    assert left == {"unreleased": [], "releases_unfinished": []}
+
+
+def test_a_handshake_used_out_of_order_says_what_to_do(ka):
+    with ka.handshake("10.0.0.4:4") as h:
+        with pytest.raises(RuntimeError, match="call ready_to_load first"):
+            h.register(["x"])
+        h.ready_to_load("e4", ["e4-rank0"])
+        with pytest.raises(RuntimeError, match="already called"):
+            h.ready_to_load("e4", ["e4-rank0"])
+    with pytest.raises(RuntimeError, match="ended"):
+        h.register(["x"])
+
+
+# -- stopping -----------------------------------------------------------------------
+
+
+def test_close_drains_then_hands_back_what_still_has_reads(agent):
+    ka = nk.Keepalive(agent, interval="50ms", shutdown_drain="200ms", env=False)
+    connect(ka, engine="idle", address="10.0.0.5:5", agents=("idle-0",), handles=("dl-idle",))
+    busy = connect(ka, engine="busy", address="10.0.0.6:6", agents=("busy-0",), handles=("dl-busy",))
+    read = busy.read()
+    events = ka.events()
+    left = ka.close()
+    assert [r["engine"] for r in left["unreleased"]] == ["busy"]
+    assert left["unreleased"][0]["dlist_handles"] == ["dl-busy"]
+    assert [c[1] for c in agent.of("release_dlist_handle")] == ["dl-idle"]
+    assert ka.closed and ka.close() is left
+    kinds = [e["kind"] for e in events]  # ends: the service has stopped
+    assert "released" in kinds
+    with pytest.raises(nk.ReadRefused):
+        busy.read()
+    read.close()
+    ka.give_back(left["unreleased"][0])
+    assert [c[1] for c in agent.of("release_dlist_handle")] == ["dl-idle", "dl-busy"]
+    with pytest.raises(nk.ServiceStopped):
+        ka.snapshot()
+
+
+def test_a_non_nixl_exception_is_a_transport_panic_and_the_engine_is_kept(ka, agent):
+    log = EventLog(ka)
+    engine = connect(ka)
+    agent.fail["e1-rank0"] = KeyError
+    e = log.wait("transport_panicked", 5, engine="e1")
+    assert e["call"] == "genNotif" and "KeyError" in e["message"], e
+    assert engine.state == "live"
+
+
+def test_events_get_times_out_and_polls(ka):
+    events = ka.events()
+    t = time.monotonic()
+    assert events.get(timeout=0.05) is None
+    assert time.monotonic() - t >= 0.04
+    assert events.get_nowait() is None

@@ -1,0 +1,216 @@
+"""The keepalive embedded in a vLLM-shaped Python decoder
+(``python/examples/vllm_decode.py``), on the real NIXL Python API
+(``nixl_cu12`` 1.5.1), against real ``nixl-keepalive prefill`` processes
+killed, restarted and frozen for real. Each test prints what it measured
+(``MEASURED ...``). Without the runtime they print ``SKIPPED`` and skip;
+with ``NIXL_KEEPALIVE_REQUIRE_REAL=1`` or ``CI=true`` they fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import nixl_keepalive as nk
+from conftest import EventLog, fd_count, report, thread_count, wait_for
+
+HEARTBEAT = "250ms"
+
+
+def assert_metadata_gone(worker, agent_name: str, nixl_api) -> None:
+    """The decoder's agent no longer holds the agent's metadata: a
+    notification to it is refused NOT_FOUND (a loaded, dead peer says
+    REMOTE_DISCONNECT; a live one takes it)."""
+    with pytest.raises(nixl_api.nixlNotFoundError):
+        worker.nixl_wrapper.send_notif(agent_name, b"are you there")
+
+
+def read_verified(worker, engine, rank: int = 0, block: int = 1) -> None:
+    o = worker.read_block(engine.id, rank, block)
+    assert o.result == "verified", o
+
+
+def test_a_sigkilled_prefill_is_released_within_the_bound(prefills, make_worker, nixl_api):
+    p = prefills(ranks=2)
+    w = make_worker(interval=HEARTBEAT)
+    log = EventLog(w.keepalive)
+    engine = w.add_remote_agent(p.address)
+    read_verified(w, engine, 0, 3)
+    read_verified(w, engine, 1, 5)
+    wait_for("a heartbeat answered", lambda: (w.keepalive.snapshot()["engines"][0]["last_heartbeat"] or {})
+             .get("status") == 0, 5)
+    # A killed process's connections are reset at once (UCX fails the
+    # endpoint 3-46 ms after SIGKILL, measured): the next heartbeat says
+    # REMOTE_DISCONNECT. The bound is one heartbeat gap; the slack is for a
+    # loaded 2-core machine. (The snapshot's detection_bound is the worst
+    # case of a silent host, not this.)
+    config = w.keepalive.config.as_dict()
+    bound = config["interval"] + config["jitter"]
+    killed = p.kill()
+    e = log.wait("unreachable", bound + 2.0, engine=engine.id)
+    assert (e["status"], e["status_name"], e["source"]) == (-10, "NIXL_ERR_REMOTE_DISCONNECT", "heartbeat")
+    released = log.wait("released", bound + 2.0, engine=engine.id)
+    assert released["reason"] == "unreachable" and released["failed_steps"] == 0
+    took = released["at"] - killed
+    report(f"SIGKILL -> released {took * 1000:.0f} ms (detected {(e['at'] - killed) * 1000:.0f} ms; "
+           f"one heartbeat gap {bound * 1000:.0f} ms: {took / bound:.2f}x)")
+    assert engine.state == "released"
+    for agent in engine.agents:
+        assert_metadata_gone(w, agent, nixl_api)
+    with pytest.raises(nk.ReadRefused):
+        w.read_blocks(engine.id, 0, 0)
+
+
+def test_a_transfers_raw_remote_disconnect_marks_the_engine_when_heartbeats_are_off(prefills, make_worker, nixl_api):
+    # No heartbeats: only the reads' own raw statuses can find the death
+    # (check_xfer_state would say "ERR" for every error).
+    p = prefills()
+    w = make_worker(interval="inf")
+    log = EventLog(w.keepalive)
+    engine = w.add_remote_agent(p.address)
+    read_verified(w, engine)
+    killed = None
+    statuses = {}
+    refused = 0
+
+    def reads_until_refused():
+        nonlocal killed, refused
+        if killed is None and sum(statuses.values()) >= 20:
+            killed = p.kill()
+        try:
+            w.read_blocks(engine.id, 0, 1)
+        except nk.ReadRefused:
+            refused += 1
+        except Exception as e:  # noqa: BLE001 - a NIXL call raised: reported through the read
+            statuses[type(e).__name__] = statuses.get(type(e).__name__, 0) + 1
+        for o in w.get_finished():
+            key = o.status if o.status is not None else o.result
+            statuses[key] = statuses.get(key, 0) + 1
+        return log.find("released", engine=engine.id) if refused else None
+
+    released = wait_for("released after a transfer's REMOTE_DISCONNECT", reads_until_refused, 30,
+                        seen=lambda: (statuses, log.all()))
+    e = log.find("unreachable", engine=engine.id)
+    assert (e["status"], e["source"]) == (-10, "transfer"), e
+    assert released["reason"] == "unreachable"
+    report(f"SIGKILL during reads, heartbeats off: unreachable (raw -10, source transfer) "
+           f"{(e['at'] - killed) * 1000:.0f} ms after the kill, released {(released['at'] - e['at']) * 1000:.1f} ms "
+           f"later; read outcomes by raw status: {statuses}")
+    assert_metadata_gone(w, engine.agents[0], nixl_api)
+
+
+def test_a_restart_with_a_new_id_at_the_same_port_replaces_and_releases_the_old(prefills, make_worker, nixl_api):
+    # Heartbeats off: the handshake alone must find the replacement.
+    w = make_worker(interval="inf")
+    log = EventLog(w.keepalive)
+    p1 = prefills()
+    old = w.add_remote_agent(p1.address)
+    read_verified(w, old)
+    p1.kill()
+    p2 = prefills(listen=p1.address)
+    assert p2.engine_id != p1.engine_id
+    t0 = time.monotonic()
+    new = w.add_remote_agent(p2.address)
+    replaced = log.wait("replaced", 5, old=old.id, new=new.id)
+    released = log.wait("released", 5, engine=old.id)
+    assert released["reason"] == "replaced"
+    report(f"new id at the same port: old released {(released['at'] - t0) * 1000:.1f} ms after the handshake began")
+    assert replaced["address"] == p1.address
+    read_verified(w, new, 0, 7)
+    assert_metadata_gone(w, old.agents[0], nixl_api)
+
+
+def test_a_restart_with_the_same_id_is_released_before_it_is_loaded_again(prefills, make_worker, nixl_api):
+    w = make_worker(interval="inf")
+    log = EventLog(w.keepalive)
+    pinned = f"pinned-{time.monotonic_ns()}"
+    p1 = prefills(engine_id=pinned, ranks=2)
+    first = w.add_remote_agent(p1.address)
+    read_verified(w, first, 1, 2)
+    p1.kill()
+    p2 = prefills(listen=p1.address, engine_id=pinned, ranks=2)
+    assert p2.incarnation != p1.incarnation
+    # The worker's add_remote_agent: the handshake's ready_to_load returns
+    # only once the old registration is released; NIXL 1.5.1 refuses new
+    # metadata under a loaded agent name (NOT_ALLOWED), so the load itself
+    # succeeding proves the order.
+    second = w.add_remote_agent(p2.address)
+    released = log.wait("released", 5, engine=pinned)
+    assert released["reason"] == "reregistered"
+    registered = wait_for("two registrations", lambda: [
+        e for e in log.all() if e["kind"] == "registered" and e["engine"] == pinned][1:], 5, seen=log.all)
+    assert released["at"] <= registered[0]["at"], log.all()
+    assert first.state == "released" and second.is_live and second.incarnation == p2.incarnation
+    read_verified(w, second, 1, 6)
+    # The same process again: nothing is loaded.
+    assert w.add_remote_agent(p2.address).incarnation == p2.incarnation
+    assert w.keepalive.snapshot()["engines"][0]["state"] == "live"
+    assert len([e for e in log.all() if e["kind"] == "registered"]) == 2
+
+
+def test_a_sigstopped_prefill_with_reads_in_flight_is_stalled_and_released(prefills, make_worker):
+    w = make_worker(interval=HEARTBEAT, read_stall="1s", read_timeout=30.0)
+    log = EventLog(w.keepalive)
+    frozen_p, healthy_p = prefills(), prefills()
+    frozen = w.add_remote_agent(frozen_p.address)
+    healthy = w.add_remote_agent(healthy_p.address)
+    read_verified(w, frozen)
+    stopped_at = frozen_p.signal(signal.SIGSTOP)
+    stuck = [w.read_blocks(frozen.id, 0, b) for b in (2, 3)]
+    outcomes = {}
+
+    def stalled_and_released():
+        # The decoder's other reads go on meanwhile (the stall check needs
+        # them: a whole decoder that stopped reading is not a hung peer).
+        if w.reads_in_flight() < 4:
+            w.read_blocks(healthy.id, 0, 4)
+        for o in w.get_finished():
+            outcomes[o.request_id] = o
+        return log.find("released", engine=frozen.id)
+
+    released = wait_for("the frozen prefill released", stalled_and_released, 15,
+                        seen=lambda: (log.all(), outcomes))
+    stalled = log.find("stalled", engine=frozen.id)
+    assert stalled and stalled["failed"] and stalled["reads_in_flight"] == 2, log.all()
+    assert released["reason"] == "stalled"
+    assert all(outcomes[r].result == "abandoned" for r in stuck), outcomes
+    assert any(o.result == "verified" and o.engine_id == healthy.id for o in outcomes.values())
+    report(f"SIGSTOP with 2 reads in flight: stalled after {(stalled['at'] - stopped_at) * 1000:.0f} ms, "
+           f"released {(released['at'] - stalled['at']) * 1000:.1f} ms later")
+    frozen_p.signal(signal.SIGCONT)
+    again = w.add_remote_agent(frozen_p.address)
+    assert again.is_live and again.incarnation == frozen.incarnation
+    read_verified(w, again, 0, 5)
+
+
+def test_a_hundred_kill_restart_cycles_leak_no_metadata_threads_or_fds(prefills, make_worker, nixl_api):
+    w = make_worker(interval=HEARTBEAT)
+    log = EventLog(w.keepalive)
+    cycles = int(os.environ.get("NIXL_KEEPALIVE_PY_CYCLES", "100"))
+    listen = "127.0.0.1:0"
+    start = time.monotonic()
+    baseline = None
+    for n in range(cycles):
+        p = prefills(listen=listen)
+        listen = p.address
+        engine = w.add_remote_agent(p.address)
+        read_verified(w, engine, 0, n % 8)
+        p.kill()
+        log.wait("released", 10, engine=engine.id)
+        assert_metadata_gone(w, engine.agents[0], nixl_api)
+        p.close()
+        if n == min(9, cycles - 1):
+            baseline = (thread_count(), fd_count())
+    threads, fds = thread_count(), fd_count()
+    took = time.monotonic() - start
+    snap = w.keepalive.snapshot()
+    report(f"{cycles} kill/restart cycles in {took:.1f} s; threads {baseline[0]} -> {threads}, "
+           f"fds {baseline[1]} -> {fds}; engines left {len(snap['engines'])}")
+    assert snap["engines"] == [] and snap["limiter_keys"] == 0 and snap["heartbeat_timers"] == 0, snap
+    # The service's call threads come and go with the load (at most 32);
+    # what must not grow is anything per cycle.
+    assert threads <= baseline[0] + 8, (baseline, threads)
+    assert fds <= baseline[1] + 8, (baseline, fds)
