@@ -175,6 +175,9 @@ impl std::error::Error for BadEpCloseSetting {}
 /// The process's one interposer state, decided by the first caller.
 static PROCESS: OnceLock<Result<EpClose, BadEpCloseSetting>> = OnceLock::new();
 
+/// Whether the install came after NIXL's UCX plugin was loaded.
+static INSTALLED_LATE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 impl EpClose {
     /// The process's interposer state, installed by the first call (see
     /// [`EpClose::install`]). One per process: a second interposer would
@@ -201,6 +204,7 @@ impl EpClose {
             }
         }
         if plugin_already_loaded() {
+            INSTALLED_LATE.store(true, std::sync::atomic::Ordering::Relaxed);
             return Ok(EpClose::Off(EndpointCloseMode::Unavailable(format!(
                 "NIXL's {UCX_PLUGIN_FILE} was loaded before nixl-sys's interposer (a UCX \
                  backend was created first): it is bound to UCX already"
@@ -333,6 +337,15 @@ impl EndpointCloser {
     /// interposer (checked in its relocations).
     pub fn mode(&self) -> EndpointCloseMode {
         self.inner.mode()
+    }
+
+    /// Whether the mode is [`EndpointCloseMode::Unavailable`] because the
+    /// install came too late: NIXL's UCX plugin was in the process already
+    /// (an agent had created a UCX backend). The other reasons are NIXL
+    /// loading its plugin with `RTLD_DEEPBIND` and an interposer that could
+    /// not be loaded.
+    pub fn installed_too_late(&self) -> bool {
+        INSTALLED_LATE.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Runs `invalidate`, a call that makes NIXL invalidate a remote agent

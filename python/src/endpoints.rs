@@ -57,12 +57,13 @@ fn mode_words(mode: &Result<EndpointCloser, BadEpCloseSetting>) -> (&'static str
                     nixl_sys::endpoints::EP_CLOSE_ENV
                 )),
             ),
-            EndpointCloseMode::Unavailable(why) => (
+            EndpointCloseMode::Unavailable(why) if closer.installed_too_late() => (
                 "unavailable",
                 Some(format!(
                     "{why}; import nixl_keepalive before the process makes its first nixl_agent"
                 )),
             ),
+            EndpointCloseMode::Unavailable(why) => ("unavailable", Some(why)),
             EndpointCloseMode::Pending => (
                 "pending",
                 Some("no NIXL agent has created a UCX backend yet".into()),
