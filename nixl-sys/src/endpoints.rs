@@ -31,6 +31,17 @@
 //!
 //! `NIXL_SYS_EP_CLOSE=nixl` leaves NIXL's own close mode (the interposer is
 //! not loaded); `force` (or unset) is the default.
+//!
+//! # Invalidations made through another binding
+//!
+//! The interposer is installed once per process, by whichever comes first:
+//! [`crate::Runtime::get`] (before it loads libnixl) or
+//! [`EndpointCloser::install`]. The latter is for processes whose agent is
+//! not this crate's, such as a Python decoder whose `nixl_agent` (NIXL's
+//! Python API) loads its own libnixl: install it before that agent creates
+//! its UCX backend (NIXL loads the UCX plugin then), and call
+//! `invalidateRemoteMD` through the other binding inside
+//! [`EndpointCloser::around_invalidation`], on the calling thread.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::OnceLock;
@@ -143,14 +154,48 @@ pub(crate) enum EpClose {
     Off(EndpointCloseMode),
 }
 
-/// A bad `NIXL_SYS_EP_CLOSE` value.
+/// What `NIXL_SYS_EP_CLOSE` takes, for error messages.
+pub const EP_CLOSE_ACCEPTED: &str = "`force` (default: a released peer's UCX endpoints are \
+     closed at once) or `nixl` (NIXL's own close mode, which keeps a live peer's endpoints)";
+
+/// A bad `NIXL_SYS_EP_CLOSE` value: nothing was installed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BadEpCloseSetting(pub String);
 
+impl std::fmt::Display for BadEpCloseSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{EP_CLOSE_ENV}={:?} is not a value it takes; accepted: {EP_CLOSE_ACCEPTED}",
+            self.0.escape_debug().to_string()
+        )
+    }
+}
+
+impl std::error::Error for BadEpCloseSetting {}
+
+/// The process's one interposer state, decided by the first caller.
+static PROCESS: OnceLock<Result<EpClose, BadEpCloseSetting>> = OnceLock::new();
+
+/// Whether the install came after NIXL's UCX plugin was loaded.
+static INSTALLED_LATE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 impl EpClose {
+    /// The process's interposer state, installed by the first call (see
+    /// [`EpClose::install`]). One per process: a second interposer would
+    /// not be the one NIXL's plugin binds, and its scopes would see no
+    /// close.
+    pub(crate) fn process() -> Result<&'static EpClose, BadEpCloseSetting> {
+        PROCESS
+            .get_or_init(EpClose::install)
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
     /// Reads `NIXL_SYS_EP_CLOSE` and, for `force`, loads the interposer
-    /// into the global symbol scope. Must run before libnixl is loaded.
-    pub(crate) fn install() -> Result<EpClose, BadEpCloseSetting> {
+    /// into the global symbol scope. Must run before NIXL's UCX plugin is
+    /// loaded.
+    fn install() -> Result<EpClose, BadEpCloseSetting> {
         match std::env::var(EP_CLOSE_ENV) {
             Ok(v) if v == "nixl" => return Ok(EpClose::Off(EndpointCloseMode::Nixl)),
             Ok(v) if v.is_empty() || v == "force" => {}
@@ -161,8 +206,10 @@ impl EpClose {
             }
         }
         if plugin_already_loaded() {
+            INSTALLED_LATE.store(true, std::sync::atomic::Ordering::Relaxed);
             return Ok(EpClose::Off(EndpointCloseMode::Unavailable(format!(
-                "NIXL's {UCX_PLUGIN_FILE} was loaded before nixl-sys: it is bound to UCX already"
+                "NIXL's {UCX_PLUGIN_FILE} was loaded before nixl-sys's interposer (a UCX \
+                 backend was created first): it is bound to UCX already"
             ))));
         }
         match load_interposer() {
@@ -246,6 +293,72 @@ impl EpClose {
                 observed: true,
             },
         )
+    }
+}
+
+/// The process's endpoint-close interposer, for code that invalidates
+/// remote agents through another NIXL binding (NIXL's Python API): a
+/// [`crate::Agent`] of this crate uses it by itself.
+///
+/// ```no_run
+/// // Before anything in the process creates a NIXL agent's UCX backend:
+/// let closer = nixl_sys::EndpointCloser::install().expect("a valid NIXL_SYS_EP_CLOSE");
+/// // ...later, around the other binding's invalidateRemoteMD:
+/// let (status, closes) = closer.around_invalidation(|| 0 /* agent.remove_remote_agent(name) */);
+/// assert!(closes.observed == closer.mode().is_force());
+/// ```
+#[derive(Clone, Copy)]
+pub struct EndpointCloser {
+    inner: &'static EpClose,
+}
+
+impl std::fmt::Debug for EndpointCloser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EndpointCloser")
+            .field("mode", &self.mode())
+            .finish()
+    }
+}
+
+impl EndpointCloser {
+    /// Installs the interposer in this process (once: later calls, and
+    /// [`crate::Runtime::get`], share it), as `NIXL_SYS_EP_CLOSE` says.
+    ///
+    /// It takes effect for NIXL UCX plugins loaded *after* this call: NIXL
+    /// loads its plugin when an agent first creates a UCX backend (a
+    /// `nixl_agent` does in its constructor; importing NIXL's Python
+    /// module does not). Called later, the mode is
+    /// [`EndpointCloseMode::Unavailable`] with the reason, and NIXL's own
+    /// close mode applies. A bad `NIXL_SYS_EP_CLOSE` installs nothing.
+    pub fn install() -> Result<EndpointCloser, BadEpCloseSetting> {
+        EpClose::process().map(|inner| EndpointCloser { inner })
+    }
+
+    /// The mode in force: [`EndpointCloseMode::Pending`] until NIXL's UCX
+    /// plugin is loaded, then whether the plugin really calls the
+    /// interposer (checked in its relocations).
+    pub fn mode(&self) -> EndpointCloseMode {
+        self.inner.mode()
+    }
+
+    /// Whether the mode is [`EndpointCloseMode::Unavailable`] because the
+    /// install came too late: NIXL's UCX plugin was in the process already
+    /// (an agent had created a UCX backend). The other reasons are NIXL
+    /// loading its plugin with `RTLD_DEEPBIND` and an interposer that could
+    /// not be loaded.
+    pub fn installed_too_late(&self) -> bool {
+        INSTALLED_LATE.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Runs `invalidate`, a call that makes NIXL invalidate a remote agent
+    /// (`invalidateRemoteMD`, or NIXL's Python `remove_remote_agent`), with
+    /// the flush-mode endpoint closes it makes *on this thread* forced, and
+    /// says what they did. Outside [`EndpointCloseMode::Force`] it only
+    /// runs `invalidate` (the closes are not observed). A forced close ends
+    /// whatever the endpoint still had in flight, so run nothing else that
+    /// closes endpoints you mean to keep inside it.
+    pub fn around_invalidation<T>(&self, invalidate: impl FnOnce() -> T) -> (T, EndpointCloses) {
+        self.inner.forcing(invalidate)
     }
 }
 
@@ -353,6 +466,23 @@ fn vfs_read(path: &str) -> Option<String> {
     (st == 0).then(|| out.concat().trim_end().to_string())
 }
 
+/// The most bytes of a name UCX keeps for a context or a worker (its
+/// `UCP_ENTITY_NAME_MAX`, 32, less the terminating NUL).
+pub const UCX_NAME_MAX: usize = 31;
+
+/// `name` as UCX lists it: its first [`UCX_NAME_MAX`] bytes, or fewer to
+/// end on a character boundary.
+fn ucx_entity_name(name: &str) -> &str {
+    if name.len() <= UCX_NAME_MAX {
+        return name;
+    }
+    let mut end = UCX_NAME_MAX;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
+}
+
 /// One UCP endpoint as UCX's VFS shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UcxEndpoint {
@@ -381,9 +511,16 @@ pub struct UcxEndpoints {
 }
 
 /// Reads the endpoints of the UCX context named `context` (NIXL names the
-/// UCX context of an agent after the agent). `None` when UCX's VFS is not
-/// there (`UCX_VFS_ENABLE=n`, no libucs loaded) or no such context exists.
-pub(crate) fn ucx_endpoints(context: &str) -> Option<UcxEndpoints> {
+/// UCX context of an agent after the agent, so this is the agent's name),
+/// in whichever libucs the process has loaded: that of an agent made
+/// through NIXL's Python API too. UCX keeps only the first
+/// [`UCX_NAME_MAX`] bytes of a context's name (measured with UCX 1.23: an
+/// agent named `decode-` and a UUID is listed under its first 31 bytes),
+/// so a longer name is looked up by that prefix. `None` when UCX's VFS is
+/// not there (`UCX_VFS_ENABLE=n`, no libucs loaded) or no such context
+/// exists (a name cut inside a multi-byte character is not found).
+pub fn ucx_endpoints(context: &str) -> Option<UcxEndpoints> {
+    let context = ucx_entity_name(context);
     let base = format!("/ucp/context/{context}/worker");
     let workers = vfs_list(&base)?;
     let mut out = UcxEndpoints::default();
@@ -410,4 +547,20 @@ pub(crate) fn ucx_endpoints(context: &str) -> Option<UcxEndpoints> {
         }
     }
     Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_agent_name_is_looked_up_by_the_prefix_ucx_keeps() {
+        assert_eq!(ucx_entity_name("decode-0"), "decode-0");
+        let long = "decode-0123456789abcdef-0123456789abcdef-0123";
+        assert_eq!(ucx_entity_name(long), "decode-0123456789abcdef-0123456");
+        assert_eq!(ucx_entity_name(&long[..31]), &long[..31]);
+        // Never cut inside a character: "é" is two bytes at 30..32.
+        let accented = format!("{}é-tail", "a".repeat(30));
+        assert_eq!(ucx_entity_name(&accented), "a".repeat(30));
+    }
 }

@@ -52,7 +52,9 @@ pub use agent::{
     Agent, AgentConfig, Desc, DlistHandle, DramRegistration, Notification, ProgressThread,
     ThreadSync, XferRequest, XferState,
 };
-pub use endpoints::{EndpointCloseMode, EndpointCloses, UcxEndpoint, UcxEndpoints};
+pub use endpoints::{
+    BadEpCloseSetting, EndpointCloseMode, EndpointCloser, EndpointCloses, UcxEndpoint, UcxEndpoints,
+};
 pub use error::{check_agent_name, AgentNameProblem, LoadError, NixlError, Refusal, StatusSource};
 pub use runtime::{ApiKind, Runtime, DEFAULT_RUNTIME_DIR, PREFIX_ENV};
 pub use status::NixlStatus;

@@ -18,7 +18,7 @@ use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
 
-use crate::endpoints::{EndpointCloseMode, EpClose, EP_CLOSE_ENV};
+use crate::endpoints::{EndpointCloseMode, EpClose, EP_CLOSE_ACCEPTED, EP_CLOSE_ENV};
 use crate::error::{LoadError, StatusSource};
 use crate::status::NixlStatus;
 
@@ -232,7 +232,7 @@ pub struct Runtime {
     lib_dir: PathBuf,
     capi: Capi,
     flavor: Flavor,
-    ep_close: EpClose,
+    ep_close: &'static EpClose,
     // Kept so the libraries are never closed (the Runtime lives in a static).
     _libnixl: Library,
     _libcapi: Library,
@@ -265,7 +265,7 @@ impl Runtime {
     }
 
     pub(crate) fn ep_close(&self) -> &EpClose {
-        &self.ep_close
+        self.ep_close
     }
 
     /// Which interface carries the statuses.
@@ -287,12 +287,12 @@ impl Runtime {
             tried,
         })?;
         // Before libnixl: NIXL's UCX plugin, loaded later, must find the
-        // endpoint-close interposer in the global scope.
-        let ep_close = EpClose::install().map_err(|bad| LoadError::BadSetting {
+        // endpoint-close interposer in the global scope (installed already
+        // when `EndpointCloser::install` came first: one per process).
+        let ep_close = EpClose::process().map_err(|bad| LoadError::BadSetting {
             variable: EP_CLOSE_ENV,
             value: bad.0,
-            accepted: "`force` (default: a released peer's UCX endpoints are closed at once) or \
-                       `nixl` (NIXL's own close mode, which keeps a live peer's endpoints)",
+            accepted: EP_CLOSE_ACCEPTED,
         })?;
         let nixl_path = lib_dir.join("libnixl.so");
         let capi_path = lib_dir.join("libnixl_capi.so");

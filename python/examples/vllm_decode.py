@@ -45,6 +45,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+# KEEPALIVE 0: imported before the first nixl_agent is made, so that its
+# releases close a live prefill's UCX endpoints (endpoint_close_mode()).
 import nixl_keepalive
 from nixl_keepalive import Keepalive, RegistrationRefused, pd, xfer_status
 
@@ -186,7 +188,10 @@ class NixlConnectorWorker:
             for d in dlists:
                 self.nixl_wrapper.release_dlist_handle(d)
             for name in loaded:
-                self.nixl_wrapper.remove_remote_agent(name)
+                # As the service's releases do: a live prefill's endpoints
+                # and connections closed at once (NIXL 1.5.1's own
+                # remove_remote_agent keeps them until the agent dies).
+                nixl_keepalive.remove_remote_agent(self.nixl_wrapper, name)
             raise
         try:
             engine = h.register(dlists)

@@ -28,11 +28,20 @@ Embedding it (see the README's "Python" section for the vLLM hooks)::
 The service runs on a thread of its own (a tokio runtime of this package);
 Python waits for it with the GIL released, and it takes the GIL only for
 the length of one call on the agent.
+
+Import this package before the process makes its first ``nixl_agent``:
+NIXL 1.5.1's ``remove_remote_agent`` leaves a live prefill's UCX endpoint
+and TCP connection open until the agent dies, and the package makes its
+releases close them by installing, at import, a shim that NIXL's UCX plugin
+binds to when it is loaded (by the first agent's UCX backend). Imported
+later, :func:`endpoint_close_mode` says ``unavailable`` and why, and
+:class:`Keepalive` warns.
 """
 
 from __future__ import annotations
 
 import atexit
+import warnings
 import weakref
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
@@ -53,7 +62,9 @@ from ._native import (
     RegistrationRefused,
     ServiceStopped,
     classify_exception,
+    endpoint_close_mode,
     knobs,
+    remove_remote_agent,
     status_name,
     xfer_status,
 )
@@ -77,7 +88,9 @@ __all__ = [
     "SUCCESS",
     "ServiceStopped",
     "classify_exception",
+    "endpoint_close_mode",
     "knobs",
+    "remove_remote_agent",
     "status_name",
     "xfer_status",
 ]
@@ -199,6 +212,14 @@ class Keepalive:
             config = Config(**knobs)
         self._config = config
         self._service = _native.Service(agent, config)
+        closing = endpoint_close_mode()
+        if closing["mode"] == "unavailable":
+            warnings.warn(
+                "nixl_keepalive: releases cannot close a live prefill's UCX endpoints in this process "
+                f"(one TCP connection per rank stays open per release): {closing['reason']}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._closed: Optional[dict] = None
         _live.add(self)
 
@@ -259,7 +280,12 @@ class Keepalive:
     def snapshot(self) -> dict:
         """The service's table as plain dicts: per engine its state, reads
         in flight, leases, last heartbeat and, in words, why it is kept or
-        what its release waits for."""
+        what its release waits for; and ``endpoints``: the close mode
+        (:func:`endpoint_close_mode`), what the releases did to UCX
+        endpoints so far (``closed``, ``left_open``, ``none_closed``,
+        ``not_observed``), and UCX's own count of the endpoints the agent
+        holds now (``ucx_endpoints``: NIXL's loopback endpoint plus one per
+        connected remote agent; ``None`` without UCX's VFS)."""
         return self._service.snapshot()
 
     async def snapshot_async(self) -> dict:

@@ -190,5 +190,13 @@ def xfer_status(agent: Any, handle: Any) -> int:
 def knobs() -> list[dict[str, str]]:
     """Every knob: keyword, variable, default, syntax, meaning."""
 
+def endpoint_close_mode() -> dict[str, Optional[str]]:
+    """How releases close a released agent's UCX endpoints in this process:
+    ``{"mode": "force" | "nixl" | "unavailable" | "pending", "reason"}``."""
+
+def remove_remote_agent(agent: Any, name: str) -> dict[str, Any]:
+    """``agent.remove_remote_agent(name)`` with its endpoints closed as the
+    service's releases close them: ``{"status", "status_name", "close"}``."""
+
 def bench_read_guards(engine: Engine, n: int) -> float: ...
 def bench_service_heartbeats(engines: int, interval: float, seconds: float) -> int: ...

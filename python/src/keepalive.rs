@@ -130,7 +130,10 @@ impl Service {
         }
         let settings = UcxSettings::read()
             .map_err(|e| errors::ConfigError::new_err(format!("UCX settings: {e}")))?;
-        let transport = Arc::new(PyTransport::new(agent));
+        if let Some(bad) = crate::endpoints::bad_setting() {
+            return Err(errors::ConfigError::new_err(bad.to_string()));
+        }
+        let transport = Arc::new(PyTransport::new(py, agent));
         let rt = runtime::get();
         let _enter = rt.enter();
         let (service, handle) =
@@ -275,7 +278,7 @@ impl Service {
         let handle = self.shared.handle.clone();
         let snap = runtime::wait(py, async move { handle.snapshot().await })?;
         match snap {
-            Ok(s) => snapshot_dict(py, &s),
+            Ok(s) => endpoints_into(py, &self.shared, snapshot_dict(py, &s)?),
             Err(_) => Err(errors::ServiceStopped::new_err(
                 "the keepalive service has stopped",
             )),
@@ -285,11 +288,12 @@ impl Service {
     /// `snapshot` as an awaitable.
     fn snapshot_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let handle = self.shared.handle.clone();
+        let shared = self.shared.clone();
         runtime::for_async();
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
             let snap = handle.snapshot().await;
             Python::attach(|py| match snap {
-                Ok(s) => snapshot_dict(py, &s).map(|d| d.unbind()),
+                Ok(s) => endpoints_into(py, &shared, snapshot_dict(py, &s)?).map(|d| d.unbind()),
                 Err(_) => Err(errors::ServiceStopped::new_err(
                     "the keepalive service has stopped",
                 )),
@@ -433,6 +437,19 @@ impl Service {
         d.set_item("gil_waits_over_10ms", over)?;
         Ok(d)
     }
+}
+
+/// Adds `endpoints` to a snapshot dict: the endpoint close mode, what the
+/// releases did to endpoints so far, and UCX's own count of the agent's
+/// endpoints now (see `crate::endpoints`).
+fn endpoints_into<'py>(
+    py: Python<'py>,
+    shared: &Shared,
+    d: Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let t = &shared.transport;
+    d.set_item("endpoints", t.endpoints.dict(py, t.agent_name())?)?;
+    Ok(d)
 }
 
 /// What `close` returns.

@@ -17,6 +17,7 @@ use pyo3::prelude::*;
 
 mod bench;
 mod config;
+mod endpoints;
 mod engine;
 mod errors;
 mod keepalive;
@@ -29,6 +30,9 @@ mod transport;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     runtime::init_logging();
+    // Before any nixl_agent made after this import loads NIXL's UCX plugin
+    // (see `endpoints`); a bad NIXL_SYS_EP_CLOSE is refused by Keepalive().
+    let _ = endpoints::install();
     m.add_class::<config::Config>()?;
     m.add_class::<keepalive::Service>()?;
     m.add_class::<protocol::Events>()?;
@@ -40,6 +44,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(status::classify_exception, m)?)?;
     m.add_function(wrap_pyfunction!(status::xfer_status, m)?)?;
     m.add_function(wrap_pyfunction!(config::knobs, m)?)?;
+    m.add_function(wrap_pyfunction!(endpoints::endpoint_close_mode, m)?)?;
+    m.add_function(wrap_pyfunction!(endpoints::remove_remote_agent_py, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench_read_guards, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench_service_heartbeats, m)?)?;
     m.add(

@@ -5,10 +5,14 @@
 //! `agent.send_notif(name, b"HB:...")`; a release is
 //! `agent.release_dlist_handle(h)` for each prepped handle the runtime
 //! handed over, then `agent.remove_remote_agent(name)` for each agent of
-//! the engine. Each call takes the GIL for itself alone (never for a
-//! whole release), on one of the service's blocking threads; a NIXL
-//! exception becomes its raw status ([`crate::status::classify`]), never
-//! a collapsed one.
+//! the engine, inside the endpoint-close scope ([`crate::endpoints`]): a
+//! live prefill's UCX endpoints and their connections are closed at once,
+//! and a [`ReleaseTarget::Endpoints`] step after each agent's
+//! [`ReleaseTarget::RemoteMetadata`] step says so, as in the Rust
+//! transport. Each call takes the GIL for itself alone (never for a whole
+//! release), on one of the service's blocking threads; a NIXL exception
+//! becomes its raw status ([`crate::status::classify`]), never a
+//! collapsed one.
 //!
 //! An exception that is not NIXL's (a broken agent object, a bug) is not
 //! turned into a made-up status: the call unwinds, and the library reports
@@ -27,12 +31,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use nixl_keepalive::{
-    AgentName, EngineId, NixlStatus, ReleaseStep, ReleaseTarget, Transport, TransportError,
+    AgentName, EndpointClose, EngineId, NixlStatus, ReleaseStep, ReleaseTarget, Transport,
+    TransportError,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::endpoints::{self, EndpointTotals};
 use crate::status::{classify, Classified};
 
 /// What the runtime hands over at registration and the service gives back
@@ -80,20 +86,37 @@ impl GilStats {
 /// The service's transport: the caller's `nixl_agent`.
 pub(crate) struct PyTransport {
     agent: Py<PyAny>,
+    /// The agent's name (`agent.name`), which NIXL gives its UCX context:
+    /// where UCX's own view of its endpoints is read.
+    agent_name: Option<String>,
     pub(crate) gil: GilStats,
+    /// What the releases did to endpoints.
+    pub(crate) endpoints: EndpointTotals,
 }
 
 impl PyTransport {
-    pub(crate) fn new(agent: Py<PyAny>) -> Self {
+    pub(crate) fn new(py: Python<'_>, agent: Py<PyAny>) -> Self {
+        let agent_name = agent
+            .bind(py)
+            .getattr(intern!(py, "name"))
+            .and_then(|n| n.extract::<String>())
+            .ok();
         PyTransport {
             agent,
+            agent_name,
             gil: GilStats::default(),
+            endpoints: EndpointTotals::default(),
         }
     }
 
     /// The agent.
     pub(crate) fn agent(&self) -> &Py<PyAny> {
         &self.agent
+    }
+
+    /// The agent's name, when it has a `name` that is a str.
+    pub(crate) fn agent_name(&self) -> Option<&str> {
+        self.agent_name.as_deref()
     }
 
     /// Runs `f` with the GIL, recording how long taking it took. Unwinds
@@ -126,14 +149,19 @@ impl PyTransport {
         })
     }
 
-    /// `agent.remove_remote_agent(name)`.
-    fn remove_remote_agent(&self, agent: &AgentName) -> Result<NixlStatus, String> {
+    /// `agent.remove_remote_agent(name)`, its endpoints closed at once
+    /// (see [`crate::endpoints`]): the raw status, and what became of the
+    /// endpoints when it succeeded.
+    fn remove_remote_agent(
+        &self,
+        agent: &AgentName,
+    ) -> Result<(NixlStatus, Option<EndpointClose>), String> {
         self.with_gil("remove_remote_agent", |py| {
-            let out = self
-                .agent
-                .bind(py)
-                .call_method1(intern!(py, "remove_remote_agent"), (agent.as_str(),));
-            outcome(py, out.map(drop))
+            let removal = endpoints::remove_remote_agent(py, self.agent.bind(py), agent);
+            match removal.status {
+                Ok(status) => Ok((status, removal.close)),
+                Err(e) => Err(e.to_string()),
+            }
         })
     }
 }
@@ -189,10 +217,25 @@ impl Transport for PyTransport {
         }
         for agent in agents {
             match self.remove_remote_agent(agent) {
-                Ok(status) => steps.push(ReleaseStep {
-                    target: ReleaseTarget::RemoteMetadata(agent.clone()),
-                    status,
-                }),
+                Ok((status, close)) => {
+                    steps.push(ReleaseStep {
+                        target: ReleaseTarget::RemoteMetadata(agent.clone()),
+                        status,
+                    });
+                    if let Some(close) = close {
+                        self.endpoints.record(&close);
+                        if let EndpointClose::LeftOpen { left_open, .. } = close {
+                            tracing::warn!(%engine, %agent, left_open, "UCX endpoints of a released agent left open: they keep their sockets and mappings until this agent is destroyed");
+                        }
+                        steps.push(ReleaseStep {
+                            target: ReleaseTarget::Endpoints {
+                                agent: agent.clone(),
+                                close,
+                            },
+                            status,
+                        });
+                    }
+                }
                 Err(text) => broken.push(format!("remove_remote_agent({agent}): {text}")),
             }
         }

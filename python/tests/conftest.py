@@ -10,6 +10,13 @@ Real tests need two things: NIXL's Python API (``nixl_cu12``, installed by
 ``NIXL_KEEPALIVE_BIN``). Without either they print ``SKIPPED`` with the
 reason and skip; with ``NIXL_KEEPALIVE_REQUIRE_REAL=1`` or ``CI=true`` they
 fail instead.
+
+UCX is pinned to loopback (``UCX_NET_DEVICES=lo``, unless set already) for
+this process and every process it starts, as in the Rust real tests: UCX
+otherwise reaches a prefill over every interface it finds, and reads over
+an address that vanishes hang. ``nixl_keepalive`` is imported here, before
+any test makes a ``nixl_agent``: that is what lets its releases close a
+live prefill's endpoints (``nixl_keepalive.endpoint_close_mode()``).
 """
 
 from __future__ import annotations
@@ -21,9 +28,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, List, Optional, TypeVar
+from typing import Callable, Dict, List, Optional, TypeVar
 
 import pytest
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+try:  # First, before any nixl_agent of this process (see the docstring).
+    import nixl_keepalive  # noqa: F401
+except ImportError:  # test_api.py says what is missing
+    pass
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "python" / "examples"
@@ -146,7 +160,8 @@ class Prefill:
     """A real `nixl-keepalive prefill` process."""
 
     def __init__(self, binary: Path, listen: str = "127.0.0.1:0", engine_id: Optional[str] = None,
-                 ranks: int = 1, blocks: int = 8, block_size: int = 64 << 10, args: List[str] = ()) -> None:
+                 ranks: int = 1, blocks: int = 8, block_size: int = 64 << 10, args: List[str] = (),
+                 env: Optional[Dict[str, str]] = None) -> None:
         log_dir = REPO / "target" / "tmp"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"py-prefill-{os.getpid()}-{time.monotonic_ns()}.log"
@@ -154,7 +169,7 @@ class Prefill:
                "--block-size", str(block_size), "--ranks", str(ranks), *args]
         if engine_id:
             cmd += ["--engine-id", engine_id]
-        env = dict(os.environ, RUST_LOG="info")
+        env = dict(os.environ, RUST_LOG="info", **(env or {}))
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, env=env)
         self.lines: List[str] = []

@@ -12,6 +12,10 @@ that decides the outcome.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -310,7 +314,10 @@ def test_a_refused_registration_comes_back_whole_and_give_back_spares_the_holder
     assert reg["kept_agents"] == ["shared-agent"]
     steps = ka.give_back(reg)
     assert [(s["target"], s["status_name"]) for s in steps] == [
-        ("dlist_handle", "NIXL_SUCCESS"), ("remote_metadata", "NIXL_SUCCESS")]
+        ("dlist_handle", "NIXL_SUCCESS"), ("remote_metadata", "NIXL_SUCCESS"), ("endpoints", "NIXL_SUCCESS")]
+    # What the invalidation did to UCX endpoints: a recording agent closes
+    # none (not observed before any real agent loaded NIXL's UCX plugin).
+    assert steps[2]["agent"] == "own-agent" and steps[2]["close"] in ("none_closed", "not_observed"), steps
     assert [c[1] for c in agent.of("remove_remote_agent")] == ["own-agent"]
     assert ka.give_back(reg) == [], "given back once"
 
@@ -388,3 +395,52 @@ def test_events_get_times_out_and_polls(ka):
     assert events.get(timeout=0.05) is None
     assert time.monotonic() - t >= 0.04
     assert events.get_nowait() is None
+
+
+def test_remove_remote_agent_keeps_nixls_status_and_says_what_became_of_the_endpoints(agent):
+    out = nk.remove_remote_agent(agent, "gone-agent")
+    assert (out["status"], out["status_name"]) == (0, "NIXL_SUCCESS"), out
+    assert out["close"] in ("none_closed", "not_observed"), out  # a recording agent closes nothing
+    assert [c[1] for c in agent.of("remove_remote_agent")] == ["gone-agent"]
+
+    def not_loaded(name):
+        raise nixlNotFoundError(name)
+
+    agent.remove_remote_agent = not_loaded
+    out = nk.remove_remote_agent(agent, "never-loaded")
+    assert (out["status"], out["close"]) == (-4, None), out
+
+    def broken(name):
+        raise KeyError(name)
+
+    agent.remove_remote_agent = broken
+    with pytest.raises(KeyError):
+        nk.remove_remote_agent(agent, "x")
+    assert nk.endpoint_close_mode()["mode"] in ("force", "pending"), nk.endpoint_close_mode()
+
+
+def test_a_bad_endpoint_close_setting_is_refused_by_keepalive_naming_what_is_accepted():
+    # The setting is read when the package is imported: a fresh interpreter.
+    code = textwrap.dedent(
+        """
+        import nixl_keepalive as nk
+
+        class Agent:
+            def send_notif(self, a, m): pass
+            def release_dlist_handle(self, h): pass
+            def remove_remote_agent(self, a): pass
+
+        print(nk.endpoint_close_mode()["mode"])
+        try:
+            nk.Keepalive(Agent(), env=False)
+        except nk.ConfigError as e:
+            print("refused:", e)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, NIXL_SYS_EP_CLOSE="forced"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "unavailable", out.stdout
+    assert lines[1].startswith("refused: NIXL_SYS_EP_CLOSE=\"forced\"") and "`force`" in lines[1] \
+        and "`nixl`" in lines[1], out.stdout

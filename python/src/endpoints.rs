@@ -1,0 +1,230 @@
+//! Releases through the caller's agent close a live prefill's UCX
+//! endpoints, as the Rust transport's do.
+//!
+//! NIXL 1.5.1's `invalidateRemoteMD` (NIXL's Python `remove_remote_agent`)
+//! closes a remote agent's endpoint in UCX's flush mode, which keeps a live
+//! peer's endpoint and its TCP connection until the decode's agent dies:
+//! one connection per rank on each side, per release. `nixl-sys` has an
+//! interposer that NIXL's UCX plugin binds its `ucp_ep_close_nbx` to when
+//! it is loaded first (see `nixl_sys::endpoints`); this module installs it
+//! when the package is imported ([`install`], from the module's init), and
+//! the transport calls `remove_remote_agent` inside its scope
+//! ([`Closer::remove_remote_agent`]), on the service's blocking thread,
+//! with the GIL held for that one call.
+//!
+//! The import-order rule: NIXL loads its UCX plugin when an agent first
+//! creates a UCX backend (`nixl_agent(...)` does, importing `nixl_cu12`
+//! does not), so `import nixl_keepalive` must come before the first
+//! `nixl_agent` of the process. Too late, the mode is `unavailable` (with
+//! the reason), the releases say `not_observed`, and `Keepalive(agent)`
+//! warns. Measured in this package's Python tests: the wheel's plugin
+//! (`.nixl_cu12.mesonpy.libs/plugins/libplugin_UCX.so`, loaded by NIXL with
+//! `RTLD_LOCAL`, no `RTLD_DEEPBIND`) binds the interposer when the package
+//! is imported first, and does not when an agent existed before, or with
+//! `NIXL_UCX_DEEPBIND=1`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use nixl_keepalive::{AgentName, EndpointClose, NixlStatus};
+use nixl_sys::{BadEpCloseSetting, EndpointCloseMode, EndpointCloser, EndpointCloses};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::status::{classify, Classified};
+
+/// The process's closer, installed at import.
+static CLOSER: OnceLock<Result<EndpointCloser, BadEpCloseSetting>> = OnceLock::new();
+
+/// Installs the interposer (once per process), as `NIXL_SYS_EP_CLOSE`
+/// says. Called from the module's init: before any `nixl_agent` made
+/// after `import nixl_keepalive` loads NIXL's UCX plugin.
+pub(crate) fn install() -> Result<EndpointCloser, BadEpCloseSetting> {
+    CLOSER.get_or_init(EndpointCloser::install).clone()
+}
+
+/// The mode, in words for Python: `(mode, reason)`.
+fn mode_words(mode: &Result<EndpointCloser, BadEpCloseSetting>) -> (&'static str, Option<String>) {
+    match mode {
+        Err(bad) => ("unavailable", Some(bad.to_string())),
+        Ok(closer) => match closer.mode() {
+            EndpointCloseMode::Force => ("force", None),
+            EndpointCloseMode::Nixl => (
+                "nixl",
+                Some(format!(
+                    "{}=nixl: NIXL's own close mode, which keeps a live peer's endpoints",
+                    nixl_sys::endpoints::EP_CLOSE_ENV
+                )),
+            ),
+            EndpointCloseMode::Unavailable(why) if closer.installed_too_late() => (
+                "unavailable",
+                Some(format!(
+                    "{why}; import nixl_keepalive before the process makes its first nixl_agent"
+                )),
+            ),
+            EndpointCloseMode::Unavailable(why) => ("unavailable", Some(why)),
+            EndpointCloseMode::Pending => (
+                "pending",
+                Some("no NIXL agent has created a UCX backend yet".into()),
+            ),
+        },
+    }
+}
+
+/// How this process closes the UCX endpoints of a released agent:
+/// `{"mode": "force" | "nixl" | "unavailable" | "pending", "reason": str |
+/// None}`. `force`: every release closes a live prefill's endpoints (and
+/// their TCP connections) at once. `nixl` (`NIXL_SYS_EP_CLOSE=nixl`) and
+/// `unavailable` (the package was imported after the first `nixl_agent`
+/// was made, or NIXL loads its UCX plugin with `NIXL_UCX_DEEPBIND`): NIXL
+/// 1.5.1's own close, which keeps one connection per rank of each
+/// released live prefill until the agent is destroyed. `pending`: no agent
+/// has created a UCX backend yet.
+#[pyfunction]
+pub(crate) fn endpoint_close_mode(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let (mode, reason) = mode_words(CLOSER.get_or_init(EndpointCloser::install));
+    let d = PyDict::new(py);
+    d.set_item("mode", mode)?;
+    d.set_item("reason", reason)?;
+    Ok(d)
+}
+
+/// A bad `NIXL_SYS_EP_CLOSE`, for `Keepalive(...)` to refuse.
+pub(crate) fn bad_setting() -> Option<BadEpCloseSetting> {
+    CLOSER
+        .get_or_init(EndpointCloser::install)
+        .as_ref()
+        .err()
+        .cloned()
+}
+
+/// What `nixl-sys` saw of one invalidation's endpoint closes, in the
+/// library's terms (the same reading as the Rust transport's, in
+/// `src/nixl_transport.rs`).
+pub(crate) fn endpoint_close(closes: EndpointCloses) -> EndpointClose {
+    if !closes.observed {
+        EndpointClose::NotObserved
+    } else if closes.left_open > 0 {
+        EndpointClose::LeftOpen {
+            closed: closes.closed(),
+            left_open: closes.left_open,
+        }
+    } else if closes.closed() > 0 {
+        EndpointClose::Closed {
+            endpoints: closes.closed(),
+        }
+    } else {
+        EndpointClose::NoneClosed
+    }
+}
+
+/// What one `remove_remote_agent` did: NIXL's raw status (or a non-NIXL
+/// exception) and, when it succeeded, the endpoints.
+pub(crate) struct Removal {
+    pub(crate) status: Result<NixlStatus, PyErr>,
+    pub(crate) close: Option<EndpointClose>,
+}
+
+/// Calls `agent.remove_remote_agent(name)` (the GIL held) with this
+/// thread's flush-mode endpoint closes forced.
+pub(crate) fn remove_remote_agent(
+    py: Python<'_>,
+    agent: &Bound<'_, PyAny>,
+    name: &AgentName,
+) -> Removal {
+    let call = || agent.call_method1(intern!(py, "remove_remote_agent"), (name.as_str(),));
+    let (out, closes) = match install() {
+        Ok(closer) => closer.around_invalidation(call),
+        Err(_) => (call(), EndpointCloses::default()),
+    };
+    let status = match out {
+        Ok(_) => Ok(NixlStatus::SUCCESS),
+        Err(e) => match classify(py, &e) {
+            Classified::Nixl(status) => Ok(status),
+            Classified::Other(_) => Err(e),
+        },
+    };
+    let close = match &status {
+        Ok(s) if *s == NixlStatus::SUCCESS => Some(endpoint_close(closes)),
+        _ => None,
+    };
+    Removal { status, close }
+}
+
+/// Totals of what the service's releases did to endpoints (one count per
+/// endpoint for `closed` and `left_open`, per agent for `none_closed` and
+/// `not_observed`), for the snapshot: the binding's
+/// `nixl_keepalive_release_endpoints_total{outcome}`.
+#[derive(Default)]
+pub(crate) struct EndpointTotals {
+    closed: AtomicU64,
+    left_open: AtomicU64,
+    none_closed: AtomicU64,
+    not_observed: AtomicU64,
+}
+
+impl EndpointTotals {
+    pub(crate) fn record(&self, close: &EndpointClose) {
+        let add = |c: &AtomicU64, n: u32| c.fetch_add(u64::from(n), Ordering::Relaxed);
+        match close {
+            EndpointClose::Closed { endpoints } => add(&self.closed, *endpoints),
+            EndpointClose::LeftOpen { closed, left_open } => {
+                add(&self.closed, *closed);
+                add(&self.left_open, *left_open)
+            }
+            EndpointClose::NoneClosed => add(&self.none_closed, 1),
+            EndpointClose::NotObserved => add(&self.not_observed, 1),
+        };
+    }
+
+    /// The totals, the mode, and UCX's own count of the endpoints the
+    /// agent named `agent` holds now (its VFS tree: NIXL's loopback
+    /// endpoint plus one per connected remote agent; `None` when UCX's VFS
+    /// is off or the name is unknown).
+    pub(crate) fn dict<'py>(
+        &self,
+        py: Python<'py>,
+        agent: Option<&str>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let (mode, reason) = mode_words(CLOSER.get_or_init(EndpointCloser::install));
+        d.set_item("mode", mode)?;
+        d.set_item("reason", reason)?;
+        d.set_item("closed", self.closed.load(Ordering::Relaxed))?;
+        d.set_item("left_open", self.left_open.load(Ordering::Relaxed))?;
+        d.set_item("none_closed", self.none_closed.load(Ordering::Relaxed))?;
+        d.set_item("not_observed", self.not_observed.load(Ordering::Relaxed))?;
+        let ucx = match agent {
+            Some(name) => {
+                let name = name.to_string();
+                py.detach(move || nixl_sys::endpoints::ucx_endpoints(&name))
+            }
+            None => None,
+        };
+        d.set_item("ucx_endpoints", ucx.map(|u| u.endpoints.len()))?;
+        Ok(d)
+    }
+}
+
+/// `nixl_keepalive.remove_remote_agent(agent, name)`: unloads a remote
+/// agent the way the service's releases do (its endpoints closed at once
+/// in the `force` mode), for loads the caller undoes itself (a handshake
+/// that failed half-way). Returns `{"status", "status_name", "close"}`;
+/// `close` is `closed`, `left_open`, `none_closed`, `not_observed`, or
+/// `None` when NIXL refused (`status` says why: `-4` NOT_FOUND for an
+/// agent not loaded). A non-NIXL exception is raised as is.
+#[pyfunction(name = "remove_remote_agent")]
+pub(crate) fn remove_remote_agent_py<'py>(
+    agent: &Bound<'py, PyAny>,
+    name: &str,
+) -> PyResult<Bound<'py, PyDict>> {
+    let py = agent.py();
+    let removal = remove_remote_agent(py, agent, &AgentName::from(name));
+    let status = removal.status?;
+    let d = PyDict::new(py);
+    d.set_item("status", status.raw())?;
+    d.set_item("status_name", status.name())?;
+    d.set_item("close", removal.close.map(|c| c.as_str()))?;
+    Ok(d)
+}
