@@ -38,9 +38,11 @@
 //!
 //! Results are handed back in batches: a thread adds its result to the
 //! shared list and wakes the driver only when no call is left queued (the
-//! thread that takes the last queued call wakes it too if results wait), so
-//! one wake-up of the driver serves a batch, and a result never waits
-//! behind a hung call.
+//! thread that takes the last queued call wakes it too if results wait),
+//! so one wake-up of the driver serves a batch; a release's result goes at
+//! once, and when every busy thread is stuck the watchdog hands over what
+//! is done: a result never waits behind a hung call for more than
+//! [`STUCK`].
 //!
 //! The watchdog and the threads sleep on the wall clock, which is what a
 //! hung call is hung in. On a current-thread runtime (the only kind whose
@@ -527,8 +529,12 @@ impl<T: Transport> Shared<T> {
                 }
             }
             state.at_cap_logged = false;
+            // A release's result goes to the driver at once (releases are
+            // few, and a peer's reload may wait for it); heartbeat results
+            // wait for the batch (one wake-up of the driver per batch).
+            let now = matches!(outcome, CallOutcome::Release { .. });
             state.results.push(outcome);
-            if state.queued == 0 {
+            if state.queued == 0 || now {
                 self.results.notify_one();
             }
             if state.pending() == 0 && state.standing_by {
@@ -571,6 +577,11 @@ impl<T: Transport> Shared<T> {
                 if now < stuck_at {
                     wait = Some(stuck_at - now);
                 } else {
+                    // Every busy thread is stuck: what is done must not
+                    // wait for the queue behind them to drain.
+                    if !state.results.is_empty() {
+                        self.results.notify_one();
+                    }
                     // As many takers as threads are stuck: one hung call
                     // costs one thread, a thread that is only preempted
                     // (a busy machine) costs one wake-up, not one per
