@@ -27,8 +27,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use tokio_util::sync::WaitForCancellationFutureOwned;
 
+use crate::registration::RegistrationId;
 use crate::core::cell::BeginRefused;
 use crate::core::EngineCell;
 use crate::error::ReadRefused;
@@ -60,6 +60,20 @@ impl EngineRef {
     /// registration).
     pub fn same_registration(&self, other: &EngineRef) -> bool {
         Arc::ptr_eq(&self.cell, &other.cell)
+    }
+
+    /// This registration: events about it name it ([`crate::Event`]).
+    pub fn registration(&self) -> RegistrationId {
+        self.cell.serial()
+    }
+
+    /// Resolves once this registration has been released (its NIXL state
+    /// given back, the release call returned): whatever registration holds
+    /// the engine id by then, this one is over. The service publishes its
+    /// [`crate::Event::Released`] right after. Cancel safe; the future owns
+    /// what it needs.
+    pub fn released(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        self.cell.release_done().clone().cancelled_owned()
     }
 
     /// The engine's state now.
@@ -182,8 +196,9 @@ impl ReadGuard {
         self.cell.reads_failed().is_cancelled()
     }
 
-    /// Resolves when the service fails this engine's reads. Cancel safe.
-    pub fn failed(&self) -> WaitForCancellationFutureOwned {
+    /// Resolves when the service fails this engine's reads. Cancel safe;
+    /// the future owns what it needs (it may outlive the guard).
+    pub fn failed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         self.cell.reads_failed().clone().cancelled_owned()
     }
 

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::error::Conflict;
+use crate::registration::RegistrationId;
 use crate::transport::{EngineId, PeerAddr};
 use crate::NixlStatus;
 
@@ -84,13 +85,18 @@ pub struct WaitedFor {
 }
 
 /// One thing that happened to a peer. Subscribe with
-/// [`crate::KeepaliveHandle::subscribe`].
+/// [`crate::KeepaliveHandle::subscribe`]. Every event about an engine names
+/// the registration it is about: the unit of an engine's lifecycle (see
+/// [`crate::EngineRef::registration`], [`crate::EngineRef::released`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     /// An engine registered after its handshake.
     Registered {
         /// The engine.
         engine: EngineId,
+        /// The registration this is about (a pinned engine id loaded
+        /// again is another registration).
+        registration: RegistrationId,
         /// Its side-channel address.
         address: PeerAddr,
     },
@@ -98,6 +104,9 @@ pub enum Event {
     Unreachable {
         /// The engine.
         engine: EngineId,
+        /// The registration this is about (a pinned engine id loaded
+        /// again is another registration).
+        registration: RegistrationId,
         /// The raw status that said so.
         status: NixlStatus,
         /// Where it was seen.
@@ -108,6 +117,8 @@ pub enum Event {
     Replaced {
         /// The engine that was at the address.
         old: EngineId,
+        /// Its registration, which is released once idle.
+        old_registration: RegistrationId,
         /// The engine there now.
         new: EngineId,
         /// The address.
@@ -117,6 +128,9 @@ pub enum Event {
     Retiring {
         /// The engine.
         engine: EngineId,
+        /// The registration this is about (a pinned engine id loaded
+        /// again is another registration).
+        registration: RegistrationId,
         /// Whether its reads were failed at once.
         fail_reads: bool,
     },
@@ -129,6 +143,9 @@ pub enum Event {
     Stalled {
         /// The engine.
         engine: EngineId,
+        /// The registration this is about (a pinned engine id loaded
+        /// again is another registration).
+        registration: RegistrationId,
         /// Reads in flight when it was found stalled.
         reads_in_flight: u64,
         /// How long at least it has had a read outstanding and no read
@@ -147,6 +164,9 @@ pub enum Event {
     ReadsFailed {
         /// The engine.
         engine: EngineId,
+        /// The registration this is about (a pinned engine id loaded
+        /// again is another registration).
+        registration: RegistrationId,
         /// How many reads were in flight.
         count: u64,
     },
@@ -154,6 +174,9 @@ pub enum Event {
     TransientError {
         /// The engine.
         engine: EngineId,
+        /// The registration this is about (a pinned engine id loaded
+        /// again is another registration).
+        registration: RegistrationId,
         /// The raw status.
         status: NixlStatus,
         /// Where it was seen.
@@ -163,6 +186,9 @@ pub enum Event {
     Released {
         /// The engine.
         engine: EngineId,
+        /// The registration this is about (a pinned engine id loaded
+        /// again is another registration).
+        registration: RegistrationId,
         /// Why.
         reason: ReleaseReason,
         /// What the release waited for.
@@ -191,6 +217,8 @@ pub enum Event {
     TransportPanicked {
         /// The engine the call was for.
         engine: EngineId,
+        /// Its registration.
+        registration: RegistrationId,
         /// The call: `genNotif` or `release`.
         call: &'static str,
         /// The panic's message, when it was text.

@@ -133,7 +133,9 @@ pub use error::{ClaimRefused, Conflict, ReadRefused, RegisterError, ServiceStopp
 pub use event::{Event, ReleaseReason, Source, WaitedFor};
 pub use handle::{Handshake, KeepaliveHandle, Ready, ReadyToLoad};
 pub use offload::{HUNG_AFTER, TRANSPORT_THREADS_CAP};
-pub use registration::{Claim, Departure, GoneMode, Incarnation, PeerRef, Registration};
+pub use registration::{
+    Claim, Departure, GoneMode, Incarnation, PeerRef, Registration, RegistrationId,
+};
 pub use service::{spawn, Keepalive, Stopped};
 pub use snapshot::{
     CallInFlight, DetectionSummary, EngineSnapshot, HeartbeatSnapshot, Snapshot, TransportSnapshot,

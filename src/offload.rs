@@ -52,6 +52,7 @@
 //! before virtual time can move, and tests stay deterministic. A
 //! multi-threaded runtime needs none and gets none.
 
+use crate::registration::RegistrationId;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -133,7 +134,7 @@ struct InCall {
     thread: u64,
     since: Instant,
     /// The registration the call is for (the driver knows its engine id).
-    serial: u64,
+    serial: RegistrationId,
     /// `genNotif` (a heartbeat round) or `release`.
     call: &'static str,
     /// Counted as hung already.
@@ -352,9 +353,9 @@ impl<T: Transport> Offload<T> {
     /// (the longest first) and which of them are hung. `engine` names the
     /// registration of a serial (a call whose registration it does not
     /// know is listed under `?`).
-    pub(crate) fn snapshot(&self, engine: impl Fn(u64) -> Option<EngineId>) -> TransportSnapshot {
+    pub(crate) fn snapshot(&self, engine: impl Fn(RegistrationId) -> Option<EngineId>) -> TransportSnapshot {
         let now = Instant::now();
-        let calls: Vec<(u64, &'static str, Duration, bool)> = {
+        let calls: Vec<(RegistrationId, &'static str, Duration, bool)> = {
             let state = self.shared.lock();
             state
                 .in_call
@@ -525,7 +526,7 @@ impl<T: Transport> Shared<T> {
                 if done.hung {
                     state.hung_now -= 1;
                     telemetry::transport_calls_hung(state.hung_now);
-                    tracing::debug!(serial = done.serial, call = done.call, after = ?done.since.elapsed(), "a hung transport call came back");
+                    tracing::debug!(registration = %done.serial, call = done.call, after = ?done.since.elapsed(), "a hung transport call came back");
                 }
             }
             state.at_cap_logged = false;
@@ -701,7 +702,7 @@ impl<T: Transport> Shared<T> {
                 newly_hung = newly,
                 hung = state.hung_now,
                 threads = state.threads,
-                serial,
+                registration = %serial,
                 call,
                 after = ?age,
                 "transport calls hung: each holds a thread until it returns, and its engine gets no other heartbeat meanwhile (the snapshot lists them)"
@@ -804,6 +805,7 @@ mod tests {
     }
 
     fn heartbeat(serial: u64, agent: &str) -> Call<()> {
+        let serial = RegistrationId(serial);
         Call::Heartbeat {
             serial,
             agents: Arc::from(vec![AgentName::new(agent)]),
@@ -812,6 +814,7 @@ mod tests {
     }
 
     fn release(serial: u64) -> Call<()> {
+        let serial = RegistrationId(serial);
         Call::Release {
             serial,
             engine: EngineId::new(format!("e-{serial}")),
@@ -821,13 +824,13 @@ mod tests {
     }
 
     /// The engine id the tests give registration `serial`.
-    fn name(serial: u64) -> Option<EngineId> {
+    fn name(serial: RegistrationId) -> Option<EngineId> {
         Some(EngineId::new(format!("e-{serial}")))
     }
 
     fn serial(outcome: &CallOutcome) -> u64 {
         match outcome {
-            CallOutcome::Heartbeat { serial, .. } | CallOutcome::Release { serial, .. } => *serial,
+            CallOutcome::Heartbeat { serial, .. } | CallOutcome::Release { serial, .. } => serial.0,
         }
     }
 

@@ -7,6 +7,26 @@ use std::fmt;
 
 use crate::transport::{AgentName, EngineId, PeerAddr};
 
+/// One registration: a unique number per registration in this process,
+/// never reused. The unit of an engine's lifecycle: a pinned engine id that
+/// is loaded again is another registration, so events, references and
+/// reports name the registration they are about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RegistrationId(pub(crate) u64);
+
+impl RegistrationId {
+    /// The number.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for RegistrationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
 /// One start of a prefill process: a random number it draws at start-up
 /// and reports in its handshake (and in its membership record). The same
 /// engine id with another incarnation is the same engine restarted (a

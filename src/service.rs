@@ -270,7 +270,7 @@ impl<T: Transport> Keepalive<T> {
             Msg::Snapshot(done) => {
                 let mut snapshot = self.core.snapshot(now);
                 snapshot.detection_bound = self.bound;
-                let ids: std::collections::HashMap<u64, EngineId> = self
+                let ids: std::collections::HashMap<crate::RegistrationId, EngineId> = self
                     .directory
                     .read()
                     .expect("directory poisoned")

@@ -1,6 +1,7 @@
 //! Transport calls as data: what the core asks the driver to run off the
 //! async threads, and what comes back.
 
+use crate::registration::RegistrationId;
 use std::sync::Arc;
 
 use crate::transport::{AgentName, EngineId, ReleaseStep, TransportError};
@@ -12,13 +13,13 @@ pub(crate) enum Call<R> {
     /// One heartbeat round: every one of `messages` (vLLM's `HB:`, split
     /// to a bounded size) to every agent of the registration.
     Heartbeat {
-        serial: u64,
+        serial: RegistrationId,
         agents: Arc<[AgentName]>,
         messages: HeartbeatMessages,
     },
     /// Give back a registration's NIXL state.
     Release {
-        serial: u64,
+        serial: RegistrationId,
         engine: EngineId,
         agents: Arc<[AgentName]>,
         resources: R,
@@ -68,10 +69,10 @@ pub(crate) struct RoundResults {
 /// What a call came back with.
 pub(crate) enum CallOutcome {
     /// A heartbeat round's results.
-    Heartbeat { serial: u64, results: RoundResults },
+    Heartbeat { serial: RegistrationId, results: RoundResults },
     /// A release's steps, or the panic that cut it short.
     Release {
-        serial: u64,
+        serial: RegistrationId,
         steps: Result<Vec<ReleaseStep>, Panicked>,
     },
 }

@@ -31,6 +31,7 @@
 //! a 16,777,216th read in flight at one engine is refused
 //! ([`BeginRefused::Full`]) instead of carrying into the state.
 
+use crate::registration::RegistrationId;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -76,15 +77,15 @@ fn state_of(word: u64) -> EngineState {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Wake {
     /// The last read of a marked registration ended: it may be released.
-    Drained(u64),
+    Drained(RegistrationId),
     /// A transfer of this registration ended with this raw NIXL status
     /// (only errors are sent).
-    TransferResult(u64, NixlStatus),
+    TransferResult(RegistrationId, NixlStatus),
     /// The runtime gave up a read of this registration while its transfer
     /// was in progress.
     GivenUp {
         /// The registration.
-        serial: u64,
+        serial: RegistrationId,
         /// Why the runtime stopped waiting.
         why: GiveUp,
         /// No read of the engine completed while this one was in flight
@@ -116,7 +117,7 @@ pub(crate) trait WakeSink: Send + Sync {
 /// registration of one engine.
 pub(crate) struct EngineCell {
     id: EngineId,
-    serial: u64,
+    serial: RegistrationId,
     word: AtomicU64,
     /// Cancelled when the core fails this registration's reads in flight.
     reads_failed: CancellationToken,
@@ -136,7 +137,7 @@ impl EngineCell {
     pub(crate) fn new(id: EngineId, sink: Arc<dyn WakeSink>) -> Arc<Self> {
         Arc::new(EngineCell {
             id,
-            serial: NEXT_SERIAL.fetch_add(1, Ordering::Relaxed),
+            serial: RegistrationId(NEXT_SERIAL.fetch_add(1, Ordering::Relaxed)),
             word: AtomicU64::new(state_bits(EngineState::Live)),
             reads_failed: CancellationToken::new(),
             release_done: CancellationToken::new(),
@@ -151,7 +152,7 @@ impl EngineCell {
 
     /// This registration's serial: a pinned engine id that registers again
     /// gets a new one, so late reports of the old one never reach it.
-    pub(crate) fn serial(&self) -> u64 {
+    pub(crate) fn serial(&self) -> RegistrationId {
         self.serial
     }
 

@@ -29,6 +29,7 @@
 //! Addresses are compared in their canonical form ([`PeerAddr`]); names
 //! are resolved by the caller ([`PeerAddr::resolve`]).
 
+use crate::registration::RegistrationId;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -68,7 +69,7 @@ pub(super) enum Stage {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Holder {
     /// A registration (live, marked or being released), by serial.
-    Registration(u64),
+    Registration(RegistrationId),
     /// A handshake whose claim was granted and that is loading.
     Load(TicketId),
 }
@@ -588,7 +589,7 @@ impl<R> Core<R> {
             agents,
             resources,
         } = registration;
-        tracing::info!(%engine, %address, ?incarnation, agents = agents.len(), serial, "engine registered");
+        tracing::info!(%engine, %address, ?incarnation, agents = agents.len(), registration = %serial, "engine registered");
         self.forget_conflicts(&engine);
         self.by_id.insert(engine.clone(), serial);
         for agent in &agents {
@@ -621,6 +622,7 @@ impl<R> Core<R> {
             .push_back(Action::Activated { cell: cell.clone() });
         self.emit(Event::Registered {
             engine: engine.clone(),
+            registration: serial,
             address: address.clone(),
         });
         self.answer(request, Answer::Registered(cell));
@@ -631,6 +633,7 @@ impl<R> Core<R> {
                     tracing::warn!(old = %old_id, new = %engine, %address, "a new engine id answered at a known address: the old engine was replaced");
                     self.emit(Event::Replaced {
                         old: old_id,
+                        old_registration: old,
                         new: engine.clone(),
                         address,
                     });
@@ -644,7 +647,7 @@ impl<R> Core<R> {
     pub(super) fn forget_registration(
         &mut self,
         now: Instant,
-        serial: u64,
+        serial: RegistrationId,
         engine: &EngineId,
         address: &PeerAddr,
         agents: &[AgentName],
@@ -714,13 +717,14 @@ impl<R> Core<R> {
         self.retire(now, serial, mode);
     }
 
-    fn retire(&mut self, now: Instant, serial: u64, mode: GoneMode) {
+    fn retire(&mut self, now: Instant, serial: RegistrationId, mode: GoneMode) {
         let p = &self.peers[&serial];
         if p.is_live() {
             let engine = p.id().clone();
             tracing::info!(%engine, ?mode, "peer gone: retiring");
             self.emit(Event::Retiring {
                 engine,
+                registration: serial,
                 fail_reads: mode == GoneMode::Fail,
             });
             self.mark(now, serial, ReleaseReason::PeerGone);

@@ -43,6 +43,7 @@ mod schedule;
 #[cfg(test)]
 mod tests;
 
+use crate::registration::RegistrationId;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
@@ -178,7 +179,7 @@ pub(crate) enum Action<R> {
     },
     /// The registration `serial` of `engine` is gone: forget it wherever
     /// it is looked up by id (before its event goes out).
-    Forget { engine: EngineId, serial: u64 },
+    Forget { engine: EngineId, serial: RegistrationId },
     /// Publish an event.
     Emit(Event),
 }
@@ -195,11 +196,11 @@ struct Stopping {
 /// The core: the peer table, the handshakes, the timers.
 pub(crate) struct Core<R> {
     config: Config,
-    peers: Map<u64, Peer<R>>,
+    peers: Map<RegistrationId, Peer<R>>,
     /// The registration each engine id holds now (at most one).
-    by_id: Map<EngineId, u64>,
+    by_id: Map<EngineId, RegistrationId>,
     /// The registration each address maps to now.
-    by_addr: Map<PeerAddr, u64>,
+    by_addr: Map<PeerAddr, RegistrationId>,
     /// Who holds each agent name: a registration or a granted load.
     agents: Map<AgentName, Holder>,
     tickets: Map<TicketId, Ticket>,
@@ -207,7 +208,7 @@ pub(crate) struct Core<R> {
     handshakes: Map<PeerAddr, usize>,
     /// Marked registrations whose release waits for a handshake at their
     /// address.
-    held: Map<PeerAddr, BTreeSet<u64>>,
+    held: Map<PeerAddr, BTreeSet<RegistrationId>>,
     /// The one granted load of each engine id.
     loads: Map<EngineId, TicketId>,
     /// Claims waiting for an engine id, in arrival order.
@@ -241,7 +242,7 @@ pub(crate) struct Core<R> {
     stopping: Option<Stopping>,
     /// Lines about transient errors: one per registration, status and
     /// source per period.
-    transient_log: LogLimiter<(u64, i32, Source)>,
+    transient_log: LogLimiter<(RegistrationId, i32, Source)>,
 }
 
 impl<R> Core<R> {
@@ -436,7 +437,7 @@ impl<R> Core<R> {
     fn status(
         &mut self,
         now: Instant,
-        serial: u64,
+        serial: RegistrationId,
         source: Source,
         agent: Option<&AgentName>,
         status: NixlStatus,
@@ -457,6 +458,7 @@ impl<R> Core<R> {
                     tracing::warn!(%engine, ?agent, %source, %status, raw = status.raw(), "REMOTE_DISCONNECT: engine unreachable");
                     self.emit(Event::Unreachable {
                         engine,
+                        registration: serial,
                         status,
                         source,
                     });
@@ -480,6 +482,7 @@ impl<R> Core<R> {
                 }
                 self.emit(Event::TransientError {
                     engine,
+                    registration: serial,
                     status,
                     source,
                 });
@@ -487,7 +490,7 @@ impl<R> Core<R> {
         }
     }
 
-    fn live_serial(&self, id: &EngineId) -> Option<u64> {
+    fn live_serial(&self, id: &EngineId) -> Option<RegistrationId> {
         let serial = *self.by_id.get(id)?;
         self.peers
             .get(&serial)
@@ -522,7 +525,7 @@ impl<R> Core<R> {
 
     // ----- heartbeats -----
 
-    fn heartbeat_due(&mut self, now: Instant, serial: u64, due: Instant) {
+    fn heartbeat_due(&mut self, now: Instant, serial: RegistrationId, due: Instant) {
         let Some(peer) = self.peers.get(&serial) else {
             return;
         };
@@ -549,7 +552,7 @@ impl<R> Core<R> {
         }
     }
 
-    fn renew(&mut self, now: Instant, serial: u64) {
+    fn renew(&mut self, now: Instant, serial: RegistrationId) {
         let peer = self.peers.get_mut(&serial).expect("live serial");
         if peer.heartbeat_in_flight {
             peer.renewal_wanted = true;
@@ -571,7 +574,7 @@ impl<R> Core<R> {
 
     /// Sends a round now; the next is due one interval (+/- jitter) after
     /// `base`: the deadline this round was due at, or now for a renewal.
-    fn send_heartbeat(&mut self, base: Instant, serial: u64) {
+    fn send_heartbeat(&mut self, base: Instant, serial: RegistrationId) {
         let peer = self.peers.get_mut(&serial).expect("live serial");
         peer.heartbeat_in_flight = true;
         peer.renewal_wanted = false;
@@ -608,7 +611,7 @@ impl<R> Core<R> {
         }
     }
 
-    fn heartbeat_done(&mut self, now: Instant, serial: u64, results: RoundResults) {
+    fn heartbeat_done(&mut self, now: Instant, serial: RegistrationId, results: RoundResults) {
         let RoundResults {
             sent,
             failed,
@@ -632,6 +635,7 @@ impl<R> Core<R> {
             tracing::error!(%engine, %agent, message = %p.message, "the transport panicked in genNotif: counted, engine kept");
             self.emit(Event::TransportPanicked {
                 engine: engine.clone(),
+                registration: serial,
                 call: "genNotif",
                 message: p.message,
             });
@@ -645,14 +649,14 @@ impl<R> Core<R> {
         }
     }
 
-    fn schedule_heartbeat(&mut self, serial: u64, at: Instant) {
+    fn schedule_heartbeat(&mut self, serial: RegistrationId, at: Instant) {
         self.unschedule_heartbeat(serial);
         if let Some(peer) = self.peers.get_mut(&serial) {
             peer.next_heartbeat = Some(self.schedule.insert(serial, at));
         }
     }
 
-    fn unschedule_heartbeat(&mut self, serial: u64) {
+    fn unschedule_heartbeat(&mut self, serial: RegistrationId) {
         if let Some(slot) = self
             .peers
             .get_mut(&serial)
@@ -689,7 +693,7 @@ impl<R> Core<R> {
     fn check_stalls(&mut self, now: Instant, bound: Duration) {
         /// What the sampling found of one suspect.
         struct Suspect {
-            serial: u64,
+            serial: RegistrationId,
             reads: u64,
             quiet: Duration,
             given_up: u64,
@@ -767,7 +771,7 @@ impl<R> Core<R> {
 
     /// A suspect judged stalled: reported once per stall, and with the
     /// `fail` action marked, its reads failed, released once they end.
-    fn stalled(&mut self, now: Instant, serial: u64, reads: u64, quiet: Duration, given_up: u64) {
+    fn stalled(&mut self, now: Instant, serial: RegistrationId, reads: u64, quiet: Duration, given_up: u64) {
         let peer = self.peers.get_mut(&serial).expect("judged while live");
         peer.progress.reported = true;
         let engine = peer.id().clone();
@@ -776,6 +780,7 @@ impl<R> Core<R> {
         tracing::warn!(%engine, reads, ?quiet, given_up, action = action.as_str(), "reads stopped completing: the peer is hung");
         self.emit(Event::Stalled {
             engine,
+            registration: serial,
             reads_in_flight: reads,
             stalled_for: quiet,
             given_up,
@@ -795,7 +800,7 @@ impl<R> Core<R> {
     fn read_given_up(
         &mut self,
         now: Instant,
-        serial: u64,
+        serial: RegistrationId,
         why: GiveUp,
         unanswered: bool,
         done: u64,
@@ -840,7 +845,7 @@ impl<R> Core<R> {
 
     /// Marks a live registration: no new reads, no more heartbeats;
     /// released as soon as it is idle. The first mark stands.
-    fn mark(&mut self, now: Instant, serial: u64, reason: ReleaseReason) {
+    fn mark(&mut self, now: Instant, serial: RegistrationId, reason: ReleaseReason) {
         let Some(peer) = self.peers.get_mut(&serial) else {
             return;
         };
@@ -862,7 +867,7 @@ impl<R> Core<R> {
         });
         peer.leases.clear();
         peer.message = None;
-        tracing::info!(engine = %peer.id(), serial, state = state.as_str(), reads_in_flight = reads, "engine marked for release");
+        tracing::info!(engine = %peer.id(), registration = %serial, state = state.as_str(), reads_in_flight = reads, "engine marked for release");
         self.unschedule_heartbeat(serial);
         if matches!(
             reason,
@@ -875,7 +880,7 @@ impl<R> Core<R> {
         self.try_release(now, serial);
     }
 
-    fn fail_reads(&mut self, serial: u64) {
+    fn fail_reads(&mut self, serial: RegistrationId) {
         let Some(peer) = self.peers.get(&serial) else {
             return;
         };
@@ -884,14 +889,18 @@ impl<R> Core<R> {
         if count > 0 {
             let engine = peer.id().clone();
             tracing::warn!(%engine, count, "reads in flight failed");
-            self.emit(Event::ReadsFailed { engine, count });
+            self.emit(Event::ReadsFailed {
+                engine,
+                registration: serial,
+                count,
+            });
         }
     }
 
     /// Releases a marked registration if no read is in flight and no
     /// handshake holds it back. Decided here; the transport is called by
     /// the driver after.
-    fn try_release(&mut self, now: Instant, serial: u64) {
+    fn try_release(&mut self, now: Instant, serial: RegistrationId) {
         let Some(peer) = self.peers.get(&serial) else {
             return;
         };
@@ -934,7 +943,7 @@ impl<R> Core<R> {
     fn release_done(
         &mut self,
         now: Instant,
-        serial: u64,
+        serial: RegistrationId,
         steps: Result<Vec<ReleaseStep>, Panicked>,
     ) {
         let Some(peer) = self.peers.remove(&serial) else {
@@ -964,6 +973,7 @@ impl<R> Core<R> {
                 tracing::error!(%engine, message = %p.message, "the transport panicked while releasing: its resources are consumed, not retried");
                 self.emit(Event::TransportPanicked {
                     engine: engine.clone(),
+                    registration: serial,
                     call: "release",
                     message: p.message,
                 });
@@ -973,7 +983,7 @@ impl<R> Core<R> {
         self.release_finished(&peer.cell, failed_steps == 0 && !panicked);
         let since_mark = now.saturating_duration_since(mark.at);
         telemetry::released(mark.reason, since_mark);
-        tracing::info!(%engine, serial, reason = mark.reason.as_str(), after = ?since_mark, failed_steps, panicked, "engine released");
+        tracing::info!(%engine, registration = %serial, reason = mark.reason.as_str(), after = ?since_mark, failed_steps, panicked, "engine released");
         // Gone from the directory before the event: whoever sees it finds
         // the successor, if any, never the released registration.
         self.actions.push_back(Action::Forget {
@@ -982,6 +992,7 @@ impl<R> Core<R> {
         });
         self.emit(Event::Released {
             engine: engine.clone(),
+            registration: serial,
             reason: mark.reason,
             waited_for: WaitedFor {
                 duration: since_mark,
@@ -1026,7 +1037,7 @@ impl<R> Core<R> {
                 }
             }
         }
-        let mut serials: Vec<u64> = self.peers.keys().copied().collect();
+        let mut serials: Vec<RegistrationId> = self.peers.keys().copied().collect();
         serials.sort_unstable();
         for serial in serials {
             self.mark(now, serial, ReleaseReason::Shutdown);

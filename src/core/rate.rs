@@ -5,6 +5,7 @@
 //! state lives in a store the core can forget a released registration's key
 //! in at once (governor's own stores only forget idle keys in bulk).
 
+use crate::registration::RegistrationId;
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
@@ -20,12 +21,12 @@ use tokio::time::Instant;
 use crate::config::Config;
 
 #[derive(Clone, Default)]
-struct LimiterKeys(Arc<Mutex<HashMap<u64, Nanos, foldhash::fast::RandomState>>>);
+struct LimiterKeys(Arc<Mutex<HashMap<RegistrationId, Nanos, foldhash::fast::RandomState>>>);
 
 impl StateStore for LimiterKeys {
-    type Key = u64;
+    type Key = RegistrationId;
 
-    fn measure_and_replace<T, F, E>(&self, key: &u64, f: F) -> Result<T, E>
+    fn measure_and_replace<T, F, E>(&self, key: &RegistrationId, f: F) -> Result<T, E>
     where
         F: Fn(Option<Nanos>) -> Result<(T, Nanos), E>,
     {
@@ -38,7 +39,7 @@ impl StateStore for LimiterKeys {
 
 /// The rate cap: one key per registration that has had a round.
 pub(crate) struct RateCap {
-    limiter: RateLimiter<u64, LimiterKeys, FakeRelativeClock, NoOpMiddleware<Nanos>>,
+    limiter: RateLimiter<RegistrationId, LimiterKeys, FakeRelativeClock, NoOpMiddleware<Nanos>>,
     keys: LimiterKeys,
     clock: FakeRelativeClock,
     origin: Instant,
@@ -64,7 +65,7 @@ impl RateCap {
 
     /// `Ok` if `serial` may get a notification round at `now` (and counts
     /// it), else how long until it may.
-    pub(crate) fn check(&mut self, serial: u64, now: Instant) -> Result<(), Duration> {
+    pub(crate) fn check(&mut self, serial: RegistrationId, now: Instant) -> Result<(), Duration> {
         let since = now.saturating_duration_since(self.origin);
         if since > self.clock_at {
             self.clock.advance(since - self.clock_at);
@@ -76,7 +77,7 @@ impl RateCap {
     }
 
     /// Forgets a released registration's key.
-    pub(crate) fn forget(&self, serial: u64) {
+    pub(crate) fn forget(&self, serial: RegistrationId) {
         self.keys
             .0
             .lock()

@@ -10,6 +10,7 @@
 //! Not a `DelayQueue`: the core takes `now` as an argument and never reads
 //! a clock, so its timers must be plain data the driver sleeps towards.
 
+use crate::registration::RegistrationId;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -23,7 +24,7 @@ pub const HEARTBEAT_SLOT: Duration = Duration::from_millis(10);
 /// Registrations by the slot their next heartbeat is due in.
 pub(crate) struct Schedule {
     origin: Instant,
-    slots: BTreeMap<Instant, Vec<u64>>,
+    slots: BTreeMap<Instant, Vec<RegistrationId>>,
     len: usize,
 }
 
@@ -45,7 +46,7 @@ impl Schedule {
     }
 
     /// Puts `serial` in the slot of `at`; returns the slot.
-    pub(crate) fn insert(&mut self, serial: u64, at: Instant) -> Instant {
+    pub(crate) fn insert(&mut self, serial: RegistrationId, at: Instant) -> Instant {
         let slot = self.slot_of(at);
         self.slots.entry(slot).or_default().push(serial);
         self.len += 1;
@@ -53,7 +54,7 @@ impl Schedule {
     }
 
     /// Takes `serial` out of `slot`.
-    pub(crate) fn remove(&mut self, serial: u64, slot: Instant) {
+    pub(crate) fn remove(&mut self, serial: RegistrationId, slot: Instant) {
         if let Some(serials) = self.slots.get_mut(&slot) {
             if let Some(i) = serials.iter().position(|&s| s == serial) {
                 serials.swap_remove(i);
@@ -71,7 +72,7 @@ impl Schedule {
     }
 
     /// Takes the earliest slot if it is due at `now`.
-    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<(Instant, Vec<u64>)> {
+    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<(Instant, Vec<RegistrationId>)> {
         let entry = self.slots.first_entry()?;
         if *entry.key() > now {
             return None;
@@ -95,9 +96,9 @@ mod tests {
     fn deadlines_round_up_to_slots_and_come_out_in_order() {
         let origin = Instant::now();
         let mut s = Schedule::new(origin);
-        let a = s.insert(1, origin + Duration::from_millis(15));
-        let b = s.insert(2, origin + Duration::from_millis(11));
-        let c = s.insert(3, origin + Duration::from_millis(3));
+        let a = s.insert(RegistrationId(1), origin + Duration::from_millis(15));
+        let b = s.insert(RegistrationId(2), origin + Duration::from_millis(11));
+        let c = s.insert(RegistrationId(3), origin + Duration::from_millis(3));
         assert_eq!(a, origin + Duration::from_millis(20));
         assert_eq!(a, b);
         assert_eq!(c, origin + Duration::from_millis(10));
@@ -105,13 +106,13 @@ mod tests {
         assert!(s.pop_due(origin + Duration::from_millis(9)).is_none());
         assert_eq!(
             s.pop_due(origin + Duration::from_millis(10)),
-            Some((c, vec![3]))
+            Some((c, vec![RegistrationId(3)]))
         );
-        s.remove(1, a);
+        s.remove(RegistrationId(1), a);
         assert_eq!(s.len(), 1);
         assert_eq!(
             s.pop_due(origin + Duration::from_secs(1)),
-            Some((a, vec![2]))
+            Some((a, vec![RegistrationId(2)]))
         );
         assert_eq!(s.len(), 0);
         assert_eq!(s.next(), None);
