@@ -27,11 +27,10 @@
 use std::fmt;
 use std::sync::Arc;
 
-
-use crate::registration::RegistrationId;
 use crate::core::cell::BeginRefused;
 use crate::core::EngineCell;
 use crate::error::ReadRefused;
+use crate::registration::RegistrationId;
 use crate::state::EngineState;
 use crate::transport::EngineId;
 use crate::NixlStatus;

@@ -353,7 +353,10 @@ impl<T: Transport> Offload<T> {
     /// (the longest first) and which of them are hung. `engine` names the
     /// registration of a serial (a call whose registration it does not
     /// know is listed under `?`).
-    pub(crate) fn snapshot(&self, engine: impl Fn(RegistrationId) -> Option<EngineId>) -> TransportSnapshot {
+    pub(crate) fn snapshot(
+        &self,
+        engine: impl Fn(RegistrationId) -> Option<EngineId>,
+    ) -> TransportSnapshot {
         let now = Instant::now();
         let calls: Vec<(RegistrationId, &'static str, Duration, bool)> = {
             let state = self.shared.lock();

@@ -69,7 +69,10 @@ pub(crate) struct RoundResults {
 /// What a call came back with.
 pub(crate) enum CallOutcome {
     /// A heartbeat round's results.
-    Heartbeat { serial: RegistrationId, results: RoundResults },
+    Heartbeat {
+        serial: RegistrationId,
+        results: RoundResults,
+    },
     /// A release's steps, or the panic that cut it short.
     Release {
         serial: RegistrationId,

@@ -23,7 +23,7 @@
 //! The core compares the completed count between two of its checks; equal
 //! counts mean "no completion" only if the count cannot wrap between two
 //! checks. It has 36 bits (6.9 * 10^10), and the checks are at most
-//! [`super::MAX_STALL_CHECK_PERIOD`] (60 s) apart, so a wrap would take more
+//! [`super::stall::MAX_STALL_CHECK_PERIOD`] (60 s) apart, so a wrap would take more
 //! than 10^9 completions a second at one engine: every begin and end is an
 //! atomic operation on this one word, which a core cannot do faster than a
 //! few hundred million times a second (the `read_accounting` benchmark
@@ -445,7 +445,8 @@ pub(crate) mod tests {
         // word can take), 68 s, longer than the longest check period.
         assert_eq!(DONE_BITS, 36);
         assert!(
-            super::super::MAX_STALL_CHECK_PERIOD.as_secs_f64() * 1e9 < (1u64 << DONE_BITS) as f64
+            super::super::stall::MAX_STALL_CHECK_PERIOD.as_secs_f64() * 1e9
+                < (1u64 << DONE_BITS) as f64
         );
     }
 

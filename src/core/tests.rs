@@ -12,9 +12,13 @@ use tokio::time::Instant;
 
 use super::cell::tests::Collect;
 use super::*;
+use crate::config::StallAction;
 use crate::engine::GiveUp;
+use crate::event::{Event, ReleaseReason, Source};
 use crate::registration::{Departure, Incarnation};
-use crate::transport::{ReleaseTarget, TransportError};
+use crate::state::EngineState;
+use crate::transport::{ReleaseStep, ReleaseTarget, TransportError};
+use crate::NixlStatus;
 
 type Res = u32;
 

@@ -1,0 +1,260 @@
+//! Heartbeats and leases: every live registration gets a round per
+//! interval (+/- jitter, in [`super::HEARTBEAT_SLOT`] slots of the
+//! [`super::schedule::Schedule`]), never two rounds at once, at most the
+//! rate cap ([`super::rate::RateCap`]); lease renewals the runtime asks for
+//! share the cap. A round's text is vLLM's `HB:` with the registration's
+//! pending request ids, split to stay small.
+
+use crate::telemetry;
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::time::Instant;
+
+use super::{Action, Call, Core, HeartbeatMessages, RoundResults};
+use crate::event::{Event, Source};
+use crate::registration::RegistrationId;
+use crate::transport::EngineId;
+use crate::NixlStatus;
+
+/// The most bytes of one `HB:` notification. A round whose request ids do
+/// not fit in one is split over several (see [`heartbeat_messages`]): each
+/// notification stays one small message whatever the number of requests
+/// pending (10,000 pending ids once made one notification of 400 KB).
+/// With ids of at most [`crate::lease::MAX_REQUEST_ID`] bytes, each
+/// notification carries at least 31 of them.
+pub const MAX_HEARTBEAT_BYTES: usize = 8 * 1024;
+
+/// vLLM's lease-renewal text for `requests`, split to fit: each
+/// notification is `HB:` and comma-separated request ids, at most
+/// [`MAX_HEARTBEAT_BYTES`] long; the ids go in order, each whole and in
+/// exactly one notification; no ids is one `HB:` (nothing after the
+/// colon). vLLM's prefill extends each id an `HB:` names and ignores
+/// unknown ones, so several notifications renew exactly what one would:
+/// every one of them is a valid `HB:` on its own. The rate cap counts the
+/// round, not its notifications.
+///
+/// Request ids are checked where they enter
+/// ([`crate::KeepaliveHandle::add_leases`]: at most
+/// [`crate::lease::MAX_REQUEST_ID`] bytes, no `,`): an id that could not
+/// fit even alone is not sent.
+pub fn heartbeat_messages<'a>(requests: impl IntoIterator<Item = &'a String>) -> Vec<Vec<u8>> {
+    const PREFIX: &[u8] = b"HB:";
+    let mut messages = Vec::new();
+    let mut message = PREFIX.to_vec();
+    for r in requests {
+        let id = r.as_bytes();
+        if PREFIX.len() + id.len() > MAX_HEARTBEAT_BYTES {
+            continue;
+        }
+        let comma = usize::from(message.len() > PREFIX.len());
+        if message.len() + comma + id.len() > MAX_HEARTBEAT_BYTES {
+            messages.push(std::mem::replace(&mut message, PREFIX.to_vec()));
+        }
+        if message.len() > PREFIX.len() {
+            message.push(b',');
+        }
+        message.extend_from_slice(id);
+    }
+    if messages.is_empty() || message.len() > PREFIX.len() {
+        messages.push(message);
+    }
+    messages
+}
+
+/// One round's notifications, shared.
+pub(super) fn heartbeat_round<'a>(
+    requests: impl IntoIterator<Item = &'a String>,
+) -> HeartbeatMessages {
+    heartbeat_messages(requests)
+        .into_iter()
+        .map(Vec::into_boxed_slice)
+        .collect()
+}
+
+impl<R> Core<R> {
+    pub(super) fn live_serial(&self, id: &EngineId) -> Option<RegistrationId> {
+        let serial = *self.by_id.get(id)?;
+        self.peers
+            .get(&serial)
+            .filter(|p| p.is_live())
+            .map(|_| serial)
+    }
+
+    pub(super) fn add_leases(
+        &mut self,
+        now: Instant,
+        id: &EngineId,
+        requests: Vec<String>,
+        renew_now: bool,
+    ) {
+        let Some(serial) = self.live_serial(id) else {
+            tracing::debug!(engine = %id, "lease for an engine that is not live: ignored");
+            return;
+        };
+        let peer = self.peers.get_mut(&serial).expect("live serial");
+        if !requests.is_empty() {
+            peer.leases.extend(requests);
+            peer.message = None;
+        }
+        if renew_now {
+            self.renew(now, serial);
+        }
+    }
+
+    pub(super) fn remove_leases(&mut self, id: &EngineId, requests: &[String]) {
+        if let Some(peer) = self.by_id.get(id).and_then(|s| self.peers.get_mut(s)) {
+            for r in requests {
+                if peer.leases.remove(r) {
+                    peer.message = None;
+                }
+            }
+        }
+    }
+
+    pub(super) fn heartbeat_due(&mut self, now: Instant, serial: RegistrationId, due: Instant) {
+        let Some(peer) = self.peers.get(&serial) else {
+            return;
+        };
+        if !peer.is_live() {
+            return;
+        }
+        // The schedule runs from the deadline, not from when the timer was
+        // served, so serving delays (and the slot rounding) never add up.
+        let due = due.min(now);
+        if peer.heartbeat_in_flight {
+            // The previous round has not come back (a slow or hung call):
+            // never stack rounds on one engine. Try again next period.
+            if let Some(interval) = self.config.heartbeat_interval {
+                self.schedule_heartbeat(serial, now + interval);
+            }
+            return;
+        }
+        match self.rate.check(serial, now) {
+            Ok(()) => self.send_heartbeat(due, serial),
+            Err(wait) => {
+                telemetry::heartbeat_deferred();
+                self.schedule_heartbeat(serial, now + wait);
+            }
+        }
+    }
+
+    pub(super) fn renew(&mut self, now: Instant, serial: RegistrationId) {
+        let peer = self.peers.get_mut(&serial).expect("live serial");
+        if peer.heartbeat_in_flight {
+            peer.renewal_wanted = true;
+            return;
+        }
+        match self.rate.check(serial, now) {
+            Ok(()) => self.send_heartbeat(now, serial),
+            Err(wait) => {
+                telemetry::heartbeat_deferred();
+                let peer = self.peers.get_mut(&serial).expect("live serial");
+                peer.renewal_wanted = true;
+                let at = now + wait;
+                if peer.next_heartbeat.is_none_or(|next| at < next) {
+                    self.schedule_heartbeat(serial, at);
+                }
+            }
+        }
+    }
+
+    /// Sends a round now; the next is due one interval (+/- jitter) after
+    /// `base`: the deadline this round was due at, or now for a renewal.
+    pub(super) fn send_heartbeat(&mut self, base: Instant, serial: RegistrationId) {
+        let peer = self.peers.get_mut(&serial).expect("live serial");
+        peer.heartbeat_in_flight = true;
+        peer.renewal_wanted = false;
+        let messages = match &peer.message {
+            Some(messages) => messages.clone(),
+            None => {
+                let messages = if peer.leases.is_empty() {
+                    self.idle_message.clone()
+                } else {
+                    heartbeat_round(&peer.leases)
+                };
+                peer.message = Some(messages.clone());
+                messages
+            }
+        };
+        let agents = peer.agents.clone();
+        self.actions.push_back(Action::Call(Call::Heartbeat {
+            serial,
+            agents,
+            messages,
+        }));
+        match self.config.heartbeat_interval {
+            Some(interval) => {
+                let jitter = self.config.jitter.as_secs_f64();
+                let delta = if jitter > 0.0 {
+                    self.rng.random_range(-jitter..=jitter)
+                } else {
+                    0.0
+                };
+                let next = Duration::from_secs_f64((interval.as_secs_f64() + delta).max(0.0));
+                self.schedule_heartbeat(serial, base + next);
+            }
+            None => self.unschedule_heartbeat(serial),
+        }
+    }
+
+    pub(super) fn heartbeat_done(
+        &mut self,
+        now: Instant,
+        serial: RegistrationId,
+        results: RoundResults,
+    ) {
+        let RoundResults {
+            sent,
+            failed,
+            panicked,
+        } = results;
+        telemetry::heartbeats_sent(sent);
+        let Some(peer) = self.peers.get_mut(&serial) else {
+            return;
+        };
+        peer.heartbeat_in_flight = false;
+        let status = failed
+            .iter()
+            .map(|(_, e)| e.status)
+            .find(|s| s.is_remote_disconnect())
+            .or(failed.first().map(|(_, e)| e.status))
+            .unwrap_or(NixlStatus::SUCCESS);
+        peer.last_heartbeat = Some((now, status));
+        let engine = peer.id().clone();
+        for (agent, p) in panicked {
+            telemetry::transport_panicked("genNotif");
+            tracing::error!(%engine, %agent, message = %p.message, "the transport panicked in genNotif: counted, engine kept");
+            self.emit(Event::TransportPanicked {
+                engine: engine.clone(),
+                registration: serial,
+                call: "genNotif",
+                message: p.message,
+            });
+        }
+        for (agent, e) in &failed {
+            self.status(now, serial, Source::Heartbeat, Some(agent), e.status);
+        }
+        let peer = self.peers.get(&serial).expect("still here");
+        if peer.is_live() && peer.renewal_wanted {
+            self.renew(now, serial);
+        }
+    }
+
+    pub(super) fn schedule_heartbeat(&mut self, serial: RegistrationId, at: Instant) {
+        self.unschedule_heartbeat(serial);
+        if let Some(peer) = self.peers.get_mut(&serial) {
+            peer.next_heartbeat = Some(self.schedule.insert(serial, at));
+        }
+    }
+
+    pub(super) fn unschedule_heartbeat(&mut self, serial: RegistrationId) {
+        if let Some(slot) = self
+            .peers
+            .get_mut(&serial)
+            .and_then(|p| p.next_heartbeat.take())
+        {
+            self.schedule.remove(serial, slot);
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! Marking and releasing: a marked registration refuses new reads, loses
+//! its heartbeats, and is released (one transport call) once no read is in
+//! flight and no handshake at its address holds it back; never before.
+//! Shutdown marks everything and stops waiting at the drain deadline.
+
+use crate::telemetry;
+use tokio::time::Instant;
+
+use super::cell::EngineCell;
+use super::peer::Mark;
+use super::{identity, Action, Answer, Call, Core, Panicked, Stopping, TicketId};
+use crate::error::ClaimRefused;
+use crate::event::{Event, ReleaseReason, WaitedFor};
+use crate::registration::{Registration, RegistrationId};
+use crate::state::EngineState;
+use crate::transport::{EngineId, ReleaseStep};
+use crate::NixlStatus;
+
+impl<R> Core<R> {
+    /// The release of `peer` came back: the runtime's given-up reads of it
+    /// learn what their destination buffers may become.
+    pub(super) fn release_finished(&self, cell: &EngineCell, clean: bool) {
+        cell.release_finished(clean && self.release_ends_transfers);
+    }
+
+    /// Marks a live registration: no new reads, no more heartbeats;
+    /// released as soon as it is idle. The first mark stands.
+    pub(super) fn mark(&mut self, now: Instant, serial: RegistrationId, reason: ReleaseReason) {
+        let Some(peer) = self.peers.get_mut(&serial) else {
+            return;
+        };
+        if !peer.is_live() {
+            return;
+        }
+        let state = match reason {
+            ReleaseReason::Unreachable | ReleaseReason::MetadataLost => EngineState::Unreachable,
+            ReleaseReason::Replaced | ReleaseReason::Reregistered => EngineState::Replaced,
+            ReleaseReason::PeerGone | ReleaseReason::Shutdown => EngineState::Retiring,
+            ReleaseReason::Stalled => EngineState::Stalled,
+        };
+        let reads = peer.cell.mark(state).unwrap_or(0);
+        peer.mark = Some(Mark {
+            reason,
+            at: now,
+            reads_at_mark: reads,
+            held_by_handshake: false,
+        });
+        peer.leases.clear();
+        peer.message = None;
+        tracing::info!(engine = %peer.id(), registration = %serial, state = state.as_str(), reads_in_flight = reads, "engine marked for release");
+        self.unschedule_heartbeat(serial);
+        if matches!(
+            reason,
+            ReleaseReason::Unreachable | ReleaseReason::Stalled | ReleaseReason::MetadataLost
+        ) {
+            // UCX has failed the endpoint, the peer is hung, or NIXL holds
+            // no metadata for it: no read in flight will complete.
+            self.fail_reads(serial);
+        }
+        self.try_release(now, serial);
+    }
+
+    pub(super) fn fail_reads(&mut self, serial: RegistrationId) {
+        let Some(peer) = self.peers.get(&serial) else {
+            return;
+        };
+        peer.cell.fail_reads();
+        let count = peer.cell.reads_in_flight();
+        if count > 0 {
+            let engine = peer.id().clone();
+            tracing::warn!(%engine, count, "reads in flight failed");
+            self.emit(Event::ReadsFailed {
+                engine,
+                registration: serial,
+                count,
+            });
+        }
+    }
+
+    /// Releases a marked registration if no read is in flight and no
+    /// handshake holds it back. Decided here; the transport is called by
+    /// the driver after.
+    pub(super) fn try_release(&mut self, now: Instant, serial: RegistrationId) {
+        let Some(peer) = self.peers.get(&serial) else {
+            return;
+        };
+        if peer.mark.is_none() || peer.is_releasing() {
+            return;
+        }
+        // A pending handshake may yet decide the engine at this address is
+        // new, so the old one waits; not when somebody is waiting to load
+        // this very engine id again (they wait for this release), and not
+        // once the service is stopping (nothing new will register).
+        let held = self.stopping.is_none()
+            && self.handshakes.contains_key(&peer.address)
+            && !self.reload_wanted(peer.id());
+        if held {
+            let address = peer.address.clone();
+            let peer = self.peers.get_mut(&serial).expect("checked");
+            peer.mark.as_mut().expect("checked").held_by_handshake = true;
+            self.held.entry(address).or_default().insert(serial);
+            return;
+        }
+        if peer.cell.try_release().is_err() {
+            return; // the last read to end wakes us
+        }
+        let peer = self.peers.get_mut(&serial).expect("checked");
+        let engine = peer.id().clone();
+        let waited = now.saturating_duration_since(peer.mark.as_ref().expect("checked").at);
+        tracing::debug!(%engine, ?waited, "releasing");
+        let resources = peer.resources.take().expect("checked above");
+        let agents = peer.agents.clone();
+        self.rate.forget(serial);
+        self.releases_in_flight += 1;
+        self.actions.push_back(Action::Call(Call::Release {
+            serial,
+            engine,
+            agents,
+            resources,
+        }));
+    }
+
+    pub(super) fn release_done(
+        &mut self,
+        now: Instant,
+        serial: RegistrationId,
+        steps: Result<Vec<ReleaseStep>, Panicked>,
+    ) {
+        let Some(peer) = self.peers.remove(&serial) else {
+            return;
+        };
+        self.releases_in_flight -= 1;
+        let engine = peer.id().clone();
+        let mark = peer.mark.expect("released registrations are marked");
+        let mut endpoints_left_open = 0u32;
+        let (failed_steps, panicked) = match steps {
+            Ok(steps) => {
+                let mut failed = 0;
+                for step in &steps {
+                    endpoints_left_open += step.endpoints_left_open();
+                    if step.status == NixlStatus::ERR_NOT_FOUND {
+                        tracing::debug!(%engine, target = ?step.target, "already dropped by NIXL: counts as released");
+                    } else if !step.status.is_ok() {
+                        failed += 1;
+                        telemetry::release_step_failed(step.status);
+                        tracing::error!(%engine, target = ?step.target, status = %step.status, raw = step.status.raw(), "release step failed");
+                    }
+                }
+                (failed, false)
+            }
+            Err(p) => {
+                telemetry::transport_panicked("release");
+                tracing::error!(%engine, message = %p.message, "the transport panicked while releasing: its resources are consumed, not retried");
+                self.emit(Event::TransportPanicked {
+                    engine: engine.clone(),
+                    registration: serial,
+                    call: "release",
+                    message: p.message,
+                });
+                (0, true)
+            }
+        };
+        self.release_finished(&peer.cell, failed_steps == 0 && !panicked);
+        let since_mark = now.saturating_duration_since(mark.at);
+        telemetry::released(mark.reason, since_mark);
+        tracing::info!(%engine, registration = %serial, reason = mark.reason.as_str(), after = ?since_mark, failed_steps, panicked, "engine released");
+        // Gone from the directory before the event: whoever sees it finds
+        // the successor, if any, never the released registration.
+        self.actions.push_back(Action::Forget {
+            engine: engine.clone(),
+            serial,
+        });
+        self.emit(Event::Released {
+            engine: engine.clone(),
+            registration: serial,
+            reason: mark.reason,
+            waited_for: WaitedFor {
+                duration: since_mark,
+                reads_in_flight_at_mark: mark.reads_at_mark,
+                handshake: mark.held_by_handshake,
+            },
+            failed_steps,
+            panicked,
+            endpoints_left_open,
+        });
+        self.forget_registration(now, serial, &engine, &peer.address, &peer.agents);
+    }
+
+    /// The service is stopping: every live registration is marked (each
+    /// idle one is released now), what waits is refused, and nothing is
+    /// activated any more. [`Core::into_unreleased`] hands back the rest.
+    pub(super) fn shutdown(&mut self, now: Instant) {
+        if self.stopping.is_some() {
+            return;
+        }
+        self.stopping = Some(Stopping {
+            deadline: now + self.config.shutdown_drain,
+            expired: false,
+        });
+        tracing::info!(drain = ?self.config.shutdown_drain, "stopping: marking every engine; each is released as its reads end");
+        // Claims waiting for an engine id are refused; granted loads may
+        // still register (the service then releases them like the rest).
+        let mut waiting: Vec<TicketId> = std::mem::take(&mut self.waiting)
+            .into_values()
+            .flatten()
+            .collect();
+        waiting.sort_unstable();
+        for ticket in waiting {
+            if let Some(t) = self.tickets.get_mut(&ticket) {
+                if let identity::Stage::Waiting { request, .. } =
+                    std::mem::replace(&mut t.stage, identity::Stage::Answered)
+                {
+                    self.actions.push_back(Action::Answer {
+                        request,
+                        answer: Answer::ClaimRefused(ClaimRefused::Stopped(crate::ServiceStopped)),
+                    });
+                }
+            }
+        }
+        let mut serials: Vec<RegistrationId> = self.peers.keys().copied().collect();
+        serials.sort_unstable();
+        for serial in serials {
+            self.mark(now, serial, ReleaseReason::Shutdown);
+            // Marked earlier and held by a handshake: not any more.
+            self.try_release(now, serial);
+        }
+        self.held.clear();
+    }
+
+    /// What a shutdown could not release: registrations still held, each
+    /// once, resources and all; and the engines whose release was handed
+    /// to the transport but had not come back.
+    pub(crate) fn into_unreleased(self) -> (Vec<Registration<R>>, Vec<EngineId>) {
+        let mut unreleased = Vec::new();
+        let mut unfinished = Vec::new();
+        for p in self.peers.into_values() {
+            let engine = p.cell.id().clone();
+            match p.resources {
+                Some(resources) => unreleased.push(Registration {
+                    engine,
+                    incarnation: p.incarnation,
+                    address: p.address,
+                    agents: p.agents.to_vec(),
+                    resources,
+                }),
+                None => unfinished.push(engine),
+            }
+        }
+        unreleased.sort_by(|a, b| a.engine.cmp(&b.engine));
+        unfinished.sort();
+        (unreleased, unfinished)
+    }
+}

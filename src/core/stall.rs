@@ -1,0 +1,243 @@
+//! Hung peers: registrations whose reads in flight stopped completing
+//! while the decoder's other reads went on, or whose reads the runtime gave
+//! up as timed out. UCX reports none of these on shared memory or TCP.
+//!
+//! The clock of a stall starts when a quiet stretch is first seen (at
+//! most one check period after it began) and is judged exactly one bound
+//! later: never early, within 1.25 bounds. No engine is blamed while no
+//! engine completes anything (the decoder itself is stuck; warned once per
+//! episode).
+
+use crate::telemetry;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::peer::Peer;
+use super::{cell, Core, HEARTBEAT_SLOT};
+use crate::config::StallAction;
+use crate::engine::GiveUp;
+use crate::event::{Event, ReleaseReason};
+use crate::registration::RegistrationId;
+
+/// The longest period of the read-stall check, whatever the bound: the
+/// completed count must not be able to wrap between two checks (see
+/// `cell.rs`).
+pub(crate) const MAX_STALL_CHECK_PERIOD: Duration = Duration::from_secs(60);
+
+/// How often the read-stall check runs for a `bound`: four times per bound
+/// (at most every [`MAX_STALL_CHECK_PERIOD`]). An engine's quiet stretch is
+/// first seen at most one period after it began and is judged exactly one
+/// bound after that, so a stall is found within 1.25 bounds (while other
+/// engines' reads complete at least once a period).
+pub(super) fn stall_check_period(bound: Duration) -> Duration {
+    (bound / 4).clamp(HEARTBEAT_SLOT, MAX_STALL_CHECK_PERIOD)
+}
+
+// The proof, checked by the compiler: wrapping the completed count within
+// one check period would take more than 10^9 completions a second.
+const _: () = assert!(
+    MAX_STALL_CHECK_PERIOD.as_secs() * 1_000_000_000 < 1 << cell::DONE_BITS,
+    "the completed count could wrap between two stall checks"
+);
+
+impl<R> Core<R> {
+    /// The read-stall check: finds live registrations whose reads stopped
+    /// completing, and judges them.
+    ///
+    /// An engine is *quiet* while it has a read outstanding (in flight, or
+    /// given up unanswered) and no completion has been seen; its quiet
+    /// stretch starts when that was first seen (a check, or a give-up),
+    /// never earlier, so a read that began just before a check is not
+    /// counted from an older check. A quiet engine is a suspect once its
+    /// stretch reaches `bound`, or at once when the runtime gave up one of
+    /// its reads as timed out with none of its reads completing meanwhile
+    /// (the runtime's own bound). Slow is not hung: one completion, however
+    /// late, ends the stretch.
+    ///
+    /// A suspect is judged stalled only when the stall is its own: another
+    /// engine's completion was seen within the last check period, or no
+    /// other engine has a read outstanding to compare with. When others
+    /// have reads outstanding and none completes, the decoder itself looks
+    /// stuck: nobody is blamed, and that is warned about once per episode.
+    ///
+    /// Every engine is sampled first and judged after, so the verdicts do
+    /// not depend on the order of the walk; suspects are judged (and their
+    /// events emitted) in registration order, so a seed reproduces them.
+    pub(super) fn check_stalls(&mut self, now: Instant, bound: Duration) {
+        /// What the sampling found of one suspect.
+        struct Suspect {
+            serial: RegistrationId,
+            reads: u64,
+            quiet: Duration,
+            given_up: u64,
+            completing: bool,
+        }
+        let window = stall_check_period(bound);
+        let mut outstanding = 0usize;
+        let mut completing = 0usize;
+        let mut suspects = Vec::new();
+        let mut next_due: Option<Instant> = None;
+        for (&serial, peer) in self.peers.iter_mut() {
+            if !peer.is_live() {
+                continue;
+            }
+            let (reads, done) = peer.cell.progress();
+            let p = &mut peer.progress;
+            if done != p.done_seen {
+                p.completed(now, done, reads);
+            } else if !p.outstanding(reads) {
+                p.quiet_since = None;
+                p.reported = false;
+            } else if p.quiet_since.is_none() {
+                p.quiet_since = Some(now);
+            }
+            let is_completing = p.last_completion.is_some_and(|at| now - at <= window);
+            outstanding += usize::from(p.outstanding(reads));
+            completing += usize::from(is_completing);
+            let Some(since) = p.quiet_since.filter(|_| !p.reported) else {
+                continue;
+            };
+            let quiet = now - since;
+            if quiet >= bound || p.timed_out > 0 {
+                suspects.push(Suspect {
+                    serial,
+                    reads,
+                    quiet,
+                    given_up: p.timed_out,
+                    completing: is_completing,
+                });
+            } else {
+                let due = since + bound;
+                next_due = Some(next_due.map_or(due, |d| d.min(due)));
+            }
+        }
+        self.stall_mark_due = next_due;
+        suspects.sort_unstable_by_key(|s| s.serial);
+        let mut unjudged = 0usize;
+        for suspect in suspects {
+            // Every suspect has a read outstanding.
+            let others_outstanding = outstanding > 1;
+            let others_completing = completing > usize::from(suspect.completing);
+            if others_outstanding && !others_completing {
+                unjudged += 1;
+                continue;
+            }
+            self.stalled(
+                now,
+                suspect.serial,
+                suspect.reads,
+                suspect.quiet,
+                suspect.given_up,
+            );
+        }
+        if unjudged > 0 && !self.decoder_stuck {
+            telemetry::decoder_stuck();
+            tracing::warn!(
+                engines = unjudged,
+                outstanding,
+                bound = ?bound,
+                "reads of every engine with reads outstanding stopped completing: the decoder itself looks stuck, no engine is blamed (warned once until a read completes again)"
+            );
+        }
+        self.decoder_stuck = unjudged > 0;
+    }
+
+    /// A suspect judged stalled: reported once per stall, and with the
+    /// `fail` action marked, its reads failed, released once they end.
+    pub(super) fn stalled(
+        &mut self,
+        now: Instant,
+        serial: RegistrationId,
+        reads: u64,
+        quiet: Duration,
+        given_up: u64,
+    ) {
+        let peer = self.peers.get_mut(&serial).expect("judged while live");
+        peer.progress.reported = true;
+        let engine = peer.id().clone();
+        let action = self.config.stall_action;
+        telemetry::read_stall(action.as_str());
+        tracing::warn!(%engine, reads, ?quiet, given_up, action = action.as_str(), "reads stopped completing: the peer is hung");
+        self.emit(Event::Stalled {
+            engine,
+            registration: serial,
+            reads_in_flight: reads,
+            stalled_for: quiet,
+            given_up,
+            failed: action == StallAction::Fail,
+        });
+        if action == StallAction::Fail {
+            self.mark(now, serial, ReleaseReason::Stalled);
+        }
+    }
+
+    /// The runtime gave up a read of registration `serial` in progress.
+    /// Not a completion. Unanswered (no read of the engine completed while
+    /// it was in flight, and none since the last check: the core's own
+    /// sample, which cannot wrap within a check period, confirms the
+    /// read's), it is evidence: it keeps the engine's quiet stretch going
+    /// with no read in flight, and a timed-out one is judged at once.
+    pub(super) fn read_given_up(
+        &mut self,
+        now: Instant,
+        serial: RegistrationId,
+        why: GiveUp,
+        unanswered: bool,
+        done: u64,
+    ) {
+        telemetry::read_given_up(why, unanswered);
+        let Some(peer) = self.peers.get_mut(&serial) else {
+            return;
+        };
+        if !peer.is_live() || self.config.read_stall.is_none() {
+            return;
+        }
+        let reads = peer.cell.reads_in_flight();
+        let engine = peer.id().clone();
+        let p = &mut peer.progress;
+        let mut answered = !unanswered;
+        if done != p.done_seen {
+            // Completions since the last check, before this read began or
+            // while it was in flight: the engine answers.
+            p.completed(now, done, reads);
+            answered = true;
+        }
+        if answered {
+            tracing::debug!(%engine, why = why.as_str(), "read given up at an engine that completes reads: not evidence of a stall");
+            return;
+        }
+        p.unanswered += 1;
+        p.quiet_since.get_or_insert(now);
+        tracing::info!(%engine, why = why.as_str(), unanswered = p.unanswered, "read given up unanswered: counted against the engine, not as a completion");
+        if why == GiveUp::TimedOut {
+            p.timed_out += 1;
+            self.stall_mark_due = Some(now);
+        }
+    }
+
+    /// What a live engine's snapshot says about its reads and the stall
+    /// check.
+    pub(super) fn stall_note(&self, now: Instant, p: &Peer<R>, reads: u64) -> String {
+        let progress = &p.progress;
+        if reads == 0 && progress.unanswered == 0 {
+            return "no read in flight: a frozen idle prefill is invisible to UCX on shm/tcp, and only a membership signal or the router (peer_gone) can retire it".to_string();
+        }
+        let given_up = match progress.unanswered {
+            0 => String::new(),
+            n => format!(", {n} given up unanswered"),
+        };
+        let Some(bound) = self.config.read_stall else {
+            return format!("{reads} read(s) in flight{given_up}; the read-stall check is off");
+        };
+        match progress.quiet_since {
+            Some(since) => format!(
+                "{reads} read(s) in flight{given_up}, none completed for at least {:?}; stalled after {bound:?} without a completion",
+                now.saturating_duration_since(since)
+            ),
+            None => format!(
+                "{reads} read(s) in flight{given_up}, completing; stalled after {bound:?} without a completion"
+            ),
+        }
+    }
+}
