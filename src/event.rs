@@ -225,3 +225,27 @@ pub enum Event {
         message: String,
     },
 }
+
+impl Event {
+    /// The registration the event is about: for [`Event::Replaced`] the
+    /// old one (the registration that goes); `None` for a
+    /// [`Event::Conflict`], which is refused before any registration
+    /// exists. Lets a caller follow one registration's lifecycle without
+    /// matching every variant.
+    pub fn registration(&self) -> Option<RegistrationId> {
+        match self {
+            Event::Registered { registration, .. }
+            | Event::Unreachable { registration, .. }
+            | Event::Retiring { registration, .. }
+            | Event::Stalled { registration, .. }
+            | Event::ReadsFailed { registration, .. }
+            | Event::TransientError { registration, .. }
+            | Event::Released { registration, .. }
+            | Event::TransportPanicked { registration, .. } => Some(*registration),
+            Event::Replaced {
+                old_registration, ..
+            } => Some(*old_registration),
+            Event::Conflict { .. } => None,
+        }
+    }
+}

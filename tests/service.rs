@@ -331,7 +331,7 @@ async fn a_prefill_restarted_twice_normally_and_once_by_force_is_cleared_each_ti
     w.ucx.crash(&forced);
     let failed = w
         .until(Duration::from_secs(6), |e| match e {
-            Event::ReadsFailed { engine, count } if engine == &forced => Some(*count),
+            Event::ReadsFailed { engine, count, .. } if engine == &forced => Some(*count),
             _ => None,
         })
         .await;
@@ -548,7 +548,7 @@ async fn peer_gone_by_id_and_by_address_in_both_modes_is_idempotent_and_ignores_
         .peer_gone(PeerRef::Address(addr(2)), GoneMode::Fail);
     let count = w
         .until(Duration::from_millis(1), |e| match e {
-            Event::ReadsFailed { engine, count } if engine == &b => Some(*count),
+            Event::ReadsFailed { engine, count, .. } if engine == &b => Some(*count),
             _ => None,
         })
         .await;

@@ -50,6 +50,7 @@ fn a_sigkilled_idle_prefill_is_detected_by_heartbeat_and_released() {
                     engine: id,
                     status,
                     source,
+                    ..
                 } if *id == engine => {
                     assert_eq!(
                         *source,

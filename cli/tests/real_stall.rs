@@ -78,6 +78,7 @@ async fn freeze_and_thaw(
                 stalled_for,
                 given_up,
                 failed: true,
+                ..
             } if *engine == id => Some((*reads_in_flight, *stalled_for, *given_up)),
             _ => None,
         })

@@ -713,8 +713,13 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
         d.set_item("status", s.raw())?;
         d.set_item("status_name", s.name())
     };
+    if let Some(registration) = event.registration() {
+        d.set_item("registration", registration.get())?;
+    }
     match event {
-        Event::Registered { engine, address } => {
+        Event::Registered {
+            engine, address, ..
+        } => {
             d.set_item("kind", "registered")?;
             d.set_item("engine", engine.as_str())?;
             d.set_item("address", address.as_str())?;
@@ -723,20 +728,25 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             engine,
             status: s,
             source,
+            ..
         } => {
             d.set_item("kind", "unreachable")?;
             d.set_item("engine", engine.as_str())?;
             status(&d, *s)?;
             d.set_item("source", source.as_str())?;
         }
-        Event::Replaced { old, new, address } => {
+        Event::Replaced {
+            old, new, address, ..
+        } => {
             d.set_item("kind", "replaced")?;
             d.set_item("engine", old.as_str())?;
             d.set_item("old", old.as_str())?;
             d.set_item("new", new.as_str())?;
             d.set_item("address", address.as_str())?;
         }
-        Event::Retiring { engine, fail_reads } => {
+        Event::Retiring {
+            engine, fail_reads, ..
+        } => {
             d.set_item("kind", "retiring")?;
             d.set_item("engine", engine.as_str())?;
             d.set_item("fail_reads", *fail_reads)?;
@@ -747,6 +757,7 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             stalled_for,
             failed,
             given_up,
+            ..
         } => {
             d.set_item("kind", "stalled")?;
             d.set_item("engine", engine.as_str())?;
@@ -755,7 +766,7 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             d.set_item("failed", *failed)?;
             d.set_item("given_up", *given_up)?;
         }
-        Event::ReadsFailed { engine, count } => {
+        Event::ReadsFailed { engine, count, .. } => {
             d.set_item("kind", "reads_failed")?;
             d.set_item("engine", engine.as_str())?;
             d.set_item("count", *count)?;
@@ -764,6 +775,7 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             engine,
             status: s,
             source,
+            ..
         } => {
             d.set_item("kind", "transient_error")?;
             d.set_item("engine", engine.as_str())?;
@@ -777,6 +789,7 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             failed_steps,
             panicked,
             endpoints_left_open,
+            ..
         } => {
             d.set_item("kind", "released")?;
             d.set_item("engine", engine.as_str())?;
@@ -804,6 +817,7 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             engine,
             call,
             message,
+            ..
         } => {
             d.set_item("kind", "transport_panicked")?;
             d.set_item("engine", engine.as_str())?;

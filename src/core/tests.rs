@@ -12,7 +12,6 @@ use tokio::time::Instant;
 
 use super::cell::tests::Collect;
 use super::*;
-use crate::config::StallAction;
 use crate::engine::GiveUp;
 use crate::event::{Event, ReleaseReason, Source};
 use crate::registration::{Departure, Incarnation};

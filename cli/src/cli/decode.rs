@@ -625,15 +625,15 @@ fn print_untold(quiet: &mut TransientLog) {
 /// `transient_error`s are summarised (`quiet`).
 fn print_event(event: &Event, quiet: &mut TransientLog) {
     match event {
-        Event::Registered { engine, address } => println!("event: registered engine={engine} address={address}"),
-        Event::Unreachable { engine, status, source } => {
-            println!("event: unreachable engine={engine} status={status} source={source}")
+        Event::Registered { engine, registration, address } => println!("event: registered engine={engine} registration={registration} address={address}"),
+        Event::Unreachable { engine, registration, status, source } => {
+            println!("event: unreachable engine={engine} registration={registration} status={status} source={source}")
         }
-        Event::Replaced { old, new, address } => println!("event: replaced old={old} new={new} address={address}"),
-        Event::Retiring { engine, fail_reads } => println!("event: retiring engine={engine} fail_reads={fail_reads}"),
-        Event::ReadsFailed { engine, count } => println!("event: reads_failed engine={engine} count={count}"),
+        Event::Replaced { old, old_registration, new, address } => println!("event: replaced old={old} old_registration={old_registration} new={new} address={address}"),
+        Event::Retiring { engine, registration, fail_reads } => println!("event: retiring engine={engine} registration={registration} fail_reads={fail_reads}"),
+        Event::ReadsFailed { engine, registration, count } => println!("event: reads_failed engine={engine} registration={registration} count={count}"),
         Event::Conflict { conflict } => println!("event: conflict kind={} engine={} detail={:?}", conflict.kind(), conflict.engine(), conflict.to_string()),
-        Event::TransientError { engine, status, source } => {
+        Event::TransientError { engine, status, source, .. } => {
             // One line per engine, status and source per period, with
             // the count it stands for (a broken prefill once printed
             // 1,235 of these in 16 s); the rest at the next summary.
@@ -646,26 +646,28 @@ fn print_event(event: &Event, quiet: &mut TransientLog) {
         }
         Event::Stalled {
             engine,
+            registration,
             reads_in_flight,
             stalled_for,
             given_up,
             failed,
         } => println!(
-            "event: stalled engine={engine} reads={reads_in_flight} stalled_ms={} given_up={given_up} failed={failed}",
+            "event: stalled engine={engine} registration={registration} reads={reads_in_flight} stalled_ms={} given_up={given_up} failed={failed}",
             stalled_for.as_millis()
         ),
-        Event::TransportPanicked { engine, call, message } => {
-            println!("event: transport_panicked engine={engine} call={call} message={message:?}")
+        Event::TransportPanicked { engine, registration, call, message } => {
+            println!("event: transport_panicked engine={engine} registration={registration} call={call} message={message:?}")
         }
         Event::Released {
             engine,
+            registration,
             reason,
             waited_for,
             failed_steps,
             panicked,
             endpoints_left_open,
         } => println!(
-            "event: released engine={engine} reason={} waited_ms={} reads_at_mark={} handshake={} failed_steps={failed_steps} panicked={panicked} endpoints_left_open={endpoints_left_open}",
+            "event: released engine={engine} registration={registration} reason={} waited_ms={} reads_at_mark={} handshake={} failed_steps={failed_steps} panicked={panicked} endpoints_left_open={endpoints_left_open}",
             reason.as_str(),
             waited_for.duration.as_millis(),
             waited_for.reads_in_flight_at_mark,

@@ -260,16 +260,17 @@ impl Timeline {
         let now = self.now();
         let mut record = self.lock();
         let line = match event {
-            Event::Registered { engine, address } => format!("{engine} registered at {address}"),
+            Event::Registered { engine, address, .. } => format!("{engine} registered at {address}"),
             Event::Unreachable {
                 engine,
                 status,
                 source,
+                ..
             } => {
                 record.detect(engine, now, format!("{} ({source})", status.name()));
                 format!("{engine} unreachable: {} from a {source}", status.name())
             }
-            Event::Replaced { old, new, address } => {
+            Event::Replaced { old, new, address, .. } => {
                 record.detect(
                     old,
                     now,
@@ -285,11 +286,11 @@ impl Timeline {
                     format!("{old} replaced by {new} at {address}")
                 }
             }
-            Event::Retiring { engine, fail_reads } => {
+            Event::Retiring { engine, fail_reads, .. } => {
                 record.detect(engine, now, "peer gone".into());
                 format!("{engine} retiring (fail reads: {fail_reads})")
             }
-            Event::ReadsFailed { engine, count } => {
+            Event::ReadsFailed { engine, count, .. } => {
                 format!("{count} read(s) from {engine} failed by the service")
             }
             Event::Conflict { conflict } => {
@@ -299,6 +300,7 @@ impl Timeline {
                 engine,
                 status,
                 source,
+                ..
             } => format!(
                 "{engine}: {} from a {source} (transient: counted, kept)",
                 status.name()
@@ -307,6 +309,7 @@ impl Timeline {
                 engine,
                 call,
                 message,
+                ..
             } => format!("{engine}: the transport panicked in {call}: {message}"),
             Event::Stalled {
                 engine,
