@@ -6,6 +6,12 @@
 #
 # Real-runtime tests print SKIPPED when the runtime cannot be loaded; with
 # NIXL_KEEPALIVE_REQUIRE_REAL=1 (set by CI) a missing runtime fails instead.
+#
+# A failure never hides the rest: `cargo test` runs with --no-fail-fast
+# (every test binary runs, whichever fails), the Python part runs whatever
+# cargo said, and the script exits non-zero when either failed.
+# `scripts/stress-real.sh N` runs the real-process tests N times under a
+# CPU load.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -17,7 +23,8 @@ bash scripts/install-etcd.sh
 # The real tests spawn the `nixl-keepalive prefill` binary and check the
 # fuzz corpus; everything runs in one cargo invocation.
 # The CLI's `etcd` feature is on here: its real membership tests run.
-cargo test --workspace --locked --features nixl-keepalive-cli/etcd "$@"
+cargo_status=0
+cargo test --workspace --locked --no-fail-fast --features nixl-keepalive-cli/etcd "$@" || cargo_status=$?
 
 # The Python package (python/, `nixl_keepalive`): a venv under the checkout
 # with NIXL's Python API (the same pinned wheel), the package built as a
@@ -26,9 +33,24 @@ cargo test --workspace --locked --features nixl-keepalive-cli/etcd "$@"
 # real prefill processes (the binary cargo test just built). Real tests
 # print SKIPPED without the runtime, and fail under
 # NIXL_KEEPALIVE_REQUIRE_REAL=1 or CI=true.
-bash scripts/install-python.sh
-wheels="target/python-wheel"
-rm -rf "${wheels}"
-.venv/bin/maturin build --locked --manifest-path python/Cargo.toml --out "${wheels}"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "${wheels}"/nixl_keepalive-*.whl
-.venv/bin/python -m pytest python/tests
+python_status=0
+python_part() {
+    set -e
+    bash scripts/install-python.sh
+    local wheels="target/python-wheel"
+    rm -rf "${wheels}"
+    .venv/bin/maturin build --locked --manifest-path python/Cargo.toml --out "${wheels}"
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "${wheels}"/nixl_keepalive-*.whl
+    .venv/bin/python -m pytest python/tests
+}
+# In a subshell run as a plain command: `set -e` holds inside it (under a
+# `||` bash would ignore it there), and its status is kept for the end.
+set +e
+(python_part)
+python_status=$?
+set -e
+
+if [[ ${cargo_status} -ne 0 || ${python_status} -ne 0 ]]; then
+    echo "scripts/test.sh: FAILED (cargo test exit ${cargo_status}, Python part exit ${python_status})" >&2
+    exit 1
+fi

@@ -4,34 +4,18 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::decode::DecodeProc;
+use common::wait::MARGIN;
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
 use nixl_sys::testing::runtime_or_skip;
-
-fn scrape(addr: &str) -> String {
-    let mut s = std::net::TcpStream::connect(addr).expect("metrics endpoint");
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let mut body = String::new();
-    let _ = s.read_to_string(&mut body);
-    body
-}
 
 #[test]
 fn an_operator_kills_a_prefill_and_the_decode_command_releases_it() {
     let Some(_rt) = runtime_or_skip() else { return };
     let _serial = serial();
     let mut p = PrefillProc::start(&PrefillSpec::default());
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let metrics = format!("127.0.0.1:{port}");
     // A second prefill address where nobody listens: its failed handshakes
     // must show in the metrics, by reason.
     let nobody = std::net::TcpListener::bind("127.0.0.1:0")
@@ -39,73 +23,42 @@ fn an_operator_kills_a_prefill_and_the_decode_command_releases_it() {
         .local_addr()
         .unwrap()
         .to_string();
-    let mut decode = Command::new(env!("CARGO_BIN_EXE_nixl-keepalive"))
-        .args([
-            "decode",
+    let mut d = DecodeProc::start(
+        &[
             "--prefill",
             p.addr.as_str(),
             &nobody,
             "--metrics-addr",
-            &metrics,
-        ])
-        .env("NIXL_KEEPALIVE_INTERVAL", "500ms")
-        .env("NIXL_KEEPALIVE_RATE_PERIOD", "100ms")
-        .env("NIXL_KEEPALIVE_JITTER", "50ms")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn decode");
-    let (tx, rx) = std::sync::mpsc::channel::<(String, Instant)>();
-    let out = decode.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = tx.send((line, Instant::now()));
-        }
-    });
-    let wait = |what: &str, within: Duration| -> Instant {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok((l, at)) if l.contains(what) => return at,
-                Ok(_) => {}
-                Err(e) => panic!("decode never printed {what:?}: {e}"),
-            }
-        }
-    };
-    wait(
-        &format!("event: registered engine={}", p.engine),
-        Duration::from_secs(20),
+            "127.0.0.1:0",
+        ],
+        &[("RUST_LOG", "warn")],
+        MARGIN,
     );
-    std::thread::sleep(Duration::from_secs(1));
-    let before = scrape(&metrics);
-    assert!(
-        before.contains("nixl_keepalive_pd_reads_total{outcome=\"verified\"}"),
-        "{before}"
-    );
-    assert!(
-        before.contains("nixl_keepalive_pd_handshake_failures_total{reason=\"connect\"}"),
-        "failed handshakes to {nobody} not counted: {before}"
+    d.wait_line(&format!("event: registered engine={}", p.engine), MARGIN);
+    d.wait_verified(1, MARGIN);
+    // Connection refused at once, counted by reason.
+    d.wait_metric(
+        "nixl_keepalive_pd_handshake_failures_total{reason=\"connect\"}",
+        MARGIN,
+        |v| v >= 1.0,
     );
     let killed = p.kill();
-    let released = wait(
+    // One heartbeat gap (500 ms + 50 ms jitter), or a read, finds it.
+    let (released, _) = d.wait_line(
         &format!("event: released engine={}", p.engine),
-        Duration::from_secs(20),
+        Duration::from_millis(550) + MARGIN,
     );
-    std::thread::sleep(Duration::from_millis(1500));
-    let after = scrape(&metrics);
-    assert!(
-        after.contains("nixl_keepalive_releases_total{reason=\"unreachable\"} 1"),
-        "{after}"
+    // Counted before the event is published, so there at the line; and
+    // counted once.
+    let count = d.wait_metric(
+        "nixl_keepalive_releases_total{reason=\"unreachable\"}",
+        MARGIN,
+        |v| v >= 1.0,
     );
+    assert_eq!(count, 1.0, "released once");
     report(&format!(
         "decode command: kill -> 'event: released' on its stdout {}",
         ms(released - killed)
     ));
-    let _ = Command::new("kill")
-        .args(["-TERM", &decode.id().to_string()])
-        .status();
-    let status = decode.wait().unwrap();
-    assert!(status.success(), "decode exited with {status}");
+    d.stop();
 }

@@ -13,7 +13,7 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{config, report, serial, DecodeSide, PrefillProc, PrefillSpec};
@@ -61,19 +61,28 @@ fn a_frozen_prefill_keeps_answering_success_and_is_not_released_under_any_ucx_se
         .env(CHILD_ENV, "1")
         .env("FROZEN_P_ADDR", p.addr.to_string())
         .env("FROZEN_P_PID", p.pid.to_string())
-        .env("FROZEN_P_ENGINE", &p.engine)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
+        .env("FROZEN_P_ENGINE", &p.engine);
         for (k, v) in &env {
             cmd.env(k, v);
         }
-        runs.push((name, p, cmd.spawn().expect("spawn child")));
+        // Side by side: each child in a thread of its own, bounded by the
+        // window plus its handshake, read and stop, plus the margin.
+        let what = format!("the decode child for {name}");
+        let child = std::thread::spawn(move || {
+            common::run_child(
+                cmd,
+                &what,
+                WINDOW + Duration::from_secs(20) + common::wait::MARGIN,
+            )
+        });
+        runs.push((name, p, child));
     }
     let mut failures = Vec::new();
     for (name, p, child) in runs {
-        let out = child.wait_with_output().expect("child output");
+        let out = child.join();
         p.signal("CONT");
         drop(p);
+        let out = out.unwrap_or_else(|e| std::panic::resume_unwind(e));
         let text = String::from_utf8_lossy(&out.stdout);
         let line = text
             .lines()
@@ -81,7 +90,13 @@ fn a_frozen_prefill_keeps_answering_success_and_is_not_released_under_any_ucx_se
                 l.find("FROZEN_RESULT ")
                     .map(|i| l[i + "FROZEN_RESULT ".len()..].to_string())
             })
-            .unwrap_or_else(|| panic!("{name}: child printed no result:\n{text}"));
+            .unwrap_or_else(|| {
+                panic!(
+                    "{name}: child ({}) printed no result:\n{text}\nstderr:\n{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                )
+            });
         report(&format!("SIGSTOP P for {WINDOW:?}, {name}: {line}"));
         // The measured fact, asserted: nothing reported the frozen peer.
         for must in [

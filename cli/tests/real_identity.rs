@@ -11,17 +11,42 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use common::{metric, report, serial, DecodeProc, PrefillProc, PrefillSpec};
+use common::decode::{DecodeProc, SUMMARY_PERIOD};
+use common::wait::MARGIN;
+use common::{report, serial, PrefillProc, PrefillSpec};
 use nixl_sys::testing::runtime_or_skip;
 
-/// The service's settings for these tests: heartbeats every 500 ms.
-const ENV: &[(&str, &str)] = &[
-    ("NIXL_KEEPALIVE_INTERVAL", "500ms"),
-    ("NIXL_KEEPALIVE_RATE_PERIOD", "100ms"),
-    ("NIXL_KEEPALIVE_JITTER", "50ms"),
-];
+/// The decode's log level here: its WARN lines are what is counted.
+const ENV: &[(&str, &str)] = &[("RUST_LOG", "warn")];
+
+/// `decode` asks a conflicting address again after this pause
+/// (`CONFLICT_PAUSE` in `cli/src/pd/decode.rs`), so a retry is within it
+/// plus one handshake.
+const CONFLICT_RETRY: Duration = Duration::from_secs(12);
+
+/// Waits until the conflicting address was refused again (a retry, after
+/// the pause): the window over which "logged once, published once" is
+/// judged.
+fn wait_for_a_second_refusal(decode: &DecodeProc, kind: &str) -> f64 {
+    decode.wait_metric(
+        &format!("nixl_keepalive_identity_conflicts_total{{kind=\"{kind}\"}}"),
+        CONFLICT_RETRY + MARGIN,
+        |v| v >= 2.0,
+    )
+}
+
+/// Waits until two read summaries were printed after `since` (one every
+/// [`SUMMARY_PERIOD`]): the healthy engine's reads are then judged over
+/// them.
+fn wait_for_two_summaries(decode: &mut DecodeProc, since: Instant) {
+    decode.wait_until(
+        "two read summaries after the registration",
+        SUMMARY_PERIOD * 2 + MARGIN,
+        |d| summaries(d, since).len() >= 2,
+    );
+}
 
 /// One frame of the side channel: a 4-byte big-endian length, the bytes.
 fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
@@ -64,12 +89,14 @@ fn replay(reply: Vec<u8>, armed: Arc<AtomicBool>) -> String {
     addr
 }
 
-/// The read summaries (`reads: verified=N corrupt=N failed=N ...`) seen.
-fn summaries(decode: &DecodeProc) -> Vec<(u64, u64, u64)> {
+/// The read summaries (`reads: verified=N corrupt=N failed=N ...`)
+/// printed after `since`.
+fn summaries(decode: &DecodeProc, since: Instant) -> Vec<(u64, u64, u64)> {
     decode
-        .lines_with("reads: verified=")
+        .matching(&["reads: verified="])
         .iter()
-        .map(|l| {
+        .filter(|(at, _)| *at > since)
+        .map(|(_, l)| {
             let field = |k: &str| -> u64 {
                 l.split_whitespace()
                     .find_map(|w| w.strip_prefix(k))
@@ -81,10 +108,10 @@ fn summaries(decode: &DecodeProc) -> Vec<(u64, u64, u64)> {
         .collect()
 }
 
-/// The healthy engine was read the whole time, every byte right, and
-/// never released.
-fn assert_healthy_kept(decode: &DecodeProc, engine: &str) {
-    let sums = summaries(decode);
+/// The healthy engine was read the whole time since its registration
+/// (`registered`), every byte right, and never released.
+fn assert_healthy_kept(decode: &DecodeProc, engine: &str, registered: Instant) {
+    let sums = summaries(decode, registered);
     assert!(sums.len() >= 2, "read summaries: {sums:?}");
     for pair in sums.windows(2) {
         assert!(pair[1].0 > pair[0].0, "reads went on: {sums:?}");
@@ -95,12 +122,12 @@ fn assert_healthy_kept(decode: &DecodeProc, engine: &str) {
         (0, 0),
         "no corrupt or failed read: {sums:?}"
     );
-    let released = decode.lines_with(&format!("event: released engine={engine}"));
+    let released = decode.matching(&[&format!("event: released engine={engine}")]);
     assert!(
         released.is_empty(),
         "the healthy engine was released: {released:?}"
     );
-    let registered = decode.lines_with(&format!("event: registered engine={engine}"));
+    let registered = decode.matching(&[&format!("event: registered engine={engine}")]);
     assert_eq!(registered.len(), 1, "registered once, never reloaded");
 }
 
@@ -114,42 +141,34 @@ fn a_hostile_prefill_replaying_a_healthy_reply_is_refused_and_the_healthy_one_ke
     let mut decode = DecodeProc::start(
         &["--prefill", healthy.addr.as_str(), "--prefill", &hostile],
         ENV,
+        MARGIN,
     );
-    decode.wait(
+    let (registered, _) = decode.wait_line(
         &format!("event: registered engine={}", healthy.engine),
-        Duration::from_secs(30),
+        MARGIN,
     );
     armed.store(true, Ordering::SeqCst);
-    decode.wait(
-        "event: conflict kind=engine_elsewhere",
-        Duration::from_secs(30),
-    );
-    // Two read summaries at least (every 5 s), with the replay refused
-    // again meanwhile (the reader retries it with back-off).
-    decode.collect_for(Duration::from_secs(12));
-    assert_healthy_kept(&decode, &healthy.engine);
-    let scrape = decode.scrape();
-    let conflicts = metric(
-        &scrape,
-        "nixl_keepalive_identity_conflicts_total{kind=\"engine_elsewhere\"}",
-    )
-    .unwrap_or(0.0);
-    assert!(conflicts >= 1.0, "counted: {scrape}");
-    let refused = metric(
-        &scrape,
+    // The hostile address is asked again within one retry pause (4 s).
+    decode.wait_line("event: conflict kind=engine_elsewhere", MARGIN);
+    // The replay refused again (the reader retries it after a pause), and
+    // two read summaries of the healthy engine.
+    let conflicts = wait_for_a_second_refusal(&decode, "engine_elsewhere");
+    wait_for_two_summaries(&mut decode, registered);
+    assert_healthy_kept(&decode, &healthy.engine, registered);
+    decode.wait_metric(
         "nixl_keepalive_pd_handshake_failures_total{reason=\"conflict\"}",
-    )
-    .unwrap_or(0.0);
-    assert!(refused >= 1.0, "{scrape}");
+        MARGIN,
+        |v| v >= 1.0,
+    );
     let log = decode.log_text();
     let warned = log.matches("identity conflict").count();
     assert_eq!(warned, 1, "one WARN line for the conflict:\n{log}");
-    assert_eq!(decode.lines_with("event: conflict").len(), 1);
+    assert_eq!(decode.matching(&["event: conflict"]).len(), 1);
     report(&format!(
         "hostile replay next to a healthy prefill: refused {conflicts} time(s), one WARN, healthy reads {:?}",
-        summaries(&decode).last()
+        summaries(&decode, registered).last()
     ));
-    assert!(decode.stop().success());
+    decode.stop();
 }
 
 #[test]
@@ -169,21 +188,21 @@ fn one_prefill_listed_twice_and_under_an_alias_gets_one_reader_and_one_warning_p
             p.addr.as_str(),
         ],
         ENV,
+        MARGIN,
     );
-    decode.wait(
-        &format!("event: registered engine={}", p.engine),
-        Duration::from_secs(30),
-    );
-    decode.collect_for(Duration::from_secs(11));
+    // Printed at start-up, before the first handshake.
+    let (registered, _) =
+        decode.wait_line(&format!("event: registered engine={}", p.engine), MARGIN);
     assert_eq!(
-        decode.lines_with("warning: --prefill").len(),
+        decode.matching(&["warning: --prefill"]).len(),
         2,
         "one warning per duplicate: {:#?}",
-        decode.seen
+        decode.tail(20)
     );
-    assert_healthy_kept(&decode, &p.engine);
-    assert!(decode.lines_with("event: conflict").is_empty());
-    assert!(decode.stop().success());
+    wait_for_two_summaries(&mut decode, registered);
+    assert_healthy_kept(&decode, &p.engine, registered);
+    assert!(decode.matching(&["event: conflict"]).is_empty());
+    decode.stop();
 }
 
 #[test]
@@ -206,19 +225,15 @@ fn two_prefills_started_with_one_engine_id_do_not_churn_and_the_first_keeps_read
             second.addr.as_str(),
         ],
         ENV,
+        MARGIN,
     );
-    decode.wait(
-        &format!("event: registered engine={id}"),
-        Duration::from_secs(30),
-    );
-    decode.wait(
-        "event: conflict kind=engine_elsewhere",
-        Duration::from_secs(30),
-    );
-    decode.collect_for(Duration::from_secs(11));
-    assert_healthy_kept(&decode, &id);
-    assert_eq!(decode.lines_with("event: conflict").len(), 1);
+    let (registered, _) = decode.wait_line(&format!("event: registered engine={id}"), MARGIN);
+    decode.wait_line("event: conflict kind=engine_elsewhere", MARGIN);
+    wait_for_a_second_refusal(&decode, "engine_elsewhere");
+    wait_for_two_summaries(&mut decode, registered);
+    assert_healthy_kept(&decode, &id, registered);
+    assert_eq!(decode.matching(&["event: conflict"]).len(), 1);
     let log = decode.log_text();
     assert_eq!(log.matches("identity conflict").count(), 1, "{log}");
-    assert!(decode.stop().success());
+    decode.stop();
 }

@@ -9,12 +9,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::decode::DecodeProc;
 use common::etcd::EtcdServer;
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
 use nixl_sys::testing::runtime_or_skip;
@@ -38,15 +36,7 @@ fn prefill_with_etcd(etcd: &EtcdServer) -> PrefillProc {
 
 /// Waits (bounded) for a prefill stdout line that starts with `prefix`.
 fn prefill_line(p: &PrefillProc, prefix: &str) -> String {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match p.lines.recv_timeout(left) {
-            Ok(l) if l.starts_with(prefix) => return l,
-            Ok(_) => {}
-            Err(e) => panic!("prefill printed no {prefix:?} line ({e})"),
-        }
-    }
+    p.wait_line(prefix, PATIENCE)
 }
 
 fn field<'a>(line: &'a str, key: &str) -> &'a str {
@@ -55,202 +45,10 @@ fn field<'a>(line: &'a str, key: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {key} in {line:?}"))
 }
 
-/// A real `nixl-keepalive decode` process; its stdout lines are kept with
-/// the time they arrived.
-struct DecodeProc {
-    child: Child,
-    lines: Arc<Mutex<Vec<(Instant, String)>>>,
-    log: std::path::PathBuf,
-    /// `host:port` of the control server, when `--control-addr` was given.
-    control: Option<String>,
-}
-
-impl DecodeProc {
-    fn start(args: &[&str], env: &[(&str, &str)]) -> DecodeProc {
-        let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("{}.log", common::unique("decode")));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nixl-keepalive"));
-        cmd.arg("decode")
-            .args(args)
-            .env("RUST_LOG", "info")
-            .env("NIXL_KEEPALIVE_INTERVAL", "500ms")
-            .env("NIXL_KEEPALIVE_JITTER", "50ms")
-            .env("NIXL_KEEPALIVE_RATE_PERIOD", "100ms")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).expect("decode log"));
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("spawn nixl-keepalive decode");
-        let out = child.stdout.take().expect("stdout");
-        let lines: Arc<Mutex<Vec<(Instant, String)>>> = Arc::default();
-        let sink = lines.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                sink.lock().unwrap().push((Instant::now(), line));
-            }
-        });
-        let mut d = DecodeProc {
-            child,
-            lines,
-            log,
-            control: None,
-        };
-        if args.contains(&"--control-addr") {
-            let (_, l) = d.wait_line("control on http://", PATIENCE);
-            let rest = l.strip_prefix("control on http://").unwrap();
-            d.control = Some(rest.split('/').next().unwrap().to_string());
-        }
-        d
-    }
-
-    /// Lines so far that contain every one of `parts`.
-    fn matching(&self, parts: &[&str]) -> Vec<(Instant, String)> {
-        self.lines
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(_, l)| parts.iter().all(|p| l.contains(p)))
-            .cloned()
-            .collect()
-    }
-
-    /// Waits (bounded polling) for the `n`-th line containing all `parts`.
-    fn wait_nth(&mut self, n: usize, parts: &[&str], within: Duration) -> (Instant, String) {
-        let deadline = Instant::now() + within;
-        loop {
-            let m = self.matching(parts);
-            if m.len() >= n {
-                return m[n - 1].clone();
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "decode exited ({status}) before printing {parts:?}; stdout: {:#?}\nlog: {}",
-                    self.lines.lock().unwrap(),
-                    std::fs::read_to_string(&self.log).unwrap_or_default()
-                );
-            }
-            if Instant::now() > deadline {
-                panic!(
-                    "no line with {parts:?} within {within:?}; stdout: {:#?}",
-                    self.lines.lock().unwrap()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    fn wait_line(&mut self, part: &str, within: Duration) -> (Instant, String) {
-        self.wait_nth(1, &[part], within)
-    }
-
-    fn http(
-        &self,
-        method: &str,
-        path: &str,
-        token: Option<&str>,
-        body: Option<&str>,
-    ) -> (u16, String) {
-        http(
-            self.control.as_deref().expect("--control-addr"),
-            method,
-            path,
-            token,
-            body,
-        )
-    }
-
-    /// Reads verified so far, from `/metrics`.
-    fn verified_reads(&self) -> u64 {
-        let (status, text) = self.http("GET", "/metrics", None, None);
-        assert_eq!(status, 200, "{text}");
-        text.lines()
-            .find(|l| l.starts_with("nixl_keepalive_pd_reads_total{outcome=\"verified\"}"))
-            .and_then(|l| l.split_whitespace().last())
-            .and_then(|v| v.parse::<f64>().ok())
-            .map_or(0, |v| v as u64)
-    }
-
-    /// Waits (bounded polling) until at least `n` reads were verified.
-    fn wait_verified(&self, n: u64) -> Instant {
-        let deadline = Instant::now() + PATIENCE;
-        while self.verified_reads() < n {
-            assert!(
-                Instant::now() < deadline,
-                "fewer than {n} verified reads; stdout: {:#?}",
-                self.lines.lock().unwrap()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Instant::now()
-    }
-
-    /// The engine's state in `/v1/snapshot`, if it is there.
-    fn engine_state(&self, engine: &str) -> Option<String> {
-        let (status, text) = self.http("GET", "/v1/snapshot", None, None);
-        assert_eq!(status, 200, "{text}");
-        let v: serde_json::Value = serde_json::from_str(&text).expect("snapshot JSON");
-        v["engines"]
-            .as_array()
-            .expect("engines")
-            .iter()
-            .find(|e| e["engine"] == engine)
-            .map(|e| e["state"].as_str().unwrap().to_string())
-    }
-
-    /// SIGTERM; asserts a clean exit (everything released at shutdown).
-    fn stop(mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let status = self.child.wait().expect("decode exits");
-        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let tail: Vec<&str> = log.lines().rev().take(15).collect();
-        assert!(
-            status.success(),
-            "decode exited with {status}; stdout: {:#?}\nlog tail: {tail:#?}",
-            self.lines.lock().unwrap()
-        );
-    }
-}
-
-impl Drop for DecodeProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// One HTTP/1.1 request (`Connection: close`); the status and the body.
-fn http(
-    addr: &str,
-    method: &str,
-    path: &str,
-    token: Option<&str>,
-    body: Option<&str>,
-) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect to the control server");
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    let body = body.unwrap_or("");
-    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).expect("response");
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {text:?}"));
-    let body = text
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    (status, body)
+/// A decode process (`common::decode`: a 500 ms heartbeat, its control
+/// server on a free port), started within [`PATIENCE`].
+fn decode(args: &[&str], env: &[(&str, &str)]) -> DecodeProc {
+    DecodeProc::start(args, env, PATIENCE)
 }
 
 #[test]
@@ -267,7 +65,7 @@ fn a_prefill_registered_in_etcd_is_discovered_and_read_without_a_prefill_flag() 
         "{registered}"
     );
     let started = Instant::now();
-    let mut d = DecodeProc::start(
+    let mut d = decode(
         &[
             "--etcd-endpoint",
             &etcd.url(),
@@ -281,13 +79,9 @@ fn a_prefill_registered_in_etcd_is_discovered_and_read_without_a_prefill_flag() 
     assert_eq!(field(&line, "address="), p.addr.as_str());
     assert_eq!(field(&line, "ranks="), "1");
     let (reg, _) = d.wait_nth(1, &["event: registered", &p.engine], PATIENCE);
-    let read = d.wait_verified(1);
+    let read = d.wait_verified(1, PATIENCE);
     assert_eq!(d.engine_state(&p.engine).as_deref(), Some("live"));
-    let (_, metrics) = d.http("GET", "/metrics", None, None);
-    assert!(
-        metrics.contains("nixl_keepalive_membership_watch_up 1"),
-        "{metrics}"
-    );
+    d.wait_metric("nixl_keepalive_membership_watch_up", PATIENCE, |v| v == 1.0);
     report(&format!(
         "decode start -> joined {}, -> registered {}, -> first verified read {}",
         ms(joined - started),
@@ -306,7 +100,7 @@ fn a_killed_prefill_is_released_by_remote_disconnect_first_and_its_lease_expiry_
     let _serial = serial();
     let mut p = prefill_with_etcd(&etcd);
     prefill_line(&p, "ETCD registered");
-    let mut d = DecodeProc::start(
+    let mut d = decode(
         &[
             "--etcd-endpoint",
             &etcd.url(),
@@ -316,7 +110,7 @@ fn a_killed_prefill_is_released_by_remote_disconnect_first_and_its_lease_expiry_
         &[],
     );
     d.wait_nth(1, &["event: registered", &p.engine], PATIENCE);
-    d.wait_verified(1);
+    d.wait_verified(1, PATIENCE);
     let killed = p.kill();
     let (released, line) = d.wait_nth(1, &["event: released", &p.engine], PATIENCE);
     assert!(line.contains("reason=unreachable"), "{line}");
@@ -362,7 +156,7 @@ fn a_frozen_idle_prefill_is_retired_when_its_lease_expires_and_picked_up_again_u
     let first = prefill_line(&p, "ETCD registered");
     let lease1 = field(&first, "lease=").to_string();
     // One round of reads, then idle for an hour: the prefill is idle.
-    let mut d = DecodeProc::start(
+    let mut d = decode(
         &[
             "--etcd-endpoint",
             &etcd.url(),
@@ -374,7 +168,7 @@ fn a_frozen_idle_prefill_is_retired_when_its_lease_expires_and_picked_up_again_u
         &[],
     );
     d.wait_nth(1, &["event: registered", &p.engine], PATIENCE);
-    d.wait_verified(2);
+    d.wait_verified(2, PATIENCE);
     p.signal("STOP");
     let stopped = Instant::now();
     let (left, line) = d.wait_nth(1, &["membership: left", &p.engine], PATIENCE);
@@ -398,7 +192,7 @@ fn a_frozen_idle_prefill_is_retired_when_its_lease_expires_and_picked_up_again_u
     let (rejoined, _) = d.wait_nth(2, &["membership: joined", &p.engine], PATIENCE);
     let (reregistered, _) = d.wait_nth(2, &["event: registered", &p.engine], PATIENCE);
     let before = d.verified_reads();
-    d.wait_verified(before + 1);
+    d.wait_verified(before + 1, PATIENCE);
     assert_eq!(d.engine_state(&p.engine).as_deref(), Some("live"));
     report(&format!(
         "SIGSTOP -> lease expiry seen {} (TTL {TTL_SECS} s) -> released {} (deletion to release {delete_to_release} ms, drain, no reads in flight); SIGCONT -> joined again {}, registered again {}",
@@ -419,7 +213,7 @@ fn etcd_stopped_for_longer_than_the_lease_releases_nothing_and_is_reconciled_whe
     let _serial = serial();
     let p = prefill_with_etcd(&etcd);
     prefill_line(&p, "ETCD registered");
-    let mut d = DecodeProc::start(
+    let mut d = decode(
         &[
             "--etcd-endpoint",
             &etcd.url(),
@@ -429,7 +223,7 @@ fn etcd_stopped_for_longer_than_the_lease_releases_nothing_and_is_reconciled_whe
         &[],
     );
     d.wait_nth(1, &["event: registered", &p.engine], PATIENCE);
-    d.wait_verified(1);
+    d.wait_verified(1, PATIENCE);
     let heartbeats = || {
         std::fs::read_to_string(&p.log)
             .unwrap_or_default()
@@ -453,11 +247,7 @@ fn etcd_stopped_for_longer_than_the_lease_releases_nothing_and_is_reconciled_whe
     let reads_during = d.verified_reads() - reads_at_stop;
     assert!(hb_during > 0, "heartbeats went on during the outage");
     assert!(reads_during > 0, "reads went on during the outage");
-    let (_, metrics) = d.http("GET", "/metrics", None, None);
-    assert!(
-        metrics.contains("nixl_keepalive_membership_watch_up 0"),
-        "{metrics}"
-    );
+    d.wait_metric("nixl_keepalive_membership_watch_up", PATIENCE, |v| v == 0.0);
 
     let restarted = etcd.restart();
     let (restored, line) = d.wait_line("membership: restored", PATIENCE);
@@ -471,18 +261,14 @@ fn etcd_stopped_for_longer_than_the_lease_releases_nothing_and_is_reconciled_whe
     assert!(d.matching(&["event: released"]).is_empty());
     assert!(d.matching(&["membership: left"]).is_empty());
     assert_eq!(d.engine_state(&p.engine).as_deref(), Some("live"));
-    let (_, metrics) = d.http("GET", "/metrics", None, None);
-    assert!(
-        metrics.contains("nixl_keepalive_membership_watch_up 1"),
-        "{metrics}"
-    );
-    assert!(
-        metrics.contains("nixl_keepalive_membership_outages_total 1"),
-        "{metrics}"
-    );
+    d.wait_metric("nixl_keepalive_membership_watch_up", PATIENCE, |v| v == 1.0);
+    let outages = d.wait_metric("nixl_keepalive_membership_outages_total", PATIENCE, |v| {
+        v >= 1.0
+    });
+    assert_eq!(outages, 1.0, "one outage");
     let reregistered = p
-        .lines
-        .try_iter()
+        .take_lines()
+        .iter()
         .filter(|l| l.starts_with("ETCD registered"))
         .count();
     report(&format!(
@@ -505,7 +291,7 @@ fn the_router_endpoint_retires_in_drain_and_fail_modes_and_refuses_bad_requests_
         std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(common::unique("token"));
     std::fs::write(&token_file, "s3cret-token\n").unwrap();
     let token_arg = token_file.to_str().unwrap();
-    let mut d = DecodeProc::start(
+    let mut d = decode(
         &[
             "--prefill",
             p1.addr.as_str(),
@@ -523,7 +309,7 @@ fn the_router_endpoint_retires_in_drain_and_fail_modes_and_refuses_bad_requests_
     d.wait_nth(1, &["event: registered", &p2.engine], PATIENCE);
     let token = Some("s3cret-token");
     let gone = |d: &DecodeProc, body: &str, token: Option<&str>| {
-        d.http("POST", "/v1/peer_gone", token, Some(body))
+        d.http_with_token("POST", "/v1/peer_gone", token, Some(body))
     };
     let json = |text: &str| -> serde_json::Value {
         serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text:?}"))
@@ -531,7 +317,7 @@ fn the_router_endpoint_retires_in_drain_and_fail_modes_and_refuses_bad_requests_
     let body1 = format!(r#"{{"engine": "{}"}}"#, p1.engine);
 
     // Loopback: reads need no token.
-    let (status, text) = d.http("GET", "/v1/snapshot", None, None);
+    let (status, text) = d.http("GET", "/v1/snapshot", None);
     assert_eq!(status, 200);
     assert_eq!(json(&text)["engines"].as_array().unwrap().len(), 2);
     // Every refusal: a 4xx with a JSON error that says what was wrong.
@@ -585,14 +371,14 @@ fn the_router_endpoint_retires_in_drain_and_fail_modes_and_refuses_bad_requests_
             "{body:?}: {error:?} should say {says:?}"
         );
     }
-    let (status, text) = d.http("GET", "/v1/nothing", None, None);
+    let (status, text) = d.http("GET", "/v1/nothing", None);
     assert_eq!(status, 404);
     assert!(json(&text)["error"].as_str().unwrap().contains("routes"));
     let oversized = format!(r#"{{"engine": "{}"}}"#, "x".repeat(64 * 1024));
     let (status, text) = gone(&d, &oversized, token);
     assert_eq!(status, 413, "a body over the limit: {text}");
     assert!(json(&text)["error"].as_str().unwrap().contains("body over"));
-    let (status, text) = d.http("GET", "/v1/peer_gone", None, None);
+    let (status, text) = d.http("GET", "/v1/peer_gone", None);
     assert_eq!(status, 405, "{text}");
     assert!(json(&text)["error"]
         .as_str()
@@ -632,11 +418,10 @@ fn the_router_endpoint_retires_in_drain_and_fail_modes_and_refuses_bad_requests_
     );
     let (failed, line) = d.wait_nth(1, &["event: released", &p2.engine], PATIENCE);
     assert!(line.contains("reason=peer_gone"), "{line}");
-    let (_, metrics) = d.http("GET", "/metrics", None, None);
-    assert!(
-        metrics.contains("nixl_keepalive_control_errors_total"),
-        "{metrics}"
-    );
+    // Every refusal above was counted before its answer was sent.
+    d.wait_until("the refusals counted", PATIENCE, |d| {
+        d.scrape().contains("nixl_keepalive_control_errors_total")
+    });
     report(&format!(
         "POST peer_gone drain -> released {}; fail -> released {}; {} bad requests refused with 4xx JSON errors",
         ms(drained - posted),
@@ -900,17 +685,7 @@ impl DecodeProc {
             "127.0.0.1:0",
         ];
         args.extend_from_slice(extra);
-        DecodeProc::start(&args, env)
-    }
-
-    /// Lines that start with `kind` (`event: released`) and contain every
-    /// one of `parts`: a record's text quoted inside another line (a
-    /// `bad_value` line) is not that kind of line.
-    fn lines_of(&self, kind: &str, parts: &[&str]) -> Vec<(Instant, String)> {
-        self.matching(parts)
-            .into_iter()
-            .filter(|(_, l)| l.starts_with(kind))
-            .collect()
+        decode(&args, env)
     }
 
     /// The `engine=` of every `kind` line with all of `parts`, in order.
@@ -924,11 +699,11 @@ impl DecodeProc {
     /// The member set as the decode printed it: joined and not left since.
     fn member_set(&self) -> BTreeSet<String> {
         let mut set = BTreeSet::new();
-        for (_, l) in self.lines.lock().unwrap().iter() {
+        for (_, l) in self.lines() {
             if l.starts_with("membership: joined ") {
-                set.insert(field(l, "engine=").to_string());
+                set.insert(field(&l, "engine=").to_string());
             } else if l.starts_with("membership: left ") {
-                set.remove(field(l, "engine="));
+                set.remove(field(&l, "engine="));
             }
         }
         set
@@ -940,44 +715,8 @@ impl DecodeProc {
     }
 
     /// One series of `/metrics` (`name{labels}`), 0 when absent.
-    fn metric(&self, series: &str) -> f64 {
-        let (status, text) = self.http("GET", "/metrics", None, None);
-        assert_eq!(status, 200, "{text}");
-        text.lines()
-            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0.0)
-    }
-
-    /// Waits (bounded polling) until `done` holds; on the deadline, panics
-    /// with `what` and everything the decode printed.
-    fn wait_until(
-        &mut self,
-        what: &str,
-        within: Duration,
-        done: impl Fn(&DecodeProc) -> bool,
-    ) -> Instant {
-        let deadline = Instant::now() + within;
-        loop {
-            if done(self) {
-                return Instant::now();
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "decode exited ({status}) waiting for {what}; stdout: {:#?}",
-                    self.lines.lock().unwrap()
-                );
-            }
-            if Instant::now() > deadline {
-                panic!(
-                    "{what}: not within {within:?}; members {:?}, released {:?}; stdout: {:#?}",
-                    self.member_set(),
-                    self.released(),
-                    self.lines.lock().unwrap()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    fn metric_or_0(&self, series: &str) -> f64 {
+        self.metric(series).unwrap_or(0.0)
     }
 
     /// Waits until each of `engines` is registered with the service, then
@@ -987,7 +726,7 @@ impl DecodeProc {
             self.wait_nth(1, &["event: registered", e], PATIENCE);
         }
         let before = self.verified_reads();
-        self.wait_verified(before + engines.len() as u64);
+        self.wait_verified(before + engines.len() as u64, PATIENCE);
     }
 }
 
@@ -1023,7 +762,7 @@ fn a_prefix_delete_of_every_key_retires_and_releases_every_engine_once() {
     // nothing is released twice (a lease TTL and more later).
     std::thread::sleep(Duration::from_secs(2 * TTL_SECS));
     assert!(d.member_set().is_empty(), "{:?}", d.member_set());
-    assert_eq!(d.metric("nixl_keepalive_membership_members"), 0.0);
+    d.wait_metric("nixl_keepalive_membership_members", PATIENCE, |v| v == 0.0);
     let mut released = d.released();
     released.sort();
     assert_eq!(
@@ -1070,7 +809,7 @@ fn a_multi_put_transaction_announces_every_engine_in_it() {
     assert_eq!(revisions.len(), 1, "one transaction: one revision");
     let joined_at = d.wait_until("every engine joined", PATIENCE, |d| d.member_set() == all);
     d.wait_registered(&all);
-    assert_eq!(d.metric("nixl_keepalive_membership_members"), 3.0);
+    d.wait_metric("nixl_keepalive_membership_members", PATIENCE, |v| v == 3.0);
     assert!(d.released().is_empty(), "{:?}", d.released());
     report(&format!(
         "a 3-put transaction (revision {}): all 3 joined within {}, each registered and read",
@@ -1117,12 +856,12 @@ fn a_revoked_lease_holding_several_keys_retires_and_releases_exactly_the_engines
     });
     std::thread::sleep(Duration::from_secs(2 * TTL_SECS));
     assert_eq!(d.member_set(), BTreeSet::from([own.engine.clone()]));
-    assert_eq!(d.metric("nixl_keepalive_membership_members"), 1.0);
+    d.wait_metric("nixl_keepalive_membership_members", PATIENCE, |v| v == 1.0);
     assert_eq!(d.released().len(), 3, "{:?}", d.released());
     assert_eq!(sorted(d.released()), on_lease);
     assert_eq!(d.engine_state(&own.engine).as_deref(), Some("live"));
     let before = d.verified_reads();
-    d.wait_verified(before + 1);
+    d.wait_verified(before + 1, PATIENCE);
     report(&format!(
         "a revoked lease holding 3 keys: the 3 left and were released within {}; the engine on its own lease stayed live",
         ms(released_at - revoked_at)
@@ -1169,7 +908,7 @@ fn etcd_paused_past_the_ttl_loses_the_leases_and_every_prefill_registers_again_a
             })
     });
     let before = d.verified_reads();
-    d.wait_verified(before + 2);
+    d.wait_verified(before + 2, PATIENCE);
     let mut left = Vec::new();
     for e in &all {
         let l = d.lines_of("membership: left ", &[e]);
@@ -1180,7 +919,7 @@ fn etcd_paused_past_the_ttl_loses_the_leases_and_every_prefill_registers_again_a
         assert_eq!(d.engine_state(e).as_deref(), Some("live"));
         left.extend(l.iter().map(|_| e.clone()));
     }
-    assert_eq!(d.metric("nixl_keepalive_membership_members"), 2.0);
+    d.wait_metric("nixl_keepalive_membership_members", PATIENCE, |v| v == 2.0);
     report(&format!(
         "etcd paused {} (TTL {TTL_SECS} s): both prefills lost their lease and registered again {} after SIGCONT; the decode saw {} of 2 keys deleted (released those), and had both as members again, registered and read, {} after SIGCONT",
         ms(resumed_at - paused_at),
@@ -1249,17 +988,19 @@ fn etcd_restarted_empty_retires_no_healthy_prefill_and_only_the_one_that_never_c
     assert_eq!(d.released(), vec![frozen.engine.clone()]);
     assert_eq!(d.lines_of("membership: left ", &[]).len(), 1);
     assert_eq!(d.member_set(), healthy_set);
-    assert_eq!(d.metric("nixl_keepalive_membership_members"), 3.0);
-    assert_eq!(d.metric("nixl_keepalive_membership_awaited"), 0.0);
-    assert_eq!(
-        d.metric("nixl_keepalive_membership_store_resets_total"),
-        1.0
+    d.wait_metric("nixl_keepalive_membership_members", PATIENCE, |v| v == 3.0);
+    d.wait_metric("nixl_keepalive_membership_awaited", PATIENCE, |v| v == 0.0);
+    let resets = d.wait_metric(
+        "nixl_keepalive_membership_store_resets_total",
+        PATIENCE,
+        |v| v >= 1.0,
     );
+    assert_eq!(resets, 1.0, "one store reset");
     for e in &healthy_set {
         assert_eq!(d.engine_state(e).as_deref(), Some("live"));
     }
     let before = d.verified_reads();
-    d.wait_verified(before + 3);
+    d.wait_verified(before + 3, PATIENCE);
     frozen.signal("CONT");
     report(&format!(
         "etcd wiped and restarted (serving again {} after the kill): store reset seen {} after, {awaited} of 4 awaited; the 3 healthy prefills registered again {} after the restart, none retired; the frozen one retired (missing_after_reset) {} after the reset was seen (grace {})",
@@ -1402,11 +1143,14 @@ fn a_fresh_decode_on_a_prefix_over_4_mib_finds_its_prefill_and_refuses_the_overs
         d.member_set() == members
     });
     d.wait_registered(&members);
-    assert_eq!(d.metric("nixl_keepalive_membership_members"), 1.0);
-    assert_eq!(
-        d.metric("nixl_keepalive_membership_bad_values_total{reason=\"too_large\"}"),
-        80.0
+    d.wait_metric("nixl_keepalive_membership_members", PATIENCE, |v| v == 1.0);
+    // Refused in the list the prefill joined from.
+    let too_large = d.wait_metric(
+        "nixl_keepalive_membership_bad_values_total{reason=\"too_large\"}",
+        PATIENCE,
+        |v| v >= 80.0,
     );
+    assert_eq!(too_large, 80.0);
     assert!(d.lines_of("membership: outage ", &[]).is_empty());
     assert!(d.released().is_empty());
     let reported = d.lines_of("membership: bad_value ", &[]).len();
@@ -1504,7 +1248,7 @@ fn hostile_records_change_nothing_print_escaped_and_are_reported_at_a_bounded_ra
         ["engine_id", "too_large", "address", "json"]
             .iter()
             .map(|r| {
-                d.metric(&format!(
+                d.metric_or_0(&format!(
                     "nixl_keepalive_membership_bad_values_total{{reason=\"{r}\"}}"
                 ))
             })
@@ -1527,10 +1271,10 @@ fn hostile_records_change_nothing_print_escaped_and_are_reported_at_a_bounded_ra
     assert!(d.lines_of("membership: left ", &[]).is_empty());
     assert_eq!(d.engine_state(&p.engine).as_deref(), Some("live"));
     let before = d.verified_reads();
-    d.wait_verified(before + 1);
+    d.wait_verified(before + 1, PATIENCE);
     // Every line printed is one line of printable text; the forged ones
     // stayed inside their bad_value line.
-    for (_, l) in d.lines.lock().unwrap().iter() {
+    for (_, l) in d.lines().iter() {
         assert!(
             !l.chars().any(char::is_control),
             "control character in {l:?}"
@@ -1608,19 +1352,21 @@ fn conflicting_records_never_release_a_healthy_prefill() {
     });
     // Reads go on while they are listed (handshakes at the healthy
     // address find the registered engine: nothing reloaded).
-    d.wait_verified(before + 20);
+    d.wait_verified(before + 20, PATIENCE);
     with_etcd(&etcd, async |c| {
         for (k, _) in &conflicting {
             c.delete(k.as_str(), None).await.expect("delete");
         }
     });
+    // Counted, then published (`event: conflict` on stdout once each).
     d.wait_until("the removals judged as conflicts", PATIENCE, |d| {
-        d.metric("nixl_keepalive_identity_conflicts_total{kind=\"record_address\"}") >= 1.0
-            && d.metric("nixl_keepalive_identity_conflicts_total{kind=\"record_incarnation\"}")
+        d.metric_or_0("nixl_keepalive_identity_conflicts_total{kind=\"record_address\"}") >= 1.0
+            && d.metric_or_0("nixl_keepalive_identity_conflicts_total{kind=\"record_incarnation\"}")
                 >= 1.0
+            && d.lines_of("event: conflict ", &[]).len() >= 2
     });
     let after = d.verified_reads();
-    d.wait_verified(after + 20);
+    d.wait_verified(after + 20, PATIENCE);
     assert!(d.released().is_empty(), "released: {:?}", d.released());
     assert_eq!(d.engine_state(&p.engine).as_deref(), Some("live"));
     assert_eq!(

@@ -8,6 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::wait::{check, until_async, MARGIN};
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
 use nixl_keepalive::{EngineId, EngineState, Event, NixlStatus, ReleaseReason};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Handshake, ReadOutcome};
@@ -34,18 +35,32 @@ fn a_sigkilled_idle_prefill_is_detected_by_heartbeat_and_released() {
         let c = connected(d.decoder.connect(&p.addr, None).await.expect("handshake"));
         assert_eq!(d.decoder.read(&c, 1, 3).await, ReadOutcome::Verified);
         let engine = EngineId::from(p.engine.as_str());
-        // Let a heartbeat or two go out to the live peer.
-        tokio::time::sleep(Duration::from_millis(1200)).await;
-        let snapshot = d.decoder.handle().snapshot().await.unwrap();
-        let hb = snapshot
-            .engine(&engine)
-            .and_then(|e| e.last_heartbeat.clone())
-            .expect("a heartbeat went out");
+        // One heartbeat gap: the first heartbeat goes out within one
+        // interval of the registration, the next within interval + jitter.
+        let gap = interval + interval / 10;
+        let handle = d.decoder.handle().clone();
+        let deadline = Instant::now() + gap * 2 + MARGIN;
+        let hb = loop {
+            let snapshot = handle.snapshot().await.unwrap();
+            let hb = snapshot
+                .engine(&engine)
+                .and_then(|e| e.last_heartbeat.clone());
+            match hb {
+                Some(hb) => break hb,
+                None => assert!(
+                    Instant::now() < deadline,
+                    "no heartbeat went out within two heartbeat gaps: {snapshot:?}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
         assert_eq!(hb.status, NixlStatus::SUCCESS);
 
         let killed = p.kill();
+        // A killed peer's endpoint is failed at once: the next heartbeat,
+        // at most one gap away, says REMOTE_DISCONNECT.
         let (status, detected) = d
-            .wait_for(Duration::from_secs(20), |e| match e {
+            .wait_for(gap + MARGIN, |e| match e {
                 Event::Unreachable {
                     engine: id,
                     status,
@@ -63,8 +78,9 @@ fn a_sigkilled_idle_prefill_is_detected_by_heartbeat_and_released() {
             })
             .await;
         assert_eq!(status.raw(), -10, "raw NIXL_ERR_REMOTE_DISCONNECT");
+        // No read in flight: released as soon as it is marked.
         let ((reason, failed), released) = d
-            .wait_for(Duration::from_secs(20), |e| match e {
+            .wait_for(MARGIN, |e| match e {
                 Event::Released {
                     engine: id,
                     reason,
@@ -155,35 +171,35 @@ fn a_sigkilled_prefill_with_reads_in_flight_fails_them_promptly_and_is_released_
             })
         };
         // Kill once reads verifiably work, with more on the wire.
-        let ready = Instant::now() + Duration::from_secs(30);
-        while d
-            .decoder
-            .stats()
-            .verified
-            .load(std::sync::atomic::Ordering::Relaxed)
-            < 4
-        {
-            assert!(Instant::now() < ready, "no read verified within 30 s");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let decoder = d.decoder.clone();
+        let verified = || {
+            decoder
+                .stats()
+                .verified
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        until_async("4 reads verified", MARGIN, || {
+            check(verified() >= 4, verified())
+        })
+        .await;
         let killed = p.kill();
+        // The reads on the wire, or the next heartbeat (1 s), find it.
         let (source, detected) = d
-            .wait_for(Duration::from_secs(20), |e| match e {
+            .wait_for(Duration::from_secs(1) + MARGIN, |e| match e {
                 Event::Unreachable {
                     engine: id, source, ..
                 } if *id == engine => Some(*source),
                 _ => None,
             })
             .await;
-        // Reads in flight end promptly: only our held guard remains.
-        let drain_deadline = Instant::now() + Duration::from_secs(10);
-        while c.engine.reads_in_flight() > 1 {
-            assert!(
-                Instant::now() < drain_deadline,
-                "reads still in flight 10 s after the kill: a hang"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        // Reads in flight end promptly (the service fails them; a read
+        // times out after 5 s at worst): only our held guard remains.
+        until_async(
+            "the reads in flight ended, ours aside (else a hang)",
+            Duration::from_secs(5) + MARGIN,
+            || check(c.engine.reads_in_flight() <= 1, c.engine.reads_in_flight()),
+        )
+        .await;
         let reads_ended = Instant::now();
         stop_reads.cancel();
         let outcomes = reads.await.unwrap();
@@ -198,7 +214,7 @@ fn a_sigkilled_prefill_with_reads_in_flight_fails_them_promptly_and_is_released_
         let dropped = Instant::now();
         drop(held);
         let (waited, released) = d
-            .wait_for(Duration::from_secs(10), |e| match e {
+            .wait_for(MARGIN, |e| match e {
                 Event::Released {
                     engine: id,
                     waited_for,
@@ -280,14 +296,16 @@ fn a_prefill_restarted_with_a_new_id_on_the_same_port_replaces_the_old_engine() 
                 .expect("handshake with the new engine"),
         );
         let handshaken = Instant::now();
+        // Published at the registration, before `connect` returned; the old
+        // engine has no read in flight: released at once.
         let ((), replaced) = d
-            .wait_for(Duration::from_secs(10), |e| match e {
+            .wait_for(MARGIN, |e| match e {
                 Event::Replaced { old: o, new: n, .. } if *o == old && *n == new => Some(()),
                 _ => None,
             })
             .await;
         let (reason, released) = d
-            .wait_for(Duration::from_secs(10), |e| match e {
+            .wait_for(MARGIN, |e| match e {
                 Event::Released { engine, reason, .. } if *engine == old => Some(*reason),
                 _ => None,
             })
@@ -346,7 +364,10 @@ fn a_prefill_restarted_with_the_same_id_is_invalidated_before_it_is_loaded_again
             ..spec.clone()
         });
         assert_eq!(p2.engine, id);
+        // The first registration's events are taken: what follows is the
+        // restart's.
         d.drain();
+        let from = d.seen.len();
         let started = Instant::now();
         let c2 = connected(
             d.decoder
@@ -356,16 +377,20 @@ fn a_prefill_restarted_with_the_same_id_is_invalidated_before_it_is_loaded_again
         );
         let done = Instant::now();
         assert_ne!(c1.remote.incarnation, c2.remote.incarnation);
-        let events = d.drain();
         let engine = EngineId::from(id.as_str());
+        // The library publishes `Registered` before `register` answers (so
+        // it is there when `connect` returns); waited for all the same,
+        // with every event on the way kept in order.
+        d.wait_for(MARGIN, |e| {
+            matches!(e, Event::Registered { engine: e_id, .. } if *e_id == engine).then_some(())
+        })
+        .await;
+        let events = &d.seen[from..];
+        let registered_at = events.len() - 1;
         let released_at = events
-        .iter()
-        .position(|e| matches!(e, Event::Released { engine: e_id, reason: ReleaseReason::Reregistered, .. } if *e_id == engine))
-        .unwrap_or_else(|| panic!("old registration not released: {events:?}"));
-        let registered_at = events
             .iter()
-            .position(|e| matches!(e, Event::Registered { engine: e_id, .. } if *e_id == engine))
-            .unwrap_or_else(|| panic!("new registration missing: {events:?}"));
+            .position(|e| matches!(e, Event::Released { engine: e_id, reason: ReleaseReason::Reregistered, .. } if *e_id == engine))
+            .unwrap_or_else(|| panic!("old registration not released before the new one registered: {events:?}"));
         assert!(
             released_at < registered_at,
             "old released before the new registered: {events:?}"
@@ -403,13 +428,14 @@ fn the_reader_loop_re_handshakes_after_a_release_when_a_prefill_listens_again() 
         let stop_reader = d.shutdown.child_token();
         let reader = d.decoder.spawn(p1.addr.clone(), stop_reader.clone());
         let first = EngineId::from(p1.engine.as_str());
-        d.wait_for(Duration::from_secs(10), |e| {
+        d.wait_for(MARGIN, |e| {
             matches!(e, Event::Registered { engine, .. } if *engine == first).then_some(())
         })
         .await;
         let killed = p1.kill();
+        // Found by the reads in flight or the next heartbeat (one gap).
         let (_, released) = d
-            .wait_for(Duration::from_secs(20), |e| {
+            .wait_for(Duration::from_millis(550) + MARGIN, |e| {
                 matches!(e, Event::Released { engine, .. } if *engine == first).then_some(())
             })
             .await;
@@ -419,23 +445,29 @@ fn the_reader_loop_re_handshakes_after_a_release_when_a_prefill_listens_again() 
         });
         let listening = Instant::now();
         let second = EngineId::from(p2.engine.as_str());
+        // The reader tries again within one retry pause (at most 4 s) and
+        // one handshake.
+        let options = DecodeOptions::default();
         let (_, registered) = d
-            .wait_for(Duration::from_secs(20), |e| {
-                matches!(e, Event::Registered { engine, .. } if *engine == second).then_some(())
-            })
+            .wait_for(
+                options.retry_max + options.handshake_timeout + MARGIN,
+                |e| {
+                    matches!(e, Event::Registered { engine, .. } if *engine == second).then_some(())
+                },
+            )
             .await;
-        let verified = d
-            .decoder
-            .stats()
-            .verified
-            .load(std::sync::atomic::Ordering::Relaxed);
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let verified_after = d
-            .decoder
-            .stats()
-            .verified
-            .load(std::sync::atomic::Ordering::Relaxed);
-        assert!(verified_after > verified, "reads from the new engine");
+        let decoder = d.decoder.clone();
+        let verified = || {
+            decoder
+                .stats()
+                .verified
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        let at_registration = verified();
+        until_async("reads from the new engine", MARGIN, || {
+            check(verified() > at_registration, verified())
+        })
+        .await;
         assert_eq!(
             d.decoder
                 .stats()

@@ -54,13 +54,22 @@ fn stop_once(p: &PrefillProc, sig: &str) -> Duration {
         v
     });
     let registered = format!("event: registered engine={}", p.engine);
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + common::wait::MARGIN;
+    let mut seen = Vec::new();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match rx.recv_timeout(left) {
             Ok(l) if l.contains(&registered) => break,
-            Ok(_) => {}
-            Err(e) => panic!("decode never registered {}: {e}", p.engine),
+            Ok(l) => seen.push(l),
+            Err(e) => {
+                let _ = decode.kill();
+                let _ = decode.wait();
+                panic!(
+                    "decode never registered {} ({e}); stdout: {seen:#?}\nstderr:\n{}",
+                    p.engine,
+                    String::from_utf8_lossy(&stderr.join().unwrap())
+                )
+            }
         }
     }
     // Reads run back to back from here on: some are in flight at the signal.
@@ -76,10 +85,15 @@ fn stop_once(p: &PrefillProc, sig: &str) -> Duration {
         if let Some(s) = decode.try_wait().unwrap() {
             break s;
         }
-        assert!(
-            sent.elapsed() < Duration::from_secs(30),
-            "decode still running 30 s after SIG{sig}"
-        );
+        if sent.elapsed() >= Duration::from_secs(30) {
+            let _ = decode.kill();
+            let _ = decode.wait();
+            panic!(
+                "decode still running 30 s after SIG{sig}; stdout: {:#?}\nstderr:\n{}",
+                stdout.join().unwrap(),
+                String::from_utf8_lossy(&stderr.join().unwrap())
+            );
+        }
         std::thread::sleep(Duration::from_millis(20));
     };
     let took = sent.elapsed();

@@ -32,18 +32,24 @@ fn unhex(s: &str) -> Vec<u8> {
 }
 
 /// Polls `who` (and progresses `also`) until a notification from `from`
-/// with `message` arrives.
+/// with `message` arrives; on the deadline panics with every notification
+/// that did.
 fn wait_for_notif(who: &Agent, also: &Agent, from: &str, message: &[u8]) {
     let deadline = Instant::now() + Duration::from_secs(10);
+    let mut others = Vec::new();
     loop {
         let _ = also.get_notifs();
         let got = who.get_notifs().expect("getNotifs");
         if got.iter().any(|n| n.agent == from && n.message == message) {
             return;
         }
+        others.extend(
+            got.iter()
+                .map(|n| format!("{}: {}", n.agent, String::from_utf8_lossy(&n.message))),
+        );
         assert!(
             Instant::now() < deadline,
-            "no notification {message:?} from {from}"
+            "no notification {message:?} from {from} within 10 s; got only {others:?}"
         );
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -286,7 +292,7 @@ fn sigkill_child_then_heartbeat(rt: &'static Runtime, cfg: &AgentConfig) {
     assert_eq!(
         last.raw(),
         -10,
-        "expected raw NIXL_ERR_REMOTE_DISCONNECT, got {last}"
+        "expected raw NIXL_ERR_REMOTE_DISCONNECT within 30 s of the kill, got {last}; statuses (ms since kill, status): {seen:?}"
     );
 
     // It stays that way, call after call.

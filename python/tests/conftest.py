@@ -86,9 +86,21 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.write_line(line)
 
 
+#: What a real test's deadline adds to the bound under test: scheduling
+#: on a loaded 2-core machine, never the bound itself (the Rust tests'
+#: ``common::wait::MARGIN``).
+MARGIN = 10.0
+
+#: How long an idle thread of the package's tokio blocking pool lives
+#: (tokio's default): threads a burst of calls started are gone after it.
+BLOCKING_KEEP_ALIVE = 10.0
+
+
 def wait_for(what: str, check: Callable[[], Optional[T]], within: float, seen: Callable[[], object] = lambda: None) -> T:
     """Polls ``check`` until it returns something other than None/False,
-    for at most ``within`` seconds; on timeout fails with what was seen."""
+    for at most ``within`` seconds; on timeout fails with what was seen.
+    Real tests wait for what they assert with this (or ``EventLog.wait``),
+    never sleep and then assert."""
     deadline = time.monotonic() + within
     while True:
         got = check()

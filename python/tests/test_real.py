@@ -15,7 +15,7 @@ import time
 import pytest
 
 import nixl_keepalive as nk
-from conftest import EventLog, fd_count, report, thread_count, wait_for
+from conftest import BLOCKING_KEEP_ALIVE, MARGIN, EventLog, fd_count, report, thread_count, wait_for
 
 HEARTBEAT = "250ms"
 
@@ -40,19 +40,20 @@ def test_a_sigkilled_prefill_is_released_within_the_bound(prefills, make_worker,
     engine = w.add_remote_agent(p.address)
     read_verified(w, engine, 0, 3)
     read_verified(w, engine, 1, 5)
-    wait_for("a heartbeat answered", lambda: (w.keepalive.snapshot()["engines"][0]["last_heartbeat"] or {})
-             .get("status") == 0, 5)
     # A killed process's connections are reset at once (UCX fails the
     # endpoint 3-46 ms after SIGKILL, measured): the next heartbeat says
-    # REMOTE_DISCONNECT. The bound is one heartbeat gap; the slack is for a
-    # loaded 2-core machine. (The snapshot's detection_bound is the worst
-    # case of a silent host, not this.)
+    # REMOTE_DISCONNECT. The bound is one heartbeat gap. (The snapshot's
+    # detection_bound is the worst case of a silent host, not this.)
     config = w.keepalive.config.as_dict()
     bound = config["interval"] + config["jitter"]
+    # The first heartbeat goes out within one interval of the registration.
+    wait_for("a heartbeat answered", lambda: (w.keepalive.snapshot()["engines"][0]["last_heartbeat"] or {})
+             .get("status") == 0, 2 * bound + MARGIN, seen=w.keepalive.snapshot)
     killed = p.kill()
-    e = log.wait("unreachable", bound + 2.0, engine=engine.id)
+    e = log.wait("unreachable", bound + MARGIN, engine=engine.id)
     assert (e["status"], e["status_name"], e["source"]) == (-10, "NIXL_ERR_REMOTE_DISCONNECT", "heartbeat")
-    released = log.wait("released", bound + 2.0, engine=engine.id)
+    # No read in flight: released as soon as it is marked.
+    released = log.wait("released", MARGIN, engine=engine.id)
     assert released["reason"] == "unreachable" and released["failed_steps"] == 0
     took = released["at"] - killed
     report(f"SIGKILL -> released {took * 1000:.0f} ms (detected {(e['at'] - killed) * 1000:.0f} ms; "
@@ -91,8 +92,10 @@ def test_a_transfers_raw_remote_disconnect_marks_the_engine_when_heartbeats_are_
             statuses[key] = statuses.get(key, 0) + 1
         return log.find("released", engine=engine.id) if refused else None
 
-    released = wait_for("released after a transfer's REMOTE_DISCONNECT", reads_until_refused, 30,
-                        seen=lambda: (statuses, log.all()))
+    # A read's own status finds it (at worst a read times out, then the
+    # next one fails), and the reads end: released.
+    released = wait_for("released after a transfer's REMOTE_DISCONNECT", reads_until_refused,
+                        2 * w.read_timeout + MARGIN, seen=lambda: (statuses, log.all()))
     e = log.find("unreachable", engine=engine.id)
     assert (e["status"], e["source"]) == (-10, "transfer"), e
     assert released["reason"] == "unreachable"
@@ -114,8 +117,10 @@ def test_a_restart_with_a_new_id_at_the_same_port_replaces_and_releases_the_old(
     assert p2.engine_id != p1.engine_id
     t0 = time.monotonic()
     new = w.add_remote_agent(p2.address)
-    replaced = log.wait("replaced", 5, old=old.id, new=new.id)
-    released = log.wait("released", 5, engine=old.id)
+    # Published at the registration; the old engine has no read in flight:
+    # released at once.
+    replaced = log.wait("replaced", MARGIN, old=old.id, new=new.id)
+    released = log.wait("released", MARGIN, engine=old.id)
     assert released["reason"] == "replaced"
     report(f"new id at the same port: old released {(released['at'] - t0) * 1000:.1f} ms after the handshake began")
     assert replaced["address"] == p1.address
@@ -138,10 +143,12 @@ def test_a_restart_with_the_same_id_is_released_before_it_is_loaded_again(prefil
     # metadata under a loaded agent name (NOT_ALLOWED), so the load itself
     # succeeding proves the order.
     second = w.add_remote_agent(p2.address)
-    released = log.wait("released", 5, engine=pinned)
+    # Both published before add_remote_agent returned; the event thread
+    # hands them over soon after.
+    released = log.wait("released", MARGIN, engine=pinned)
     assert released["reason"] == "reregistered"
     registered = wait_for("two registrations", lambda: [
-        e for e in log.all() if e["kind"] == "registered" and e["engine"] == pinned][1:], 5, seen=log.all)
+        e for e in log.all() if e["kind"] == "registered" and e["engine"] == pinned][1:], MARGIN, seen=log.all)
     assert released["at"] <= registered[0]["at"], log.all()
     assert first.state == "released" and second.is_live and second.incarnation == p2.incarnation
     read_verified(w, second, 1, 6)
@@ -151,8 +158,11 @@ def test_a_restart_with_the_same_id_is_released_before_it_is_loaded_again(prefil
     assert len([e for e in log.all() if e["kind"] == "registered"]) == 2
 
 
+READ_STALL = 1.0
+
+
 def test_a_sigstopped_prefill_with_reads_in_flight_is_stalled_and_released(prefills, make_worker):
-    w = make_worker(interval=HEARTBEAT, read_stall="1s", read_timeout=30.0)
+    w = make_worker(interval=HEARTBEAT, read_stall=f"{READ_STALL:g}s", read_timeout=30.0)
     log = EventLog(w.keepalive)
     frozen_p, healthy_p = prefills(), prefills()
     frozen = w.add_remote_agent(frozen_p.address)
@@ -171,7 +181,9 @@ def test_a_sigstopped_prefill_with_reads_in_flight_is_stalled_and_released(prefi
             outcomes[o.request_id] = o
         return log.find("released", engine=frozen.id)
 
-    released = wait_for("the frozen prefill released", stalled_and_released, 15,
+    # The stall bound: 1.25 read-stall bounds plus a second of slack (the
+    # frozen bound the library documents), then released at once.
+    released = wait_for("the frozen prefill released", stalled_and_released, 1.25 * READ_STALL + 1.0 + MARGIN,
                         seen=lambda: (log.all(), outcomes))
     stalled = log.find("stalled", engine=frozen.id)
     assert stalled and stalled["failed"] and stalled["reads_in_flight"] == 2, log.all()
@@ -190,6 +202,8 @@ def test_a_hundred_kill_restart_cycles_leak_no_metadata_threads_or_fds(prefills,
     w = make_worker(interval=HEARTBEAT)
     log = EventLog(w.keepalive)
     cycles = int(os.environ.get("NIXL_KEEPALIVE_PY_CYCLES", "100"))
+    config = w.keepalive.config.as_dict()
+    gap = config["interval"] + config["jitter"]  # a killed prefill is found within one
     listen = "127.0.0.1:0"
     start = time.monotonic()
     baseline = None
@@ -199,18 +213,23 @@ def test_a_hundred_kill_restart_cycles_leak_no_metadata_threads_or_fds(prefills,
         engine = w.add_remote_agent(p.address)
         read_verified(w, engine, 0, n % 8)
         p.kill()
-        log.wait("released", 10, engine=engine.id)
+        log.wait("released", gap + MARGIN, engine=engine.id)
         assert_metadata_gone(w, engine.agents[0], nixl_api)
         p.close()
         if n == min(9, cycles - 1):
             baseline = (thread_count(), fd_count())
-    threads, fds = thread_count(), fd_count()
     took = time.monotonic() - start
     snap = w.keepalive.snapshot()
+    assert snap["engines"] == [] and snap["limiter_keys"] == 0 and snap["heartbeat_timers"] == 0, snap
+    # The service's call threads come and go with the load (at most 32;
+    # on a loaded machine a burst starts spares, which exit after tokio's
+    # keep-alive): what must not grow is anything per cycle, so the
+    # counts are compared once the spares could have gone.
+    threads, fds = wait_for(
+        "threads and descriptors back near the baseline",
+        lambda: (lambda t, f: (t, f) if t <= baseline[0] + 8 and f <= baseline[1] + 8 else None)(
+            thread_count(), fd_count()),
+        BLOCKING_KEEP_ALIVE + MARGIN,
+        seen=lambda: (baseline, thread_count(), fd_count()))
     report(f"{cycles} kill/restart cycles in {took:.1f} s; threads {baseline[0]} -> {threads}, "
            f"fds {baseline[1]} -> {fds}; engines left {len(snap['engines'])}")
-    assert snap["engines"] == [] and snap["limiter_keys"] == 0 and snap["heartbeat_timers"] == 0, snap
-    # The service's call threads come and go with the load (at most 32);
-    # what must not grow is anything per cycle.
-    assert threads <= baseline[0] + 8, (baseline, threads)
-    assert fds <= baseline[1] + 8, (baseline, fds)

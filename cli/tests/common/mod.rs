@@ -1,11 +1,22 @@
 //! Shared by the real-runtime tests: real `nixl-keepalive prefill`
-//! processes, a decode side in the test process, and measurement output
-//! that shows in CI logs even for passing tests.
+//! processes, a decode side in the test process ([`DecodeSide`]), a real
+//! `decode` process ([`decode::DecodeProc`]), waiting for a state with a
+//! deadline ([`wait`]), and measurement output that shows in CI logs even
+//! for passing tests.
+//!
+//! Every wait here polls or receives what it names until a deadline and,
+//! when the deadline passes, panics with what it saw: events
+//! ([`DecodeSide::wait_for`]), stdout lines ([`PrefillProc::wait_line`],
+//! [`decode::DecodeProc::wait_nth`]), metrics
+//! ([`decode::DecodeProc::wait_metric`]), any condition
+//! ([`wait::until`]). A test's deadline is the bound under test plus
+//! [`wait::MARGIN`].
 #![allow(dead_code)]
 
 pub mod decode;
 pub mod etcd;
 pub mod procfs;
+pub mod wait;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
@@ -91,8 +102,10 @@ pub struct PrefillProc {
     /// Where its stderr goes.
     pub log: std::path::PathBuf,
     /// Its stdout lines after the READY line (read on, so the pipe never
-    /// fills).
-    pub lines: std::sync::mpsc::Receiver<String>,
+    /// fills); [`PrefillProc::wait_line`] takes them in order.
+    lines: std::sync::mpsc::Receiver<String>,
+    /// The lines taken from `lines` so far.
+    seen: Mutex<Vec<String>>,
     gone: bool,
 }
 
@@ -188,8 +201,44 @@ impl PrefillProc {
             child,
             log,
             lines: rx,
+            seen: Mutex::default(),
             gone: false,
         }
+    }
+
+    /// Waits (at most `within`) for its next stdout line that starts with
+    /// `prefix`, taking the lines before it; on the deadline panics with
+    /// every line it printed and its log's tail.
+    pub fn wait_line(&self, prefix: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.lock().unwrap().push(l.clone());
+                    if l.starts_with(prefix) {
+                        return l;
+                    }
+                }
+                Err(e) => {
+                    let log = self.log_text();
+                    let tail: Vec<&str> = log.lines().rev().take(20).collect();
+                    panic!(
+                        "prefill {} printed no {prefix:?} line within {within:?} ({e}); stdout after READY: {:#?}\nlog tail (newest first): {tail:#?}",
+                        self.pid,
+                        self.seen.lock().unwrap()
+                    )
+                }
+            }
+        }
+    }
+
+    /// The stdout lines it printed that were not taken yet, without
+    /// waiting (they are then taken).
+    pub fn take_lines(&self) -> Vec<String> {
+        let fresh: Vec<String> = self.lines.try_iter().collect();
+        self.seen.lock().unwrap().extend(fresh.iter().cloned());
+        fresh
     }
 
     /// The `--listen` to restart on the same port.
@@ -258,6 +307,12 @@ pub struct DecodeSide {
     pub transport: Arc<NixlTransport>,
     pub decoder: Arc<Decoder>,
     pub events: broadcast::Receiver<Event>,
+    /// Every event taken from `events` so far ([`DecodeSide::wait_for`],
+    /// [`DecodeSide::drain`]), in order: what a failed wait prints.
+    pub seen: Vec<Event>,
+    /// Events the receiver missed (it lagged): a wait that times out says
+    /// so.
+    pub missed: u64,
     pub shutdown: CancellationToken,
     pub task: tokio::task::JoinHandle<
         nixl_keepalive::Stopped<nixl_keepalive::nixl_transport::RemoteDlists>,
@@ -297,40 +352,60 @@ impl DecodeSide {
             transport,
             decoder,
             events,
+            seen: Vec::new(),
+            missed: 0,
             shutdown,
             task,
             _progress: progress,
         }
     }
 
-    /// Waits (up to `within`) for the first event `pick` accepts; returns
-    /// it with when it arrived.
+    /// Waits (up to `within`) for the next event `pick` accepts; returns
+    /// it with when it arrived. On the deadline panics with every event
+    /// this wait saw (and how many the receiver missed, if it lagged).
     pub async fn wait_for<T>(
         &mut self,
         within: Duration,
         mut pick: impl FnMut(&Event) -> Option<T>,
     ) -> (T, Instant) {
         let deadline = tokio::time::Instant::now() + within;
+        let first = self.seen.len();
         loop {
             match tokio::time::timeout_at(deadline, self.events.recv()).await {
                 Ok(Ok(e)) => {
-                    if let Some(t) = pick(&e) {
+                    let picked = pick(&e);
+                    self.seen.push(e);
+                    if let Some(t) = picked {
                         return (t, Instant::now());
                     }
                 }
-                Ok(Err(broadcast::error::RecvError::Lagged(_))) => {}
-                Ok(Err(e)) => panic!("event channel closed: {e}"),
-                Err(_) => panic!("no matching event within {within:?}"),
+                Ok(Err(broadcast::error::RecvError::Lagged(n))) => self.missed += n,
+                Ok(Err(e)) => panic!(
+                    "event channel closed ({e}) while waiting; events seen meanwhile: {:#?}",
+                    &self.seen[first..]
+                ),
+                Err(_) => panic!(
+                    "no matching event within {within:?}; events seen meanwhile: {:#?}; missed (lagged): {}",
+                    &self.seen[first..],
+                    self.missed
+                ),
             }
         }
     }
 
-    /// Every event received so far, without waiting.
+    /// Every event received so far and not yet taken, without waiting:
+    /// for what must *not* have happened over a window the test waited
+    /// through.
     pub fn drain(&mut self) -> Vec<Event> {
         let mut v = Vec::new();
-        while let Ok(e) = self.events.try_recv() {
-            v.push(e);
+        loop {
+            match self.events.try_recv() {
+                Ok(e) => v.push(e),
+                Err(broadcast::error::TryRecvError::Lagged(n)) => self.missed += n,
+                Err(_) => break,
+            }
         }
+        self.seen.extend(v.iter().cloned());
         v
     }
 
@@ -353,144 +428,52 @@ pub fn block_on<F: std::future::Future>(body: F) -> F::Output {
         .block_on(body)
 }
 
-/// A real `nixl-keepalive decode` process: its stdout lines as they come
-/// (with when), its stderr in a file, its metrics on a free port.
-pub struct DecodeProc {
-    child: Child,
-    /// `host:port` of its `/metrics`.
-    pub metrics: String,
-    /// Where its stderr goes.
-    pub log: std::path::PathBuf,
-    lines: std::sync::mpsc::Receiver<(String, Instant)>,
-    /// Every stdout line seen so far, in order.
-    pub seen: Vec<String>,
-}
-
-impl DecodeProc {
-    /// Starts `nixl-keepalive decode` with `args` and `env` (plus a
-    /// metrics address).
-    pub fn start(args: &[&str], env: &[(&str, &str)]) -> DecodeProc {
-        let metrics = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .to_string();
-        let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("{}.log", unique("decode")));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nixl-keepalive"));
-        cmd.arg("decode")
-            .args(args)
-            .args(["--metrics-addr", &metrics])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).expect("decode log"));
-        for (k, v) in env {
-            cmd.env(k, v);
+/// Runs `cmd` (a child of this test binary, or any command) with stdout
+/// and stderr captured, for at most `within`; returns its output. On the
+/// deadline kills it and panics with both.
+pub fn run_child(mut cmd: Command, what: &str, within: Duration) -> std::process::Output {
+    use std::io::Read;
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("{what}: cannot spawn: {e}"));
+    let mut out = child.stdout.take().expect("stdout");
+    let mut err = child.stderr.take().expect("stderr");
+    let out = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = out.read_to_end(&mut v);
+        v
+    });
+    let err = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = err.read_to_end(&mut v);
+        v
+    });
+    let deadline = Instant::now() + within;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait for the child") {
+            break Some(s);
         }
-        let mut child = cmd.spawn().expect("spawn nixl-keepalive decode");
-        let out = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send((line, Instant::now()));
-            }
-        });
-        DecodeProc {
-            child,
-            metrics,
-            log,
-            lines: rx,
-            seen: Vec::new(),
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
         }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (stdout, stderr) = (out.join().unwrap(), err.join().unwrap());
+    match status {
+        Some(status) => std::process::Output {
+            status,
+            stdout,
+            stderr,
+        },
+        None => panic!(
+            "{what}: still running after {within:?}, killed; stdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&stdout),
+            String::from_utf8_lossy(&stderr)
+        ),
     }
-
-    /// Waits (up to `within`) for a stdout line containing `what`; returns
-    /// when it came. Panics with everything seen when it does not.
-    pub fn wait(&mut self, what: &str, within: Duration) -> Instant {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok((line, at)) => {
-                    let hit = line.contains(what);
-                    self.seen.push(line);
-                    if hit {
-                        return at;
-                    }
-                }
-                Err(e) => panic!(
-                    "decode never printed {what:?} within {within:?} ({e}); stdout so far:\n{}\nstderr:\n{}",
-                    self.seen.join("\n"),
-                    self.log_text()
-                ),
-            }
-        }
-    }
-
-    /// Takes every line printed so far, for `for` seconds more.
-    pub fn collect_for(&mut self, d: Duration) {
-        let deadline = Instant::now() + d;
-        while let Ok((line, _)) = self
-            .lines
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-        {
-            self.seen.push(line);
-        }
-    }
-
-    /// The lines seen so far that contain `what`.
-    pub fn lines_with(&self, what: &str) -> Vec<&String> {
-        self.seen.iter().filter(|l| l.contains(what)).collect()
-    }
-
-    /// Its stderr so far.
-    pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// `GET /metrics`.
-    pub fn scrape(&self) -> String {
-        use std::io::Read;
-        let mut s = std::net::TcpStream::connect(&self.metrics).expect("metrics endpoint");
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .unwrap();
-        let mut body = String::new();
-        let _ = s.read_to_string(&mut body);
-        body
-    }
-
-    /// SIGTERM, and waits (at most 30 s) for it to exit.
-    pub fn stop(mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(s) = self.child.try_wait().expect("wait decode") {
-                return s;
-            }
-            assert!(Instant::now() < deadline, "decode did not stop within 30 s");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for DecodeProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The value of a metric line that starts with `name` (labels included),
-/// if present.
-pub fn metric(scrape: &str, name: &str) -> Option<f64> {
-    scrape
-        .lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
 }
 
 /// Milliseconds, for reports.
