@@ -97,14 +97,16 @@ BLOCKING_KEEP_ALIVE = 10.0
 
 
 def wait_for(what: str, check: Callable[[], Optional[T]], within: float, seen: Callable[[], object] = lambda: None) -> T:
-    """Polls ``check`` until it returns something other than None/False,
-    for at most ``within`` seconds; on timeout fails with what was seen.
-    Real tests wait for what they assert with this (or ``EventLog.wait``),
-    never sleep and then assert."""
+    """Polls ``check`` until it returns something other than None, False or
+    an empty collection (a list of what is awaited that is still empty is
+    "not yet", never an answer), for at most ``within`` seconds; on timeout
+    fails with what was seen. Real tests wait for what they assert with
+    this (or ``EventLog.wait``), never sleep and then assert."""
     deadline = time.monotonic() + within
     while True:
         got = check()
-        if got is not None and got is not False:
+        empty = isinstance(got, (list, tuple, dict, set, str, bytes)) and len(got) == 0
+        if got is not None and got is not False and not empty:
             return got
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not within {within:.1f} s; saw: {seen()!r}")
