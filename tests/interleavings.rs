@@ -21,7 +21,7 @@ use std::time::Duration;
 use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
     AgentName, Config, Departure, EngineId, EngineRef, EngineState, Event, GoneMode, Handshake,
-    Incarnation, KeepaliveHandle, PeerAddr, PeerRef, ReadGuard, Ready, ReleaseStep, Transport,
+    Incarnation, KeepaliveHandle, OwnedReadGuard, PeerAddr, PeerRef, Ready, ReleaseStep, Transport,
     TransportError, UcsStatus, HEARTBEAT_SLOT,
 };
 use proptest::prelude::*;
@@ -148,7 +148,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 struct Read {
-    guard: ReadGuard,
+    guard: OwnedReadGuard,
     count: Arc<AtomicUsize>,
     engine: EngineId,
 }
@@ -430,7 +430,7 @@ impl Run {
                     self.engines.iter().rposition(|(e, _, _)| e.id() == &id) == Some(index);
                 let count = count.clone();
                 let engine = engine.clone();
-                if let Ok(guard) = engine.begin_read() {
+                if let Ok(guard) = engine.begin_read_owned() {
                     {
                         if is_latest && self.marked.contains(&id) {
                             self.violation(format!("a read started on {id}, which was marked"));

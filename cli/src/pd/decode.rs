@@ -939,7 +939,7 @@ impl Decoder {
     /// Every count is made before the guard ends: whoever sees the engine
     /// released (the last guard's end releases it) sees the read counted.
     pub async fn read(&self, connected: &Connected, rank: u16, block: u32) -> ReadOutcome {
-        let guard = match connected.engine.begin_read() {
+        let guard = match connected.engine.begin_read_owned() {
             Ok(g) => g,
             Err(_) => {
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
