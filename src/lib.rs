@@ -110,6 +110,7 @@ mod error;
 mod event;
 #[cfg(feature = "fake")]
 pub mod fake;
+mod give_up;
 mod handle;
 pub mod lease;
 pub mod log_limit;
@@ -130,10 +131,11 @@ pub mod ucx_time;
 pub use crate::core::HEARTBEAT_SLOT;
 pub use config::{Config, ConfigBuilder, ConfigError, ConfigErrors, StallAction};
 pub use engine::{
-    Destination, EngineRef, GiveUp, GivenUpRead, OwnedReadGuard, ReadGuard, MAX_READS_IN_FLIGHT,
+    Destination, EngineRef, GivenUpRead, OwnedReadGuard, ReadGuard, MAX_READS_IN_FLIGHT,
 };
 pub use error::{ClaimRefused, Conflict, ReadRefused, RegisterError, ServiceStopped};
 pub use event::{Event, ReleaseReason, Source, WaitedFor};
+pub use give_up::GiveUp;
 pub use handle::{Handshake, KeepaliveHandle, Ready, ReadyToLoad};
 pub use offload::{HUNG_AFTER, TRANSPORT_THREADS_CAP};
 pub use registration::{

@@ -37,7 +37,7 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::GiveUp;
+use crate::give_up::GiveUp;
 use crate::state::EngineState;
 use crate::transport::EngineId;
 use crate::NixlStatus;
