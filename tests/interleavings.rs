@@ -20,9 +20,8 @@ use std::time::Duration;
 
 use nixl_keepalive::fake::{AuditedUcx, FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
-    AgentName, Config, Departure, EngineId, EngineRef, EngineState, Event, GoneMode, Handshake,
-    Incarnation, KeepaliveHandle, PeerAddr, PeerRef, ReadGuard, Ready, ReleaseStep, Transport,
-    TransportError, UcsStatus, HEARTBEAT_SLOT,
+    Config, Departure, EngineId, EngineRef, EngineState, Event, GoneMode, Handshake, Incarnation,
+    KeepaliveHandle, PeerAddr, PeerRef, ReadGuard, Ready, Transport, UcsStatus, HEARTBEAT_SLOT,
 };
 use proptest::prelude::*;
 use tokio::time::Instant;

@@ -682,6 +682,12 @@ fn no_module_of_the_workspace_is_in_a_cycle() {
     );
 }
 
+/// Checks a throw-away workspace with the given files.
+fn check_files(name: &str, files: &[(&str, &str)]) -> Vec<String> {
+    let dir = workspace(name, files);
+    problems
+}
+
 /// A throw-away workspace with the given files.
 fn workspace(name: &str, files: &[(&str, &str)]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("module-cycles-{name}-{}", std::process::id()));
@@ -698,7 +704,7 @@ fn workspace(name: &str, files: &[(&str, &str)]) -> PathBuf {
 
 #[test]
 fn two_siblings_using_each_other_are_a_cycle_named_with_its_paths() {
-    let dir = workspace(
+    let problems = check_files(
         "siblings",
         &[
             ("src/lib.rs", "mod demo;"),
@@ -713,8 +719,6 @@ fn two_siblings_using_each_other_are_a_cycle_named_with_its_paths() {
             ),
         ],
     );
-    let problems = check(&dir);
-    let _ = fs::remove_dir_all(&dir);
     assert_eq!(problems.len(), 1, "{problems:#?}");
     let p = &problems[0];
     assert!(
@@ -728,7 +732,7 @@ fn two_siblings_using_each_other_are_a_cycle_named_with_its_paths() {
 
 #[test]
 fn a_child_using_its_parent_and_a_parent_using_its_child_are_no_cycle() {
-    let dir = workspace(
+    let problems = check_files(
         "family",
         &[
             ("src/lib.rs", "mod a;\nmod b;\npub struct Config;"),
@@ -743,8 +747,6 @@ fn a_child_using_its_parent_and_a_parent_using_its_child_are_no_cycle() {
             ("src/b.rs", "fn h(_: crate::a::Thing) {}"),
         ],
     );
-    let problems = check(&dir);
-    let _ = fs::remove_dir_all(&dir);
     assert!(problems.is_empty(), "{problems:#?}");
 }
 
@@ -752,7 +754,7 @@ fn a_child_using_its_parent_and_a_parent_using_its_child_are_no_cycle() {
 fn a_cycle_through_a_re_export_or_a_macro_is_found() {
     // `b` uses `a`'s re-export of `a::x::Thing`, `a::x` uses `b` inside a
     // macro call: a -> b -> a.
-    let dir = workspace(
+    let problems = check_files(
         "hidden",
         &[
             ("src/lib.rs", "mod a;\nmod b;\nuse a::Thing as Renamed;"),
@@ -767,8 +769,6 @@ fn a_cycle_through_a_re_export_or_a_macro_is_found() {
             ),
         ],
     );
-    let problems = check(&dir);
-    let _ = fs::remove_dir_all(&dir);
     assert_eq!(problems.len(), 1, "{problems:#?}");
     assert!(
         problems[0].contains("crate::a -> crate::b -> crate::a"),
@@ -778,7 +778,7 @@ fn a_cycle_through_a_re_export_or_a_macro_is_found() {
 
 #[test]
 fn a_file_no_root_reaches_fails_the_check() {
-    let dir = workspace(
+    let problems = check_files(
         "orphan",
         &[
             ("src/lib.rs", "mod a;"),
@@ -786,8 +786,6 @@ fn a_file_no_root_reaches_fails_the_check() {
             ("src/lost.rs", ""),
         ],
     );
-    let problems = check(&dir);
-    let _ = fs::remove_dir_all(&dir);
     assert_eq!(problems.len(), 1, "{problems:#?}");
     assert!(
         problems[0].contains("lost.rs: not reached"),

@@ -44,7 +44,7 @@ pub(crate) struct DemoArgs {
     prefills: u16,
 
     /// NIXL agents (ranks) per prefill engine.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=i64::from(nixl_keepalive::text::MAX_RANKS)))]
     ranks: u16,
 
     /// Concurrent reader loops in the decoder (each pulls KV blocks from a
