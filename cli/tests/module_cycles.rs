@@ -685,6 +685,8 @@ fn no_module_of_the_workspace_is_in_a_cycle() {
 /// Checks a throw-away workspace with the given files.
 fn check_files(name: &str, files: &[(&str, &str)]) -> Vec<String> {
     let dir = workspace(name, files);
+    let problems = check(&dir);
+    let _ = fs::remove_dir_all(&dir);
     problems
 }
 
