@@ -35,11 +35,11 @@ use super::wire::{self, HandshakeReply, WireError};
 use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
 use nixl_keepalive::text::Escaped;
+use nixl_keepalive::KeepaliveHandle;
 use nixl_keepalive::{
     AgentName, Claim, ClaimRefused, Destination, EngineId, EngineRef, EngineState, GiveUp,
     GivenUpRead, Incarnation, PeerAddr, Ready, ServiceStopped,
 };
-use nixl_keepalive::{KeepaliveHandle, Transport};
 
 /// A handshake that did not complete. Nothing stays loaded.
 #[derive(Debug, thiserror::Error)]
@@ -881,14 +881,9 @@ impl Decoder {
             Ok(engine) => engine,
             Err(refused) => {
                 let text = refused.to_string();
-                if let Some(r) = refused.into_registration() {
-                    // Loaded but not registered: give it back here.
-                    let transport = self.transport.clone();
-                    let _ = tokio::task::spawn_blocking(move || {
-                        transport.release(&r.engine, &r.agents, r.resources)
-                    })
-                    .await;
-                }
+                // Loaded but not registered: give it back here.
+                let transport = self.transport.clone();
+                let _ = tokio::task::spawn_blocking(move || refused.give_back(&*transport)).await;
                 return Err(HandshakeError::Refused(text));
             }
         };
