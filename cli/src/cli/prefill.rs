@@ -246,7 +246,7 @@ fn register(
     }
     #[cfg(not(feature = "etcd"))]
     {
-        let _ = (engine, local);
+        let _ = (engine, incarnation, local);
         eprintln!(
             "error: --etcd-endpoint needs the `etcd` feature (built without it); not registering"
         );

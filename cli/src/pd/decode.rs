@@ -1025,13 +1025,15 @@ impl Decoder {
         while !shutdown.is_cancelled() {
             if let Some(c) = &current {
                 if c.engine.state() != EngineState::Live {
+                    // Waits for this very registration's release (a
+                    // pinned id's successor is another registration), at
+                    // most a minute: a release the transport never
+                    // returns must not stop the reader for good.
                     let c = current.take().expect("checked");
-                    let deadline = Instant::now() + Duration::from_secs(60);
-                    while c.engine.state() != EngineState::Released
-                        && Instant::now() < deadline
-                        && !shutdown.is_cancelled()
-                    {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    tokio::select! {
+                        _ = c.engine.released() => {}
+                        _ = tokio::time::sleep(Duration::from_secs(60)) => {}
+                        _ = shutdown.cancelled() => {}
                     }
                     last_probe = None;
                 }

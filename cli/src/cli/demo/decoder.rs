@@ -282,14 +282,16 @@ impl Decoder {
     /// What the runtime does on an event: after a release, forget the
     /// engine and reconnect if a process listens at its address.
     fn on_event(&self, event: &Event) {
-        if let Event::Released { engine, .. } = event {
+        if let Event::Released { registration, .. } = event {
             let mut reconnect = None;
             {
                 let mut current = self.current();
                 for (prefill, slot) in current.iter_mut().enumerate() {
-                    let released = slot.as_ref().is_some_and(|c| {
-                        c.engine.id() == engine && c.engine.state() == EngineState::Released
-                    });
+                    // The event names the registration: a pinned id's
+                    // successor is never taken for the one released.
+                    let released = slot
+                        .as_ref()
+                        .is_some_and(|c| c.engine.registration() == *registration);
                     if released {
                         *slot = None;
                         reconnect = Some(prefill);
