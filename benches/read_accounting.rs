@@ -1,8 +1,11 @@
 //! Read begin/end accounting (the hot path): `EngineRef::begin_read` +
-//! dropping the guard, against a `Mutex<HashMap<EngineId, u64>>` counter
-//! doing the same begin/end, on 1 thread and on N threads.
+//! finishing the guard, against a `Mutex<HashMap<EngineId, u64>>` counter
+//! doing the same begin/end, on 1 thread and on N threads. The owned guard
+//! (`begin_read_owned`, two more atomic operations for its `Arc`) is
+//! measured beside it, for the record.
 //!
-//! Targets: <= 20 ns per begin+end uncontended, >= 5x the baseline.
+//! Targets (issue 19): the borrowed guard <= 12 ns per begin+end
+//! uncontended and >= 5x the baseline.
 
 mod common;
 
@@ -57,12 +60,14 @@ fn main() {
     let map: Arc<Mutex<HashMap<EngineId, u64>>> =
         Arc::new(Mutex::new(ids.iter().map(|id| (id.clone(), 0)).collect()));
 
-    // Warm up both.
+    // Warm up all three.
     guard_loop(&engines[0], iters / 10);
+    owned_loop(&engines[0], iters / 10);
     mutex_loop(&map, &ids[0], iters / 10);
 
     // 1 thread.
     let ours = best_of(3, || guard_loop(&engines[0], iters));
+    let owned = best_of(3, || owned_loop(&engines[0], iters));
     let base = best_of(3, || mutex_loop(&map, &ids[0], iters));
     println!();
     println!("1 thread (uncontended):");
@@ -71,13 +76,17 @@ fn main() {
         ns(ours, iters)
     );
     println!(
+        "  EngineRef::begin_read_owned + drop  {:6.1} ns/op (for the record)",
+        ns(owned, iters)
+    );
+    println!(
         "  Mutex<HashMap> +1 / -1 (baseline)   {:6.1} ns/op",
         ns(base, iters)
     );
     println!(
-        "  absolute: {:.1} ns (target <= 20 ns) {}",
+        "  absolute: {:.1} ns (target <= 12 ns) {}",
         ns(ours, iters),
-        if ns(ours, iters) <= 20.0 {
+        if ns(ours, iters) <= 12.0 {
             "PASS"
         } else {
             "MISS"
@@ -144,6 +153,15 @@ fn guard_loop(engine: &EngineRef, iters: u64) -> Duration {
     let start = Instant::now();
     for _ in 0..iters {
         let guard = black_box(engine).begin_read().unwrap();
+        guard.finish(black_box(NixlStatus::SUCCESS));
+    }
+    start.elapsed()
+}
+
+fn owned_loop(engine: &EngineRef, iters: u64) -> Duration {
+    let start = Instant::now();
+    for _ in 0..iters {
+        let guard = black_box(engine).begin_read_owned().unwrap();
         guard.finish(black_box(NixlStatus::SUCCESS));
     }
     start.elapsed()

@@ -61,11 +61,11 @@ pub const MAX_EVENT_CAPACITY: usize = 1 << 20;
 /// this. It keeps the documented 1 s for the default 5 s interval, so that
 /// lease renewals the runtime asks for between heartbeats still get
 /// rounds; at or under 1 s it is the interval itself.
-pub const DERIVED_RATE_PERIOD_CAP: Duration = Duration::from_secs(1);
+pub(crate) const DERIVED_RATE_PERIOD_CAP: Duration = Duration::from_secs(1);
 
 /// The jitter derived when none is set: the interval divided by this
 /// (10%).
-pub const DERIVED_JITTER_DIVISOR: u32 = 10;
+pub(crate) const DERIVED_JITTER_DIVISOR: u32 = 10;
 
 /// One knob: its environment name, default, syntax and meaning. The
 /// README's table is this list.
@@ -325,13 +325,13 @@ impl StallAction {
 
 /// The jitter used when none is set: 10% of the interval (nothing when
 /// periodic heartbeats are off: it only spreads them).
-pub fn derived_jitter(interval: Option<Duration>) -> Duration {
+pub(crate) fn derived_jitter(interval: Option<Duration>) -> Duration {
     interval.map_or(Duration::ZERO, |i| i / DERIVED_JITTER_DIVISOR)
 }
 
 /// The rate period used when none is set: the interval, capped at
 /// [`DERIVED_RATE_PERIOD_CAP`] (the cap alone when heartbeats are off).
-pub fn derived_rate_period(interval: Option<Duration>) -> Duration {
+pub(crate) fn derived_rate_period(interval: Option<Duration>) -> Duration {
     interval.map_or(DERIVED_RATE_PERIOD_CAP, |i| i.min(DERIVED_RATE_PERIOD_CAP))
 }
 

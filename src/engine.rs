@@ -30,6 +30,7 @@ use std::sync::Arc;
 use crate::core::cell::BeginRefused;
 use crate::core::EngineCell;
 use crate::error::ReadRefused;
+use crate::give_up::GiveUp;
 use crate::registration::RegistrationId;
 use crate::state::EngineState;
 use crate::transport::EngineId;
@@ -89,6 +90,13 @@ impl EngineRef {
     /// transfer may touch the engine's memory (until it is DONE, failed, or
     /// released); the service will not release the engine before.
     ///
+    /// The guard borrows this `EngineRef`: beginning and ending a read is
+    /// one atomic operation each, nothing else (the hot path every read
+    /// pays). For a read that moves to another task or thread, or outlives
+    /// the reference, use [`EngineRef::begin_read_owned`] (or
+    /// [`ReadGuard::into_owned`]), as with tokio's `Semaphore::acquire`
+    /// and `acquire_owned`.
+    ///
     /// Fails at once, without waiting, when the engine is unreachable,
     /// replaced, retiring or released: a decoder must not post a transfer
     /// to it.
@@ -96,19 +104,32 @@ impl EngineRef {
     /// Also refused, with `state` [`EngineState::Live`], when
     /// [`MAX_READS_IN_FLIGHT`] reads from this registration are in flight
     /// already (a runtime that leaks guards).
-    pub fn begin_read(&self) -> Result<ReadGuard, ReadRefused> {
+    #[inline]
+    pub fn begin_read(&self) -> Result<ReadGuard<'_>, ReadRefused> {
         match self.cell.begin_read() {
             Ok(done_at_begin) => Ok(ReadGuard {
-                cell: Arc::clone(&self.cell),
+                cell: &self.cell,
                 done_at_begin,
             }),
-            Err(refused) => Err(ReadRefused {
-                engine: self.id().clone(),
-                state: match refused {
-                    BeginRefused::State(state) => state,
-                    BeginRefused::Full => EngineState::Live,
-                },
-            }),
+            Err(refused) => Err(self.refused(refused)),
+        }
+    }
+
+    /// Starts a read like [`EngineRef::begin_read`], with a guard that owns
+    /// a reference to the registration (`'static`, `Send`): two more atomic
+    /// operations per read, for reads whose guard travels.
+    pub fn begin_read_owned(&self) -> Result<OwnedReadGuard, ReadRefused> {
+        self.begin_read().map(ReadGuard::into_owned)
+    }
+
+    #[cold]
+    fn refused(&self, refused: BeginRefused) -> ReadRefused {
+        ReadRefused {
+            engine: self.id().clone(),
+            state: match refused {
+                BeginRefused::State(state) => state,
+                BeginRefused::Full => EngineState::Live,
+            },
         }
     }
 
@@ -135,113 +156,128 @@ impl fmt::Debug for EngineRef {
     }
 }
 
-/// Why the runtime stopped waiting for a read whose transfer was still in
-/// progress. See [`ReadGuard::give_up`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum GiveUp {
-    /// The runtime's read timeout passed: its own verdict that the engine
-    /// is hung. When no read of the engine completed while this one was in
-    /// flight, and the decoder's reads from other engines still complete
-    /// (or no other engine has reads to compare with), the service treats
-    /// the engine as stalled at once, as if the read-stall bound had
-    /// passed: the read timeout is then the bound (keep it far above a
-    /// read's time). Nothing is marked when the read-stall check is off
-    /// (`NIXL_KEEPALIVE_READ_STALL=inf`).
-    TimedOut,
-    /// Given up for the runtime's own reasons: the request was aborted,
-    /// the decoder is stopping, or the service failed the engine's reads.
-    /// Not evidence about the engine, and not a completion either: the
-    /// engine's stall clock keeps running as if the read were in flight.
-    Cancelled,
-}
-
-impl GiveUp {
-    /// A short lowercase name, used in logs and as a metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            GiveUp::TimedOut => "timed_out",
-            GiveUp::Cancelled => "cancelled",
-        }
-    }
-}
-
-/// One read in flight. Dropping it ends the read as a completion.
+/// One read in flight, borrowing its [`EngineRef`] (see
+/// [`EngineRef::begin_read`]). Dropping it ends the read as a completion.
 ///
 /// Report how the transfer ended with [`ReadGuard::finish`]: a
 /// REMOTE_DISCONNECT result is how production learns of most dead peers.
 /// A transfer the runtime stops waiting for while it is in progress ends
 /// with [`ReadGuard::give_up`] instead.
 #[must_use = "dropping the guard ends the read at once, as a completion"]
-pub struct ReadGuard {
-    cell: Arc<EngineCell>,
+pub struct ReadGuard<'a> {
+    cell: &'a Arc<EngineCell>,
     /// The engine's completed count when the read began, or [`GIVEN_UP`]
-    /// once given up (the drop then has nothing left to do).
+    /// once given up or handed to an owned guard (the drop then has
+    /// nothing left to do).
     done_at_begin: u64,
 }
 
-/// Not a completed count (those have 36 bits): marks a guard given up.
+/// One read in flight, like [`ReadGuard`], owning a reference to its
+/// registration: for reads whose guard moves to another task or thread
+/// ([`EngineRef::begin_read_owned`]). Dropping it ends the read as a
+/// completion.
+#[must_use = "dropping the guard ends the read at once, as a completion"]
+pub struct OwnedReadGuard {
+    cell: Arc<EngineCell>,
+    /// As in [`ReadGuard`].
+    done_at_begin: u64,
+}
+
+/// Not a completed count (those have 36 bits): marks a guard whose read is
+/// no longer its to end.
 const GIVEN_UP: u64 = u64::MAX;
 
-impl ReadGuard {
-    /// The engine this read is from.
-    pub fn engine(&self) -> &EngineId {
-        self.cell.id()
-    }
-
-    /// Whether the service has failed this engine's reads (the peer is
-    /// unreachable, or it was declared gone in `fail` mode). The transfer
-    /// should be abandoned and its request failed or recomputed.
-    pub fn is_failed(&self) -> bool {
-        self.cell.reads_failed().is_cancelled()
-    }
-
-    /// Resolves when the service fails this engine's reads. Cancel safe;
-    /// the future owns what it needs (it may outlive the guard).
-    pub fn failed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        self.cell.reads_failed().clone().cancelled_owned()
-    }
-
-    /// Ends the read, reporting the raw NIXL status the transfer ended with
-    /// (`SUCCESS`, or the error `getXferStatus`/`postXferReq` returned).
-    /// An error reaches the service before the read is counted as ended,
-    /// so a REMOTE_DISCONNECT marks the engine before it can be released.
-    pub fn finish(self, status: NixlStatus) {
-        self.cell.report(status);
-        drop(self);
-    }
-
-    /// Ends the read as given up: the runtime stopped waiting for a
-    /// transfer still in progress (and released or abandoned the request).
-    /// Not a completion: see [`GiveUp`] for what the service makes of it.
-    ///
-    /// The transfer may still write the read's destination buffer: keep
-    /// the returned [`GivenUpRead`] with the buffer, and reuse the buffer
-    /// only once it says [`Destination::Reusable`].
-    pub fn give_up(mut self, why: GiveUp) -> GivenUpRead {
-        let done_at_begin = std::mem::replace(&mut self.done_at_begin, GIVEN_UP);
-        self.cell.give_up(why, done_at_begin);
-        GivenUpRead {
-            cell: Arc::clone(&self.cell),
-            why,
+impl ReadGuard<'_> {
+    /// The same read, with a guard that owns a reference to the
+    /// registration (one more atomic operation now and one at its end).
+    pub fn into_owned(mut self) -> OwnedReadGuard {
+        OwnedReadGuard {
+            cell: Arc::clone(self.cell),
+            done_at_begin: std::mem::replace(&mut self.done_at_begin, GIVEN_UP),
         }
     }
 }
 
-impl Drop for ReadGuard {
-    fn drop(&mut self) {
-        if self.done_at_begin != GIVEN_UP {
-            self.cell.end_read();
+/// What both guards do, written once: `$cell` reaches the
+/// `Arc<EngineCell>` from `self`.
+macro_rules! read_guard {
+    ($guard:ty, $name:literal, |$this:ident| $cell:expr) => {
+        impl $guard {
+            fn cell(&self) -> &Arc<EngineCell> {
+                let $this = self;
+                $cell
+            }
+
+            /// The engine this read is from.
+            pub fn engine(&self) -> &EngineId {
+                self.cell().id()
+            }
+
+            /// Whether the service has failed this engine's reads (the peer
+            /// is unreachable, or it was declared gone in `fail` mode). The
+            /// transfer should be abandoned and its request failed or
+            /// recomputed.
+            pub fn is_failed(&self) -> bool {
+                self.cell().reads_failed().is_cancelled()
+            }
+
+            /// Resolves when the service fails this engine's reads. Cancel
+            /// safe; the future owns what it needs (it may outlive the
+            /// guard).
+            pub fn failed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+                self.cell().reads_failed().clone().cancelled_owned()
+            }
+
+            /// Ends the read, reporting the raw NIXL status the transfer
+            /// ended with (`SUCCESS`, or the error
+            /// `getXferStatus`/`postXferReq` returned). An error reaches the
+            /// service before the read is counted as ended, so a
+            /// REMOTE_DISCONNECT marks the engine before it can be released.
+            #[inline]
+            pub fn finish(self, status: NixlStatus) {
+                self.cell().report(status);
+                drop(self);
+            }
+
+            /// Ends the read as given up: the runtime stopped waiting for a
+            /// transfer still in progress (and released or abandoned the
+            /// request). Not a completion: see [`GiveUp`] for what the
+            /// service makes of it.
+            ///
+            /// The transfer may still write the read's destination buffer:
+            /// keep the returned [`GivenUpRead`] with the buffer, and reuse
+            /// the buffer only once it says [`Destination::Reusable`].
+            pub fn give_up(mut self, why: GiveUp) -> GivenUpRead {
+                let done_at_begin = std::mem::replace(&mut self.done_at_begin, GIVEN_UP);
+                self.cell().give_up(why, done_at_begin);
+                GivenUpRead {
+                    cell: Arc::clone(self.cell()),
+                    why,
+                }
+            }
         }
-    }
+
+        impl Drop for $guard {
+            #[inline]
+            fn drop(&mut self) {
+                if self.done_at_begin != GIVEN_UP {
+                    self.cell().end_read();
+                }
+            }
+        }
+
+        impl fmt::Debug for $guard {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.debug_struct($name)
+                    .field("engine", self.engine())
+                    .finish()
+            }
+        }
+    };
 }
 
-impl fmt::Debug for ReadGuard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ReadGuard")
-            .field("engine", self.engine())
-            .finish()
-    }
-}
+read_guard!(ReadGuard<'_>, "ReadGuard", |this| this.cell);
+read_guard!(OwnedReadGuard, "OwnedReadGuard", |this| &this.cell);
 
 /// What may become of the destination buffer of a given-up read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

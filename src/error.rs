@@ -5,7 +5,7 @@ use std::fmt;
 
 use crate::registration::{Incarnation, Registration};
 use crate::state::EngineState;
-use crate::transport::{AgentName, EngineId, PeerAddr};
+use crate::transport::{AgentName, EngineId, PeerAddr, ReleaseStep, Transport};
 
 /// A read was not started: the engine is no longer one a decoder may read
 /// from. Nothing was counted; no transfer should be posted.
@@ -206,6 +206,38 @@ impl<R> RegisterError<R> {
             | RegisterError::Conflict { registration, .. }
             | RegisterError::Invalid { registration, .. } => Some(registration),
             RegisterError::ServiceGone { .. } => None,
+        }
+    }
+
+    /// Gives back what the refused registration holds, as the runtime
+    /// must (the service never took it): releases its resources and
+    /// invalidates its agents' remote metadata through `transport`, except
+    /// an agent the conflict names as another engine's (invalidating it
+    /// would close that healthy engine's endpoints). Returns the release
+    /// steps, empty when the service task ended holding the registration
+    /// ([`RegisterError::ServiceGone`]: nothing came back to give).
+    /// Blocking: [`Transport::release`] calls into NIXL.
+    pub fn give_back<T>(self, transport: &T) -> Vec<ReleaseStep>
+    where
+        T: Transport<Resources = R> + ?Sized,
+    {
+        let held = match &self {
+            RegisterError::Conflict {
+                conflict: Conflict::AgentInUse { agent, .. },
+                ..
+            } => Some(agent.clone()),
+            _ => None,
+        };
+        match self.into_registration() {
+            Some(r) => {
+                let agents: Vec<AgentName> = r
+                    .agents
+                    .into_iter()
+                    .filter(|a| Some(a) != held.as_ref())
+                    .collect();
+                transport.release(&r.engine, &agents, r.resources)
+            }
+            None => Vec::new(),
         }
     }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, RwLock};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::core::{Answer, EngineCell, Input, RequestId, TicketId, Wake, WakeSink};
-use crate::engine::{EngineRef, ReadGuard};
+use crate::engine::{EngineRef, OwnedReadGuard};
 use crate::error::{ClaimRefused, ReadRefused, RegisterError, ServiceStopped};
 use crate::event::Event;
 use crate::lease::{check_request_id, RequestIdError};
@@ -215,10 +215,11 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
     }
 
     /// Starts a read from `engine` by id. Keeping the [`EngineRef`] and
-    /// calling [`EngineRef::begin_read`] skips the lookup.
-    pub fn begin_read(&self, engine: &EngineId) -> Result<ReadGuard, ReadRefused> {
+    /// calling [`EngineRef::begin_read`] skips the lookup (and the guard's
+    /// own reference to the registration: this guard owns one).
+    pub fn begin_read(&self, engine: &EngineId) -> Result<OwnedReadGuard, ReadRefused> {
         match self.engine(engine) {
-            Some(e) => e.begin_read(),
+            Some(e) => e.begin_read_owned(),
             None => Err(ReadRefused {
                 engine: engine.clone(),
                 state: EngineState::Released,

@@ -8,6 +8,11 @@
 
 use crate::text::{check_name, Escaped, NameError};
 
+/// The `HB:` text the service sends (split so no message passes
+/// [`MAX_HEARTBEAT_BYTES`]): for a prefill written against this crate, and
+/// for tests that check what goes on the wire.
+pub use crate::core::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
+
 /// The longest request id accepted, in bytes. vLLM's ids (`cmpl-<uuid>-0`
 /// and the like) are under 100.
 pub const MAX_REQUEST_ID: usize = 256;

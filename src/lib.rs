@@ -101,6 +101,7 @@
 //! blocking workers in batches, and a watchdog gives the calls queued
 //! behind a hung one a worker of their own.
 #![forbid(unsafe_code)]
+#![deny(missing_docs, unreachable_pub)]
 
 pub mod config;
 mod core;
@@ -109,6 +110,7 @@ mod error;
 mod event;
 #[cfg(feature = "fake")]
 pub mod fake;
+mod give_up;
 mod handle;
 pub mod lease;
 pub mod log_limit;
@@ -126,11 +128,14 @@ pub mod transport;
 pub mod ucx_settings;
 pub mod ucx_time;
 
-pub use crate::core::{heartbeat_messages, HEARTBEAT_SLOT, MAX_HEARTBEAT_BYTES};
+pub use crate::core::HEARTBEAT_SLOT;
 pub use config::{Config, ConfigBuilder, ConfigError, ConfigErrors, StallAction};
-pub use engine::{Destination, EngineRef, GiveUp, GivenUpRead, ReadGuard, MAX_READS_IN_FLIGHT};
+pub use engine::{
+    Destination, EngineRef, GivenUpRead, OwnedReadGuard, ReadGuard, MAX_READS_IN_FLIGHT,
+};
 pub use error::{ClaimRefused, Conflict, ReadRefused, RegisterError, ServiceStopped};
 pub use event::{Event, ReleaseReason, Source, WaitedFor};
+pub use give_up::GiveUp;
 pub use handle::{Handshake, KeepaliveHandle, Ready, ReadyToLoad};
 pub use offload::{HUNG_AFTER, TRANSPORT_THREADS_CAP};
 pub use registration::{

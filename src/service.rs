@@ -330,6 +330,12 @@ impl<T: Transport> Keepalive<T> {
                         directory.remove(&engine);
                     }
                 }
+                Action::FailReads { cell } => cell.fail_reads(),
+                Action::ReleaseFinished {
+                    cell,
+                    transfers_ended,
+                } => cell.release_finished(transfers_ended),
+                Action::Count(count) => telemetry::record(count),
                 Action::Emit(event) => {
                     // No subscriber is not an error.
                     let _ = self.events.send(event);

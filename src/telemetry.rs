@@ -7,10 +7,9 @@ use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 
-use crate::engine::GiveUp;
-use crate::event::{ReleaseReason, Source};
+use crate::core::Count;
+use crate::event::Source;
 use crate::state::EngineState;
-use crate::NixlStatus;
 
 /// Heartbeat notifications accepted by NIXL (one per agent).
 pub const HEARTBEATS_SENT: &str = "nixl_keepalive_heartbeats_sent_total";
@@ -76,42 +75,6 @@ pub const DETECTION_BOUND_FROZEN: &str = "nixl_keepalive_detection_bound_frozen_
 /// engine id, address or incarnation), by `kind`.
 pub const IDENTITY_CONFLICTS: &str = "nixl_keepalive_identity_conflicts_total";
 
-pub(crate) fn identity_conflict(kind: &'static str) {
-    counter!(IDENTITY_CONFLICTS, "kind" => kind).increment(1);
-}
-
-pub(crate) fn heartbeats_sent(count: usize) {
-    if count > 0 {
-        counter!(HEARTBEATS_SENT).increment(count as u64);
-    }
-}
-
-/// An error status, counted by where it was seen.
-pub(crate) fn status_error(source: Source, status: NixlStatus) {
-    let name = match source {
-        Source::Heartbeat => HEARTBEATS_FAILED,
-        Source::Transfer => TRANSFER_ERRORS,
-    };
-    counter!(name, "status" => status.name()).increment(1);
-}
-
-pub(crate) fn read_stall(action: &'static str) {
-    counter!(READ_STALLS, "action" => action).increment(1);
-}
-
-pub(crate) fn read_given_up(why: GiveUp, unanswered: bool) {
-    counter!(READS_GIVEN_UP, "why" => why.as_str(), "answered" => if unanswered { "false" } else { "true" })
-        .increment(1);
-}
-
-pub(crate) fn decoder_stuck() {
-    counter!(DECODER_STALLS).increment(1);
-}
-
-pub(crate) fn transport_panicked(call: &'static str) {
-    counter!(TRANSPORT_PANICS, "call" => call).increment(1);
-}
-
 pub(crate) fn transport_threads(threads: usize) {
     gauge!(TRANSPORT_THREADS).set(threads as f64);
 }
@@ -122,19 +85,6 @@ pub(crate) fn transport_calls_hung(now: usize) {
 
 pub(crate) fn transport_calls_hung_counted(newly: u64) {
     counter!(TRANSPORT_CALLS_HUNG_TOTAL).increment(newly);
-}
-
-pub(crate) fn heartbeat_deferred() {
-    counter!(HEARTBEATS_DEFERRED).increment(1);
-}
-
-pub(crate) fn released(reason: ReleaseReason, since_mark: Duration) {
-    counter!(RELEASES, "reason" => reason.as_str()).increment(1);
-    histogram!(DETECTION_TO_RELEASE).record(since_mark.as_secs_f64());
-}
-
-pub(crate) fn release_step_failed(status: NixlStatus) {
-    counter!(RELEASE_STEPS_FAILED, "status" => status.name()).increment(1);
 }
 
 /// What one agent's invalidation did to its endpoints.
@@ -160,13 +110,6 @@ pub(crate) fn ucx_endpoints(open: usize) {
     gauge!(UCX_ENDPOINTS).set(open as f64);
 }
 
-pub(crate) fn census(by_state: [usize; 6], reads: u64) {
-    for state in EngineState::all() {
-        gauge!(ENGINES, "state" => state.as_str()).set(by_state[state as usize] as f64);
-    }
-    gauge!(READS_IN_FLIGHT).set(reads as f64);
-}
-
 pub(crate) fn detection_bound(
     crashed: Option<Duration>,
     silent: Option<Duration>,
@@ -176,4 +119,42 @@ pub(crate) fn detection_bound(
     gauge!(DETECTION_BOUND_CRASH).set(secs(crashed));
     gauge!(DETECTION_BOUND_SILENT).set(secs(silent));
     gauge!(DETECTION_BOUND_FROZEN).set(secs(frozen));
+}
+
+/// Records what the core counted (the core never touches the recorder).
+pub(crate) fn record(count: Count) {
+    match count {
+        Count::HeartbeatsSent(n) => counter!(HEARTBEATS_SENT).increment(n),
+        Count::HeartbeatsDeferred(n) => counter!(HEARTBEATS_DEFERRED).increment(n),
+        Count::StatusError { source, status } => {
+            let name = match source {
+                Source::Heartbeat => HEARTBEATS_FAILED,
+                Source::Transfer => TRANSFER_ERRORS,
+            };
+            counter!(name, "status" => status.name()).increment(1);
+        }
+        Count::IdentityConflict(kind) => counter!(IDENTITY_CONFLICTS, "kind" => kind).increment(1),
+        Count::ReadStall(action) => counter!(READ_STALLS, "action" => action).increment(1),
+        Count::ReadGivenUp { why, unanswered } => counter!(
+            READS_GIVEN_UP,
+            "why" => why.as_str(),
+            "answered" => if unanswered { "false" } else { "true" }
+        )
+        .increment(1),
+        Count::DecoderStuck => counter!(DECODER_STALLS).increment(1),
+        Count::TransportPanicked(call) => counter!(TRANSPORT_PANICS, "call" => call).increment(1),
+        Count::Released { reason, since_mark } => {
+            counter!(RELEASES, "reason" => reason.as_str()).increment(1);
+            histogram!(DETECTION_TO_RELEASE).record(since_mark.as_secs_f64());
+        }
+        Count::ReleaseStepFailed(status) => {
+            counter!(RELEASE_STEPS_FAILED, "status" => status.name()).increment(1)
+        }
+        Count::Census { by_state, reads } => {
+            for state in EngineState::all() {
+                gauge!(ENGINES, "state" => state.as_str()).set(by_state[state as usize] as f64);
+            }
+            gauge!(READS_IN_FLIGHT).set(reads as f64);
+        }
+    }
 }

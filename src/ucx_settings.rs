@@ -82,7 +82,7 @@ pub const LINUX_TCP_RETRANSMIT_LIMIT: Duration = Duration::from_millis(924_600);
 
 /// Where a value came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Source {
+pub enum Origin {
     /// UCX's own configuration (`ucp_config_read`), which includes the
     /// environment and UCX's config files.
     Ucx,
@@ -97,14 +97,14 @@ pub enum Source {
     Host,
 }
 
-impl fmt::Display for Source {
+impl fmt::Display for Origin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Source::Ucx => "ucx",
-            Source::Environment => "env",
-            Source::Default => "default",
-            Source::Assumed => "assumed",
-            Source::Host => "host",
+            Origin::Ucx => "ucx",
+            Origin::Environment => "env",
+            Origin::Default => "default",
+            Origin::Assumed => "assumed",
+            Origin::Host => "host",
         })
     }
 }
@@ -117,7 +117,7 @@ pub struct Setting<T> {
     /// The text it was read from (`2s`, `20000000.00us`, `y`).
     pub raw: String,
     /// Where it came from.
-    pub source: Source,
+    pub source: Origin,
 }
 
 /// A count that UCX also accepts as `inf` (`UCX_KEEPALIVE_NUM_EPS`).
@@ -248,12 +248,12 @@ impl UcxSettings {
         let pick = |var: &'static str, ucx_name: Option<&str>, default: &str| {
             if let (Some(u), Some(n)) = (ucx, ucx_name) {
                 if let Some(v) = u(n) {
-                    return (v, Source::Ucx);
+                    return (v, Origin::Ucx);
                 }
             }
             match env(var) {
-                Some(v) => (v, Source::Environment),
-                None => (default.to_owned(), Source::Default),
+                Some(v) => (v, Origin::Environment),
+                None => (default.to_owned(), Origin::Default),
             }
         };
         let time = |var: &'static str, ucx_name, default, field| {
@@ -347,12 +347,12 @@ impl UcxSettings {
             error_handling: Setting {
                 value: ErrorHandling::Peer,
                 raw: "peer".into(),
-                source: Source::Assumed,
+                source: Origin::Assumed,
             },
             rdma_devices: Setting {
                 value: true,
                 raw: "assumed".into(),
-                source: Source::Assumed,
+                source: Origin::Assumed,
             },
         })
     }
@@ -464,7 +464,7 @@ fn host_rdma_devices() -> Setting<bool> {
         } else {
             devices.join(",")
         },
-        source: Source::Host,
+        source: Origin::Host,
     }
 }
 
@@ -778,14 +778,14 @@ mod tests {
         assert_eq!(s.tcp_keepcnt.value, KeepCount::Auto);
         assert!(s.cuda_ipc_cache.value);
         assert_eq!(s.tls.value, vec!["all".to_string()]);
-        assert_eq!(s.ud_timeout.source, Source::Default);
+        assert_eq!(s.ud_timeout.source, Origin::Default);
     }
 
     #[test]
     fn environment_values_are_read_and_labelled() {
         let s = with_env(&[("UCX_KEEPALIVE_INTERVAL", "2s"), ("UCX_UD_TIMEOUT", "5s")]).unwrap();
         assert_eq!(s.keepalive_interval.value, UcxTime::Finite(secs(2.0)));
-        assert_eq!(s.keepalive_interval.source, Source::Environment);
+        assert_eq!(s.keepalive_interval.source, Origin::Environment);
         assert_eq!(s.ud_timeout.value, secs(5.0));
     }
 
@@ -799,7 +799,7 @@ mod tests {
         let env = |n: &str| (n == "UCX_KEEPALIVE_INTERVAL").then(|| "9s".to_string());
         let s = UcxSettings::from_lookup(&env, Some(&ucx)).unwrap();
         assert_eq!(s.keepalive_interval.value, UcxTime::Finite(secs(3.0)));
-        assert_eq!(s.keepalive_interval.source, Source::Ucx);
+        assert_eq!(s.keepalive_interval.source, Origin::Ucx);
     }
 
     #[test]

@@ -452,34 +452,6 @@ fn glibc_scan_double(s: &[u8]) -> Option<usize> {
     ok.then_some(i)
 }
 
-/// Checks the parser's invariants on one input, panicking on a breach: no
-/// panic; an accepted value is one UCX accepts too, lies within
-/// [`MAX_TIME`], and formats to text that parses back to the same value; a
-/// rejected value's `ucx_accepts` agrees with [`ucx_accepts`]. Shared by
-/// the fuzz target and the test that replays its corpus.
-#[doc(hidden)]
-pub fn check_invariants(s: &str) {
-    for field in [TimeField::Time, TimeField::TimeUnits] {
-        match parse_time(s, field) {
-            Ok(t) => {
-                assert!(ucx_accepts(s, field), "{s:?} accepted but not by UCX");
-                if let UcxTime::Finite(d) = t {
-                    assert!(d <= MAX_TIME);
-                } else {
-                    assert_eq!(field, TimeField::TimeUnits);
-                }
-                let again = parse_time(&t.to_string(), field);
-                assert_eq!(again, Ok(t), "{s:?} -> {t}");
-            }
-            Err(e) => {
-                assert_eq!(e.ucx_accepts, ucx_accepts(s, field), "{s:?}");
-                assert_eq!(e.value, s);
-                let _ = e.to_string();
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,11 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nixl_keepalive::fake::{FakeConfig, FakeOp, FakeUcx};
+use nixl_keepalive::lease::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
 use nixl_keepalive::lease::{RequestIdError, MAX_REQUEST_ID};
 use nixl_keepalive::text::NameError;
-use nixl_keepalive::{
-    heartbeat_messages, Config, EngineRef, KeepaliveHandle, PeerAddr, MAX_HEARTBEAT_BYTES,
-};
+use nixl_keepalive::{Config, EngineRef, KeepaliveHandle, PeerAddr};
 use proptest::prelude::*;
 use tokio_util::sync::CancellationToken;
 

@@ -18,11 +18,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
+use nixl_keepalive::fake::{AuditedUcx, FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
-    AgentName, Config, Departure, EngineId, EngineRef, EngineState, Event, GoneMode, Handshake,
-    Incarnation, KeepaliveHandle, PeerAddr, PeerRef, ReadGuard, Ready, ReleaseStep, Transport,
-    TransportError, UcsStatus, HEARTBEAT_SLOT,
+    Config, Departure, EngineId, EngineRef, EngineState, Event, GoneMode, Handshake, Incarnation,
+    KeepaliveHandle, OwnedReadGuard, PeerAddr, PeerRef, Ready, Transport, UcsStatus,
+    HEARTBEAT_SLOT,
 };
 use proptest::prelude::*;
 use tokio::time::Instant;
@@ -33,54 +33,22 @@ const INTERVAL: Duration = Duration::from_secs(2);
 const JITTER: Duration = Duration::from_millis(200);
 const RATE_PERIOD: Duration = Duration::from_millis(500);
 
-/// The test's own count of reads per registration, keyed by the
-/// registration's resources (unique per load).
+/// The test's own record: its count of reads per registration lives in
+/// the audited transport ([`AuditedUcx::track`]), which reports a release
+/// under a read here; the test's other checks report here too.
 #[derive(Default)]
 struct Ledger {
-    reads: Mutex<Vec<(FakeResources, Arc<AtomicUsize>)>>,
     violations: Mutex<Vec<String>>,
 }
 
-/// The fake, with every release audited against the ledger.
-struct Audited {
-    ucx: FakeUcx,
-    ledger: Arc<Ledger>,
-}
-
-impl Transport for Audited {
-    type Resources = FakeResources;
-
-    fn notify(&self, agent: &AgentName, message: &[u8]) -> Result<(), TransportError> {
-        self.ucx.notify(agent, message)
-    }
-
-    fn release(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-        resources: FakeResources,
-    ) -> Vec<ReleaseStep> {
-        let reads = self
-            .ledger
-            .reads
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|(r, _)| *r == resources)
-            .map(|(_, n)| n.load(Ordering::SeqCst));
-        match reads {
-            Some(0) => {}
-            Some(n) => self
-                .ledger
-                .violations
-                .lock()
-                .unwrap()
-                .push(format!("{engine} released with {n} read(s) in flight")),
-            None => self.ledger.violations.lock().unwrap().push(format!(
-                "{engine} released resources the test never registered"
-            )),
-        }
-        self.ucx.release(engine, agents, resources)
+impl Ledger {
+    /// The fake, with every release audited against the test's read
+    /// counts, each violation recorded in this ledger.
+    fn audited(self: &Arc<Self>, ucx: &FakeUcx) -> AuditedUcx {
+        let ledger = self.clone();
+        AuditedUcx::new(ucx.clone(), move |v| {
+            ledger.violations.lock().unwrap().push(v)
+        })
     }
 }
 
@@ -148,7 +116,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 struct Read {
-    guard: ReadGuard,
+    guard: OwnedReadGuard,
     count: Arc<AtomicUsize>,
     engine: EngineId,
 }
@@ -164,6 +132,7 @@ struct Watch {
 struct Run {
     ucx: FakeUcx,
     ledger: Arc<Ledger>,
+    audit: Arc<AuditedUcx>,
     handle: KeepaliveHandle<FakeResources>,
     events: tokio::sync::broadcast::Receiver<Event>,
     /// Registrations the test holds, latest last, with their read counts.
@@ -229,7 +198,7 @@ impl Run {
     async fn attempt(
         handle: KeepaliveHandle<FakeResources>,
         ucx: FakeUcx,
-        ledger: Arc<Ledger>,
+        audit: Arc<AuditedUcx>,
         address: PeerAddr,
     ) -> Option<(EngineRef, Option<Arc<AtomicUsize>>)> {
         let handshake = handle.handshake(address.clone());
@@ -246,12 +215,7 @@ impl Run {
             Ready::Load(ready) => ready,
         };
         let hs = ucx.load_metadata(&metadata).ok()?;
-        let count = Arc::new(AtomicUsize::new(0));
-        ledger
-            .reads
-            .lock()
-            .unwrap()
-            .push((hs.resources.clone(), count.clone()));
+        let count = audit.track(hs.resources.clone());
         let engine = ready.register(hs.resources).await.expect("service runs");
         Some((engine, Some(count)))
     }
@@ -282,7 +246,7 @@ impl Run {
         let got = Self::attempt(
             self.handle.clone(),
             self.ucx.clone(),
-            self.ledger.clone(),
+            self.audit.clone(),
             addr(i),
         )
         .await;
@@ -294,7 +258,7 @@ impl Run {
             Self::attempt(
                 self.handle.clone(),
                 self.ucx.clone(),
-                self.ledger.clone(),
+                self.audit.clone(),
                 addr(i),
             )
         };
@@ -430,7 +394,7 @@ impl Run {
                     self.engines.iter().rposition(|(e, _, _)| e.id() == &id) == Some(index);
                 let count = count.clone();
                 let engine = engine.clone();
-                if let Ok(guard) = engine.begin_read() {
+                if let Ok(guard) = engine.begin_read_owned() {
                     {
                         if is_latest && self.marked.contains(&id) {
                             self.violation(format!("a read started on {id}, which was marked"));
@@ -620,15 +584,13 @@ fn run(ops: Vec<Op>, seed: u64) -> Vec<String> {
             .build()
             .unwrap();
         let shutdown = CancellationToken::new();
-        let transport = Arc::new(Audited {
-            ucx: ucx.clone(),
-            ledger: ledger.clone(),
-        });
-        let (handle, task) = nixl_keepalive::spawn(transport, config, shutdown.clone());
+        let audit = Arc::new(ledger.audited(&ucx));
+        let (handle, task) = nixl_keepalive::spawn(audit.clone(), config, shutdown.clone());
         let events = handle.subscribe();
         let mut run = Run {
             ucx: ucx.clone(),
             ledger: ledger.clone(),
+            audit,
             handle,
             events,
             engines: Vec::new(),
@@ -761,10 +723,7 @@ fn the_audit_catches_a_release_under_a_read() {
     // are being read.
     let ucx = FakeUcx::new(FakeConfig::default());
     let ledger = Arc::new(Ledger::default());
-    let audited = Audited {
-        ucx: ucx.clone(),
-        ledger: ledger.clone(),
-    };
+    let audited = ledger.audited(&ucx);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
@@ -772,11 +731,9 @@ fn the_audit_catches_a_release_under_a_read() {
     rt.block_on(async {
         let p = ucx.spawn_prefill(addr(0), 1);
         let hs = ucx.handshake(&addr(0)).unwrap();
-        ledger
-            .reads
-            .lock()
-            .unwrap()
-            .push((hs.resources.clone(), Arc::new(AtomicUsize::new(1))));
+        audited
+            .track(hs.resources.clone())
+            .fetch_add(1, Ordering::SeqCst);
         audited.release(&p, &hs.agents, hs.resources);
     });
     assert_eq!(ledger.violations.lock().unwrap().len(), 1);

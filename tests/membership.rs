@@ -8,7 +8,7 @@ use std::time::Duration;
 use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::membership::memory::{InMemoryStore, LeaseId};
 use nixl_keepalive::membership::{
-    self, Action, Member, MembershipConfig, MembershipUpdate, Reconciler, RetireWhy, SourceEvent,
+    self, Decision, Member, MembershipConfig, MembershipUpdate, Reconciler, RetireWhy, SourceEvent,
 };
 use nixl_keepalive::{
     Config, EngineId, EngineRef, EngineState, Event, GoneMode, KeepaliveHandle, NixlStatus,
@@ -534,7 +534,7 @@ fn an_engine_under_two_keys_is_retired_only_when_both_are_gone() {
     let a = r.apply(del("k2", 4));
     assert!(matches!(
         &a[..],
-        [Action::Retire {
+        [Decision::Retire {
             why: RetireWhy::Deleted,
             ..
         }]
@@ -562,11 +562,11 @@ fn a_list_announces_only_what_is_new_and_retires_only_what_is_missing() {
     assert_eq!(
         a,
         vec![
-            Action::Retire {
+            Decision::Retire {
                 member: Member::new("e2", "h:2", 1),
                 why: RetireWhy::MissingFromList,
             },
-            Action::Announce(Member::new("e3", "h:2", 1)),
+            Decision::Announce(Member::new("e3", "h:2", 1)),
         ]
     );
     assert_eq!(r.revision(), 10);
@@ -963,14 +963,14 @@ fn a_list_from_another_cluster_sets_aside_what_it_lacks_until_the_grace_period_e
     assert_eq!(
         a,
         vec![
-            Action::StoreReset { awaited: 1 },
-            Action::Announce(Member::new("e3", "h:3", 1))
+            Decision::StoreReset { awaited: 1 },
+            Decision::Announce(Member::new("e3", "h:3", 1))
         ]
     );
     assert_eq!(r.awaited().len(), 1);
     assert_eq!(
         r.end_reset_grace(),
-        vec![Action::Retire {
+        vec![Decision::Retire {
             member: Member::new("e2", "h:2", 1),
             why: RetireWhy::MissingAfterReset
         }]
@@ -987,7 +987,7 @@ fn a_revision_that_went_back_is_a_store_reset_and_a_key_written_again_is_no_long
     let a = r.apply(listed(1, 1, &[]));
     assert_eq!(
         a,
-        vec![Action::StoreReset { awaited: 3 }],
+        vec![Decision::StoreReset { awaited: 3 }],
         "nothing retired"
     );
     assert_eq!(r.revision(), 1, "resumes from the new store's revision");
@@ -999,18 +999,18 @@ fn a_revision_that_went_back_is_a_store_reset_and_a_key_written_again_is_no_long
     assert_eq!(
         r.apply(put("k2", "e2", "h:9", 3)),
         vec![
-            Action::Retire {
+            Decision::Retire {
                 member: Member::new("e2", "h:2", 1),
                 why: RetireWhy::Replaced {
                     by: EngineId::from("e2")
                 },
             },
-            Action::Announce(Member::new("e2", "h:9", 1))
+            Decision::Announce(Member::new("e2", "h:9", 1))
         ]
     );
     assert_eq!(
         r.end_reset_grace(),
-        vec![Action::Retire {
+        vec![Decision::Retire {
             member: Member::new("e3", "h:3", 1),
             why: RetireWhy::MissingAfterReset
         }]
@@ -1023,11 +1023,11 @@ fn a_first_list_and_a_later_one_of_the_same_store_are_no_reset() {
     let mut r = Reconciler::new();
     assert!(!r
         .apply(listed(7, 3, &[("k1", "e1", "h:1")]))
-        .contains(&Action::StoreReset { awaited: 0 }));
+        .contains(&Decision::StoreReset { awaited: 0 }));
     let a = r.apply(listed(9, 3, &[]));
     assert_eq!(
         a,
-        vec![Action::Retire {
+        vec![Decision::Retire {
             member: Member::new("e1", "h:1", 1),
             why: RetireWhy::MissingFromList
         }]
@@ -1049,7 +1049,7 @@ fn a_second_reset_during_the_grace_keeps_awaiting_and_an_engine_found_under_anot
     ));
     assert_eq!(
         r.apply(listed(2, 2, &[("k1", "e1", "h:1")])),
-        vec![Action::StoreReset { awaited: 2 }]
+        vec![Decision::StoreReset { awaited: 2 }]
     );
     // Wiped again before the grace ended: k1 had come back, now it is
     // awaited too; e3 comes back under another key.
@@ -1057,15 +1057,15 @@ fn a_second_reset_during_the_grace_keeps_awaiting_and_an_engine_found_under_anot
     assert_eq!(
         a,
         vec![
-            Action::StoreReset { awaited: 3 },
-            Action::Announce(Member::new("e3", "h:3", 1))
+            Decision::StoreReset { awaited: 3 },
+            Decision::Announce(Member::new("e3", "h:3", 1))
         ]
     );
     let mut retired: Vec<String> = r
         .end_reset_grace()
         .into_iter()
         .map(|a| match a {
-            Action::Retire {
+            Decision::Retire {
                 member,
                 why: RetireWhy::MissingAfterReset,
             } => member.engine_id,

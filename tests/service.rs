@@ -191,6 +191,48 @@ async fn a_dead_peer_is_kept_while_a_read_from_it_is_in_flight_and_released_when
     w.stop().await.assert_nothing_leaked();
 }
 
+/// The owned guard (and a borrowed one turned owned) keeps the read for
+/// as long as it lives, wherever it went: the read counts once, the
+/// borrowed guard it came from ends nothing, and the release waits for the
+/// spawned task's finish.
+#[tokio::test(start_paused = true)]
+async fn owned_reads_moved_to_other_tasks_hold_a_dead_peer_until_they_end() {
+    let mut w = world(FakeConfig::default(), config());
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    let engine = w.connect(&addr(1)).await;
+    let owned = engine.begin_read_owned().unwrap();
+    let converted = engine.begin_read().unwrap().into_owned();
+    assert_eq!(engine.reads_in_flight(), 2, "into_owned keeps the one read");
+    let (end_tx, end_rx) = tokio::sync::oneshot::channel::<()>();
+    let ucx = w.ucx.clone();
+    let id = p.clone();
+    let reader = tokio::spawn(async move {
+        let _ = end_rx.await;
+        owned.finish(ucx.read(&id));
+        drop(converted);
+    });
+    w.ucx.crash(&p);
+    w.until(Duration::from_secs(6), |e| {
+        matches!(e, Event::Unreachable { .. }).then_some(())
+    })
+    .await;
+    w.run_for(Duration::from_secs(30)).await;
+    assert_eq!(engine.reads_in_flight(), 2);
+    assert_eq!(
+        w.ucx.held_by(&p).remote_metadata,
+        1,
+        "not released under reads held by another task"
+    );
+    end_tx.send(()).unwrap();
+    reader.await.unwrap();
+    match w.released(&p, Duration::from_millis(1)).await {
+        Event::Released { waited_for, .. } => assert_eq!(waited_for.reads_in_flight_at_mark, 2),
+        _ => unreachable!(),
+    }
+    assert_eq!(engine.reads_in_flight(), 0);
+    w.stop().await.assert_nothing_leaked();
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_per_engine_heartbeat_is_rate_limited_lease_renewals_included() {
     let w = world(FakeConfig::default(), config());

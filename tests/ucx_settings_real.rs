@@ -1,6 +1,6 @@
 //! `UcxSettings::read` against the real UCX, when one can be loaded.
 
-use nixl_keepalive::ucx_settings::{detection_bound, warnings, Source, UcxSettings};
+use nixl_keepalive::ucx_settings::{detection_bound, warnings, Origin, UcxSettings};
 use std::time::Duration;
 
 #[test]
@@ -19,8 +19,8 @@ fn settings_come_from_ucx_itself_when_it_is_loaded() {
     }
     match ucx_sys::Ucx::get() {
         Ok(_) => {
-            assert_eq!(s.keepalive_interval.source, Source::Ucx);
-            assert_eq!(s.tls.source, Source::Ucx);
+            assert_eq!(s.keepalive_interval.source, Origin::Ucx);
+            assert_eq!(s.tls.source, Origin::Ucx);
         }
         Err(e) => {
             if std::env::var("NIXL_KEEPALIVE_REQUIRE_REAL").as_deref() == Ok("1") {

@@ -488,7 +488,7 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
     use nixl_keepalive::membership::etcd::etcd_client::{Client, PutOptions};
     use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdSource};
     use nixl_keepalive::membership::{
-        Action, Member, MembershipSource, Reconciler, RetireWhy, SourceEvent,
+        Decision, Member, MembershipSource, Reconciler, RetireWhy, SourceEvent,
     };
 
     let Some(etcd) = EtcdServer::start_or_skip() else {
@@ -531,12 +531,12 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
         let list_rev = *revision;
         let actions = reconciler.apply(listed);
         assert!(
-            actions.contains(&Action::Announce(m1.clone())),
+            actions.contains(&Decision::Announce(m1.clone())),
             "{actions:?}"
         );
         assert!(actions
             .iter()
-            .any(|a| matches!(a, Action::BadValue { key, .. } if key.ends_with("junk"))));
+            .any(|a| matches!(a, Decision::BadValue { key, .. } if key.ends_with("junk"))));
 
         // A restart under a new id at the same address.
         let m2 = Member::new("e2", "127.0.0.1:7001", 2);
@@ -553,13 +553,13 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
         // evidence about the engine there (the runtime's handshake at the
         // address is).
         let actions = reconciler.apply(put);
-        assert_eq!(actions, vec![Action::Announce(m2.clone())]);
+        assert_eq!(actions, vec![Decision::Announce(m2.clone())]);
         // The old key goes later: its record is retired (the service
         // judges it against e1's registration, if any).
         client.delete(format!("{prefix}e1"), None).await.unwrap();
         assert_eq!(
             reconciler.apply(next(&mut source).await),
-            vec![Action::Retire {
+            vec![Decision::Retire {
                 member: m1.clone(),
                 why: RetireWhy::Deleted
             }]
@@ -579,7 +579,7 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
         let put_at = Instant::now();
         assert_eq!(
             reconciler.apply(next(&mut source).await),
-            vec![Action::Announce(m3.clone())]
+            vec![Decision::Announce(m3.clone())]
         );
         let expired = next(&mut source).await;
         let expired_after = put_at.elapsed();
@@ -589,7 +589,7 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
         );
         assert_eq!(
             reconciler.apply(expired),
-            vec![Action::Retire {
+            vec![Decision::Retire {
                 member: m3,
                 why: RetireWhy::Deleted
             }]
@@ -1039,7 +1039,7 @@ fn padded_records(prefix: &str, n: usize, size: usize) -> Vec<(String, String)> 
 #[test]
 fn a_prefix_over_4_mib_is_listed_whole_in_pages_and_a_value_over_the_limit_is_reported_as_such() {
     use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdSource};
-    use nixl_keepalive::membership::{Action, MembershipSource, Reconciler, SourceEvent};
+    use nixl_keepalive::membership::{Decision, MembershipSource, Reconciler, SourceEvent};
 
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
@@ -1090,7 +1090,7 @@ fn a_prefix_over_4_mib_is_listed_whole_in_pages_and_a_value_over_the_limit_is_re
             assert_eq!(
                 actions
                     .iter()
-                    .filter(|a| matches!(a, Action::Announce(_)))
+                    .filter(|a| matches!(a, Decision::Announce(_)))
                     .count(),
                 1200
             );

@@ -46,6 +46,10 @@ pub mod endpoints;
 mod error;
 mod runtime;
 mod status;
+/// Test support for the real runtime (feature `testing`): not part of the
+/// binding's API, for this workspace's tests and anyone testing against
+/// the real runtime the same way.
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
 pub use agent::{

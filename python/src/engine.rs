@@ -16,7 +16,7 @@
 
 use std::sync::Mutex;
 
-use nixl_keepalive::{EngineRef, ReadGuard};
+use nixl_keepalive::{EngineRef, OwnedReadGuard};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
@@ -98,7 +98,7 @@ impl Engine {
     /// released before the read ends. Raises `ReadRefused` at once (no
     /// wait) when the engine is not live: post no transfer to it.
     fn read(&self, py: Python<'_>) -> PyResult<Read> {
-        match self.inner.begin_read() {
+        match self.inner.begin_read_owned() {
             Ok(guard) => Ok(Read {
                 guard: Mutex::new(Some(guard)),
                 engine: self.inner.clone(),
@@ -144,12 +144,12 @@ impl Engine {
 /// ends it with the transfer's raw status.
 #[pyclass(module = "nixl_keepalive._native", frozen)]
 pub(crate) struct Read {
-    guard: Mutex<Option<ReadGuard>>,
+    guard: Mutex<Option<OwnedReadGuard>>,
     engine: EngineRef,
 }
 
 impl Read {
-    fn take(&self) -> Option<ReadGuard> {
+    fn take(&self) -> Option<OwnedReadGuard> {
         self.guard.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }

@@ -2,90 +2,26 @@
 //! binding's runtime over a [`PyTransport`], and carries the runtime's
 //! side of it (leases, "peer gone", snapshot, events, close).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
 use nixl_keepalive::ucx_settings::UcxSettings;
 use nixl_keepalive::{
-    AgentName, EngineId, EngineRef, EngineState, GoneMode, KeepaliveHandle, PeerAddr, PeerRef,
-    ReleaseTarget, Snapshot, Stopped, Transport,
+    AgentName, EngineId, GoneMode, PeerAddr, PeerRef, ReleaseTarget, Snapshot, Stopped, Transport,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::engine::{Engine, Identity};
+use crate::engine::Engine;
 use crate::errors;
 use crate::protocol::{self, Events, Handshake};
 use crate::runtime;
+use crate::shared::Shared;
 use crate::transport::{PyResources, PyTransport};
-
-/// What the service object, its handshakes and its events share.
-pub(crate) struct Shared {
-    pub(crate) handle: KeepaliveHandle<PyResources>,
-    pub(crate) transport: Arc<PyTransport>,
-    /// Registrations made through this binding, by engine id: the latest
-    /// one of each id, with what the library does not keep.
-    registry: Mutex<HashMap<EngineId, (EngineRef, Identity)>>,
-    shutdown: CancellationToken,
-    /// Cancelled once the service task has ended.
-    pub(crate) stopped: CancellationToken,
-    task: Mutex<Option<JoinHandle<Stopped<PyResources>>>>,
-}
-
-impl Shared {
-    /// Keeps what the binding knows of a new registration; forgets
-    /// released ones.
-    pub(crate) fn remember(&self, engine: EngineRef, identity: Identity) -> Engine {
-        let mut reg = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        reg.retain(|_, (e, _)| e.state() != EngineState::Released);
-        reg.insert(engine.id().clone(), (engine.clone(), identity.clone()));
-        Engine {
-            inner: engine,
-            identity,
-        }
-    }
-
-    /// The `Engine` for `engine`, a registration the library answered
-    /// with: what this binding knows of it when it made it, else `claimed`.
-    pub(crate) fn current(&self, engine: EngineRef, claimed: Identity) -> Engine {
-        let reg = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        let identity = match reg.get(engine.id()) {
-            Some((e, identity)) if e.same_registration(&engine) => identity.clone(),
-            _ => claimed,
-        };
-        Engine {
-            inner: engine,
-            identity,
-        }
-    }
-
-    fn lookup(&self, engine: &EngineId) -> Option<Engine> {
-        {
-            let reg = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((e, identity)) = reg.get(engine) {
-                if e.state() != EngineState::Released {
-                    return Some(Engine {
-                        inner: e.clone(),
-                        identity: identity.clone(),
-                    });
-                }
-            }
-        }
-        self.handle.engine(engine).map(|inner| Engine {
-            inner,
-            identity: Identity {
-                address: String::new(),
-                agents: Vec::new(),
-                incarnation: None,
-            },
-        })
-    }
-}
 
 /// The keepalive service, running on its own thread over the caller's
 /// `nixl_agent`. The public `nixl_keepalive.Keepalive` wraps it.

@@ -23,6 +23,7 @@ mod errors;
 mod keepalive;
 mod protocol;
 mod runtime;
+mod shared;
 mod status;
 mod transport;
 

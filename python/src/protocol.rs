@@ -35,8 +35,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::engine::{Engine, Identity};
 use crate::errors;
-use crate::keepalive::Shared;
 use crate::runtime;
+use crate::shared::Shared;
 use crate::transport::PyResources;
 
 /// What a handshake claims before anything is loaded.

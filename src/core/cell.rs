@@ -37,7 +37,7 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::GiveUp;
+use crate::give_up::GiveUp;
 use crate::state::EngineState;
 use crate::transport::EngineId;
 use crate::NixlStatus;
@@ -175,6 +175,7 @@ impl EngineCell {
     /// Returns the completed count at that moment (read from the word the
     /// compare-and-swap replaced: no extra atomic), so that the read can
     /// tell at its end whether the engine completed anything meanwhile.
+    #[inline]
     pub(crate) fn begin_read(&self) -> Result<u64, BeginRefused> {
         let mut word = self.word.load(Ordering::Relaxed);
         loop {
@@ -200,6 +201,7 @@ impl EngineCell {
 
     /// Ends one read. Wakes the core when it was the last read of a marked
     /// registration: the core may be waiting for exactly this.
+    #[inline]
     pub(crate) fn end_read(&self) {
         let before = self.word.fetch_add(END_READ, Ordering::AcqRel);
         debug_assert!(before & COUNT_MASK > 0, "a read ended that never began");
@@ -230,6 +232,7 @@ impl EngineCell {
     }
 
     /// Reports a transfer's error status, bound to this registration.
+    #[inline]
     pub(crate) fn report(&self, status: NixlStatus) {
         if !status.is_ok() {
             self.sink.wake(Wake::TransferResult(self.serial, status));

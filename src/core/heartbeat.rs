@@ -5,13 +5,12 @@
 //! share the cap. A round's text is vLLM's `HB:` with the registration's
 //! pending request ids, split to stay small.
 
-use crate::telemetry;
 use std::time::Duration;
 
 use rand::Rng;
 use tokio::time::Instant;
 
-use super::{Action, Call, Core, HeartbeatMessages, RoundResults};
+use super::{Action, Call, Core, Count, HeartbeatMessages, RoundResults};
 use crate::event::{Event, Source};
 use crate::registration::RegistrationId;
 use crate::transport::EngineId;
@@ -133,7 +132,7 @@ impl<R> Core<R> {
         match self.rate.check(serial, now) {
             Ok(()) => self.send_heartbeat(due, serial),
             Err(wait) => {
-                telemetry::heartbeat_deferred();
+                self.summed.heartbeats_deferred += 1;
                 self.schedule_heartbeat(serial, now + wait);
             }
         }
@@ -148,7 +147,7 @@ impl<R> Core<R> {
         match self.rate.check(serial, now) {
             Ok(()) => self.send_heartbeat(now, serial),
             Err(wait) => {
-                telemetry::heartbeat_deferred();
+                self.summed.heartbeats_deferred += 1;
                 let peer = self.peers.get_mut(&serial).expect("live serial");
                 peer.renewal_wanted = true;
                 let at = now + wait;
@@ -209,7 +208,7 @@ impl<R> Core<R> {
             failed,
             panicked,
         } = results;
-        telemetry::heartbeats_sent(sent);
+        self.summed.heartbeats_sent += sent as u64;
         let Some(peer) = self.peers.get_mut(&serial) else {
             return;
         };
@@ -223,7 +222,7 @@ impl<R> Core<R> {
         peer.last_heartbeat = Some((now, status));
         let engine = peer.id().clone();
         for (agent, p) in panicked {
-            telemetry::transport_panicked("genNotif");
+            self.count(Count::TransportPanicked("genNotif"));
             tracing::error!(%engine, %agent, message = %p.message, "the transport panicked in genNotif: counted, engine kept");
             self.emit(Event::TransportPanicked {
                 engine: engine.clone(),

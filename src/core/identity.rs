@@ -36,11 +36,10 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::cell::EngineCell;
-use super::{Action, Answer, Core, RequestId, TicketId};
+use super::{Action, Answer, Core, Count, RequestId, TicketId};
 use crate::error::{ClaimRefused, Conflict, RegisterError};
 use crate::event::{Event, ReleaseReason};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
-use crate::telemetry;
 use crate::text::{check_name, MAX_AGENT_NAME, MAX_ENGINE_ID, MAX_RANKS};
 use crate::transport::{AgentName, EngineId, PeerAddr};
 
@@ -120,7 +119,7 @@ impl<R> Core<R> {
     /// kept here), logged at WARN and published the first time only; the
     /// repeats are DEBUG lines with the running count.
     pub(super) fn conflict(&mut self, conflict: Conflict, source: &'static str) {
-        telemetry::identity_conflict(conflict.kind());
+        self.count(Count::IdentityConflict(conflict.kind()));
         if self.conflicts.len() >= CONFLICTS_REMEMBERED && !self.conflicts.contains_key(&conflict) {
             self.conflicts.clear();
         }

@@ -3,9 +3,12 @@
 //! Built the way quinn-proto and foca are: the core never reads a clock,
 //! sleeps, spawns or calls NIXL. Every input carries `now`
 //! ([`Core::handle`]); every decision comes out as an [`Action`]
-//! ([`Core::poll_action`]); the core owns its timers (the heartbeat
-//! schedule, the gauges' period, the shutdown deadline) and says when it
-//! next needs the clock ([`Core::poll_timeout`], then
+//! ([`Core::poll_action`]), what the metrics count included
+//! ([`Count`]): the core touches no metrics recorder and no token of the
+//! runtime's handles, the driver does. The core owns its timers (the
+//! heartbeat schedule, and one [`TimerTable`] for the gauges' period, the
+//! stall checks and the shutdown deadline) and says when it next needs the
+//! clock ([`Core::poll_timeout`], then
 //! [`Core::handle_timeout`]). Randomness (the heartbeat jitter) is
 //! injected. The tokio driver (`service`) only carries inputs in, sleeps to
 //! the deadline, and carries actions out; it imports the core, never the
@@ -36,6 +39,7 @@
 mod calls;
 pub(crate) mod cell;
 mod classify;
+mod count;
 mod heartbeat;
 mod identity;
 mod peer;
@@ -47,6 +51,7 @@ mod stall;
 mod status;
 #[cfg(test)]
 mod tests;
+mod timers;
 
 use crate::registration::RegistrationId;
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -58,6 +63,7 @@ use tokio::time::Instant;
 pub(crate) use calls::{Call, CallOutcome, HeartbeatMessages, Panicked, RoundResults};
 pub(crate) use cell::{EngineCell, Wake, WakeSink};
 pub(crate) use classify::{classify, Verdict};
+pub(crate) use count::Count;
 use heartbeat::heartbeat_round;
 pub use heartbeat::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
 pub use schedule::HEARTBEAT_SLOT;
@@ -68,12 +74,12 @@ use crate::error::{ClaimRefused, Conflict, RegisterError};
 use crate::event::{Event, Source};
 use crate::log_limit::LogLimiter;
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
-use crate::telemetry;
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use identity::{Holder, Ticket};
 use peer::Peer;
 use rate::RateCap;
 use schedule::Schedule;
+use timers::{Timer, TimerTable};
 
 /// The core's maps: keyed by registration serials, ticket numbers and names
 /// the runtime handed over, hashed with foldhash (SipHash was a tenth of the
@@ -185,11 +191,25 @@ pub(crate) enum Action<R> {
         engine: EngineId,
         serial: RegistrationId,
     },
+    /// Tell the runtime's read handles of this registration that its
+    /// reads have failed ([`crate::ReadGuard::failed`]), before the event
+    /// that says so goes out.
+    FailReads { cell: Arc<EngineCell> },
+    /// The registration's release came back from the transport:
+    /// [`crate::EngineRef::released`] and the given-up reads' destinations
+    /// resolve (`transfers_ended`: the release ended every transfer still
+    /// running to the engine), before the `Released` event goes out.
+    ReleaseFinished {
+        cell: Arc<EngineCell>,
+        transfers_ended: bool,
+    },
+    /// Count it in the metrics.
+    Count(Count),
     /// Publish an event.
     Emit(Event),
 }
 
-/// Where a shutdown stands.
+/// Where a shutdown stands (its deadline is [`Timer::Drain`]).
 struct Stopping {
     /// Past this, reads still in flight (and releases still running) are no
     /// longer waited for.
@@ -230,13 +250,10 @@ pub(crate) struct Core<R> {
     idle_message: HeartbeatMessages,
     /// Appended to a live engine's "why not released".
     silent_peer_note: String,
-    census_due: Option<Instant>,
-    /// When the read-stall check runs next on its own period.
-    stall_check_due: Option<Instant>,
-    /// When a stall may be decided before that: the earliest moment an
-    /// engine's quiet stretch reaches the bound, or now when a read was
-    /// given up as timed out (the runtime's verdict is judged at once).
-    stall_mark_due: Option<Instant>,
+    /// Every timer but the heartbeat schedule.
+    timers: TimerTable,
+    /// Per-heartbeat counts, handed out summed.
+    summed: count::Summed,
     /// A decoder-wide stall (suspects, but no engine completing) is going
     /// on and has been warned about: once per episode.
     decoder_stuck: bool,
@@ -257,9 +274,16 @@ impl<R> Core<R> {
         Core {
             rate: RateCap::new(&config, now),
             schedule: Schedule::new(now),
-            census_due: config.metrics_period.map(|p| now + p),
-            stall_check_due: config.read_stall.map(|b| now + stall_check_period(b)),
-            stall_mark_due: None,
+            timers: {
+                let mut timers = TimerTable::default();
+                timers.set_or_stop(Timer::Census, config.metrics_period.map(|p| now + p));
+                timers.set_or_stop(
+                    Timer::StallCheck,
+                    config.read_stall.map(|b| now + stall_check_period(b)),
+                );
+                timers
+            },
+            summed: count::Summed::default(),
             decoder_stuck: false,
             release_ends_transfers: false,
             config,
@@ -298,26 +322,17 @@ impl<R> Core<R> {
 
     /// The next decision to carry out, if any.
     pub(crate) fn poll_action(&mut self) -> Option<Action<R>> {
-        self.actions.pop_front()
+        self.actions
+            .pop_front()
+            .or_else(|| self.summed.take().map(Action::Count))
     }
 
     /// When the core next needs [`Core::handle_timeout`].
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        let drain = self
-            .stopping
-            .as_ref()
-            .filter(|s| !s.expired && !self.is_stopped_before_deadline())
-            .map(|s| s.deadline);
-        [
-            self.schedule.next(),
-            self.census_due,
-            self.stall_check_due,
-            self.stall_mark_due,
-            drain,
-        ]
-        .into_iter()
-        .flatten()
-        .min()
+        [self.schedule.next(), self.timers.next()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Whether a shutdown has begun and nothing is left to wait for at
@@ -337,11 +352,12 @@ impl<R> Core<R> {
 
     /// Time has passed: serves every timer due at `now`.
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
-        if let Some(stopping) = self.stopping.as_mut().filter(|s| now >= s.deadline) {
-            if !stopping.expired {
+        if self.timers.is_expired(Timer::Drain, now) {
+            self.timers.stop(Timer::Drain);
+            if let Some(stopping) = self.stopping.as_mut() {
                 stopping.expired = true;
-                tracing::warn!("shutdown drain deadline passed: what still has reads in flight is handed back unreleased");
             }
+            tracing::warn!("shutdown drain deadline passed: what still has reads in flight is handed back unreleased");
         }
         while let Some((slot, serials)) = self.schedule.pop_due(now) {
             for serial in serials {
@@ -355,29 +371,18 @@ impl<R> Core<R> {
             }
         }
         if let Some(bound) = self.config.read_stall {
-            let periodic = self.stall_check_due.filter(|&due| due <= now);
-            if periodic.is_some() || self.stall_mark_due.is_some_and(|due| due <= now) {
+            let marking = self.timers.is_expired(Timer::StallMark, now);
+            let periodic =
+                self.timers
+                    .rearm_periodic(Timer::StallCheck, now, stall_check_period(bound));
+            if periodic || marking {
                 self.check_stalls(now, bound);
             }
-            if let Some(due) = periodic {
-                let period = stall_check_period(bound);
-                self.stall_check_due = Some(if now - due < period {
-                    due + period
-                } else {
-                    now + period
-                });
-            }
         }
-        if let (Some(due), Some(period)) = (self.census_due, self.config.metrics_period) {
-            if due <= now {
+        if let Some(period) = self.config.metrics_period {
+            if self.timers.rearm_periodic(Timer::Census, now, period) {
                 let (by_state, reads) = self.census();
-                telemetry::census(by_state, reads);
-                // From the deadline, unless far behind: never a burst.
-                self.census_due = Some(if now - due < period {
-                    due + period
-                } else {
-                    now + period
-                });
+                self.count(Count::Census { by_state, reads });
             }
         }
     }
@@ -433,5 +438,9 @@ impl<R> Core<R> {
 
     fn emit(&mut self, event: Event) {
         self.actions.push_back(Action::Emit(event));
+    }
+
+    fn count(&mut self, count: Count) {
+        self.actions.push_back(Action::Count(count));
     }
 }

@@ -3,24 +3,29 @@
 //! flight and no handshake at its address holds it back; never before.
 //! Shutdown marks everything and stops waiting at the drain deadline.
 
-use crate::telemetry;
 use tokio::time::Instant;
 
 use super::cell::EngineCell;
 use super::peer::Mark;
-use super::{identity, Action, Answer, Call, Core, Panicked, Stopping, TicketId};
+use super::timers::Timer;
+use super::{identity, Action, Answer, Call, Core, Count, Panicked, Stopping, TicketId};
 use crate::error::ClaimRefused;
 use crate::event::{Event, ReleaseReason, WaitedFor};
 use crate::registration::{Registration, RegistrationId};
 use crate::state::EngineState;
 use crate::transport::{EngineId, ReleaseStep};
 use crate::NixlStatus;
+use std::sync::Arc;
 
 impl<R> Core<R> {
-    /// The release of `peer` came back: the runtime's given-up reads of it
-    /// learn what their destination buffers may become.
-    pub(super) fn release_finished(&self, cell: &EngineCell, clean: bool) {
-        cell.release_finished(clean && self.release_ends_transfers);
+    /// The release of `peer` came back: the runtime's handles of it learn
+    /// (through the driver), and its given-up reads what their destination
+    /// buffers may become.
+    pub(super) fn release_finished(&mut self, cell: Arc<EngineCell>, clean: bool) {
+        self.actions.push_back(Action::ReleaseFinished {
+            cell,
+            transfers_ended: clean && self.release_ends_transfers,
+        });
     }
 
     /// Marks a live registration: no new reads, no more heartbeats;
@@ -64,10 +69,11 @@ impl<R> Core<R> {
         let Some(peer) = self.peers.get(&serial) else {
             return;
         };
-        peer.cell.fail_reads();
-        let count = peer.cell.reads_in_flight();
+        let cell = peer.cell.clone();
+        let count = cell.reads_in_flight();
+        let engine = peer.id().clone();
+        self.actions.push_back(Action::FailReads { cell });
         if count > 0 {
-            let engine = peer.id().clone();
             tracing::warn!(%engine, count, "reads in flight failed");
             self.emit(Event::ReadsFailed {
                 engine,
@@ -142,14 +148,14 @@ impl<R> Core<R> {
                         tracing::debug!(%engine, target = ?step.target, "already dropped by NIXL: counts as released");
                     } else if !step.status.is_ok() {
                         failed += 1;
-                        telemetry::release_step_failed(step.status);
+                        self.count(Count::ReleaseStepFailed(step.status));
                         tracing::error!(%engine, target = ?step.target, status = %step.status, raw = step.status.raw(), "release step failed");
                     }
                 }
                 (failed, false)
             }
             Err(p) => {
-                telemetry::transport_panicked("release");
+                self.count(Count::TransportPanicked("release"));
                 tracing::error!(%engine, message = %p.message, "the transport panicked while releasing: its resources are consumed, not retried");
                 self.emit(Event::TransportPanicked {
                     engine: engine.clone(),
@@ -160,9 +166,12 @@ impl<R> Core<R> {
                 (0, true)
             }
         };
-        self.release_finished(&peer.cell, failed_steps == 0 && !panicked);
+        self.release_finished(peer.cell.clone(), failed_steps == 0 && !panicked);
         let since_mark = now.saturating_duration_since(mark.at);
-        telemetry::released(mark.reason, since_mark);
+        self.count(Count::Released {
+            reason: mark.reason,
+            since_mark,
+        });
         tracing::info!(%engine, registration = %serial, reason = mark.reason.as_str(), after = ?since_mark, failed_steps, panicked, "engine released");
         // Gone from the directory before the event: whoever sees it finds
         // the successor, if any, never the released registration.
@@ -193,10 +202,12 @@ impl<R> Core<R> {
         if self.stopping.is_some() {
             return;
         }
+        let deadline = now + self.config.shutdown_drain;
         self.stopping = Some(Stopping {
-            deadline: now + self.config.shutdown_drain,
+            deadline,
             expired: false,
         });
+        self.timers.set(Timer::Drain, deadline);
         tracing::info!(drain = ?self.config.shutdown_drain, "stopping: marking every engine; each is released as its reads end");
         // Claims waiting for an engine id are refused; granted loads may
         // still register (the service then releases them like the rest).

@@ -8,16 +8,16 @@
 //! engine completes anything (the decoder itself is stuck; warned once per
 //! episode).
 
-use crate::telemetry;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::peer::Peer;
-use super::{cell, Core, HEARTBEAT_SLOT};
+use super::timers::Timer;
+use super::{cell, Core, Count, HEARTBEAT_SLOT};
 use crate::config::StallAction;
-use crate::engine::GiveUp;
 use crate::event::{Event, ReleaseReason};
+use crate::give_up::GiveUp;
 use crate::registration::RegistrationId;
 
 /// The longest period of the read-stall check, whatever the bound: the
@@ -112,7 +112,7 @@ impl<R> Core<R> {
                 next_due = Some(next_due.map_or(due, |d| d.min(due)));
             }
         }
-        self.stall_mark_due = next_due;
+        self.timers.set_or_stop(Timer::StallMark, next_due);
         suspects.sort_unstable_by_key(|s| s.serial);
         let mut unjudged = 0usize;
         for suspect in suspects {
@@ -132,7 +132,7 @@ impl<R> Core<R> {
             );
         }
         if unjudged > 0 && !self.decoder_stuck {
-            telemetry::decoder_stuck();
+            self.count(Count::DecoderStuck);
             tracing::warn!(
                 engines = unjudged,
                 outstanding,
@@ -157,7 +157,7 @@ impl<R> Core<R> {
         peer.progress.reported = true;
         let engine = peer.id().clone();
         let action = self.config.stall_action;
-        telemetry::read_stall(action.as_str());
+        self.count(Count::ReadStall(action.as_str()));
         tracing::warn!(%engine, reads, ?quiet, given_up, action = action.as_str(), "reads stopped completing: the peer is hung");
         self.emit(Event::Stalled {
             engine,
@@ -186,7 +186,7 @@ impl<R> Core<R> {
         unanswered: bool,
         done: u64,
     ) {
-        telemetry::read_given_up(why, unanswered);
+        self.count(Count::ReadGivenUp { why, unanswered });
         let Some(peer) = self.peers.get_mut(&serial) else {
             return;
         };
@@ -212,7 +212,7 @@ impl<R> Core<R> {
         tracing::info!(%engine, why = why.as_str(), unanswered = p.unanswered, "read given up unanswered: counted against the engine, not as a completion");
         if why == GiveUp::TimedOut {
             p.timed_out += 1;
-            self.stall_mark_due = Some(now);
+            self.timers.set(Timer::StallMark, now);
         }
     }
 

@@ -2,10 +2,9 @@
 //! (a heartbeat's `genNotif`, a transfer the runtime reports): judged by
 //! [`super::classify`], then a mark, a count or nothing.
 
-use crate::telemetry;
 use tokio::time::Instant;
 
-use super::{classify, Core, Verdict};
+use super::{classify, Core, Count, Verdict};
 use crate::event::{Event, ReleaseReason, Source};
 use crate::registration::RegistrationId;
 use crate::transport::AgentName;
@@ -26,7 +25,7 @@ impl<R> Core<R> {
         if verdict == Verdict::Fine {
             return;
         }
-        telemetry::status_error(source, status);
+        self.count(Count::StatusError { source, status });
         let Some(peer) = self.peers.get_mut(&serial) else {
             return;
         };

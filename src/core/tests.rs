@@ -12,8 +12,8 @@ use tokio::time::Instant;
 
 use super::cell::tests::Collect;
 use super::*;
-use crate::engine::GiveUp;
 use crate::event::{Event, ReleaseReason, Source};
+use crate::give_up::GiveUp;
 use crate::registration::{Departure, Incarnation};
 use crate::state::EngineState;
 use crate::transport::{ReleaseStep, ReleaseTarget, TransportError};
@@ -29,6 +29,8 @@ struct Harness {
     now: Instant,
     sink: Arc<Collect>,
     actions: Vec<Action<Res>>,
+    /// What the core counted, in order (the driver records these).
+    counts: Vec<Count>,
     next: u64,
 }
 
@@ -50,6 +52,7 @@ fn harness_with(config: Config) -> Harness {
         now,
         sink: Arc::new(Collect::default()),
         actions: Vec::new(),
+        counts: Vec::new(),
         next: 0,
     }
 }
@@ -111,9 +114,20 @@ impl Harness {
         self.collect();
     }
 
+    /// Takes the core's actions as the driver does: what touches the
+    /// runtime's handles is carried out at once, counts are kept apart,
+    /// the rest is kept for the test to look at.
     fn collect(&mut self) {
         while let Some(a) = self.core.poll_action() {
-            self.actions.push(a);
+            match a {
+                Action::FailReads { cell } => cell.fail_reads(),
+                Action::ReleaseFinished {
+                    cell,
+                    transfers_ended,
+                } => cell.release_finished(transfers_ended),
+                Action::Count(count) => self.counts.push(count),
+                other => self.actions.push(other),
+            }
         }
     }
 
@@ -374,6 +388,86 @@ fn a_peer_whose_heartbeat_returns_remote_disconnect_is_released() {
     assert!(events.iter().any(|e| matches!(
         e,
         Event::Released {
+            reason: ReleaseReason::Unreachable,
+            ..
+        }
+    )));
+}
+
+/// The core counts through actions (the driver records them): per
+/// heartbeat numbers summed into one count per batch, the rest one by one,
+/// the gauges on their own timer; and the runtime's handles hear of failed
+/// reads and a finished release only through actions, in order before the
+/// events that say so.
+#[test]
+fn counts_and_handle_signals_come_out_as_actions_in_order() {
+    let mut config = config();
+    config.metrics_period = Some(Duration::from_secs(10));
+    let mut h = harness_with(config);
+    let cells: Vec<_> = (1..=3)
+        .map(|n| h.live(&format!("p{n}"), at(n), u32::from(n)))
+        .collect();
+    h.advance(Duration::from_secs(6));
+    // One batch of results, as the driver takes them in before it carries
+    // out what the core decided.
+    for call in h.calls() {
+        let Call::Heartbeat { serial, .. } = call else {
+            panic!("only heartbeats are due");
+        };
+        let results = RoundResults {
+            sent: 1,
+            ..RoundResults::default()
+        };
+        h.core.handle(
+            h.now,
+            Input::CallDone(CallOutcome::Heartbeat { serial, results }),
+        );
+    }
+    h.collect();
+    let sent: Vec<_> = h
+        .counts
+        .drain(..)
+        .filter(|c| matches!(c, Count::HeartbeatsSent(_)))
+        .collect();
+    assert_eq!(
+        sent,
+        vec![Count::HeartbeatsSent(3)],
+        "one summed count for the batch"
+    );
+
+    cells[0].begin_read().unwrap();
+    h.advance(Duration::from_secs(5));
+    let mut saw_census = false;
+    for c in h.counts.drain(..) {
+        if let Count::Census { by_state, reads } = c {
+            assert_eq!(by_state[EngineState::Live as usize], 3);
+            assert_eq!(reads, 1);
+            saw_census = true;
+        }
+    }
+    assert!(saw_census, "the census timer fired at 10 s");
+
+    h.complete(NixlStatus::SUCCESS);
+    h.take();
+    h.transfer(&cells[0], NixlStatus::ERR_REMOTE_DISCONNECT);
+    assert!(
+        cells[0].reads_failed().is_cancelled(),
+        "carried out like the driver"
+    );
+    assert!(h.counts.contains(&Count::StatusError {
+        source: Source::Transfer,
+        status: NixlStatus::ERR_REMOTE_DISCONNECT,
+    }));
+    assert!(
+        !cells[0].release_done().is_cancelled(),
+        "a read still holds it"
+    );
+    h.end_read(&cells[0]);
+    assert_eq!(h.released(), vec![1]);
+    assert!(cells[0].release_done().is_cancelled());
+    assert!(h.counts.iter().any(|c| matches!(
+        c,
+        Count::Released {
             reason: ReleaseReason::Unreachable,
             ..
         }

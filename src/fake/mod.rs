@@ -125,6 +125,7 @@
 //! calls never panic; they return the status NIXL would.
 #![warn(missing_docs, unreachable_pub)]
 
+mod audit;
 mod gate;
 mod record;
 mod status;
@@ -136,6 +137,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+pub use audit::AuditedUcx;
 pub use gate::NotifyGate;
 pub use record::{FakeCall, FakeOp, Held};
 pub use status::nixl_status_from_ucs;

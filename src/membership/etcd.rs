@@ -28,6 +28,8 @@
 
 use std::time::Duration;
 
+use backon::{BackoffBuilder, ExponentialBuilder};
+
 pub use etcd_client;
 use etcd_client::{
     Client, ConnectOptions, EventType, GetOptions, KvClient, PutOptions, WatchOptions,
@@ -95,35 +97,42 @@ impl EtcdOptions {
     }
 }
 
-/// Doubling back-off with a cap. Warnings back off too: one at failures
-/// 1, 2, 4, 8, ... of an outage, the others at debug level.
+/// Doubling back-off with a cap (`backon`'s exponential back-off, no
+/// jitter, no limit on attempts), and the failures of the outage so far:
+/// warnings back off too, one at failures 1, 2, 4, 8, ... of an outage,
+/// the others at debug level.
 struct Backoff {
-    next: Duration,
-    min: Duration,
+    builder: ExponentialBuilder,
+    pauses: <ExponentialBuilder as BackoffBuilder>::Backoff,
     max: Duration,
     failures: u32,
 }
 
 impl Backoff {
     fn new(min: Duration, max: Duration) -> Self {
+        let builder = ExponentialBuilder::new()
+            .with_min_delay(min)
+            .with_max_delay(max)
+            .with_factor(2.0)
+            .without_max_times();
         Backoff {
-            next: min,
-            min,
+            builder,
+            pauses: builder.build(),
             max,
             failures: 0,
         }
     }
 
     fn reset(&mut self) {
-        self.next = self.min;
+        self.pauses = self.builder.build();
         self.failures = 0;
     }
 
     fn step(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.max);
         self.failures += 1;
-        d
+        // Never `None` (no limit on attempts or total delay); the cap if
+        // it were.
+        self.pauses.next().unwrap_or(self.max)
     }
 }
 

@@ -79,7 +79,7 @@
 //!   `etcd` (a watch on etcd with the `etcd-client` crate, and the prefill
 //!   side's lease-backed registration).
 //! - [`Reconciler`]: a synchronous state machine from source events to
-//!   [`Action`]s; no clock, no I/O.
+//!   [`Decision`]s; no clock, no I/O.
 //! - [`spawn`]: the driver; it applies the actions to a
 //!   [`KeepaliveHandle`] and tells the runtime through
 //!   [`MembershipUpdate`]s.
@@ -404,7 +404,7 @@ impl RetireWhy {
 
 /// What the reconciler decided.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Action {
+pub enum Decision {
     /// A new engine: the runtime should handshake with it.
     Announce(Member),
     /// An engine the membership plane no longer has: `peer_gone`.
@@ -472,7 +472,7 @@ impl Reconciler {
     }
 
     /// Applies one source event. Outages change nothing here.
-    pub fn apply(&mut self, event: SourceEvent) -> Vec<Action> {
+    pub fn apply(&mut self, event: SourceEvent) -> Vec<Decision> {
         match event {
             SourceEvent::Listed {
                 revision,
@@ -499,7 +499,7 @@ impl Reconciler {
 
     /// The reset's grace period is over: every member still awaited is
     /// retired, unless its engine is listed under another key now.
-    pub fn end_reset_grace(&mut self) -> Vec<Action> {
+    pub fn end_reset_grace(&mut self) -> Vec<Decision> {
         let awaited = std::mem::take(&mut self.awaited);
         awaited
             .into_values()
@@ -524,7 +524,7 @@ impl Reconciler {
         revision: i64,
         cluster_id: u64,
         entries: Vec<(String, Vec<u8>)>,
-    ) -> Vec<Action> {
+    ) -> Vec<Decision> {
         let reset = self.cluster_id.is_some_and(|c| c != cluster_id) || revision < self.revision;
         self.cluster_id = Some(cluster_id);
         for (key, _) in &entries {
@@ -543,7 +543,7 @@ impl Reconciler {
                 let member = self.remove_member(&key).expect("listed above");
                 self.awaited.insert(key, member);
             }
-            actions.push(Action::StoreReset {
+            actions.push(Decision::StoreReset {
                 awaited: self.awaited.len(),
             });
         }
@@ -599,8 +599,8 @@ impl Reconciler {
     /// the same process at the same address. The service judges it
     /// against the registration ([`KeepaliveHandle::member_gone`]): only a
     /// record that is the registration's own retires the engine.
-    fn retire(&self, member: Member, why: RetireWhy) -> Option<Action> {
-        (!self.still_listed(&member)).then_some(Action::Retire { member, why })
+    fn retire(&self, member: Member, why: RetireWhy) -> Option<Decision> {
+        (!self.still_listed(&member)).then_some(Decision::Retire { member, why })
     }
 
     // Membership rules. The membership plane announces and retires
@@ -609,10 +609,10 @@ impl Reconciler {
     // handshake there is what replaces an engine).
 
     /// A write.
-    fn put(&mut self, key: String, value: &[u8]) -> Vec<Action> {
+    fn put(&mut self, key: String, value: &[u8]) -> Vec<Decision> {
         let member = match Member::from_record(&key, value) {
             Ok(m) => m,
-            Err(error) => return vec![Action::BadValue { key, error }],
+            Err(error) => return vec![Decision::BadValue { key, error }],
         };
         let old = self.insert_member(key, member.clone());
         let mut actions = Vec::new();
@@ -620,7 +620,7 @@ impl Reconciler {
             Some(old) if old == member => {}
             Some(old) if old.same_process(&member) => {
                 // Same process, new ranks: announce it again.
-                actions.push(Action::Announce(member));
+                actions.push(Decision::Announce(member));
             }
             Some(old) => {
                 // The key names another process (a restart under a pinned
@@ -632,16 +632,16 @@ impl Reconciler {
                         by: member.engine(),
                     },
                 ));
-                actions.push(Action::Announce(member));
+                actions.push(Decision::Announce(member));
             }
-            None => actions.push(Action::Announce(member)),
+            None => actions.push(Decision::Announce(member)),
         }
         actions
     }
 
     /// A deletion (by its engine, a prefix delete, or a lease's expiry or
     /// revocation).
-    fn deleted(&mut self, key: &str) -> Vec<Action> {
+    fn deleted(&mut self, key: &str) -> Vec<Decision> {
         match self.remove_member(key) {
             Some(member) => self
                 .retire(member, RetireWhy::Deleted)
@@ -654,7 +654,7 @@ impl Reconciler {
     /// A fresh list of the whole prefix: every key missing is retired,
     /// every new or changed key announced. Applied whatever its revision:
     /// a list is the truth as of now.
-    fn listed(&mut self, entries: Vec<(String, Vec<u8>)>) -> Vec<Action> {
+    fn listed(&mut self, entries: Vec<(String, Vec<u8>)>) -> Vec<Decision> {
         let mut actions = Vec::new();
         let mut fresh = BTreeMap::new();
         for (key, value) in entries {
@@ -667,7 +667,7 @@ impl Reconciler {
                     if let Some(old) = self.members.get(&key) {
                         fresh.insert(key.clone(), old.clone());
                     }
-                    actions.push(Action::BadValue { key, error });
+                    actions.push(Decision::BadValue { key, error });
                 }
             }
         }
@@ -685,13 +685,13 @@ impl Reconciler {
         for (key, now) in &fresh {
             match old.get(key) {
                 Some(was) if was == now => {}
-                Some(was) if was.same_process(now) => actions.push(Action::Announce(now.clone())),
+                Some(was) if was.same_process(now) => actions.push(Decision::Announce(now.clone())),
                 Some(was) => {
                     actions
                         .extend(self.retire(was.clone(), RetireWhy::Replaced { by: now.engine() }));
-                    actions.push(Action::Announce(now.clone()));
+                    actions.push(Decision::Announce(now.clone()));
                 }
-                None => actions.push(Action::Announce(now.clone())),
+                None => actions.push(Decision::Announce(now.clone())),
             }
         }
         actions
@@ -978,7 +978,7 @@ const MAX_RESOLVED: usize = 1 << 16;
 
 /// One action of the reconciler, carried out.
 async fn carry_out<R: Send + 'static>(
-    action: Action,
+    action: Decision,
     handle: &KeepaliveHandle<R>,
     config: &MembershipConfig,
     pending: &mut HashMap<EngineId, Instant>,
@@ -987,13 +987,13 @@ async fn carry_out<R: Send + 'static>(
     updates: &mpsc::UnboundedSender<MembershipUpdate>,
 ) {
     match action {
-        Action::Announce(member) => {
+        Decision::Announce(member) => {
             resolved.announce(&member).await;
             metrics::counter!(metric::JOINED).increment(1);
             tracing::info!(engine = %member.engine_id, address = %member.address, ranks = member.ranks, "membership: engine joined");
             let _ = updates.send(MembershipUpdate::Joined(member));
         }
-        Action::Retire { member, why } => {
+        Decision::Retire { member, why } => {
             let engine = member.engine();
             metrics::counter!(metric::RETIRED, "why" => why.as_str()).increment(1);
             tracing::info!(%engine, address = %Escaped(&member.address), why = why.as_str(), "membership: record gone: the service retires its engine if it is that registration's own");
@@ -1004,8 +1004,8 @@ async fn carry_out<R: Send + 'static>(
             handle.member_gone(member.departure(address), config.gone_mode);
             let _ = updates.send(MembershipUpdate::Left { member, why });
         }
-        Action::BadValue { key, error } => refused(key, error, refusals, updates),
-        Action::StoreReset { awaited } => {
+        Decision::BadValue { key, error } => refused(key, error, refusals, updates),
+        Decision::StoreReset { awaited } => {
             metrics::counter!(metric::STORE_RESETS).increment(1);
             tracing::warn!(
                 awaited,

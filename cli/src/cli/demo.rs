@@ -4,7 +4,8 @@
 //! handshakes, read traffic, reconnects) and `--prefills` prefill engines.
 //! A scenario (built in, or drawn from `--seed`) kills, freezes, restarts
 //! and partitions prefills while reads run; the demo checks what it can
-//! check independently of the library (see [`decoder::Audit`]) and ends
+//! check independently of the library (see
+//! [`nixl_keepalive::fake::AuditedUcx`]) and ends
 //! with a summary whose last line is
 //! `summary: released=N leaked=L violations=V`.
 //!
@@ -19,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use nixl_keepalive::fake::{FakeConfig, FakeUcx};
+use nixl_keepalive::fake::{AuditedUcx, FakeConfig, FakeUcx};
 use nixl_keepalive::ucx_time::{parse_time, TimeField, UcxTime};
 use nixl_keepalive::{Config, PeerAddr};
 use tokio::time::Instant;
@@ -31,7 +32,7 @@ mod report;
 mod scenario;
 mod view;
 
-use decoder::{AuditedUcx, Decoder, TrafficShape};
+use decoder::{Decoder, TrafficShape};
 use report::{Outcome, Timeline};
 use scenario::{Bounds, Scenario};
 
@@ -43,7 +44,7 @@ pub(crate) struct DemoArgs {
     prefills: u16,
 
     /// NIXL agents (ranks) per prefill engine.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=i64::from(nixl_keepalive::text::MAX_RANKS)))]
     ranks: u16,
 
     /// Concurrent reader loops in the decoder (each pulls KV blocks from a
@@ -184,10 +185,12 @@ async fn simulate(args: &DemoArgs, config: Config) -> Outcome {
 
     let origin = Instant::now();
     let timeline = Arc::new(Timeline::new(origin));
-    let audit = Arc::new(decoder::Audit::new(timeline.clone()));
-    let transport = Arc::new(AuditedUcx::new(ucx.clone(), audit.clone()));
+    let audit = {
+        let timeline = timeline.clone();
+        Arc::new(AuditedUcx::new(ucx.clone(), move |v| timeline.violation(v)))
+    };
     let shutdown = CancellationToken::new();
-    let (handle, service) = nixl_keepalive::spawn(transport, config.clone(), shutdown.clone());
+    let (handle, service) = nixl_keepalive::spawn(audit.clone(), config.clone(), shutdown.clone());
 
     let shape = TrafficShape::default();
     let bounds = Bounds::new(&config, args.ucx_keepalive.0, shape.max_read());
@@ -287,8 +290,8 @@ async fn simulate(args: &DemoArgs, config: Config) -> Outcome {
     let held = ucx.held();
     Outcome::build(
         &timeline,
-        &decoder,
-        &audit,
+        decoder.reads(),
+        audit.releases(),
         events,
         held,
         returned_at_stop,

@@ -25,6 +25,7 @@ use std::time::Duration;
 use clap::Args;
 use nixl_keepalive::EngineId;
 use nixl_keepalive_cli::pd::prefill::{fresh_engine_id, Prefill, PrefillConfig};
+use nixl_keepalive_cli::pd::wire::{MAX_BLOCK_SIZE, MAX_RANKS};
 use tokio_util::sync::CancellationToken;
 
 /// `prefill`'s flags.
@@ -43,11 +44,11 @@ pub(crate) struct PrefillArgs {
     blocks: u32,
 
     /// Bytes per block.
-    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u64).range(1..=(64 << 20)))]
+    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u64).range(1..=MAX_BLOCK_SIZE))]
     block_size: u64,
 
     /// Ranks (one NIXL agent each).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_RANKS)))]
     ranks: u16,
 
     /// Poll interval of the agents while notifications arrive, in ms.
@@ -245,7 +246,7 @@ fn register(
     }
     #[cfg(not(feature = "etcd"))]
     {
-        let _ = (engine, local);
+        let _ = (engine, incarnation, local);
         eprintln!(
             "error: --etcd-endpoint needs the `etcd` feature (built without it); not registering"
         );

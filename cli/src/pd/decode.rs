@@ -35,11 +35,11 @@ use super::wire::{self, HandshakeReply, WireError};
 use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
 use nixl_keepalive::text::Escaped;
+use nixl_keepalive::KeepaliveHandle;
 use nixl_keepalive::{
     AgentName, Claim, ClaimRefused, Destination, EngineId, EngineRef, EngineState, GiveUp,
     GivenUpRead, Incarnation, PeerAddr, Ready, ServiceStopped,
 };
-use nixl_keepalive::{KeepaliveHandle, Transport};
 
 /// A handshake that did not complete. Nothing stays loaded.
 #[derive(Debug, thiserror::Error)]
@@ -881,14 +881,9 @@ impl Decoder {
             Ok(engine) => engine,
             Err(refused) => {
                 let text = refused.to_string();
-                if let Some(r) = refused.into_registration() {
-                    // Loaded but not registered: give it back here.
-                    let transport = self.transport.clone();
-                    let _ = tokio::task::spawn_blocking(move || {
-                        transport.release(&r.engine, &r.agents, r.resources)
-                    })
-                    .await;
-                }
+                // Loaded but not registered: give it back here.
+                let transport = self.transport.clone();
+                let _ = tokio::task::spawn_blocking(move || refused.give_back(&*transport)).await;
                 return Err(HandshakeError::Refused(text));
             }
         };
@@ -939,7 +934,7 @@ impl Decoder {
     /// Every count is made before the guard ends: whoever sees the engine
     /// released (the last guard's end releases it) sees the read counted.
     pub async fn read(&self, connected: &Connected, rank: u16, block: u32) -> ReadOutcome {
-        let guard = match connected.engine.begin_read() {
+        let guard = match connected.engine.begin_read_owned() {
             Ok(g) => g,
             Err(_) => {
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
@@ -1030,13 +1025,15 @@ impl Decoder {
         while !shutdown.is_cancelled() {
             if let Some(c) = &current {
                 if c.engine.state() != EngineState::Live {
+                    // Waits for this very registration's release (a
+                    // pinned id's successor is another registration), at
+                    // most a minute: a release the transport never
+                    // returns must not stop the reader for good.
                     let c = current.take().expect("checked");
-                    let deadline = Instant::now() + Duration::from_secs(60);
-                    while c.engine.state() != EngineState::Released
-                        && Instant::now() < deadline
-                        && !shutdown.is_cancelled()
-                    {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    tokio::select! {
+                        _ = c.engine.released() => {}
+                        _ = tokio::time::sleep(Duration::from_secs(60)) => {}
+                        _ = shutdown.cancelled() => {}
                     }
                     last_probe = None;
                 }

@@ -1,8 +1,12 @@
 //! Retrying a prefill that keeps failing its handshake: capped
-//! exponential back-off. (How often a failure is logged is the decoder's
+//! exponential back-off (`backon`'s, no jitter, no limit on attempts; the
+//! pauses are a plain iterator, slept on tokio's clock by the caller).
+//! (How often a failure is logged is the decoder's
 //! [`nixl_keepalive::log_limit::LogLimiter`], per failure reason.)
 
 use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
 
 /// What to do after a failed attempt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -14,11 +18,11 @@ pub struct AfterFailure {
 }
 
 /// Back-off for one prefill address. See the module docs.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Retry {
-    first: Duration,
+    builder: ExponentialBuilder,
+    pauses: <ExponentialBuilder as BackoffBuilder>::Backoff,
     max: Duration,
-    next: Duration,
     in_a_row: u64,
 }
 
@@ -26,10 +30,12 @@ impl Retry {
     /// Pauses start at `first` and double up to `max`.
     pub fn new(first: Duration, max: Duration) -> Retry {
         let first = first.max(Duration::from_millis(1));
+        let max = max.max(first);
+        let builder = backoff(first, max);
         Retry {
-            first,
-            max: max.max(first),
-            next: first,
+            builder,
+            pauses: builder.build(),
+            max,
             in_a_row: 0,
         }
     }
@@ -37,10 +43,9 @@ impl Retry {
     /// Records a failed attempt.
     pub fn failed(&mut self) -> AfterFailure {
         self.in_a_row += 1;
-        let pause = self.next;
-        self.next = self.next.saturating_mul(2).min(self.max);
         AfterFailure {
-            pause,
+            // Never `None` (no limit on attempts or total delay).
+            pause: self.pauses.next().unwrap_or(self.max),
             in_a_row: self.in_a_row,
         }
     }
@@ -48,9 +53,20 @@ impl Retry {
     /// Records a success: the next failure starts from `first` again.
     /// Returns the failures in a row it ended.
     pub fn succeeded(&mut self) -> u64 {
-        self.next = self.first;
+        self.pauses = self.builder.build();
         std::mem::take(&mut self.in_a_row)
     }
+}
+
+/// Pauses from `first`, doubling up to `max`, without end and without
+/// jitter: what every retry of the command line uses (this module's, the
+/// demo's reconnects).
+pub fn backoff(first: Duration, max: Duration) -> ExponentialBuilder {
+    ExponentialBuilder::new()
+        .with_min_delay(first)
+        .with_max_delay(max)
+        .with_factor(2.0)
+        .without_max_times()
 }
 
 #[cfg(test)]

@@ -1,118 +1,25 @@
 //! The simulated decoder runtime: what vLLM's NIXL connector does around
 //! the keepalive service. Handshakes (guarded), registrations, read traffic
-//! with guards, reconnects after a release, and an audit that checks the
+//! with guards, reconnects after a release. Its read counts feed the
+//! release audit ([`nixl_keepalive::fake::AuditedUcx`]), which checks the
 //! safety rule independently of the library's own bookkeeping.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nixl_keepalive::fake::{FakeError, FakeResources, FakeUcx};
-use nixl_keepalive::{
-    AgentName, EngineId, EngineRef, EngineState, Event, KeepaliveHandle, NixlStatus, PeerAddr,
-    Ready, ReleaseStep, Transport, TransportError,
-};
+use backon::BackoffBuilder;
+use nixl_keepalive::fake::{AuditedUcx, FakeError, FakeResources, FakeUcx};
+use nixl_keepalive::{EngineRef, EngineState, Event, KeepaliveHandle, NixlStatus, PeerAddr, Ready};
+use nixl_keepalive_cli::pd::retry;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::broadcast;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::report::{EventCounts, Timeline};
-
-/// One registration as the decoder runtime tracks it, for the audit: the
-/// read guards it holds on it, counted by the runtime itself.
-pub(super) struct Tracked {
-    resources: FakeResources,
-    guards: AtomicU64,
-}
-
-/// Checks, at the moment the service hands an engine's NIXL state to the
-/// transport, that the runtime holds no read guard on that registration:
-/// the counting is the runtime's own, not the library's.
-pub(super) struct Audit {
-    tracked: Mutex<Vec<Arc<Tracked>>>,
-    releases: AtomicU64,
-    timeline: Arc<Timeline>,
-}
-
-impl Audit {
-    pub(super) fn new(timeline: Arc<Timeline>) -> Self {
-        Audit {
-            tracked: Mutex::new(Vec::new()),
-            releases: AtomicU64::new(0),
-            timeline,
-        }
-    }
-
-    fn track(&self, resources: FakeResources) -> Arc<Tracked> {
-        let t = Arc::new(Tracked {
-            resources,
-            guards: AtomicU64::new(0),
-        });
-        self.lock().push(t.clone());
-        t
-    }
-
-    fn untrack(&self, resources: &FakeResources) -> Option<Arc<Tracked>> {
-        let mut tracked = self.lock();
-        let i = tracked.iter().position(|t| &t.resources == resources)?;
-        Some(tracked.swap_remove(i))
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Tracked>>> {
-        self.tracked.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Releases the transport was asked for.
-    pub(super) fn releases(&self) -> u64 {
-        self.releases.load(Ordering::Relaxed)
-    }
-}
-
-/// The fake UCX, with the audit in front of its release.
-pub(super) struct AuditedUcx {
-    ucx: FakeUcx,
-    audit: Arc<Audit>,
-}
-
-impl AuditedUcx {
-    pub(super) fn new(ucx: FakeUcx, audit: Arc<Audit>) -> Self {
-        AuditedUcx { ucx, audit }
-    }
-}
-
-impl Transport for AuditedUcx {
-    type Resources = FakeResources;
-
-    fn notify(&self, agent: &AgentName, message: &[u8]) -> Result<(), TransportError> {
-        self.ucx.notify(agent, message)
-    }
-
-    fn release(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-        resources: FakeResources,
-    ) -> Vec<ReleaseStep> {
-        self.audit.releases.fetch_add(1, Ordering::Relaxed);
-        match self.audit.untrack(&resources) {
-            Some(t) => {
-                let guards = t.guards.load(Ordering::SeqCst);
-                if guards > 0 {
-                    self.audit.timeline.violation(format!(
-                        "{engine} released while the decoder held {guards} read guard(s) on it"
-                    ));
-                }
-            }
-            None => self.audit.timeline.violation(format!(
-                "{engine} released twice, or a registration the decoder never made"
-            )),
-        }
-        self.ucx.release(engine, agents, resources)
-    }
-}
+use super::report::{EventCounts, Reads, Timeline};
 
 /// How reads look: a transfer takes `read` (uniform), then the runtime
 /// polls its status every `poll`; `gap` between reads of one reader.
@@ -147,7 +54,8 @@ impl TrafficShape {
 #[derive(Clone)]
 struct Current {
     engine: EngineRef,
-    tracked: Arc<Tracked>,
+    /// The audit's count of this registration's reads in flight.
+    reads: Arc<AtomicUsize>,
 }
 
 /// Read outcomes, counted by the runtime.
@@ -174,7 +82,7 @@ struct Inner {
     addrs: Vec<PeerAddr>,
     current: Mutex<Vec<Option<Current>>>,
     connecting: Mutex<HashSet<usize>>,
-    audit: Arc<Audit>,
+    audit: Arc<AuditedUcx>,
     timeline: Arc<Timeline>,
     shape: TrafficShape,
     seed: u64,
@@ -188,7 +96,7 @@ impl Decoder {
         ucx: FakeUcx,
         handle: KeepaliveHandle<FakeResources>,
         addrs: Vec<PeerAddr>,
-        audit: Arc<Audit>,
+        audit: Arc<AuditedUcx>,
         timeline: Arc<Timeline>,
         shape: TrafficShape,
         seed: u64,
@@ -224,8 +132,19 @@ impl Decoder {
         self.inner.addrs.len()
     }
 
-    pub(super) fn counts(&self) -> &ReadCounts {
-        &self.inner.counts
+    /// The read and handshake outcomes counted so far.
+    pub(super) fn reads(&self) -> Reads {
+        let c = &self.inner.counts;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Reads {
+            ok: get(&c.ok),
+            refused_marked_engine: get(&c.refused),
+            failed_by_service: get(&c.failed_by_service),
+            remote_disconnect: get(&c.disconnect),
+            other_error: get(&c.other_error),
+            handshakes_ok: get(&c.handshakes_ok),
+            handshakes_failed: get(&c.handshakes_failed),
+        }
     }
 
     fn current(&self) -> std::sync::MutexGuard<'_, Vec<Option<Current>>> {
@@ -280,7 +199,7 @@ impl Decoder {
         {
             return;
         }
-        let mut backoff = Duration::from_millis(500);
+        let mut pauses = retry::backoff(Duration::from_millis(500), Duration::from_secs(5)).build();
         loop {
             if self.inner.stopping.is_cancelled()
                 || self.inner.ucx.engine_at(self.addr(prefill)).is_none()
@@ -294,15 +213,19 @@ impl Decoder {
                         .counts
                         .handshakes_failed
                         .fetch_add(1, Ordering::Relaxed);
-                    self.inner.timeline.log_debug(format!(
-                        "handshake with {} failed: {why}; retry in {backoff:?}",
-                        self.addr(prefill)
-                    ));
+                    // Never `None`: no limit on attempts.
+                    let pause = pauses.next().unwrap_or(Duration::from_secs(5));
+                    // Too chatty for the live view: a debug line.
+                    tracing::debug!(
+                        address = %self.addr(prefill),
+                        error = %why,
+                        retry_in_ms = pause.as_millis() as u64,
+                        "demo: handshake failed, retrying"
+                    );
                     tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep(pause) => {}
                         _ = self.inner.stopping.cancelled() => break,
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
         }
@@ -340,20 +263,17 @@ impl Decoder {
             FakeError::Load { agent, status } => format!("loadRemoteMD {agent}: {status}"),
             other => other.to_string(),
         })?;
-        let tracked = inner.audit.track(hs.resources.clone());
+        let reads = inner.audit.track(hs.resources.clone());
         match ready.register(hs.resources).await {
             Ok(engine) => {
                 inner.counts.handshakes_ok.fetch_add(1, Ordering::Relaxed);
-                self.current()[prefill] = Some(Current { engine, tracked });
+                self.current()[prefill] = Some(Current { engine, reads });
                 Ok(())
             }
             Err(e) => {
                 let text = format!("register: {e}");
-                if let Some(r) = e.into_registration() {
-                    // Loaded, not registered: the runtime gives it back.
-                    use nixl_keepalive::Transport;
-                    inner.ucx.release(&r.engine, &r.agents, r.resources);
-                }
+                // Loaded, not registered: the runtime gives it back.
+                e.give_back(&inner.ucx);
                 Err(text)
             }
         }
@@ -362,14 +282,16 @@ impl Decoder {
     /// What the runtime does on an event: after a release, forget the
     /// engine and reconnect if a process listens at its address.
     fn on_event(&self, event: &Event) {
-        if let Event::Released { engine, .. } = event {
+        if let Event::Released { registration, .. } = event {
             let mut reconnect = None;
             {
                 let mut current = self.current();
                 for (prefill, slot) in current.iter_mut().enumerate() {
-                    let released = slot.as_ref().is_some_and(|c| {
-                        c.engine.id() == engine && c.engine.state() == EngineState::Released
-                    });
+                    // The event names the registration: a pinned id's
+                    // successor is never taken for the one released.
+                    let released = slot
+                        .as_ref()
+                        .is_some_and(|c| c.engine.registration() == *registration);
                     if released {
                         *slot = None;
                         reconnect = Some(prefill);
@@ -456,7 +378,7 @@ impl Decoder {
                     continue;
                 }
             };
-            current.tracked.guards.fetch_add(1, Ordering::SeqCst);
+            current.reads.fetch_add(1, Ordering::SeqCst);
             request += 1;
             let engine = current.engine.id().clone();
             let lease = format!("req-{}-{request}", rng.random::<u32>());
@@ -500,7 +422,7 @@ impl Decoder {
                 &inner.counts.other_error
             };
             counter.fetch_add(1, Ordering::Relaxed);
-            current.tracked.guards.fetch_sub(1, Ordering::SeqCst);
+            current.reads.fetch_sub(1, Ordering::SeqCst);
             if failed_by_service || status == NixlStatus::IN_PROG {
                 // Abandoned: the request fails (or is recomputed).
                 drop(guard);

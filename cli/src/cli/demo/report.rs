@@ -11,8 +11,6 @@ use nixl_keepalive::{Config, EngineId, Event, PeerAddr, ReleaseReason, WaitedFor
 use serde::Serialize;
 use tokio::time::Instant;
 
-use super::decoder::{Audit, Decoder};
-
 /// `println!` that ignores a closed stdout (`demo | head`) instead of
 /// panicking.
 macro_rules! outln {
@@ -177,9 +175,6 @@ impl Timeline {
         let line = format!("[{}] {line}", clock(self.now()));
         self.lock().log.push(line);
     }
-
-    /// A line too chatty for the live view (retries): dropped.
-    pub(super) fn log_debug(&self, _line: String) {}
 
     /// Log lines from index `from` on, and the next index.
     pub(super) fn log_since(&self, from: usize) -> (Vec<String>, usize) {
@@ -524,8 +519,8 @@ impl Outcome {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn build(
         timeline: &Timeline,
-        decoder: &Decoder,
-        audit: &Audit,
+        reads: Reads,
+        transport_releases: u64,
         events: EventCounts,
         held: Held,
         returned_at_stop: usize,
@@ -534,15 +529,12 @@ impl Outcome {
         config: Config,
     ) -> Outcome {
         let (incidents, mut violations) = timeline.close(elapsed, interrupted);
-        let transport_releases = audit.releases();
         if events.lagged == 0 && events.released != transport_releases {
             violations.push(format!(
                 "[end] VIOLATION: {} Released events but {} releases reached the transport",
                 events.released, transport_releases
             ));
         }
-        let c = decoder.counts();
-        let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
         Outcome {
             run: None,
             service_config: config.to_string(),
@@ -550,15 +542,7 @@ impl Outcome {
             wall_seconds: 0.0,
             interrupted,
             incidents,
-            reads: Reads {
-                ok: get(&c.ok),
-                refused_marked_engine: get(&c.refused),
-                failed_by_service: get(&c.failed_by_service),
-                remote_disconnect: get(&c.disconnect),
-                other_error: get(&c.other_error),
-                handshakes_ok: get(&c.handshakes_ok),
-                handshakes_failed: get(&c.handshakes_failed),
-            },
+            reads,
             released: events.released,
             events,
             transport_releases,

@@ -4,7 +4,6 @@
 
 use std::fmt::Write as _;
 use std::io::Write as _;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -138,7 +137,7 @@ impl Screen {
 }
 
 fn status_line(snapshot: &Snapshot, decoder: &Decoder) -> String {
-    let c = decoder.counts();
+    let r = decoder.reads();
     let mut by_state = std::collections::BTreeMap::new();
     for e in &snapshot.engines {
         *by_state.entry(e.state.as_str()).or_insert(0usize) += 1;
@@ -151,11 +150,9 @@ fn status_line(snapshot: &Snapshot, decoder: &Decoder) -> String {
         } else {
             states.join(", ")
         },
-        c.ok.load(Ordering::Relaxed),
-        c.failed_by_service.load(Ordering::Relaxed)
-            + c.disconnect.load(Ordering::Relaxed)
-            + c.other_error.load(Ordering::Relaxed),
-        c.refused.load(Ordering::Relaxed),
+        r.ok,
+        r.failed_by_service + r.remote_disconnect + r.other_error,
+        r.refused_marked_engine,
     )
 }
 
