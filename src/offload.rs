@@ -148,6 +148,17 @@ struct State<R> {
     batches: VecDeque<VecDeque<Call<R>>>,
     queued: usize,
     results: Vec<CallOutcome>,
+    /// A result in `results` the driver must hear of soon: a release, or
+    /// a heartbeat that did not only succeed. Results that carry only
+    /// successes wake nobody: the driver takes them at its next wake-up
+    /// for any reason ([`Offload::try_recv`]), always before it serves a
+    /// timer, so the core never sees a round as still in flight once it
+    /// came back.
+    urgent: bool,
+    /// Registrations whose next heartbeat result is urgent all the same:
+    /// a renewal waits for it ([`Offload::expedite`]). One entry per
+    /// registration at most.
+    expedite: Vec<RegistrationId>,
     /// Threads started and not yet exited.
     threads: usize,
     /// Threads waiting for a call.
@@ -239,6 +250,8 @@ impl<T: Transport> Offload<T> {
                     batches: VecDeque::new(),
                     queued: 0,
                     results: Vec::new(),
+                    urgent: false,
+                    expedite: Vec::new(),
                     threads: 0,
                     idle: 0,
                     permits: 0,
@@ -332,14 +345,48 @@ impl<T: Transport> Offload<T> {
         }
     }
 
-    /// Waits for results and moves every result ready into `out`.
+    /// The next heartbeat result of `serial` wakes the driver, even if it
+    /// only succeeded: a renewal waits for it. At once if it is back
+    /// already.
+    pub(crate) fn expedite(&self, serial: RegistrationId) {
+        let mut state = self.shared.lock();
+        let back = state
+            .results
+            .iter()
+            .any(|r| matches!(r, CallOutcome::Heartbeat { serial: s, .. } if *s == serial));
+        if back {
+            state.urgent = true;
+            drop(state);
+            self.shared.results.notify_one();
+        } else if !state.expedite.contains(&serial) {
+            state.expedite.push(serial);
+        }
+    }
+
+    /// Moves every result ready into `out`, without waiting; whether there
+    /// was any. The driver calls it at every wake-up: results that carry
+    /// only successes do not wake it themselves.
+    pub(crate) fn try_recv(&self, out: &mut Vec<CallOutcome>) -> bool {
+        let mut state = self.shared.lock();
+        state.urgent = false;
+        if state.results.is_empty() {
+            return false;
+        }
+        out.append(&mut state.results);
+        true
+    }
+
+    /// Waits for a result the driver must hear of soon (a release, a
+    /// heartbeat that did not only succeed; see [`Offload::try_recv`] for
+    /// the rest) and moves every result ready into `out`.
     ///
     /// Cancel safe: a result is either in `out` or still waiting.
     pub(crate) async fn recv(&self, out: &mut Vec<CallOutcome>) {
         loop {
             {
                 let mut state = self.shared.lock();
-                if !state.results.is_empty() {
+                if state.urgent {
+                    state.urgent = false;
                     out.append(&mut state.results);
                     return;
                 }
@@ -504,8 +551,9 @@ impl<T: Transport> Shared<T> {
                 hung: false,
             });
             if state.queued == 0 {
-                if !state.results.is_empty() {
-                    // This call may hang: what is done goes to the driver now.
+                if state.urgent {
+                    // This call may hang: what is urgent goes to the
+                    // driver now.
                     self.results.notify_one();
                 }
             } else if !state.watching {
@@ -534,11 +582,26 @@ impl<T: Transport> Shared<T> {
             }
             state.at_cap_logged = false;
             // A release's result goes to the driver at once (releases are
-            // few, and a peer's reload may wait for it); heartbeat results
-            // wait for the batch (one wake-up of the driver per batch).
-            let now = matches!(outcome, CallOutcome::Release { .. });
+            // few, and a peer's reload may wait for it); a heartbeat that
+            // failed waits for the batch (one wake-up of the driver per
+            // batch); successes wake nobody (the driver takes them at its
+            // next wake-up, before any timer: a slot's heartbeats cost the
+            // slot's timer and the hand-off, not a third wake-up).
+            let (urgent, now) = match &outcome {
+                CallOutcome::Release { .. } => (true, true),
+                CallOutcome::Heartbeat { serial, results } => {
+                    match state.expedite.iter().position(|s| s == serial) {
+                        Some(i) => {
+                            state.expedite.swap_remove(i);
+                            (true, true)
+                        }
+                        None => (!results.only_successes(), false),
+                    }
+                }
+            };
             state.results.push(outcome);
-            if state.queued == 0 || now {
+            state.urgent |= urgent;
+            if now || (state.queued == 0 && state.urgent) {
                 self.results.notify_one();
             }
             if state.pending() == 0 && state.standing_by {
@@ -583,7 +646,7 @@ impl<T: Transport> Shared<T> {
                 } else {
                     // Every busy thread is stuck: what is done must not
                     // wait for the queue behind them to drain.
-                    if !state.results.is_empty() {
+                    if state.urgent {
                         self.results.notify_one();
                     }
                     // As many takers as threads are stuck: one hung call
@@ -812,7 +875,7 @@ mod tests {
         Call::Heartbeat {
             serial,
             agents: Arc::from(vec![AgentName::new(agent)]),
-            messages: Arc::from(vec![b"HB:".to_vec().into_boxed_slice()]),
+            messages: crate::core::HeartbeatMessages::Idle,
         }
     }
 
@@ -847,11 +910,15 @@ mod tests {
         let mut seen = Vec::new();
         let deadline = Instant::now() + within;
         while !want(&seen) {
+            // As the driver does: what woke it, then whatever else waits
+            // (successes wake nobody); it wakes at least every 5 ms here,
+            // as the driver does for its next slot.
             let mut out = Vec::new();
-            let left = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(left, offload.recv(&mut out)).await {
-                Ok(()) => seen.extend(out.iter().map(serial)),
-                Err(_) => panic!("results after {within:?}: {seen:?}"),
+            let _ = tokio::time::timeout(Duration::from_millis(5), offload.recv(&mut out)).await;
+            offload.try_recv(&mut out);
+            seen.extend(out.iter().map(serial));
+            if Instant::now() > deadline {
+                panic!("results after {within:?}: {seen:?}");
             }
         }
         seen
@@ -981,6 +1048,9 @@ mod tests {
         }
     }
 
+    /// A success waits for the driver's next wake-up without waking it;
+    /// on a paused clock that wake-up (its next timer) comes only once the
+    /// call is done, so the result is there before virtual time moves.
     #[tokio::test(start_paused = true)]
     async fn on_a_paused_clock_a_result_arrives_before_virtual_time_moves() {
         let offload = Offload::new(Arc::new(Slow));
@@ -990,13 +1060,71 @@ mod tests {
             let mut out = Vec::new();
             tokio::select! {
                 biased;
-                () = offload.recv(&mut out) => {}
-                () = tokio::time::sleep(Duration::from_secs(3600)) => {
-                    panic!("virtual time moved while the call ran")
-                }
+                () = offload.recv(&mut out) => panic!("a success woke the driver"),
+                () = tokio::time::sleep(Duration::from_millis(10)) => {}
             }
-            assert_eq!(tokio::time::Instant::now(), start);
+            assert_eq!(
+                tokio::time::Instant::now(),
+                start + Duration::from_millis(10)
+            );
+            assert!(
+                offload.try_recv(&mut out),
+                "the result waits for the next wake-up"
+            );
             assert_eq!(out.len(), 1);
+        }
+    }
+
+    /// A transport whose notify fails for agents named `fail*`.
+    struct Failing;
+
+    impl Transport for Failing {
+        type Resources = ();
+        fn notify(&self, agent: &AgentName, _: &[u8]) -> Result<(), TransportError> {
+            if agent.as_str().starts_with("fail") {
+                Err(TransportError::new(
+                    "genNotif",
+                    crate::NixlStatus::ERR_REMOTE_DISCONNECT,
+                ))
+            } else {
+                Ok(())
+            }
+        }
+        fn release(&self, _: &EngineId, _: &[AgentName], _: ()) -> Vec<ReleaseStep> {
+            Vec::new()
+        }
+    }
+
+    /// What the core must act on wakes the driver (a failed round, a
+    /// release); successes alone never do, and are there by its next
+    /// wake-up.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_round_or_a_release_wakes_the_driver_and_successes_alone_do_not() {
+        let offload = Offload::new(Arc::new(Failing));
+        let mut out = Vec::new();
+        offload.submit([heartbeat(1, "ok"), heartbeat(2, "ok")]);
+        tokio::select! {
+            biased;
+            () = offload.recv(&mut out) => panic!("successes woke the driver"),
+            () = tokio::time::sleep(Duration::from_millis(10)) => {}
+        }
+        assert!(offload.try_recv(&mut out));
+        assert_eq!(out.len(), 2);
+        out.clear();
+        for urgent in [heartbeat(3, "fail-rank0"), release(4)] {
+            offload.submit([heartbeat(5, "ok"), urgent]);
+            tokio::select! {
+                biased;
+                () = offload.recv(&mut out) => {}
+                () = tokio::time::sleep(Duration::from_secs(3600)) => panic!("not woken"),
+            }
+            // A release goes at once, maybe before the success beside it:
+            // that one is there by the next wake-up (virtual time waits for
+            // every call in flight).
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            offload.try_recv(&mut out);
+            assert_eq!(out.len(), 2, "both results by the next wake-up");
+            out.clear();
         }
     }
 }

@@ -189,6 +189,10 @@ impl<T: Transport> Keepalive<T> {
         let sleep = tokio::time::sleep_until(Instant::now());
         tokio::pin!(sleep);
         loop {
+            // Results that carry only successes wake nobody (offload): they
+            // are taken here, at every wake-up, before anything else (a
+            // timer's round must see the last round as back).
+            self.take_results(&mut results);
             self.carry_out();
             let now = Instant::now();
             if self.core.is_stopped(now) {
@@ -256,6 +260,17 @@ impl<T: Transport> Keepalive<T> {
         }
     }
 
+    /// Hands the core every call result that is back, without waiting:
+    /// results that carry only successes wake nobody (`offload`).
+    fn take_results(&mut self, results: &mut Vec<crate::core::CallOutcome>) {
+        if self.offload.try_recv(results) {
+            let now = Instant::now();
+            for result in results.drain(..) {
+                self.core.handle(now, Input::CallDone(result));
+            }
+        }
+    }
+
     fn on_msg(&mut self, now: Instant, msg: Msg<T::Resources>) {
         match msg {
             Msg::Input(input) => self.core.handle(now, input),
@@ -268,6 +283,8 @@ impl<T: Transport> Keepalive<T> {
                 self.core.handle(now, input);
             }
             Msg::Snapshot(done) => {
+                // What came back counts, woken for or not.
+                self.take_results(&mut Vec::new());
                 let mut snapshot = self.core.snapshot(now);
                 snapshot.detection_bound = self.bound;
                 let ids: std::collections::HashMap<crate::RegistrationId, EngineId> = self
@@ -336,6 +353,7 @@ impl<T: Transport> Keepalive<T> {
                     transfers_ended,
                 } => cell.release_finished(transfers_ended),
                 Action::Count(count) => telemetry::record(count),
+                Action::Expedite { serial } => self.offload.expedite(serial),
                 Action::Emit(event) => {
                     // No subscriber is not an error.
                     let _ = self.events.send(event);

@@ -703,11 +703,14 @@ fn a_partitioned_prefill_is_released_within_the_reported_bound_and_a_short_one_i
     assert!(
         during
             .iter()
-            .all(|e| !e.starts_with("event: unreachable") && !e.starts_with("event: transient_error")),
+            .all(|e| !e.starts_with("event: unreachable")
+                && !e.starts_with("event: transient_error")),
         "UCX reported a partition that TCP should still be retransmitting over: {seen:?}"
     );
     assert!(
-        during.iter().all(|e| !e.starts_with("event: released") || e.contains("reason=stalled")),
+        during
+            .iter()
+            .all(|e| !e.starts_with("event: released") || e.contains("reason=stalled")),
         "released during the partition for another reason than the read timeout's stall: {seen:?}"
     );
     assert!(

@@ -28,7 +28,28 @@ pub(crate) enum Call<R> {
 
 /// The notifications of one heartbeat round, shared by the rounds that
 /// follow until the engine's leases change.
-pub(crate) type HeartbeatMessages = Arc<[Box<[u8]>]>;
+#[derive(Clone, Debug)]
+pub(crate) enum HeartbeatMessages {
+    /// `HB:` naming nothing: what an engine without leases gets. Static,
+    /// so the many idle engines' rounds share no reference count (one
+    /// shared `Arc` was a cache line bouncing between the driver, which
+    /// cloned it, and the pool's threads, which dropped it, every
+    /// heartbeat).
+    Idle,
+    /// The round of an engine with leases, shared until they change.
+    Leases(Arc<[Box<[u8]>]>),
+}
+
+impl HeartbeatMessages {
+    /// The notifications of the round, in order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &[u8]> {
+        let (idle, leases): (Option<&[u8]>, &[Box<[u8]>]) = match self {
+            HeartbeatMessages::Idle => (Some(b"HB:"), &[]),
+            HeartbeatMessages::Leases(m) => (None, m),
+        };
+        idle.into_iter().chain(leases.iter().map(|m| &m[..]))
+    }
+}
 
 /// A transport call panicked. The panic is caught at the call (a blocking
 /// worker must not die with jobs behind it) and reported as what it is,
@@ -64,6 +85,14 @@ pub(crate) struct RoundResults {
     pub(crate) failed: Vec<(AgentName, TransportError)>,
     /// Notifications whose call panicked, with their agent.
     pub(crate) panicked: Vec<(AgentName, Panicked)>,
+}
+
+impl RoundResults {
+    /// Every notification of the round was accepted: nothing the core must
+    /// act on soon (the round is over, and counted).
+    pub(crate) fn only_successes(&self) -> bool {
+        self.failed.is_empty() && self.panicked.is_empty()
+    }
 }
 
 /// What a call came back with.

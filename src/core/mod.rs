@@ -64,7 +64,6 @@ pub(crate) use calls::{Call, CallOutcome, HeartbeatMessages, Panicked, RoundResu
 pub(crate) use cell::{EngineCell, Wake, WakeSink};
 pub(crate) use classify::{classify, Verdict};
 pub(crate) use count::Count;
-use heartbeat::heartbeat_round;
 pub use heartbeat::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
 pub use schedule::HEARTBEAT_SLOT;
 use stall::stall_check_period;
@@ -203,6 +202,10 @@ pub(crate) enum Action<R> {
         cell: Arc<EngineCell>,
         transfers_ended: bool,
     },
+    /// A renewal waits for the round of `serial` now in flight: hand its
+    /// result over as soon as it is back (a round that only succeeds
+    /// otherwise waits for the driver's next wake-up).
+    Expedite { serial: RegistrationId },
     /// Count it in the metrics.
     Count(Count),
     /// Publish an event.
@@ -246,8 +249,6 @@ pub(crate) struct Core<R> {
     rate: RateCap,
     rng: StdRng,
     actions: VecDeque<Action<R>>,
-    /// The message of an engine without leases, shared by all of them.
-    idle_message: HeartbeatMessages,
     /// Appended to a live engine's "why not released".
     silent_peer_note: String,
     /// Every timer but the heartbeat schedule.
@@ -300,7 +301,6 @@ impl<R> Core<R> {
             newest_ticket: TicketId(0),
             rng,
             actions: VecDeque::new(),
-            idle_message: heartbeat_round(&BTreeSet::new()),
             silent_peer_note: "UCX settings not given to the service".to_string(),
             releases_in_flight: 0,
             stopping: None,
@@ -360,7 +360,7 @@ impl<R> Core<R> {
             tracing::warn!("shutdown drain deadline passed: what still has reads in flight is handed back unreleased");
         }
         while let Some((slot, serials)) = self.schedule.pop_due(now) {
-            for serial in serials {
+            for &serial in &serials {
                 let Some(peer) = self.peers.get_mut(&serial) else {
                     continue;
                 };
@@ -369,6 +369,7 @@ impl<R> Core<R> {
                     self.heartbeat_due(now, serial, slot);
                 }
             }
+            self.schedule.recycle(serials);
         }
         if let Some(bound) = self.config.read_stall {
             let marking = self.timers.is_expired(Timer::StallMark, now);

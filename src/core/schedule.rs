@@ -26,7 +26,13 @@ pub(crate) struct Schedule {
     origin: Instant,
     slots: BTreeMap<Instant, Vec<RegistrationId>>,
     len: usize,
+    /// Emptied slot vectors, kept for the next slots (one allocation and
+    /// its growth per slot, 100 slots a second, otherwise).
+    spare: Vec<Vec<RegistrationId>>,
 }
+
+/// Spare slot vectors kept at most.
+const SPARES: usize = 8;
 
 impl Schedule {
     pub(crate) fn new(origin: Instant) -> Self {
@@ -34,21 +40,28 @@ impl Schedule {
             origin,
             slots: BTreeMap::new(),
             len: 0,
+            spare: Vec::new(),
         }
     }
 
     /// `at`, rounded up to the next slot boundary (counted from the origin).
     pub(crate) fn slot_of(&self, at: Instant) -> Instant {
-        let slot = HEARTBEAT_SLOT.as_nanos();
-        let since = at.saturating_duration_since(self.origin).as_nanos();
-        let rounded = since.div_ceil(slot) * slot;
-        self.origin + Duration::from_nanos(u64::try_from(rounded).unwrap_or(u64::MAX))
+        // In u64 nanoseconds (584 years from the origin; past that,
+        // saturated): a u128 division per heartbeat was measurable.
+        const SLOT: u64 = HEARTBEAT_SLOT.as_nanos() as u64;
+        let since = at.saturating_duration_since(self.origin);
+        let since = u64::try_from(since.as_nanos()).unwrap_or(u64::MAX - SLOT);
+        self.origin + Duration::from_nanos(since.div_ceil(SLOT) * SLOT)
     }
 
     /// Puts `serial` in the slot of `at`; returns the slot.
     pub(crate) fn insert(&mut self, serial: RegistrationId, at: Instant) -> Instant {
         let slot = self.slot_of(at);
-        self.slots.entry(slot).or_default().push(serial);
+        let spare = &mut self.spare;
+        self.slots
+            .entry(slot)
+            .or_insert_with(|| spare.pop().unwrap_or_default())
+            .push(serial);
         self.len += 1;
         slot
     }
@@ -60,7 +73,9 @@ impl Schedule {
                 serials.swap_remove(i);
                 self.len -= 1;
                 if serials.is_empty() {
-                    self.slots.remove(&slot);
+                    if let Some(empty) = self.slots.remove(&slot) {
+                        self.recycle(empty);
+                    }
                 }
             }
         }
@@ -71,7 +86,17 @@ impl Schedule {
         self.slots.keys().next().copied()
     }
 
-    /// Takes the earliest slot if it is due at `now`.
+    /// Gives back a slot vector [`Schedule::pop_due`] returned, once
+    /// served: the next slots reuse it.
+    pub(crate) fn recycle(&mut self, mut serials: Vec<RegistrationId>) {
+        if self.spare.len() < SPARES {
+            serials.clear();
+            self.spare.push(serials);
+        }
+    }
+
+    /// Takes the earliest slot if it is due at `now` (give its vector back
+    /// with [`Schedule::recycle`]).
     pub(crate) fn pop_due(&mut self, now: Instant) -> Option<(Instant, Vec<RegistrationId>)> {
         let entry = self.slots.first_entry()?;
         if *entry.key() > now {

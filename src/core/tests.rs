@@ -126,6 +126,9 @@ impl Harness {
                     transfers_ended,
                 } => cell.release_finished(transfers_ended),
                 Action::Count(count) => self.counts.push(count),
+                // The offload's concern: the harness hands every result
+                // over at once anyway.
+                Action::Expedite { .. } => {}
                 other => self.actions.push(other),
             }
         }
