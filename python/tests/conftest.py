@@ -223,8 +223,17 @@ class Prefill:
         return at
 
     def signal(self, sig: int) -> float:
+        """Sends ``sig``; for SIGSTOP, returns once the process is stopped
+        (its state in /proc is ``T``): kill() returns before the stop takes
+        effect, and a read posted in between is served by a prefill that
+        still runs. Returns when it was sent."""
         at = time.monotonic()
         self.proc.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            stat = f"/proc/{self.proc.pid}/stat"
+            wait_for(f"prefill {self.proc.pid} stopped",
+                     lambda: open(stat).read().rsplit(")", 1)[1].split()[0] in ("T", "t"),
+                     MARGIN, seen=lambda: open(stat).read())
         return at
 
     def log_text(self) -> str:

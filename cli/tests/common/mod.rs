@@ -280,12 +280,27 @@ impl PrefillProc {
     }
 
     /// Sends a signal with the `kill` command (`STOP`, `CONT`).
+    /// Sends `sig` (a name: `STOP`, `CONT`, ...). For `STOP`, returns
+    /// once the process is stopped (its /proc state is `T`): kill returns
+    /// before the stop takes effect, and a read posted in between is served
+    /// by a prefill that still runs.
     pub fn signal(&self, sig: &str) {
         let st = Command::new("kill")
             .args([&format!("-{sig}"), &self.pid.to_string()])
             .status()
             .expect("run kill");
         assert!(st.success(), "kill -{sig} {} failed", self.pid);
+        if sig == "STOP" {
+            let stat = format!("/proc/{}/stat", self.pid);
+            wait::until(&format!("prefill {} stopped", self.pid), wait::MARGIN, || {
+                let text = std::fs::read_to_string(&stat).unwrap_or_default();
+                let state = text.rsplit_once(')').map(|(_, rest)| rest.trim_start().chars().next());
+                match state {
+                    Some(Some('T' | 't')) => Ok(()),
+                    _ => Err(text),
+                }
+            });
+        }
     }
 }
 
