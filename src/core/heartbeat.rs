@@ -239,7 +239,7 @@ impl<R> Core<R> {
             });
         }
         for (agent, e) in &failed {
-            self.status(now, serial, Source::Heartbeat, Some(agent), e.status);
+            self.on_status(now, serial, Source::Heartbeat, Some(agent), e.status);
         }
         let peer = self.peers.get(&serial).expect("still here");
         if peer.is_live() && peer.renewal_wanted {

@@ -405,7 +405,11 @@ impl<R> Core<R> {
         *count -= 1;
         if *count == 0 {
             self.handshakes.remove(&t.address);
-            for serial in self.held.remove(&t.address).unwrap_or_default() {
+            for serial in self
+                .held_by_handshake
+                .remove(&t.address)
+                .unwrap_or_default()
+            {
                 self.try_release(now, serial);
             }
         }

@@ -236,7 +236,7 @@ pub(crate) struct Core<R> {
     handshakes: Map<PeerAddr, usize>,
     /// Marked registrations whose release waits for a handshake at their
     /// address.
-    held: Map<PeerAddr, BTreeSet<RegistrationId>>,
+    held_by_handshake: Map<PeerAddr, BTreeSet<RegistrationId>>,
     /// The one granted load of each engine id.
     loads: Map<EngineId, TicketId>,
     /// Claims waiting for an engine id, in arrival order.
@@ -294,7 +294,7 @@ impl<R> Core<R> {
             agents: Map::default(),
             tickets: Map::default(),
             handshakes: Map::default(),
-            held: Map::default(),
+            held_by_handshake: Map::default(),
             loads: Map::default(),
             waiting: Map::default(),
             conflicts: Map::default(),
@@ -411,7 +411,7 @@ impl<R> Core<R> {
             } => self.register(now, request, ticket, registration, cell),
             Input::Read(Wake::Drained(serial)) => self.try_release(now, serial),
             Input::Read(Wake::TransferResult(serial, status)) => {
-                self.status(now, serial, Source::Transfer, None, status)
+                self.on_status(now, serial, Source::Transfer, None, status)
             }
             Input::Read(Wake::GivenUp {
                 serial,

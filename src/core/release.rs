@@ -104,7 +104,10 @@ impl<R> Core<R> {
             let address = peer.address.clone();
             let peer = self.peers.get_mut(&serial).expect("checked");
             peer.mark.as_mut().expect("checked").held_by_handshake = true;
-            self.held.entry(address).or_default().insert(serial);
+            self.held_by_handshake
+                .entry(address)
+                .or_default()
+                .insert(serial);
             return;
         }
         if peer.cell.try_release().is_err() {
@@ -235,7 +238,7 @@ impl<R> Core<R> {
             // Marked earlier and held by a handshake: not any more.
             self.try_release(now, serial);
         }
-        self.held.clear();
+        self.held_by_handshake.clear();
     }
 
     /// What a shutdown could not release: registrations still held, each

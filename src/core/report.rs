@@ -79,7 +79,7 @@ impl<R> Core<R> {
                     held.push(format!("{reads} read(s) in flight"));
                 }
                 if self
-                    .held
+                    .held_by_handshake
                     .get(&p.address)
                     .is_some_and(|s| s.contains(&p.cell.serial()))
                 {

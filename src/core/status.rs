@@ -13,7 +13,7 @@ use crate::NixlStatus;
 impl<R> Core<R> {
     /// A status from `source` for registration `serial` (and `agent`, for
     /// a heartbeat). The one place a status is acted on.
-    pub(super) fn status(
+    pub(super) fn on_status(
         &mut self,
         now: Instant,
         serial: RegistrationId,

@@ -292,14 +292,20 @@ impl PrefillProc {
         assert!(st.success(), "kill -{sig} {} failed", self.pid);
         if sig == "STOP" {
             let stat = format!("/proc/{}/stat", self.pid);
-            wait::until(&format!("prefill {} stopped", self.pid), wait::MARGIN, || {
-                let text = std::fs::read_to_string(&stat).unwrap_or_default();
-                let state = text.rsplit_once(')').map(|(_, rest)| rest.trim_start().chars().next());
-                match state {
-                    Some(Some('T' | 't')) => Ok(()),
-                    _ => Err(text),
-                }
-            });
+            wait::until(
+                &format!("prefill {} stopped", self.pid),
+                wait::MARGIN,
+                || {
+                    let text = std::fs::read_to_string(&stat).unwrap_or_default();
+                    let state = text
+                        .rsplit_once(')')
+                        .map(|(_, rest)| rest.trim_start().chars().next());
+                    match state {
+                        Some(Some('T' | 't')) => Ok(()),
+                        _ => Err(text),
+                    }
+                },
+            );
         }
     }
 }
