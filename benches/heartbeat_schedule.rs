@@ -39,7 +39,7 @@ fn main() {
         "heartbeat_schedule: 1 Hz per engine, no-op transport, {seconds} s measured per point after warm-up; {}",
         machine()
     );
-    println!("CPU = process CPU time (utime+stime, 10 ms ticks) / wall time; 100% = one core");
+    println!("CPU = process CPU time (CLOCK_PROCESS_CPUTIME_ID, every thread) / wall time; 100% = one core");
     println!();
     println!(
         "{:>8}  {:>22}  {:>14}  {:>14}  {:>22}  {:>22}",
