@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use nixl_keepalive::nixl_transport::NixlTransport;
 use nixl_keepalive::{Config, EngineId, Event, PeerAddr};
-use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder, Handshake};
+use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder, Found};
 use nixl_sys::{Agent, AgentConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -109,8 +109,8 @@ async fn run(rt: &'static nixl_sys::Runtime, interval: Duration, kills: usize) {
     for _ in 0..kills {
         let mut p = start_prefill();
         match decoder.connect(&p.addr, None).await.expect("handshake") {
-            Handshake::New(_) => {}
-            Handshake::Unchanged => unreachable!(),
+            Found::New(_) => {}
+            Found::Unchanged => unreachable!(),
         }
         // Kill at a random point of the heartbeat cycle.
         let wait = interval.mul_f64(1.0 + rand::random::<f64>());

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::{config, report, serial, DecodeSide, PrefillProc, PrefillSpec};
 use nixl_keepalive::{EngineId, EngineState, Event, PeerAddr, Transport};
-use nixl_keepalive_cli::pd::decode::{DecodeOptions, Handshake, ReadOutcome};
+use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found, ReadOutcome};
 use nixl_sys::testing::runtime_or_skip;
 
 const CHILD_ENV: &str = "NIXL_KEEPALIVE_FROZEN_CHILD";
@@ -140,8 +140,8 @@ fn frozen_decode_child() {
             .expect("valid config");
         let mut d = DecodeSide::start(rt, config, options);
         let c = match d.decoder.connect(&addr, None).await.expect("handshake") {
-            Handshake::New(c) => c,
-            Handshake::Unchanged => unreachable!(),
+            Found::New(c) => c,
+            Found::Unchanged => unreachable!(),
         };
         assert_eq!(d.decoder.read(&c, 0, 0).await, ReadOutcome::Verified);
         tokio::time::sleep(Duration::from_secs(1)).await;

@@ -11,13 +11,13 @@ use std::time::{Duration, Instant};
 use common::wait::{check, until_async, MARGIN};
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
 use nixl_keepalive::{EngineId, EngineState, Event, NixlStatus, ReleaseReason};
-use nixl_keepalive_cli::pd::decode::{DecodeOptions, Handshake, ReadOutcome};
+use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found, ReadOutcome};
 use nixl_sys::testing::runtime_or_skip;
 
-fn connected(h: Handshake) -> nixl_keepalive_cli::pd::decode::Connected {
+fn connected(h: Found) -> nixl_keepalive_cli::pd::decode::Connected {
     match h {
-        Handshake::New(c) => c,
-        Handshake::Unchanged => panic!("expected a new engine"),
+        Found::New(c) => c,
+        Found::Unchanged => panic!("expected a new engine"),
     }
 }
 

@@ -128,7 +128,7 @@ fn handshakes_complete_while_an_attacker_holds_400_idle_connections_to_a_prefill
 #[test]
 fn a_hostile_reply_naming_one_agent_for_two_ranks_is_refused_and_nothing_is_loaded() {
     use nixl_keepalive::EngineId;
-    use nixl_keepalive_cli::pd::decode::{DecodeOptions, Handshake, HandshakeError, RemoteEngine};
+    use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found, HandshakeError, RemoteEngine};
     use nixl_keepalive_cli::pd::wire;
     use nixl_sys::NixlStatus;
 
@@ -196,8 +196,8 @@ fn a_hostile_reply_naming_one_agent_for_two_ranks_is_refused_and_nothing_is_load
             .await
             .expect("honest handshake")
         {
-            Handshake::New(c) => assert_eq!(c.remote.agents.len(), 2),
-            Handshake::Unchanged => panic!("expected a new engine"),
+            Found::New(c) => assert_eq!(c.remote.agents.len(), 2),
+            Found::Unchanged => panic!("expected a new engine"),
         }
         d.stop().await;
         report("hostile reply (one agent for ranks 0 and 1, real metadata): refused by the wire decoder and by RemoteEngine::load; nothing loaded; the honest prefill then registered");

@@ -21,7 +21,7 @@ use common::wait::{check, until_async, MARGIN};
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
 use nixl_keepalive::ucx_settings::{detection_bound, UcxSettings};
 use nixl_keepalive::{Config, EngineId, EngineState, Event, ReleaseReason, StallAction};
-use nixl_keepalive_cli::pd::decode::{DecodeOptions, Handshake};
+use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found};
 use nixl_sys::testing::runtime_or_skip;
 
 const STALL: Duration = Duration::from_secs(2);
@@ -315,8 +315,8 @@ fn an_idle_frozen_prefill_is_kept_and_the_snapshot_says_who_can_retire_it() {
         let p = PrefillProc::start(&PrefillSpec::default());
         let mut d = DecodeSide::start(rt, stall_config(), options());
         let c = match d.decoder.connect(&p.addr, None).await.expect("handshake") {
-            Handshake::New(c) => c,
-            Handshake::Unchanged => unreachable!(),
+            Found::New(c) => c,
+            Found::Unchanged => unreachable!(),
         };
         p.signal("STOP");
         tokio::time::sleep(STALL * 3).await;

@@ -720,7 +720,7 @@ pub fn claim_of(reply: &HandshakeReply) -> Claim {
 }
 
 /// What a handshake found.
-pub enum Handshake {
+pub enum Found {
     /// A new engine (or a new incarnation of one) was loaded and registered.
     New(Connected),
     /// The engine and incarnation already connected are still there.
@@ -784,7 +784,7 @@ impl Decoder {
 
     /// One handshake with `address`, through the library's protocol.
     /// `current` is what this caller has connected there: the same engine
-    /// id and incarnation, still live, is [`Handshake::Unchanged`]. Any
+    /// id and incarnation, still live, is [`Found::Unchanged`]. Any
     /// other registration of the engine id found is released first
     /// (`ready_to_load`), whatever its state: NIXL must not load metadata
     /// over loaded metadata.
@@ -798,7 +798,7 @@ impl Decoder {
         &self,
         address: &PeerAddr,
         current: Option<&Connected>,
-    ) -> Result<Handshake, HandshakeError> {
+    ) -> Result<Found, HandshakeError> {
         let result = self.handshake(address, current).await;
         if let Err(e) = &result {
             metrics::counter!("nixl_keepalive_pd_handshake_failures_total", "reason" => e.reason())
@@ -813,7 +813,7 @@ impl Decoder {
         &self,
         address: &PeerAddr,
         current: Option<&Connected>,
-    ) -> Result<Handshake, HandshakeError> {
+    ) -> Result<Found, HandshakeError> {
         let handshake = self.handle.handshake(address.clone());
         let reply = fetch(address, self.options.handshake_timeout).await?;
         let ready = match handshake.ready_to_load(claim_of(&reply)).await {
@@ -822,10 +822,10 @@ impl Decoder {
                 // This process is registered already: nothing to load.
                 if let Some(c) = current.filter(|c| c.engine.same_registration(&engine)) {
                     let _ = c;
-                    return Ok(Handshake::Unchanged);
+                    return Ok(Found::Unchanged);
                 }
                 return match self.loaded(&engine) {
-                    Some(connected) => Ok(Handshake::New(connected)),
+                    Some(connected) => Ok(Found::New(connected)),
                     None => Err(HandshakeError::Invalid(format!(
                         "engine {} is registered by another runtime of this agent",
                         engine.id()
@@ -894,7 +894,7 @@ impl Decoder {
             remote: Arc::new(remote),
         };
         self.remember(&connected);
-        Ok(Handshake::New(connected))
+        Ok(Found::New(connected))
     }
 
     /// Keeps what reads from a registration need, for any reader that
@@ -1049,7 +1049,7 @@ impl Decoder {
                         if failures > 0 {
                             tracing::info!(%address, failures, "handshake succeeded after failures");
                         }
-                        if let Handshake::New(c) = h {
+                        if let Found::New(c) = h {
                             current = Some(c);
                         }
                     }
