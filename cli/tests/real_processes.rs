@@ -172,12 +172,7 @@ fn a_sigkilled_prefill_with_reads_in_flight_fails_them_promptly_and_is_released_
         };
         // Kill once reads verifiably work, with more on the wire.
         let decoder = d.decoder.clone();
-        let verified = || {
-            decoder
-                .stats()
-                .verified
-                .load(std::sync::atomic::Ordering::Relaxed)
-        };
+        let verified = || verified_reads(&decoder);
         until_async("4 reads verified", MARGIN, || {
             check(verified() >= 4, verified())
         })
@@ -457,12 +452,7 @@ fn the_reader_loop_re_handshakes_after_a_release_when_a_prefill_listens_again() 
             )
             .await;
         let decoder = d.decoder.clone();
-        let verified = || {
-            decoder
-                .stats()
-                .verified
-                .load(std::sync::atomic::Ordering::Relaxed)
-        };
+        let verified = || verified_reads(&decoder);
         let at_registration = verified();
         until_async("reads from the new engine", MARGIN, || {
             check(verified() > at_registration, verified())
@@ -536,4 +526,12 @@ fn a_prefill_refuses_bad_side_channel_input_and_keeps_answering() {
             .any(|l| l.contains("closed unanswered") && l.contains("reason=\"eof\"")),
         "{log}"
     );
+}
+
+/// Reads the decoder verified so far.
+fn verified_reads(decoder: &nixl_keepalive_cli::pd::decode::Decoder) -> u64 {
+    decoder
+        .stats()
+        .verified
+        .load(std::sync::atomic::Ordering::Relaxed)
 }

@@ -27,13 +27,27 @@ pub fn until<T, S: Debug>(
 ) -> T {
     let deadline = Instant::now() + within;
     loop {
-        match probe() {
-            Ok(t) => return t,
-            Err(seen) if Instant::now() >= deadline => {
-                panic!("{what}: not within {within:?}; last seen: {seen:#?}")
-            }
-            Err(_) => std::thread::sleep(POLL),
+        if let Some(t) = attempt(what, within, deadline, &mut probe) {
+            return t;
         }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// One poll of [`until`] and [`until_async`]: the value, or `None` to poll
+/// again; past the deadline, the panic that names what was seen.
+fn attempt<T, S: Debug>(
+    what: &str,
+    within: Duration,
+    deadline: Instant,
+    probe: &mut impl FnMut() -> Result<T, S>,
+) -> Option<T> {
+    match probe() {
+        Ok(t) => Some(t),
+        Err(seen) if Instant::now() >= deadline => {
+            panic!("{what}: not within {within:?}; last seen: {seen:#?}")
+        }
+        Err(_) => None,
     }
 }
 
@@ -45,13 +59,10 @@ pub async fn until_async<T, S: Debug>(
 ) -> T {
     let deadline = Instant::now() + within;
     loop {
-        match probe() {
-            Ok(t) => return t,
-            Err(seen) if Instant::now() >= deadline => {
-                panic!("{what}: not within {within:?}; last seen: {seen:#?}")
-            }
-            Err(_) => tokio::time::sleep(POLL).await,
+        if let Some(t) = attempt(what, within, deadline, &mut probe) {
+            return t;
         }
+        tokio::time::sleep(POLL).await;
     }
 }
 
