@@ -3,7 +3,7 @@
 //! depends on the other for it.
 
 /// Why the runtime stopped waiting for a read whose transfer was still in
-/// progress. See [`ReadGuard::give_up`].
+/// progress. See [`crate::ReadGuard::give_up`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GiveUp {
     /// The runtime's read timeout passed: its own verdict that the engine

@@ -165,7 +165,7 @@ impl<T: Transport> Keepalive<T> {
     /// marked (new reads are refused), each is released as its reads end,
     /// for at most [`Config::shutdown_drain`]; what is left is returned.
     /// Registrations that arrive once the stop has begun are refused with
-    /// [`RegisterError::Stopped`].
+    /// [`crate::RegisterError::Stopped`].
     ///
     /// Cancel safety: not cancel safe; stop it with the token.
     #[tracing::instrument(name = "nixl_keepalive", skip_all)]
