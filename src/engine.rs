@@ -73,7 +73,8 @@ impl EngineRef {
     /// [`crate::Event::Released`] right after. Cancel safe; the future owns
     /// what it needs.
     pub fn released(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        self.cell.release_done().clone().cancelled_owned()
+        let cell = Arc::clone(&self.cell);
+        async move { cell.release_done().wait().await }
     }
 
     /// The engine's state now.
@@ -142,7 +143,7 @@ impl EngineRef {
 
     /// Whether the service has failed this registration's reads.
     pub fn reads_failed(&self) -> bool {
-        self.cell.reads_failed().is_cancelled()
+        self.cell.reads_failed().is_set()
     }
 }
 
@@ -218,14 +219,15 @@ macro_rules! read_guard {
             /// transfer should be abandoned and its request failed or
             /// recomputed.
             pub fn is_failed(&self) -> bool {
-                self.cell().reads_failed().is_cancelled()
+                self.cell().reads_failed().is_set()
             }
 
             /// Resolves when the service fails this engine's reads. Cancel
             /// safe; the future owns what it needs (it may outlive the
             /// guard).
             pub fn failed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-                self.cell().reads_failed().clone().cancelled_owned()
+                let cell = Arc::clone(self.cell());
+                async move { cell.reads_failed().wait().await }
             }
 
             /// Ends the read, reporting the raw NIXL status the transfer
@@ -325,16 +327,13 @@ impl GivenUpRead {
     /// What may become of the destination buffer, once the engine's
     /// release has come back; `None` before.
     pub fn try_destination(&self) -> Option<Destination> {
-        self.cell
-            .release_done()
-            .is_cancelled()
-            .then(|| self.decided())
+        self.cell.release_done().is_set().then(|| self.decided())
     }
 
     /// Resolves when the engine's release has come back, with what may
     /// become of the destination buffer. Cancel safe.
     pub async fn destination(&self) -> Destination {
-        self.cell.release_done().cancelled().await;
+        self.cell.release_done().wait().await;
         self.decided()
     }
 

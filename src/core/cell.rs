@@ -35,7 +35,7 @@ use crate::registration::RegistrationId;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use tokio_util::sync::CancellationToken;
+use tokio::sync::Notify;
 
 use crate::give_up::GiveUp;
 use crate::state::EngineState;
@@ -113,17 +113,56 @@ pub(crate) trait WakeSink: Send + Sync {
     fn wake(&self, wake: Wake);
 }
 
+/// A flag set once, and a wait for it: what the runtime's handles watch
+/// (a registration's reads failed, its release came back). A
+/// `CancellationToken` without its tree: two tokens were about 300 bytes
+/// of each registration's memory, this is a word and a `Notify` inline.
+#[derive(Default)]
+pub(crate) struct Signal {
+    set: AtomicBool,
+    notify: Notify,
+}
+
+impl Signal {
+    /// Whether it is set.
+    pub(crate) fn is_set(&self) -> bool {
+        self.set.load(Ordering::Acquire)
+    }
+
+    /// Sets it and wakes every waiter; the first time only.
+    pub(crate) fn set(&self) {
+        if !self.set.swap(true, Ordering::AcqRel) {
+            self.notify.notify_waiters();
+        }
+    }
+
+    /// Resolves once it is set. Cancel safe.
+    pub(crate) async fn wait(&self) {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            // Registered before the check: a `set` between the check and
+            // the await is not missed.
+            notified.as_mut().enable();
+            if self.is_set() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
 /// The state shared between the runtime's handles and the core for one
 /// registration of one engine.
 pub(crate) struct EngineCell {
     id: EngineId,
     serial: RegistrationId,
     word: AtomicU64,
-    /// Cancelled when the core fails this registration's reads in flight.
-    reads_failed: CancellationToken,
-    /// Cancelled when the registration's release came back from the
-    /// transport; `transfers_ended` is set before it.
-    release_done: CancellationToken,
+    /// Set when the core fails this registration's reads in flight.
+    reads_failed: Signal,
+    /// Set when the registration's release came back from the transport;
+    /// `transfers_ended` is set before it.
+    release_done: Signal,
     /// The release ended every transfer still running to the engine (the
     /// transport says its release closes the endpoints).
     transfers_ended: AtomicBool,
@@ -139,8 +178,8 @@ impl EngineCell {
             id,
             serial: RegistrationId(NEXT_SERIAL.fetch_add(1, Ordering::Relaxed)),
             word: AtomicU64::new(state_bits(EngineState::Live)),
-            reads_failed: CancellationToken::new(),
-            release_done: CancellationToken::new(),
+            reads_failed: Signal::default(),
+            release_done: Signal::default(),
             transfers_ended: AtomicBool::new(false),
             sink,
         })
@@ -288,10 +327,10 @@ impl EngineCell {
 
     /// Tells every read in flight that it has failed.
     pub(crate) fn fail_reads(&self) {
-        self.reads_failed.cancel();
+        self.reads_failed.set();
     }
 
-    pub(crate) fn reads_failed(&self) -> &CancellationToken {
+    pub(crate) fn reads_failed(&self) -> &Signal {
         &self.reads_failed
     }
 
@@ -301,12 +340,12 @@ impl EngineCell {
     pub(crate) fn release_finished(&self, transfers_ended: bool) {
         self.transfers_ended
             .store(transfers_ended, Ordering::Release);
-        self.release_done.cancel();
+        self.release_done.set();
     }
 
-    /// Cancelled once the release came back (see
+    /// Set once the release came back (see
     /// [`EngineCell::release_finished`]).
-    pub(crate) fn release_done(&self) -> &CancellationToken {
+    pub(crate) fn release_done(&self) -> &Signal {
         &self.release_done
     }
 
@@ -327,6 +366,26 @@ impl EngineCell {
 pub(crate) mod tests {
     use super::*;
     use std::sync::Mutex;
+
+    /// A signal wakes whoever waits, whether they began waiting before it
+    /// was set or after; setting it again changes nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_signal_wakes_waiters_before_and_after_it_is_set() {
+        let signal = Arc::new(Signal::default());
+        let early = tokio::spawn({
+            let signal = signal.clone();
+            async move { signal.wait().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!early.is_finished() && !signal.is_set());
+        signal.set();
+        signal.set();
+        early.await.unwrap();
+        assert!(signal.is_set());
+        tokio::time::timeout(std::time::Duration::from_millis(1), signal.wait())
+            .await
+            .expect("a late waiter returns at once");
+    }
 
     /// Collects wake-ups, for tests of the cell and the core.
     #[derive(Default)]

@@ -454,20 +454,17 @@ fn counts_and_handle_signals_come_out_as_actions_in_order() {
     h.take();
     h.transfer(&cells[0], NixlStatus::ERR_REMOTE_DISCONNECT);
     assert!(
-        cells[0].reads_failed().is_cancelled(),
+        cells[0].reads_failed().is_set(),
         "carried out like the driver"
     );
     assert!(h.counts.contains(&Count::StatusError {
         source: Source::Transfer,
         status: NixlStatus::ERR_REMOTE_DISCONNECT,
     }));
-    assert!(
-        !cells[0].release_done().is_cancelled(),
-        "a read still holds it"
-    );
+    assert!(!cells[0].release_done().is_set(), "a read still holds it");
     h.end_read(&cells[0]);
     assert_eq!(h.released(), vec![1]);
-    assert!(cells[0].release_done().is_cancelled());
+    assert!(cells[0].release_done().is_set());
     assert!(h.counts.iter().any(|c| matches!(
         c,
         Count::Released {
@@ -484,10 +481,7 @@ fn a_disconnected_engine_is_kept_while_a_read_is_in_flight_and_released_when_it_
     cell.begin_read().unwrap();
     h.transfer(&cell, NixlStatus::ERR_REMOTE_DISCONNECT);
     assert_eq!(cell.state(), EngineState::Unreachable);
-    assert!(
-        cell.reads_failed().is_cancelled(),
-        "reads in flight are failed"
-    );
+    assert!(cell.reads_failed().is_set(), "reads in flight are failed");
     assert!(h.released().is_empty(), "never with a read in flight");
     h.end_read(&cell);
     assert_eq!(h.released(), vec![1]);
@@ -626,14 +620,14 @@ fn peer_gone_drains_reads_or_fails_them_and_ignores_unknown_peers() {
         mode: GoneMode::Fail,
     });
     assert_eq!(a.state(), EngineState::Retiring);
-    assert!(!a.reads_failed().is_cancelled(), "drain lets reads finish");
-    assert!(b.reads_failed().is_cancelled(), "fail fails them at once");
+    assert!(!a.reads_failed().is_set(), "drain lets reads finish");
+    assert!(b.reads_failed().is_set(), "fail fails them at once");
     // Idempotent: the same again changes nothing; fail after drain fails.
     h.input(Input::PeerGone {
         peer: PeerRef::Engine(id("a")),
         mode: GoneMode::Fail,
     });
-    assert!(a.reads_failed().is_cancelled());
+    assert!(a.reads_failed().is_set());
     assert!(h.released().is_empty());
     h.end_read(&a);
     h.end_read(&b);
@@ -846,7 +840,7 @@ fn not_found_for_a_live_engines_own_agent_releases_it_and_fails_its_reads() {
     cell.begin_read().unwrap();
     h.transfer(&cell, NixlStatus::ERR_NOT_FOUND);
     assert_eq!(cell.state(), EngineState::Unreachable, "marked, never kept");
-    assert!(cell.reads_failed().is_cancelled());
+    assert!(cell.reads_failed().is_set());
     h.end_read(&cell);
     assert_eq!(h.released(), vec![1]);
     assert!(h.events().iter().any(|e| matches!(
@@ -1266,7 +1260,7 @@ fn reads_that_stop_completing_while_others_complete_mark_the_engine_stalled() {
         fine.end_read();
     });
     assert_eq!(hung.state(), EngineState::Stalled);
-    assert!(hung.reads_failed().is_cancelled(), "its reads are failed");
+    assert!(hung.reads_failed().is_set(), "its reads are failed");
     assert_eq!(fine.state(), EngineState::Live);
     // The runtime abandons the read: released like any other.
     h.end_read(&hung);
@@ -1616,10 +1610,7 @@ fn a_read_given_up_as_timed_out_unanswered_while_others_complete_stalls_its_engi
     h.give_up(&hung, GiveUp::TimedOut, begun);
     h.advance(Duration::ZERO);
     assert_eq!(hung.state(), EngineState::Stalled, "judged at once");
-    assert!(
-        hung.reads_failed().is_cancelled(),
-        "its other reads are failed"
-    );
+    assert!(hung.reads_failed().is_set(), "its other reads are failed");
     let events = stalled_events(&mut h);
     assert_eq!(events.len(), 1);
     let (engine, stalled_for, given_up) = &events[0];
@@ -1764,11 +1755,11 @@ fn a_given_up_reads_destination_is_decided_when_the_release_comes_back() {
             "decided and handed over"
         );
         assert!(
-            !only.release_done().is_cancelled(),
+            !only.release_done().is_set(),
             "not before the transport came back"
         );
         assert_eq!(h.released(), vec![1]);
-        assert!(only.release_done().is_cancelled());
+        assert!(only.release_done().is_set());
         assert_eq!(only.transfers_ended(), ends);
     }
 }
