@@ -170,12 +170,44 @@ def prefill_bin(nixl_api) -> Path:
     return path
 
 
+_PORT_TURN = [0]
+
+
+def listen_outside_ephemeral() -> str:
+    """A loopback address on a free port outside the kernel's ephemeral
+    range: a prefill restarted on its port must find it free, and a port in
+    that range can be taken meanwhile as the local port of any outgoing
+    connection (seen under load: a killed prefill's port "already in use"
+    when its successor started)."""
+    import socket
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first, span = 10_000, max(low - 10_000, 1000)
+    seed = (os.getpid() * 2_654_435_761) ^ time.monotonic_ns()
+    for _ in range(1000):
+        _PORT_TURN[0] += 1
+        port = first + (seed + _PORT_TURN[0] * 7919) % span
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return f"127.0.0.1:{port}"
+    raise RuntimeError(f"no free loopback port between {first} and {first + span}")
+
+
 class Prefill:
-    """A real `nixl-keepalive prefill` process."""
+    """A real `nixl-keepalive prefill` process (on a port of
+    ``listen_outside_ephemeral`` unless ``listen`` names one)."""
 
     def __init__(self, binary: Path, listen: str = "127.0.0.1:0", engine_id: Optional[str] = None,
                  ranks: int = 1, blocks: int = 8, block_size: int = 64 << 10, args: List[str] = (),
                  env: Optional[Dict[str, str]] = None) -> None:
+        if listen.endswith(":0") and listen.startswith("127.0.0.1"):
+            listen = listen_outside_ephemeral()
         log_dir = REPO / "target" / "tmp"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"py-prefill-{os.getpid()}-{time.monotonic_ns()}.log"

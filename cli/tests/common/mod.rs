@@ -131,9 +131,55 @@ pub struct PrefillSpec {
     pub args: Vec<String>,
 }
 
+/// A loopback address for a prefill to listen on, on a free port outside
+/// the kernel's ephemeral range: a prefill restarted on its port must find
+/// it free, and a port in that range can be taken meanwhile as the local
+/// port of any outgoing connection (seen under load: a SIGKILLed
+/// prefill's port "already in use" when its successor started).
+pub fn listen_outside_ephemeral() -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static TURN: AtomicU32 = AtomicU32::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let (first, span) = (10_000, low.saturating_sub(10_000).max(1000));
+    let seed = std::process::id().wrapping_mul(2_654_435_761)
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+    for _ in 0..1000 {
+        let turn = TURN.fetch_add(1, Ordering::Relaxed);
+        let port = first + (seed.wrapping_add(turn.wrapping_mul(7919))) % span;
+        if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return format!("127.0.0.1:{port}");
+        }
+    }
+    panic!("no free loopback port between {first} and {}", first + span);
+}
+
 impl PrefillProc {
-    /// Starts a prefill and waits until it answers handshakes.
+    /// Starts a prefill and waits until it answers handshakes. Without a
+    /// `listen` (and outside a namespace) it listens on a port of
+    /// [`listen_outside_ephemeral`], chosen again if another process took
+    /// it first.
     pub fn start(spec: &PrefillSpec) -> PrefillProc {
+        if spec.listen.is_some() || spec.netns.is_some() {
+            return Self::start_once(spec).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let mut spec = spec.clone();
+        for _ in 0..5 {
+            spec.listen = Some(listen_outside_ephemeral());
+            match Self::start_once(&spec) {
+                Ok(p) => return p,
+                Err(e) if e.contains("Address already in use") => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        panic!("no free port for a prefill after 5 tries");
+    }
+
+    fn start_once(spec: &PrefillSpec) -> Result<PrefillProc, String> {
         let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("{}.log", unique("prefill")));
         let bin = env!("CARGO_BIN_EXE_nixl-keepalive");
@@ -181,10 +227,14 @@ impl PrefillProc {
             match rx.recv_timeout(left) {
                 Ok(l) if l.starts_with("PREFILL READY") => break l,
                 Ok(l) => before.push(l),
-                Err(e) => panic!(
-                    "prefill never got ready ({e}); stdout: {before:#?}; log: {}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                ),
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(format!(
+                        "prefill never got ready ({e}); stdout: {before:#?}; log: {}",
+                        std::fs::read_to_string(&log).unwrap_or_default()
+                    ));
+                }
             }
         };
         let field = |k: &str| {
@@ -194,7 +244,7 @@ impl PrefillProc {
                 .to_string()
         };
         assert!(line.starts_with("PREFILL READY"), "{line}");
-        PrefillProc {
+        Ok(PrefillProc {
             addr: PeerAddr::from(field("listen=")),
             engine: field("engine="),
             pid: child.id(),
@@ -203,7 +253,7 @@ impl PrefillProc {
             lines: rx,
             seen: Mutex::default(),
             gone: false,
-        }
+        })
     }
 
     /// Waits (at most `within`) for its next stdout line that starts with
