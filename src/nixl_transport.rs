@@ -192,21 +192,25 @@ fn status_of(result: Result<(), NixlError>) -> NixlStatus {
 }
 
 /// What `nixl-sys` saw of one invalidation's endpoint closes, in the
-/// transport's terms.
-fn endpoint_close(closes: EndpointCloses) -> EndpointClose {
-    if !closes.observed {
-        EndpointClose::NotObserved
-    } else if closes.left_open > 0 {
-        EndpointClose::LeftOpen {
-            closed: closes.closed(),
-            left_open: closes.left_open,
+/// transport's terms: the one reading, for this transport and for
+/// bindings that invalidate through an agent of their own (the Python
+/// package).
+impl From<EndpointCloses> for EndpointClose {
+    fn from(closes: EndpointCloses) -> Self {
+        if !closes.observed {
+            EndpointClose::NotObserved
+        } else if closes.left_open > 0 {
+            EndpointClose::LeftOpen {
+                closed: closes.closed(),
+                left_open: closes.left_open,
+            }
+        } else if closes.closed() > 0 {
+            EndpointClose::Closed {
+                endpoints: closes.closed(),
+            }
+        } else {
+            EndpointClose::NoneClosed
         }
-    } else if closes.closed() > 0 {
-        EndpointClose::Closed {
-            endpoints: closes.closed(),
-        }
-    } else {
-        EndpointClose::NoneClosed
     }
 }
 
@@ -249,7 +253,7 @@ impl Transport for NixlTransport {
         for agent in agents {
             match self.agent.invalidate_remote_metadata(agent.as_str()) {
                 Ok(closes) => {
-                    let close = endpoint_close(closes);
+                    let close = EndpointClose::from(closes);
                     telemetry::release_endpoints(&close);
                     if let EndpointClose::LeftOpen { left_open, .. } = close {
                         tracing::warn!(%engine, %agent, left_open, "UCX endpoints of a released agent left open: they keep their sockets and mappings until this agent is destroyed");

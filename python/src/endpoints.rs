@@ -99,26 +99,6 @@ pub(crate) fn bad_setting() -> Option<BadEpCloseSetting> {
         .cloned()
 }
 
-/// What `nixl-sys` saw of one invalidation's endpoint closes, in the
-/// library's terms (the same reading as the Rust transport's, in
-/// `src/nixl_transport.rs`).
-pub(crate) fn endpoint_close(closes: EndpointCloses) -> EndpointClose {
-    if !closes.observed {
-        EndpointClose::NotObserved
-    } else if closes.left_open > 0 {
-        EndpointClose::LeftOpen {
-            closed: closes.closed(),
-            left_open: closes.left_open,
-        }
-    } else if closes.closed() > 0 {
-        EndpointClose::Closed {
-            endpoints: closes.closed(),
-        }
-    } else {
-        EndpointClose::NoneClosed
-    }
-}
-
 /// What one `remove_remote_agent` did: NIXL's raw status (or a non-NIXL
 /// exception) and, when it succeeded, the endpoints.
 pub(crate) struct Removal {
@@ -146,7 +126,7 @@ pub(crate) fn remove_remote_agent(
         },
     };
     let close = match &status {
-        Ok(s) if *s == NixlStatus::SUCCESS => Some(endpoint_close(closes)),
+        Ok(s) if *s == NixlStatus::SUCCESS => Some(EndpointClose::from(closes)),
         _ => None,
     };
     Removal { status, close }
