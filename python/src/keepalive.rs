@@ -251,13 +251,7 @@ impl Service {
     /// whose release call had not come back). A second call returns
     /// nothing left.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.shared.shutdown.cancel();
-        let task = self
-            .shared
-            .task
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let task = self.shared.begin_close();
         let Some(mut task) = task else {
             return stopped_dict(py, None);
         };
@@ -272,13 +266,7 @@ impl Service {
 
     /// `close` as an awaitable.
     fn close_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.shared.shutdown.cancel();
-        let task = self
-            .shared
-            .task
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let task = self.shared.begin_close();
         runtime::for_async();
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
             let joined = match task {

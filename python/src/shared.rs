@@ -28,6 +28,13 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Starts the stop (the shutdown token) and takes the service task to
+    /// wait on: `None` once a `close` has taken it already.
+    pub(crate) fn begin_close(&self) -> Option<JoinHandle<Stopped<PyResources>>> {
+        self.shutdown.cancel();
+        self.task.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
     /// Keeps what the binding knows of a new registration; forgets
     /// released ones.
     pub(crate) fn remember(&self, engine: EngineRef, identity: Identity) -> Engine {
