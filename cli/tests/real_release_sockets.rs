@@ -153,37 +153,34 @@ fn settle_flat(
 
 /// Asserts `now` holds no more than `base` (plus transients).
 fn assert_flat(who: &str, base: Held, now: Held, releases: usize) {
-    assert!(
-        now.threads <= base.threads + TRANSIENT_THREADS,
-        "{who}: {} threads after {releases} releases, {} before: {base:?} -> {now:?}",
-        now.threads,
-        base.threads
-    );
-    assert!(
-        now.maps <= base.maps + TRANSIENT_MAPS,
-        "{who}: {} mappings after {releases} releases, {} before: {base:?} -> {now:?}",
-        now.maps,
-        base.maps
-    );
-    assert!(
-        now.fds <= base.fds + TRANSIENT_FDS,
-        "{who}: {} descriptors after {releases} releases, {} before: {base:?} -> {now:?}",
-        now.fds,
-        base.fds
-    );
-    assert!(
-        now.sockets <= base.sockets + TRANSIENT_FDS,
-        "{who}: {} sockets after {releases} releases, {} before: {base:?} -> {now:?}",
-        now.sockets,
-        base.sockets
-    );
-    assert!(
-        now.established_out <= base.established_out.max(PER_REGISTRATION) + TRANSIENT_CONNECTIONS,
-        "{who}: {} ESTABLISHED to other processes after {releases} releases, {} before: \
-         {base:?} -> {now:?}",
-        now.established_out,
-        base.established_out
-    );
+    let limits = [
+        (
+            "threads",
+            now.threads as usize,
+            (base.threads + TRANSIENT_THREADS) as usize,
+        ),
+        ("mappings", now.maps, base.maps + TRANSIENT_MAPS),
+        ("descriptors", now.fds, base.fds + TRANSIENT_FDS),
+        ("sockets", now.sockets, base.sockets + TRANSIENT_FDS),
+        (
+            "ESTABLISHED to other processes",
+            now.established_out,
+            base.established_out.max(PER_REGISTRATION) + TRANSIENT_CONNECTIONS,
+        ),
+    ];
+    let before = [
+        base.threads as usize,
+        base.maps,
+        base.fds,
+        base.sockets,
+        base.established_out,
+    ];
+    for ((what, held, limit), before) in limits.into_iter().zip(before) {
+        assert!(
+            held <= limit,
+            "{who}: {held} {what} after {releases} releases, {before} before: {base:?} -> {now:?}"
+        );
+    }
 }
 
 /// The decode's endpoint metrics after `releases` releases of a
