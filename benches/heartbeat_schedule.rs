@@ -120,11 +120,7 @@ fn main() {
 }
 
 fn child(kind: &str, engines: usize, measure: Duration) {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = common::two_worker_runtime();
     let (cpu, rate, bytes) = runtime.block_on(async move {
         match kind {
             "service" => service(engines, measure).await,

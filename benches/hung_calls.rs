@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{lateness_line, machine, ms, quick, FakeCluster, CLUSTER_INTERVAL};
+use common::{lateness_line, machine, ms, FakeCluster, CLUSTER_INTERVAL};
 use nixl_keepalive::{Event, GoneMode, PeerRef};
 
 const HEALTHY: usize = 1_000;
@@ -69,26 +69,13 @@ struct Case {
 }
 
 fn main() {
-    let block = if quick() {
-        Duration::from_secs(3)
-    } else {
-        Duration::from_secs(10)
-    };
-    let quiet = if quick() {
-        Duration::from_secs(2)
-    } else {
-        Duration::from_secs(5)
-    };
+    let (block, quiet) = common::hang_and_quiet();
     println!(
         "hung_calls: {HEALTHY} healthy engines at 1 Hz; 1, 8, 64 and 1,000 engines whose notifies block {} s, hung in one burst, a release queued behind them; {}",
         block.as_secs(),
         machine()
     );
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = common::two_worker_runtime();
     let (quiet_p99, quiet_threads, cases) = runtime.block_on(async move {
         let max = *HUNG.iter().max().unwrap();
         // The hung engines, and one idle engine per case to release.

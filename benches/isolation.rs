@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{lateness_line, machine, ms, quick, FakeCluster, Lateness, CLUSTER_INTERVAL};
+use common::{lateness_line, machine, ms, FakeCluster, Lateness, CLUSTER_INTERVAL};
 use nixl_keepalive::fake::{FakeConfig, FakeUcx};
 use nixl_keepalive::{AgentName, PeerAddr, Transport};
 
@@ -25,26 +25,13 @@ const HEALTHY: usize = 1_000;
 const HUNG: [usize; 3] = [1, 2, 8];
 
 fn main() {
-    let block = if quick() {
-        Duration::from_secs(3)
-    } else {
-        Duration::from_secs(10)
-    };
-    let quiet = if quick() {
-        Duration::from_secs(2)
-    } else {
-        Duration::from_secs(5)
-    };
+    let (block, quiet) = common::hang_and_quiet();
     println!(
         "isolation: {HEALTHY} healthy engines at 1 Hz; 1, 2 and 8 engines whose notifies block {} s, started in one burst; {}",
         block.as_secs(),
         machine()
     );
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = common::two_worker_runtime();
     let (quiet_p99, cases) = runtime.block_on(async move {
         let max = *HUNG.iter().max().unwrap();
         let cluster = FakeCluster::start(HEALTHY, &[max]).await;

@@ -29,11 +29,7 @@ fn main() {
         Duration::from_secs(5)
     };
     println!("release_storm: {DOOMED} engines crash at once, {HEALTHY} healthy engines heartbeated at 1 Hz; {}", machine());
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = common::two_worker_runtime();
     runtime.block_on(async move {
         let cluster = FakeCluster::start(HEALTHY, &[DOOMED, DOOMED]).await;
         tokio::time::sleep(CLUSTER_INTERVAL * 2).await;

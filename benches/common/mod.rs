@@ -114,6 +114,26 @@ impl<T: Transport> Transport for Lateness<T> {
 }
 
 /// p50, p99, max of `samples` (sorted in place); zeros when empty.
+/// How long the hanging benchmarks keep calls hung, and how long they
+/// measure the quiet baseline: 10 s and 5 s, or 3 s and 2 s with `--quick`.
+pub fn hang_and_quiet() -> (Duration, Duration) {
+    if quick() {
+        (Duration::from_secs(3), Duration::from_secs(2))
+    } else {
+        (Duration::from_secs(10), Duration::from_secs(5))
+    }
+}
+
+/// The runtime the service benchmarks run on: two workers, like the
+/// machine kind's two cores.
+pub fn two_worker_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 pub fn percentiles(samples: &mut [Duration]) -> (Duration, Duration, Duration) {
     if samples.is_empty() {
         return (Duration::ZERO, Duration::ZERO, Duration::ZERO);
