@@ -117,7 +117,7 @@ impl<R> Core<R> {
     }
 
     pub(super) fn heartbeat_due(&mut self, now: Instant, serial: RegistrationId, due: Instant) {
-        let Some(peer) = self.peers.get(&serial) else {
+        let Some(peer) = self.peers.get_mut(&serial) else {
             return;
         };
         if !peer.is_live() {
@@ -134,7 +134,7 @@ impl<R> Core<R> {
             }
             return;
         }
-        match self.rate.check(serial, now) {
+        match self.rate.check(&mut peer.rate, now) {
             Ok(()) => self.send_heartbeat(due, serial),
             Err(wait) => {
                 self.summed.heartbeats_deferred += 1;
@@ -152,7 +152,7 @@ impl<R> Core<R> {
             }
             return;
         }
-        match self.rate.check(serial, now) {
+        match self.rate.check(&mut peer.rate, now) {
             Ok(()) => self.send_heartbeat(now, serial),
             Err(wait) => {
                 self.summed.heartbeats_deferred += 1;

@@ -75,7 +75,7 @@ use crate::log_limit::LogLimiter;
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use identity::{Holder, Ticket};
-use peer::Peer;
+use peer::PeerTable;
 use rate::RateCap;
 use schedule::Schedule;
 use timers::{Timer, TimerTable};
@@ -224,7 +224,7 @@ struct Stopping {
 /// The core: the peer table, the handshakes, the timers.
 pub(crate) struct Core<R> {
     config: Config,
-    peers: Map<RegistrationId, Peer<R>>,
+    peers: PeerTable<R>,
     /// The registration each engine id holds now (at most one).
     by_id: Map<EngineId, RegistrationId>,
     /// The registration each address maps to now.
@@ -288,7 +288,7 @@ impl<R> Core<R> {
             decoder_stuck: false,
             release_ends_transfers: false,
             config,
-            peers: Map::default(),
+            peers: PeerTable::default(),
             by_id: Map::default(),
             by_addr: Map::default(),
             agents: Map::default(),

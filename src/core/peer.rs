@@ -9,6 +9,7 @@ use super::cell::EngineCell;
 use super::TicketId;
 use crate::event::ReleaseReason;
 use crate::registration::Incarnation;
+use crate::registration::RegistrationId;
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use crate::NixlStatus;
 
@@ -46,6 +47,8 @@ pub(super) struct Peer<R> {
     pub(super) last_heartbeat: Option<(Instant, NixlStatus)>,
     pub(super) transient_errors: u64,
     pub(super) progress: Progress,
+    /// The rate cap's state for this registration (its limiter key).
+    pub(super) rate: super::rate::RateState,
 }
 
 /// What the stall check knows of a registration's reads.
@@ -132,6 +135,7 @@ impl<R> Peer<R> {
             renewal_wanted: false,
             last_heartbeat: None,
             transient_errors: 0,
+            rate: None,
         }
     }
 
@@ -146,5 +150,92 @@ impl<R> Peer<R> {
     /// Handed to the transport (or being).
     pub(super) fn is_releasing(&self) -> bool {
         self.resources.is_none()
+    }
+}
+
+/// The registrations, stored densely: a slab of records and a small index
+/// from [`RegistrationId`] to their slot.
+///
+/// Why not a `HashMap<RegistrationId, Peer>`: a hash table keeps its
+/// records in its buckets, and between resizes half of them are empty, so
+/// at 1,000 engines a table of ~270-byte records held 2,048 buckets of
+/// them (about 570 bytes per engine, every page touched since the buckets
+/// are spread at random). Here the records are contiguous (one slot per
+/// registration, freed slots reused) and only the 16-byte index entries
+/// pay the table's slack; a heartbeat's lookups touch one index entry and
+/// one record. Iteration follows the slots, so its order depends only on
+/// the sequence of registrations and releases, never on a hash seed: the
+/// stall check and the census walk the same order in every run of a seed.
+pub(super) struct PeerTable<R> {
+    records: slab::Slab<(RegistrationId, Peer<R>)>,
+    index: super::Map<RegistrationId, usize>,
+}
+
+impl<R> Default for PeerTable<R> {
+    fn default() -> Self {
+        PeerTable {
+            records: slab::Slab::new(),
+            index: super::Map::default(),
+        }
+    }
+}
+
+impl<R> PeerTable<R> {
+    pub(super) fn get(&self, serial: &RegistrationId) -> Option<&Peer<R>> {
+        let slot = *self.index.get(serial)?;
+        Some(&self.records[slot].1)
+    }
+
+    pub(super) fn get_mut(&mut self, serial: &RegistrationId) -> Option<&mut Peer<R>> {
+        let slot = *self.index.get(serial)?;
+        Some(&mut self.records[slot].1)
+    }
+
+    pub(super) fn contains_key(&self, serial: &RegistrationId) -> bool {
+        self.index.contains_key(serial)
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Adds a registration. Each id is added once (ids are never reused).
+    pub(super) fn insert(&mut self, serial: RegistrationId, peer: Peer<R>) {
+        let slot = self.records.insert((serial, peer));
+        let previous = self.index.insert(serial, slot);
+        debug_assert!(previous.is_none(), "{serial:?} added twice");
+    }
+
+    pub(super) fn remove(&mut self, serial: &RegistrationId) -> Option<Peer<R>> {
+        let slot = self.index.remove(serial)?;
+        Some(self.records.remove(slot).1)
+    }
+
+    pub(super) fn keys(&self) -> impl Iterator<Item = &RegistrationId> + '_ {
+        self.records.iter().map(|(_, (serial, _))| serial)
+    }
+
+    pub(super) fn values(&self) -> impl Iterator<Item = &Peer<R>> + '_ {
+        self.records.iter().map(|(_, (_, peer))| peer)
+    }
+
+    pub(super) fn iter_mut(
+        &mut self,
+    ) -> impl Iterator<Item = (&RegistrationId, &mut Peer<R>)> + '_ {
+        self.records
+            .iter_mut()
+            .map(|(_, (serial, peer))| (&*serial, peer))
+    }
+
+    pub(super) fn into_values(self) -> impl Iterator<Item = Peer<R>> {
+        self.records.into_iter().map(|(_, (_, peer))| peer)
+    }
+}
+
+impl<R> std::ops::Index<&RegistrationId> for PeerTable<R> {
+    type Output = Peer<R>;
+
+    fn index(&self, serial: &RegistrationId) -> &Peer<R> {
+        self.get(serial).expect("a registration the table holds")
     }
 }

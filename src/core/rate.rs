@@ -1,58 +1,59 @@
 //! The per-engine notification rate cap (governor), on the core's clock.
 //!
 //! governor's default clock is the wall clock; here it sees exactly the
-//! `now` the driver passes in (tokio's clock, paused in tests). Its keyed
-//! state lives in a store the core can forget a released registration's key
-//! in at once (governor's own stores only forget idle keys in bulk).
+//! `now` the driver passes in (tokio's clock, paused in tests). Each
+//! registration's limiter state (GCRA's one number, the theoretical arrival
+//! time) lives in its own record ([`RateState`] in the core's peer table),
+//! not in a keyed store of its own: a heartbeat's check touches the record
+//! it already has in hand, with no second table, lock or lookup (they were
+//! a twentieth of the service's CPU at 10k engines), and a released
+//! registration's state goes with its record. governor runs the algorithm
+//! on a one-slot store the core fills before each check and empties after.
 
-use crate::registration::RegistrationId;
-use std::collections::HashMap;
 use std::num::NonZeroU32;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use governor::clock::{Clock, FakeRelativeClock};
 use governor::middleware::NoOpMiddleware;
 use governor::nanos::Nanos;
-use governor::state::StateStore;
+use governor::state::{NotKeyed, StateStore};
 use governor::{Quota, RateLimiter};
 use tokio::time::Instant;
 
 use crate::config::Config;
 
-#[derive(Clone, Default)]
-struct LimiterKeys(Arc<Mutex<HashMap<RegistrationId, Nanos, foldhash::fast::RandomState>>>);
+/// A registration's limiter state: `None` until its first round, and again
+/// once it is released (its key forgotten).
+pub(crate) type RateState = Option<Nanos>;
 
-impl StateStore for LimiterKeys {
-    type Key = RegistrationId;
+/// The one slot governor reads and writes during a check: the state of the
+/// registration being checked, put in just before and taken out just after
+/// (`u64::MAX`: no state yet). Only the core's thread uses it.
+#[derive(Clone)]
+struct Slot(Arc<AtomicU64>);
 
-    fn measure_and_replace<T, F, E>(&self, key: &RegistrationId, f: F) -> Result<T, E>
+const NO_STATE: u64 = u64::MAX;
+
+impl StateStore for Slot {
+    type Key = NotKeyed;
+
+    fn measure_and_replace<T, F, E>(&self, _key: &NotKeyed, f: F) -> Result<T, E>
     where
         F: Fn(Option<Nanos>) -> Result<(T, Nanos), E>,
     {
-        use std::collections::hash_map::Entry;
-        // One lookup per check (a get and an insert were two cache misses
-        // at 10k engines).
-        let mut keys = self.0.lock().expect("limiter keys poisoned");
-        match keys.entry(*key) {
-            Entry::Occupied(mut slot) => {
-                let (out, state) = f(Some(*slot.get()))?;
-                slot.insert(state);
-                Ok(out)
-            }
-            Entry::Vacant(slot) => {
-                let (out, state) = f(None)?;
-                slot.insert(state);
-                Ok(out)
-            }
-        }
+        let now = self.0.load(Ordering::Relaxed);
+        let (out, state) = f((now != NO_STATE).then(|| Nanos::from(now)))?;
+        self.0.store(state.into(), Ordering::Relaxed);
+        Ok(out)
     }
 }
 
-/// The rate cap: one key per registration that has had a round.
+/// The rate cap: governor's GCRA over each registration's [`RateState`].
 pub(crate) struct RateCap {
-    limiter: RateLimiter<RegistrationId, LimiterKeys, FakeRelativeClock, NoOpMiddleware<Nanos>>,
-    keys: LimiterKeys,
+    limiter: RateLimiter<NotKeyed, Slot, FakeRelativeClock, NoOpMiddleware<Nanos>>,
+    slot: Slot,
     clock: FakeRelativeClock,
     origin: Instant,
     clock_at: Duration,
@@ -64,41 +65,35 @@ impl RateCap {
         let quota = Quota::with_period(config.rate_period)
             .expect("validated period")
             .allow_burst(burst);
-        let keys = LimiterKeys::default();
+        let slot = Slot(Arc::new(AtomicU64::new(NO_STATE)));
         let clock = FakeRelativeClock::default();
         RateCap {
-            limiter: RateLimiter::new(quota, keys.clone(), clock.clone()),
-            keys,
+            limiter: RateLimiter::new(quota, slot.clone(), clock.clone()),
+            slot,
             clock,
             origin,
             clock_at: Duration::ZERO,
         }
     }
 
-    /// `Ok` if `serial` may get a notification round at `now` (and counts
-    /// it), else how long until it may.
-    pub(crate) fn check(&mut self, serial: RegistrationId, now: Instant) -> Result<(), Duration> {
+    /// `Ok` if the registration whose limiter state is `state` may get a
+    /// notification round at `now` (and counts it in `state`), else how
+    /// long until it may.
+    pub(crate) fn check(&mut self, state: &mut RateState, now: Instant) -> Result<(), Duration> {
         let since = now.saturating_duration_since(self.origin);
         if since > self.clock_at {
             self.clock.advance(since - self.clock_at);
             self.clock_at = since;
         }
-        self.limiter
-            .check_key(&serial)
-            .map_err(|not_until| not_until.wait_time_from(self.clock.now()))
-    }
-
-    /// Forgets a released registration's key.
-    pub(crate) fn forget(&self, serial: RegistrationId) {
-        self.keys
+        self.slot
             .0
-            .lock()
-            .expect("limiter keys poisoned")
-            .remove(&serial);
-    }
-
-    /// Keys held.
-    pub(crate) fn len(&self) -> usize {
-        self.keys.0.lock().expect("limiter keys poisoned").len()
+            .store(state.map_or(NO_STATE, u64::from), Ordering::Relaxed);
+        let verdict = self
+            .limiter
+            .check()
+            .map_err(|not_until| not_until.wait_time_from(self.clock.now()));
+        let after = self.slot.0.swap(NO_STATE, Ordering::Relaxed);
+        *state = (after != NO_STATE).then(|| Nanos::from(after));
+        verdict
     }
 }

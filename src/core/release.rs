@@ -119,7 +119,7 @@ impl<R> Core<R> {
         tracing::debug!(%engine, ?waited, "releasing");
         let resources = peer.resources.take().expect("checked above");
         let agents = peer.agents.clone();
-        self.rate.forget(serial);
+        peer.rate = None; // its limiter key forgotten
         self.releases_in_flight += 1;
         self.actions.push_back(Action::Call(Call::Release {
             serial,

@@ -44,7 +44,7 @@ impl<R> Core<R> {
             handshakes_pending,
             waiting_for_reload: waiting,
             silent_peer_note: self.silent_peer_note.clone(),
-            limiter_keys: self.rate.len(),
+            limiter_keys: self.peers.values().filter(|p| p.rate.is_some()).count(),
             heartbeat_timers: self.schedule.len(),
             // Filled in by the driver, which holds them.
             detection_bound: None,
