@@ -139,9 +139,42 @@ unsafe impl Sync for AgentInner {}
 
 impl Drop for AgentInner {
     fn drop(&mut self) {
+        self.progress_until_idle();
         // Safety: every handle made by this agent holds an Arc to it, so
         // this is the last use of the agent handle.
         unsafe { (self.rt.capi().destroy_agent)(self.capi) };
+    }
+}
+
+impl AgentInner {
+    /// Progresses the agent's UCX workers until they are idle (NIXL's
+    /// `getNotifs` does; the notifications are dropped with the agent).
+    ///
+    /// Why, before the agent is destroyed: a release's endpoint closes
+    /// finish in UCX's next progress, and a READ cancelled in flight can
+    /// leave its copy queued on UCX's cross-memory-attach transport until
+    /// progressed. UCX 1.23 destroys such an endpoint at worker destruction
+    /// without running its queue and aborts the process
+    /// (`arbiter.c:36 Assertion 'ucs_arbiter_group_is_empty(group)'`, seen
+    /// once in a Python decoder's teardown).
+    fn progress_until_idle(&self) {
+        let c = self.rt.capi();
+        let mut map: P = std::ptr::null_mut();
+        // Safety: out-pointer valid.
+        let st = unsafe { (c.create_notif_map)(&mut map) };
+        if !self.rt.capi_status(st).0.is_ok() || map.is_null() {
+            return;
+        }
+        let guard = CapiGuard {
+            p: map,
+            destroy: c.destroy_notif_map,
+        };
+        // Safety: the agent is alive (this is its drop, before destroy) and
+        // so is the map (guard). The status is ignored: nothing is left to
+        // tell, and the agent is destroyed next either way.
+        unsafe {
+            (c.get_notifs)(self.capi, guard.p, std::ptr::null_mut());
+        }
     }
 }
 

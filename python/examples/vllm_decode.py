@@ -337,6 +337,16 @@ class NixlConnectorWorker:
             self.keepalive.give_back(registration)
         self._stop.set()
         self._progress.join()
+        # KEEPALIVE 6: progress the agent once more before it can be
+        # dropped. A release's endpoint closes finish in UCX's next
+        # progress, and a READ cancelled in flight can leave its copy
+        # queued on UCX's cross-memory-attach transport (CMA) until
+        # progressed; destroying the agent with one still queued aborts the
+        # process in UCX 1.23 (`arbiter.c:36 Assertion
+        # 'ucs_arbiter_group_is_empty(group)'`, seen once in these tests).
+        # get_new_notifs progresses the UCX workers until they are idle;
+        # the notifications it returns at shutdown are dropped.
+        self.nixl_wrapper.get_new_notifs()
         self.nixl_wrapper.release_dlist_handle(self._local_dlist)
         self.nixl_wrapper.deregister_memory(self._kv_reg)
         return left

@@ -21,6 +21,7 @@ live prefill's endpoints (``nixl_keepalive.endpoint_close_mode()``).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -317,6 +318,11 @@ def make_worker(nixl_api):
     yield make
     for w in made:
         w.shutdown()
+    # The agents go here, inside this test's teardown, not whenever pytest
+    # drops the fixtures: a failure in an agent's destruction (UCX tearing
+    # down its endpoints) is reported against the test that made it.
+    made.clear()
+    gc.collect()
 
 
 def thread_count() -> int:
