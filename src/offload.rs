@@ -589,7 +589,7 @@ impl<T: Transport> Shared<T> {
             // slot's timer and the hand-off, not a third wake-up).
             let (urgent, now) = match &outcome {
                 CallOutcome::Release { .. } => (true, true),
-                CallOutcome::Heartbeat { serial, results } => {
+                CallOutcome::Heartbeat { serial, results, .. } => {
                     match state.expedite.iter().position(|s| s == serial) {
                         Some(i) => {
                             state.expedite.swap_remove(i);
@@ -808,7 +808,11 @@ impl<T: Transport> Shared<T> {
                         }
                     }
                 }
-                CallOutcome::Heartbeat { serial, results }
+                CallOutcome::Heartbeat {
+                    serial,
+                    results,
+                    agents,
+                }
             }
             Call::Release {
                 serial,

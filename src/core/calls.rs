@@ -11,7 +11,8 @@ use crate::transport::{AgentName, EngineId, ReleaseStep, TransportError};
 /// [`CallOutcome`] back as an input.
 pub(crate) enum Call<R> {
     /// One heartbeat round: every one of `messages` (vLLM's `HB:`, split
-    /// to a bounded size) to every agent of the registration.
+    /// to a bounded size) to every agent of the registration. `agents` is
+    /// the record's own round copy, moved here and back with the outcome.
     Heartbeat {
         serial: RegistrationId,
         agents: Arc<[AgentName]>,
@@ -97,10 +98,12 @@ impl RoundResults {
 
 /// What a call came back with.
 pub(crate) enum CallOutcome {
-    /// A heartbeat round's results.
+    /// A heartbeat round's results, and the agent names the round carried,
+    /// handed back to the registration's record for its next round.
     Heartbeat {
         serial: RegistrationId,
         results: RoundResults,
+        agents: Arc<[AgentName]>,
     },
     /// A release's steps, or the panic that cut it short.
     Release {

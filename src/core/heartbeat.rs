@@ -6,6 +6,7 @@
 //! pending request ids, split to stay small.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rand::Rng;
@@ -14,7 +15,7 @@ use tokio::time::Instant;
 use super::{Action, Call, Core, Count, HeartbeatMessages, RoundResults};
 use crate::event::{Event, Source};
 use crate::registration::RegistrationId;
-use crate::transport::EngineId;
+use crate::transport::{AgentName, EngineId};
 use crate::NixlStatus;
 
 /// The most bytes of one `HB:` notification. A round whose request ids do
@@ -180,7 +181,10 @@ impl<R> Core<R> {
                 messages
             }
         };
-        let agents = peer.agents.clone();
+        let agents = peer
+            .round_agents
+            .take()
+            .unwrap_or_else(|| peer.agents.clone());
         self.actions.push_back(Action::Call(Call::Heartbeat {
             serial,
             agents,
@@ -206,6 +210,7 @@ impl<R> Core<R> {
         now: Instant,
         serial: RegistrationId,
         results: RoundResults,
+        agents: Arc<[AgentName]>,
     ) {
         let RoundResults {
             sent,
@@ -217,6 +222,7 @@ impl<R> Core<R> {
             return;
         };
         peer.heartbeat_in_flight = false;
+        peer.round_agents = Some(agents);
         let status = failed
             .iter()
             .map(|(_, e)| e.status)

@@ -427,8 +427,12 @@ impl<R> Core<R> {
             Input::RemoveLeases { engine, requests } => self.remove_leases(&engine, &requests),
             Input::PeerGone { peer, mode } => self.peer_gone(now, peer, mode),
             Input::MemberGone { departure, mode } => self.member_gone(now, departure, mode),
-            Input::CallDone(CallOutcome::Heartbeat { serial, results }) => {
-                self.heartbeat_done(now, serial, results)
+            Input::CallDone(CallOutcome::Heartbeat {
+                serial,
+                results,
+                agents,
+            }) => {
+                self.heartbeat_done(now, serial, results, agents)
             }
             Input::CallDone(CallOutcome::Release { serial, steps }) => {
                 self.release_done(now, serial, steps)

@@ -281,6 +281,7 @@ impl Harness {
         for call in self.calls() {
             match call {
                 Call::Heartbeat { serial, agents, .. } => {
+                    let round_agents = agents.clone();
                     rounds += 1;
                     let mut results = RoundResults::default();
                     for agent in agents.iter() {
@@ -292,7 +293,11 @@ impl Harness {
                                 .push((agent.clone(), TransportError::new("genNotif", status)));
                         }
                     }
-                    self.input(Input::CallDone(CallOutcome::Heartbeat { serial, results }));
+                    self.input(Input::CallDone(CallOutcome::Heartbeat {
+                        serial,
+                        results,
+                        agents: round_agents,
+                    }));
                 }
                 Call::Release {
                     serial, resources, ..
@@ -414,7 +419,7 @@ fn counts_and_handle_signals_come_out_as_actions_in_order() {
     // One batch of results, as the driver takes them in before it carries
     // out what the core decided.
     for call in h.calls() {
-        let Call::Heartbeat { serial, .. } = call else {
+        let Call::Heartbeat { serial, agents, .. } = call else {
             panic!("only heartbeats are due");
         };
         let results = RoundResults {
@@ -423,7 +428,11 @@ fn counts_and_handle_signals_come_out_as_actions_in_order() {
         };
         h.core.handle(
             h.now,
-            Input::CallDone(CallOutcome::Heartbeat { serial, results }),
+            Input::CallDone(CallOutcome::Heartbeat {
+                serial,
+                results,
+                agents,
+            }),
         );
     }
     h.collect();
