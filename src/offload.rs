@@ -589,15 +589,15 @@ impl<T: Transport> Shared<T> {
             // slot's timer and the hand-off, not a third wake-up).
             let (urgent, now) = match &outcome {
                 CallOutcome::Release { .. } => (true, true),
-                CallOutcome::Heartbeat { serial, results, .. } => {
-                    match state.expedite.iter().position(|s| s == serial) {
-                        Some(i) => {
-                            state.expedite.swap_remove(i);
-                            (true, true)
-                        }
-                        None => (!results.only_successes(), false),
+                CallOutcome::Heartbeat {
+                    serial, results, ..
+                } => match state.expedite.iter().position(|s| s == serial) {
+                    Some(i) => {
+                        state.expedite.swap_remove(i);
+                        (true, true)
                     }
-                }
+                    None => (!results.only_successes(), false),
+                },
             };
             state.results.push(outcome);
             state.urgent |= urgent;
@@ -782,9 +782,9 @@ impl<T: Transport> Shared<T> {
         match call {
             Call::Heartbeat {
                 serial,
+                key,
                 agents,
                 messages,
-                ..
             } => {
                 let mut results = RoundResults::default();
                 for agent in agents.iter() {
@@ -810,6 +810,7 @@ impl<T: Transport> Shared<T> {
                 }
                 CallOutcome::Heartbeat {
                     serial,
+                    key,
                     results,
                     agents,
                 }
@@ -878,6 +879,7 @@ mod tests {
         let serial = RegistrationId(serial);
         Call::Heartbeat {
             serial,
+            key: crate::core::PeerKey::detached(serial),
             agents: Arc::from(vec![AgentName::new(agent)]),
             messages: crate::core::HeartbeatMessages::Idle,
         }

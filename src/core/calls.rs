@@ -1,6 +1,7 @@
 //! Transport calls as data: what the core asks the driver to run off the
 //! async threads, and what comes back.
 
+use super::peer::PeerKey;
 use crate::registration::RegistrationId;
 use std::sync::Arc;
 
@@ -15,6 +16,9 @@ pub(crate) enum Call<R> {
     /// the record's own round copy, moved here and back with the outcome.
     Heartbeat {
         serial: RegistrationId,
+        /// Where the registration's record is: handed back with the
+        /// outcome.
+        key: PeerKey,
         agents: Arc<[AgentName]>,
         messages: HeartbeatMessages,
     },
@@ -102,6 +106,7 @@ pub(crate) enum CallOutcome {
     /// handed back to the registration's record for its next round.
     Heartbeat {
         serial: RegistrationId,
+        key: PeerKey,
         results: RoundResults,
         agents: Arc<[AgentName]>,
     },

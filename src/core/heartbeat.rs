@@ -12,6 +12,7 @@ use std::time::Duration;
 use rand::Rng;
 use tokio::time::Instant;
 
+use super::peer::PeerKey;
 use super::{Action, Call, Core, Count, HeartbeatMessages, RoundResults};
 use crate::event::{Event, Source};
 use crate::registration::RegistrationId;
@@ -117,8 +118,8 @@ impl<R> Core<R> {
         }
     }
 
-    pub(super) fn heartbeat_due(&mut self, now: Instant, serial: RegistrationId, due: Instant) {
-        let Some(peer) = self.peers.get_mut(&serial) else {
+    pub(super) fn heartbeat_due(&mut self, now: Instant, key: PeerKey, due: Instant) {
+        let Some(peer) = self.peers.at_mut(key) else {
             return;
         };
         if !peer.is_live() {
@@ -131,15 +132,15 @@ impl<R> Core<R> {
             // The previous round has not come back (a slow or hung call):
             // never stack rounds on one engine. Try again next period.
             if let Some(interval) = self.config.heartbeat_interval {
-                self.schedule_heartbeat(serial, now + interval);
+                self.schedule_at(key, now + interval);
             }
             return;
         }
         match self.rate.check(&mut peer.rate, now) {
-            Ok(()) => self.send_heartbeat(due, serial),
+            Ok(()) => self.send_at(due, key),
             Err(wait) => {
                 self.summed.heartbeats_deferred += 1;
-                self.schedule_heartbeat(serial, now + wait);
+                self.schedule_at(key, now + wait);
             }
         }
     }
@@ -170,7 +171,14 @@ impl<R> Core<R> {
     /// Sends a round now; the next is due one interval (+/- jitter) after
     /// `base`: the deadline this round was due at, or now for a renewal.
     pub(super) fn send_heartbeat(&mut self, base: Instant, serial: RegistrationId) {
-        let peer = self.peers.get_mut(&serial).expect("live serial");
+        let key = self.peers.key(serial).expect("live serial");
+        self.send_at(base, key);
+    }
+
+    /// [`Core::send_heartbeat`] for the record at `key`.
+    fn send_at(&mut self, base: Instant, key: PeerKey) {
+        let serial = key.serial;
+        let peer = self.peers.at_mut(key).expect("live serial");
         peer.heartbeat_in_flight = true;
         peer.renewal_wanted = false;
         let messages = match &peer.message {
@@ -187,6 +195,7 @@ impl<R> Core<R> {
             .unwrap_or_else(|| peer.agents.clone());
         self.actions.push_back(Action::Call(Call::Heartbeat {
             serial,
+            key,
             agents,
             messages,
         }));
@@ -199,26 +208,27 @@ impl<R> Core<R> {
                     0.0
                 };
                 let next = Duration::from_secs_f64((interval.as_secs_f64() + delta).max(0.0));
-                self.schedule_heartbeat(serial, base + next);
+                self.schedule_at(key, base + next);
             }
-            None => self.unschedule_heartbeat(serial),
+            None => self.unschedule_at(key),
         }
     }
 
     pub(super) fn heartbeat_done(
         &mut self,
         now: Instant,
-        serial: RegistrationId,
+        key: PeerKey,
         results: RoundResults,
         agents: Arc<[AgentName]>,
     ) {
+        let serial = key.serial;
         let RoundResults {
             sent,
             failed,
             panicked,
         } = results;
         self.summed.heartbeats_sent += sent as u64;
-        let Some(peer) = self.peers.get_mut(&serial) else {
+        let Some(peer) = self.peers.at_mut(key) else {
             return;
         };
         peer.heartbeat_in_flight = false;
@@ -247,26 +257,39 @@ impl<R> Core<R> {
         for (agent, e) in &failed {
             self.on_status(now, serial, Source::Heartbeat, Some(agent), e.status);
         }
-        let peer = self.peers.get(&serial).expect("still here");
+        let peer = self.peers.at_mut(key).expect("still here");
         if peer.is_live() && peer.renewal_wanted {
             self.renew(now, serial);
         }
     }
 
     pub(super) fn schedule_heartbeat(&mut self, serial: RegistrationId, at: Instant) {
-        self.unschedule_heartbeat(serial);
-        if let Some(peer) = self.peers.get_mut(&serial) {
-            peer.next_heartbeat = Some(self.schedule.insert(serial, at));
+        if let Some(key) = self.peers.key(serial) {
+            self.schedule_at(key, at);
         }
     }
 
+    /// Puts the record at `key` in the schedule's slot of `at` (out of
+    /// the one it was in).
+    fn schedule_at(&mut self, key: PeerKey, at: Instant) {
+        let Some(peer) = self.peers.at_mut(key) else {
+            return;
+        };
+        if let Some(slot) = peer.next_heartbeat.take() {
+            self.schedule.remove(key, slot);
+        }
+        peer.next_heartbeat = Some(self.schedule.insert(key, at));
+    }
+
     pub(super) fn unschedule_heartbeat(&mut self, serial: RegistrationId) {
-        if let Some(slot) = self
-            .peers
-            .get_mut(&serial)
-            .and_then(|p| p.next_heartbeat.take())
-        {
-            self.schedule.remove(serial, slot);
+        if let Some(key) = self.peers.key(serial) {
+            self.unschedule_at(key);
+        }
+    }
+
+    fn unschedule_at(&mut self, key: PeerKey) {
+        if let Some(slot) = self.peers.at_mut(key).and_then(|p| p.next_heartbeat.take()) {
+            self.schedule.remove(key, slot);
         }
     }
 }

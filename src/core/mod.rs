@@ -65,6 +65,8 @@ pub(crate) use cell::{EngineCell, Wake, WakeSink};
 pub(crate) use classify::{classify, Verdict};
 pub(crate) use count::Count;
 pub use heartbeat::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
+#[cfg(test)]
+pub(crate) use peer::PeerKey;
 pub use schedule::HEARTBEAT_SLOT;
 use stall::stall_check_period;
 
@@ -75,6 +77,8 @@ use crate::log_limit::LogLimiter;
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use identity::{Holder, Ticket};
+#[cfg(not(test))]
+use peer::PeerKey;
 use peer::PeerTable;
 use rate::RateCap;
 use schedule::Schedule;
@@ -245,7 +249,7 @@ pub(crate) struct Core<R> {
     conflicts: Map<Conflict, u64>,
     /// The newest handshake started so far.
     newest_ticket: TicketId,
-    schedule: Schedule,
+    schedule: Schedule<PeerKey>,
     rate: RateCap,
     rng: StdRng,
     actions: VecDeque<Action<R>>,
@@ -359,17 +363,17 @@ impl<R> Core<R> {
             }
             tracing::warn!("shutdown drain deadline passed: what still has reads in flight is handed back unreleased");
         }
-        while let Some((slot, serials)) = self.schedule.pop_due(now) {
-            for &serial in &serials {
-                let Some(peer) = self.peers.get_mut(&serial) else {
+        while let Some((slot, keys)) = self.schedule.pop_due(now) {
+            for &key in &keys {
+                let Some(peer) = self.peers.at_mut(key) else {
                     continue;
                 };
                 if peer.next_heartbeat == Some(slot) {
                     peer.next_heartbeat = None;
-                    self.heartbeat_due(now, serial, slot);
+                    self.heartbeat_due(now, key, slot);
                 }
             }
-            self.schedule.recycle(serials);
+            self.schedule.recycle(keys);
         }
         if let Some(bound) = self.config.read_stall {
             let marking = self.timers.is_expired(Timer::StallMark, now);
@@ -428,12 +432,11 @@ impl<R> Core<R> {
             Input::PeerGone { peer, mode } => self.peer_gone(now, peer, mode),
             Input::MemberGone { departure, mode } => self.member_gone(now, departure, mode),
             Input::CallDone(CallOutcome::Heartbeat {
-                serial,
+                key,
                 results,
                 agents,
-            }) => {
-                self.heartbeat_done(now, serial, results, agents)
-            }
+                ..
+            }) => self.heartbeat_done(now, key, results, agents),
             Input::CallDone(CallOutcome::Release { serial, steps }) => {
                 self.release_done(now, serial, steps)
             }

@@ -172,6 +172,28 @@ impl<R> Peer<R> {
 /// one record. Iteration follows the slots, so its order depends only on
 /// the sequence of registrations and releases, never on a hash seed: the
 /// stall check and the census walk the same order in every run of a seed.
+/// Where a registration's record is: its id, and the slot that holds it.
+/// The heartbeat schedule and the rounds in flight carry it, so a round
+/// reaches its record without the index (a second cache miss per
+/// heartbeat at 10k engines). A slot freed and reused holds another id:
+/// [`PeerTable::at_mut`] checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PeerKey {
+    pub(crate) serial: RegistrationId,
+    slot: usize,
+}
+
+impl PeerKey {
+    /// A key that names no record (tests of the offload queue).
+    #[cfg(test)]
+    pub(crate) fn detached(serial: RegistrationId) -> Self {
+        PeerKey {
+            serial,
+            slot: usize::MAX,
+        }
+    }
+}
+
 pub(super) struct PeerTable<R> {
     records: slab::Slab<(RegistrationId, Peer<R>)>,
     index: super::Map<RegistrationId, usize>,
@@ -210,6 +232,21 @@ impl<R> PeerTable<R> {
         let slot = self.records.insert((serial, peer));
         let previous = self.index.insert(serial, slot);
         debug_assert!(previous.is_none(), "{serial:?} added twice");
+    }
+
+    /// Where `serial`'s record is, if it is held.
+    pub(super) fn key(&self, serial: RegistrationId) -> Option<PeerKey> {
+        let slot = *self.index.get(&serial)?;
+        Some(PeerKey { serial, slot })
+    }
+
+    /// The record `key` names, if it is still held (not removed, its slot
+    /// not reused).
+    pub(super) fn at_mut(&mut self, key: PeerKey) -> Option<&mut Peer<R>> {
+        match self.records.get_mut(key.slot) {
+            Some((serial, peer)) if *serial == key.serial => Some(peer),
+            _ => None,
+        }
     }
 
     pub(super) fn remove(&mut self, serial: &RegistrationId) -> Option<Peer<R>> {

@@ -10,7 +10,6 @@
 //! Not a `DelayQueue`: the core takes `now` as an argument and never reads
 //! a clock, so its timers must be plain data the driver sleeps towards.
 
-use crate::registration::RegistrationId;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -21,20 +20,21 @@ use tokio::time::Instant;
 /// any way that matters; every bound in this crate includes it.
 pub const HEARTBEAT_SLOT: Duration = Duration::from_millis(10);
 
-/// Registrations by the slot their next heartbeat is due in.
-pub(crate) struct Schedule {
+/// Registrations (`K`: how the core finds their records) by the slot
+/// their next heartbeat is due in.
+pub(crate) struct Schedule<K> {
     origin: Instant,
-    slots: BTreeMap<Instant, Vec<RegistrationId>>,
+    slots: BTreeMap<Instant, Vec<K>>,
     len: usize,
     /// Emptied slot vectors, kept for the next slots (one allocation and
     /// its growth per slot, 100 slots a second, otherwise).
-    spare: Vec<Vec<RegistrationId>>,
+    spare: Vec<Vec<K>>,
 }
 
 /// Spare slot vectors kept at most.
 const SPARES: usize = 8;
 
-impl Schedule {
+impl<K: Copy + PartialEq> Schedule<K> {
     pub(crate) fn new(origin: Instant) -> Self {
         Schedule {
             origin,
@@ -55,7 +55,7 @@ impl Schedule {
     }
 
     /// Puts `serial` in the slot of `at`; returns the slot.
-    pub(crate) fn insert(&mut self, serial: RegistrationId, at: Instant) -> Instant {
+    pub(crate) fn insert(&mut self, serial: K, at: Instant) -> Instant {
         let slot = self.slot_of(at);
         let spare = &mut self.spare;
         self.slots
@@ -67,7 +67,7 @@ impl Schedule {
     }
 
     /// Takes `serial` out of `slot`.
-    pub(crate) fn remove(&mut self, serial: RegistrationId, slot: Instant) {
+    pub(crate) fn remove(&mut self, serial: K, slot: Instant) {
         if let Some(serials) = self.slots.get_mut(&slot) {
             if let Some(i) = serials.iter().position(|&s| s == serial) {
                 serials.swap_remove(i);
@@ -88,7 +88,7 @@ impl Schedule {
 
     /// Gives back a slot vector [`Schedule::pop_due`] returned, once
     /// served: the next slots reuse it.
-    pub(crate) fn recycle(&mut self, mut serials: Vec<RegistrationId>) {
+    pub(crate) fn recycle(&mut self, mut serials: Vec<K>) {
         if self.spare.len() < SPARES {
             serials.clear();
             self.spare.push(serials);
@@ -97,7 +97,7 @@ impl Schedule {
 
     /// Takes the earliest slot if it is due at `now` (give its vector back
     /// with [`Schedule::recycle`]).
-    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<(Instant, Vec<RegistrationId>)> {
+    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<(Instant, Vec<K>)> {
         let entry = self.slots.first_entry()?;
         if *entry.key() > now {
             return None;
@@ -116,6 +116,7 @@ impl Schedule {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::registration::RegistrationId;
 
     #[test]
     fn deadlines_round_up_to_slots_and_come_out_in_order() {

@@ -280,7 +280,12 @@ impl Harness {
         let mut rounds = 0;
         for call in self.calls() {
             match call {
-                Call::Heartbeat { serial, agents, .. } => {
+                Call::Heartbeat {
+                    serial,
+                    key,
+                    agents,
+                    ..
+                } => {
                     let round_agents = agents.clone();
                     rounds += 1;
                     let mut results = RoundResults::default();
@@ -295,6 +300,7 @@ impl Harness {
                     }
                     self.input(Input::CallDone(CallOutcome::Heartbeat {
                         serial,
+                        key,
                         results,
                         agents: round_agents,
                     }));
@@ -419,7 +425,13 @@ fn counts_and_handle_signals_come_out_as_actions_in_order() {
     // One batch of results, as the driver takes them in before it carries
     // out what the core decided.
     for call in h.calls() {
-        let Call::Heartbeat { serial, agents, .. } = call else {
+        let Call::Heartbeat {
+            serial,
+            key,
+            agents,
+            ..
+        } = call
+        else {
             panic!("only heartbeats are due");
         };
         let results = RoundResults {
@@ -430,6 +442,7 @@ fn counts_and_handle_signals_come_out_as_actions_in_order() {
             h.now,
             Input::CallDone(CallOutcome::Heartbeat {
                 serial,
+                key,
                 results,
                 agents,
             }),
