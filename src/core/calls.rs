@@ -1,7 +1,7 @@
 //! Transport calls as data: what the core asks the driver to run off the
 //! async threads, and what comes back.
 
-use super::peer::PeerKey;
+use super::key::PeerKey;
 use crate::registration::RegistrationId;
 use std::sync::Arc;
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use rand::Rng;
 use tokio::time::Instant;
 
-use super::peer::PeerKey;
+use super::key::PeerKey;
 use super::{Action, Call, Core, Count, HeartbeatMessages, RoundResults};
 use crate::event::{Event, Source};
 use crate::registration::RegistrationId;

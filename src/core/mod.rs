@@ -42,6 +42,7 @@ mod classify;
 mod count;
 mod heartbeat;
 mod identity;
+mod key;
 mod peer;
 mod rate;
 mod release;
@@ -66,7 +67,7 @@ pub(crate) use classify::{classify, Verdict};
 pub(crate) use count::Count;
 pub use heartbeat::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
 #[cfg(test)]
-pub(crate) use peer::PeerKey;
+pub(crate) use key::PeerKey;
 pub use schedule::HEARTBEAT_SLOT;
 use stall::stall_check_period;
 
@@ -78,7 +79,7 @@ use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use identity::{Holder, Ticket};
 #[cfg(not(test))]
-use peer::PeerKey;
+use key::PeerKey;
 use peer::PeerTable;
 use rate::RateCap;
 use schedule::Schedule;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::cell::EngineCell;
+use super::key::PeerKey;
 use super::TicketId;
 use crate::event::ReleaseReason;
 use crate::registration::Incarnation;
@@ -172,28 +173,6 @@ impl<R> Peer<R> {
 /// one record. Iteration follows the slots, so its order depends only on
 /// the sequence of registrations and releases, never on a hash seed: the
 /// stall check and the census walk the same order in every run of a seed.
-/// Where a registration's record is: its id, and the slot that holds it.
-/// The heartbeat schedule and the rounds in flight carry it, so a round
-/// reaches its record without the index (a second cache miss per
-/// heartbeat at 10k engines). A slot freed and reused holds another id:
-/// [`PeerTable::at_mut`] checks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct PeerKey {
-    pub(crate) serial: RegistrationId,
-    slot: usize,
-}
-
-impl PeerKey {
-    /// A key that names no record (tests of the offload queue).
-    #[cfg(test)]
-    pub(crate) fn detached(serial: RegistrationId) -> Self {
-        PeerKey {
-            serial,
-            slot: usize::MAX,
-        }
-    }
-}
-
 pub(super) struct PeerTable<R> {
     records: slab::Slab<(RegistrationId, Peer<R>)>,
     index: super::Map<RegistrationId, usize>,
