@@ -353,7 +353,7 @@ impl<T: Transport> Offload<T> {
         let back = state
             .results
             .iter()
-            .any(|r| matches!(r, CallOutcome::Heartbeat { serial: s, .. } if *s == serial));
+            .any(|r| matches!(r, CallOutcome::Heartbeat { .. }) && r.serial() == serial);
         if back {
             state.urgent = true;
             drop(state);
@@ -539,9 +539,10 @@ impl<T: Transport> Shared<T> {
                 }
                 continue;
             };
-            let (serial, what) = match &call {
-                Call::Heartbeat { serial, .. } => (*serial, "genNotif"),
-                Call::Release { serial, .. } => (*serial, "release"),
+            let serial = call.serial();
+            let what = match &call {
+                Call::Heartbeat { .. } => "genNotif",
+                Call::Release { .. } => "release",
             };
             state.in_call.push(InCall {
                 thread: me,
@@ -589,15 +590,15 @@ impl<T: Transport> Shared<T> {
             // slot's timer and the hand-off, not a third wake-up).
             let (urgent, now) = match &outcome {
                 CallOutcome::Release { .. } => (true, true),
-                CallOutcome::Heartbeat {
-                    serial, results, ..
-                } => match state.expedite.iter().position(|s| s == serial) {
-                    Some(i) => {
-                        state.expedite.swap_remove(i);
-                        (true, true)
+                CallOutcome::Heartbeat { key, results, .. } => {
+                    match state.expedite.iter().position(|s| *s == key.serial) {
+                        Some(i) => {
+                            state.expedite.swap_remove(i);
+                            (true, true)
+                        }
+                        None => (!results.only_successes(), false),
                     }
-                    None => (!results.only_successes(), false),
-                },
+                }
             };
             state.results.push(outcome);
             state.urgent |= urgent;
@@ -781,7 +782,6 @@ impl<T: Transport> Shared<T> {
     fn call(&self, call: Call<T::Resources>) -> CallOutcome {
         match call {
             Call::Heartbeat {
-                serial,
                 key,
                 agents,
                 messages,
@@ -809,7 +809,6 @@ impl<T: Transport> Shared<T> {
                     }
                 }
                 CallOutcome::Heartbeat {
-                    serial,
                     key,
                     results,
                     agents,
@@ -878,7 +877,6 @@ mod tests {
     fn heartbeat(serial: u64, agent: &str) -> Call<()> {
         let serial = RegistrationId(serial);
         Call::Heartbeat {
-            serial,
             key: crate::core::PeerKey::detached(serial),
             agents: Arc::from(vec![AgentName::new(agent)]),
             messages: crate::core::HeartbeatMessages::Idle,
@@ -901,9 +899,7 @@ mod tests {
     }
 
     fn serial(outcome: &CallOutcome) -> u64 {
-        match outcome {
-            CallOutcome::Heartbeat { serial, .. } | CallOutcome::Release { serial, .. } => serial.0,
-        }
+        outcome.serial().0
     }
 
     /// Receives results until `want` says it has what it needs, for at

@@ -139,7 +139,18 @@ unsafe impl Sync for AgentInner {}
 
 impl Drop for AgentInner {
     fn drop(&mut self) {
-        self.progress_until_idle();
+        // Progress the agent's UCX workers until they are idle (NIXL's
+        // `getNotifs` does; the notifications are dropped with the agent).
+        // Why, before the agent is destroyed: a release's endpoint closes
+        // finish in UCX's next progress, and a READ cancelled in flight can
+        // leave its copy queued on UCX's cross-memory-attach transport
+        // until progressed. UCX 1.23 destroys such an endpoint at worker
+        // destruction without running its queue, and its destructor asserts
+        // the queue is empty (`arbiter.c:36 Assertion
+        // 'ucs_arbiter_group_is_empty(group)'`, seen once in a Python
+        // decoder's teardown). A failure here has nobody left to tell: the
+        // agent is destroyed next either way.
+        let _ = self.take_notifs();
         // Safety: every handle made by this agent holds an Arc to it, so
         // this is the last use of the agent handle.
         unsafe { (self.rt.capi().destroy_agent)(self.capi) };
@@ -147,34 +158,25 @@ impl Drop for AgentInner {
 }
 
 impl AgentInner {
-    /// Progresses the agent's UCX workers until they are idle (NIXL's
-    /// `getNotifs` does; the notifications are dropped with the agent).
-    ///
-    /// Why, before the agent is destroyed: a release's endpoint closes
-    /// finish in UCX's next progress, and a READ cancelled in flight can
-    /// leave its copy queued on UCX's cross-memory-attach transport until
-    /// progressed. UCX 1.23 destroys such an endpoint at worker destruction
-    /// without running its queue and aborts the process
-    /// (`arbiter.c:36 Assertion 'ucs_arbiter_group_is_empty(group)'`, seen
-    /// once in a Python decoder's teardown).
-    fn progress_until_idle(&self) {
-        let c = self.rt.capi();
+    /// NIXL's `getNotifs`: progresses the agent's UCX workers until they
+    /// are idle and takes the notifications received since the last call,
+    /// into a map that the returned guard owns.
+    fn take_notifs(&self) -> Result<CapiGuard, NixlError> {
+        let rt = self.rt;
+        let c = rt.capi();
         let mut map: P = std::ptr::null_mut();
         // Safety: out-pointer valid.
         let st = unsafe { (c.create_notif_map)(&mut map) };
-        if !self.rt.capi_status(st).0.is_ok() || map.is_null() {
-            return;
-        }
+        op("createNotifMap", rt.capi_status(st))?;
         let guard = CapiGuard {
             p: map,
             destroy: c.destroy_notif_map,
         };
-        // Safety: the agent is alive (this is its drop, before destroy) and
-        // so is the map (guard). The status is ignored: nothing is left to
-        // tell, and the agent is destroyed next either way.
-        unsafe {
-            (c.get_notifs)(self.capi, guard.p, std::ptr::null_mut());
-        }
+        // Safety: live agent (this is a method of it, or its drop before
+        // destroy) and map (guard).
+        let st = unsafe { (c.get_notifs)(self.capi, guard.p, std::ptr::null_mut()) };
+        op("getNotifs", rt.capi_status(st))?;
+        Ok(guard)
     }
 }
 
@@ -379,20 +381,11 @@ impl Agent {
     pub fn get_notifs(&self) -> Result<Vec<Notification>, NixlError> {
         let rt = self.inner.rt;
         let c = rt.capi();
-        let mut map: P = std::ptr::null_mut();
-        // Safety: out-pointer valid.
-        let st = unsafe { (c.create_notif_map)(&mut map) };
-        op("createNotifMap", rt.capi_status(st))?;
-        let guard = CapiGuard {
-            p: map,
-            destroy: c.destroy_notif_map,
-        };
+        let guard = self.inner.take_notifs()?;
         let mut out = Vec::new();
-        // Safety: live agent and map; the strings and bytes read below live
-        // in the map, which outlives this block (guard).
+        // Safety: the strings and bytes read below live in the map, which
+        // outlives this block (guard).
         unsafe {
-            let st = (c.get_notifs)(self.inner.capi, guard.p, std::ptr::null_mut());
-            op("getNotifs", rt.capi_status(st))?;
             let mut n = 0usize;
             op(
                 "getNotifs",

@@ -15,9 +15,8 @@ pub(crate) enum Call<R> {
     /// to a bounded size) to every agent of the registration. `agents` is
     /// the record's own round copy, moved here and back with the outcome.
     Heartbeat {
-        serial: RegistrationId,
-        /// Where the registration's record is: handed back with the
-        /// outcome.
+        /// The registration (`key.serial`) and where its record is:
+        /// handed back with the outcome.
         key: PeerKey,
         agents: Arc<[AgentName]>,
         messages: HeartbeatMessages,
@@ -29,6 +28,16 @@ pub(crate) enum Call<R> {
         agents: Arc<[AgentName]>,
         resources: R,
     },
+}
+
+impl<R> Call<R> {
+    /// The registration the call is for.
+    pub(crate) fn serial(&self) -> RegistrationId {
+        match self {
+            Call::Heartbeat { key, .. } => key.serial,
+            Call::Release { serial, .. } => *serial,
+        }
+    }
 }
 
 /// The notifications of one heartbeat round, shared by the rounds that
@@ -105,7 +114,6 @@ pub(crate) enum CallOutcome {
     /// A heartbeat round's results, and the agent names the round carried,
     /// handed back to the registration's record for its next round.
     Heartbeat {
-        serial: RegistrationId,
         key: PeerKey,
         results: RoundResults,
         agents: Arc<[AgentName]>,
@@ -115,4 +123,14 @@ pub(crate) enum CallOutcome {
         serial: RegistrationId,
         steps: Result<Vec<ReleaseStep>, Panicked>,
     },
+}
+
+impl CallOutcome {
+    /// The registration the call was for.
+    pub(crate) fn serial(&self) -> RegistrationId {
+        match self {
+            CallOutcome::Heartbeat { key, .. } => key.serial,
+            CallOutcome::Release { serial, .. } => *serial,
+        }
+    }
 }

@@ -177,7 +177,6 @@ impl<R> Core<R> {
 
     /// [`Core::send_heartbeat`] for the record at `key`.
     fn send_at(&mut self, base: Instant, key: PeerKey) {
-        let serial = key.serial;
         let peer = self.peers.at_mut(key).expect("live serial");
         peer.heartbeat_in_flight = true;
         peer.renewal_wanted = false;
@@ -194,7 +193,6 @@ impl<R> Core<R> {
             .take()
             .unwrap_or_else(|| peer.agents.clone());
         self.actions.push_back(Action::Call(Call::Heartbeat {
-            serial,
             key,
             agents,
             messages,

@@ -66,7 +66,6 @@ pub(crate) use cell::{EngineCell, Wake, WakeSink};
 pub(crate) use classify::{classify, Verdict};
 pub(crate) use count::Count;
 pub use heartbeat::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
-#[cfg(test)]
 pub(crate) use key::PeerKey;
 pub use schedule::HEARTBEAT_SLOT;
 use stall::stall_check_period;
@@ -78,8 +77,6 @@ use crate::log_limit::LogLimiter;
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use identity::{Holder, Ticket};
-#[cfg(not(test))]
-use key::PeerKey;
 use peer::PeerTable;
 use rate::RateCap;
 use schedule::Schedule;
@@ -436,7 +433,6 @@ impl<R> Core<R> {
                 key,
                 results,
                 agents,
-                ..
             }) => self.heartbeat_done(now, key, results, agents),
             Input::CallDone(CallOutcome::Release { serial, steps }) => {
                 self.release_done(now, serial, steps)

@@ -280,13 +280,7 @@ impl Harness {
         let mut rounds = 0;
         for call in self.calls() {
             match call {
-                Call::Heartbeat {
-                    serial,
-                    key,
-                    agents,
-                    ..
-                } => {
-                    let round_agents = agents.clone();
+                Call::Heartbeat { key, agents, .. } => {
                     rounds += 1;
                     let mut results = RoundResults::default();
                     for agent in agents.iter() {
@@ -299,10 +293,9 @@ impl Harness {
                         }
                     }
                     self.input(Input::CallDone(CallOutcome::Heartbeat {
-                        serial,
                         key,
                         results,
-                        agents: round_agents,
+                        agents,
                     }));
                 }
                 Call::Release {
@@ -425,13 +418,7 @@ fn counts_and_handle_signals_come_out_as_actions_in_order() {
     // One batch of results, as the driver takes them in before it carries
     // out what the core decided.
     for call in h.calls() {
-        let Call::Heartbeat {
-            serial,
-            key,
-            agents,
-            ..
-        } = call
-        else {
+        let Call::Heartbeat { key, agents, .. } = call else {
             panic!("only heartbeats are due");
         };
         let results = RoundResults {
@@ -441,7 +428,6 @@ fn counts_and_handle_signals_come_out_as_actions_in_order() {
         h.core.handle(
             h.now,
             Input::CallDone(CallOutcome::Heartbeat {
-                serial,
                 key,
                 results,
                 agents,
