@@ -32,7 +32,7 @@
 //! ([`BeginRefused::Full`]) instead of carrying into the state.
 
 use crate::registration::RegistrationId;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
@@ -113,33 +113,56 @@ pub(crate) trait WakeSink: Send + Sync {
     fn wake(&self, wake: Wake);
 }
 
-/// A flag set once, and a wait for it: what the runtime's handles watch
-/// (a registration's reads failed, its release came back). A
-/// `CancellationToken` without its tree: two tokens were about 300 bytes
-/// of each registration's memory, this is a word and a `Notify` inline.
+/// Flags set once each, and one wait for them: what the runtime's handles
+/// watch (a registration's reads failed, its release came back). Two
+/// `CancellationToken`s without their tree, in a byte and one `Notify`:
+/// two tokens were about 300 bytes of each registration's memory, two
+/// flags with a `Notify` each 80.
 #[derive(Default)]
-pub(crate) struct Signal {
-    set: AtomicBool,
+pub(crate) struct Signals {
+    set: AtomicU8,
     notify: Notify,
 }
 
-impl Signal {
-    /// Whether it is set.
-    pub(crate) fn is_set(&self) -> bool {
-        self.set.load(Ordering::Acquire)
-    }
+/// The registration's reads have been failed.
+const READS_FAILED: u8 = 1;
+/// The registration's release came back from the transport.
+const RELEASE_DONE: u8 = 2;
+/// That release ended every transfer still running to the engine: set
+/// with [`RELEASE_DONE`], in the same operation.
+const TRANSFERS_ENDED: u8 = 4;
 
-    /// Sets it and wakes every waiter; the first time only.
-    pub(crate) fn set(&self) {
-        if !self.set.swap(true, Ordering::AcqRel) {
+impl Signals {
+    /// Sets `bits`; wakes every waiter if one of them was not set yet.
+    fn set(&self, bits: u8) {
+        if self.set.fetch_or(bits, Ordering::AcqRel) & bits != bits {
             self.notify.notify_waiters();
         }
     }
 
-    /// Resolves once it is set. Cancel safe.
-    pub(crate) async fn wait(&self) {
+    fn is_set(&self, bit: u8) -> bool {
+        self.set.load(Ordering::Acquire) & bit != 0
+    }
+}
+
+/// One of a registration's [`Signals`]: set once, waited for.
+#[derive(Clone, Copy)]
+pub(crate) struct Signal<'a> {
+    signals: &'a Signals,
+    bit: u8,
+}
+
+impl Signal<'_> {
+    /// Whether it is set.
+    pub(crate) fn is_set(&self) -> bool {
+        self.signals.is_set(self.bit)
+    }
+
+    /// Resolves once it is set. Cancel safe. The other flag being set
+    /// wakes the wait too; it checks again and keeps waiting.
+    pub(crate) async fn wait(self) {
         loop {
-            let notified = self.notify.notified();
+            let notified = self.signals.notify.notified();
             tokio::pin!(notified);
             // Registered before the check: a `set` between the check and
             // the await is not missed.
@@ -158,14 +181,8 @@ pub(crate) struct EngineCell {
     id: EngineId,
     serial: RegistrationId,
     word: AtomicU64,
-    /// Set when the core fails this registration's reads in flight.
-    reads_failed: Signal,
-    /// Set when the registration's release came back from the transport;
-    /// `transfers_ended` is set before it.
-    release_done: Signal,
-    /// The release ended every transfer still running to the engine (the
-    /// transport says its release closes the endpoints).
-    transfers_ended: AtomicBool,
+    /// Reads failed, release done, transfers ended.
+    signals: Signals,
     sink: Arc<dyn WakeSink>,
 }
 
@@ -178,9 +195,7 @@ impl EngineCell {
             id,
             serial: RegistrationId(NEXT_SERIAL.fetch_add(1, Ordering::Relaxed)),
             word: AtomicU64::new(state_bits(EngineState::Live)),
-            reads_failed: Signal::default(),
-            release_done: Signal::default(),
-            transfers_ended: AtomicBool::new(false),
+            signals: Signals::default(),
             sink,
         })
     }
@@ -327,31 +342,38 @@ impl EngineCell {
 
     /// Tells every read in flight that it has failed.
     pub(crate) fn fail_reads(&self) {
-        self.reads_failed.set();
+        self.signals.set(READS_FAILED);
     }
 
-    pub(crate) fn reads_failed(&self) -> &Signal {
-        &self.reads_failed
+    /// Set when the core has failed this registration's reads in flight.
+    pub(crate) fn reads_failed(&self) -> Signal<'_> {
+        Signal {
+            signals: &self.signals,
+            bit: READS_FAILED,
+        }
     }
 
     /// The registration's release came back from the transport;
     /// `transfers_ended`: it ended every transfer still running to the
     /// engine.
     pub(crate) fn release_finished(&self, transfers_ended: bool) {
-        self.transfers_ended
-            .store(transfers_ended, Ordering::Release);
-        self.release_done.set();
+        // One operation: whoever sees the release done sees this too.
+        let ended = if transfers_ended { TRANSFERS_ENDED } else { 0 };
+        self.signals.set(RELEASE_DONE | ended);
     }
 
     /// Set once the release came back (see
     /// [`EngineCell::release_finished`]).
-    pub(crate) fn release_done(&self) -> &Signal {
-        &self.release_done
+    pub(crate) fn release_done(&self) -> Signal<'_> {
+        Signal {
+            signals: &self.signals,
+            bit: RELEASE_DONE,
+        }
     }
 
     /// Whether the release (once done) ended the engine's transfers.
     pub(crate) fn transfers_ended(&self) -> bool {
-        self.transfers_ended.load(Ordering::Acquire)
+        self.signals.is_set(TRANSFERS_ENDED)
     }
 
     /// Test only: `n` reads begun and completed at once.
@@ -368,23 +390,49 @@ pub(crate) mod tests {
     use std::sync::Mutex;
 
     /// A signal wakes whoever waits, whether they began waiting before it
-    /// was set or after; setting it again changes nothing.
+    /// was set or after; setting it again changes nothing. The other
+    /// signal of the same registration, set first, wakes nobody for good:
+    /// they share one `Notify`.
     #[tokio::test(start_paused = true)]
-    async fn a_signal_wakes_waiters_before_and_after_it_is_set() {
-        let signal = Arc::new(Signal::default());
+    async fn a_signal_wakes_its_waiters_before_and_after_it_is_set_and_only_its_own() {
+        let cell = EngineCell::new(EngineId::from("p"), Arc::new(Collect::default()));
         let early = tokio::spawn({
-            let signal = signal.clone();
-            async move { signal.wait().await }
+            let cell = cell.clone();
+            async move { cell.reads_failed().wait().await }
+        });
+        let release = tokio::spawn({
+            let cell = cell.clone();
+            async move { cell.release_done().wait().await }
         });
         tokio::task::yield_now().await;
-        assert!(!early.is_finished() && !signal.is_set());
-        signal.set();
-        signal.set();
+        assert!(!early.is_finished() && !cell.reads_failed().is_set());
+        cell.release_finished(true);
+        tokio::task::yield_now().await;
+        tokio::task::yield_now().await;
+        assert!(release.is_finished() && cell.transfers_ended());
+        assert!(
+            !early.is_finished() && !cell.reads_failed().is_set(),
+            "woken by the other signal, still waiting"
+        );
+        cell.fail_reads();
+        cell.fail_reads();
         early.await.unwrap();
-        assert!(signal.is_set());
-        tokio::time::timeout(std::time::Duration::from_millis(1), signal.wait())
-            .await
-            .expect("a late waiter returns at once");
+        assert!(cell.reads_failed().is_set());
+        tokio::time::timeout(
+            std::time::Duration::from_millis(1),
+            cell.reads_failed().wait(),
+        )
+        .await
+        .expect("a late waiter returns at once");
+    }
+
+    /// A release that did not end the transfers says so.
+    #[test]
+    fn a_release_that_left_transfers_running_says_so() {
+        let cell = EngineCell::new(EngineId::from("p"), Arc::new(Collect::default()));
+        cell.release_finished(false);
+        assert!(cell.release_done().is_set() && !cell.transfers_ended());
+        assert!(!cell.reads_failed().is_set());
     }
 
     /// Collects wake-ups, for tests of the cell and the core.

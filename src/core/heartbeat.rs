@@ -99,10 +99,7 @@ impl<R> Core<R> {
             return;
         };
         let peer = self.peers.get_mut(&serial).expect("live serial");
-        if !requests.is_empty() {
-            peer.leases.extend(requests);
-            peer.message = None;
-        }
+        peer.leases.extend(requests);
         if renew_now {
             self.renew(now, serial);
         }
@@ -110,11 +107,7 @@ impl<R> Core<R> {
 
     pub(super) fn remove_leases(&mut self, id: &EngineId, requests: &[String]) {
         if let Some(peer) = self.by_id.get(id).and_then(|s| self.peers.get_mut(s)) {
-            for r in requests {
-                if peer.leases.remove(r) {
-                    peer.message = None;
-                }
-            }
+            peer.leases.remove(requests);
         }
     }
 
@@ -180,14 +173,7 @@ impl<R> Core<R> {
         let peer = self.peers.at_mut(key).expect("live serial");
         peer.heartbeat_in_flight = true;
         peer.renewal_wanted = false;
-        let messages = match &peer.message {
-            Some(messages) => messages.clone(),
-            None => {
-                let messages = heartbeat_round(&peer.leases);
-                peer.message = Some(messages.clone());
-                messages
-            }
-        };
+        let messages = peer.leases.round();
         let agents = peer
             .round_agents
             .take()

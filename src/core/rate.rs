@@ -24,9 +24,33 @@ use tokio::time::Instant;
 
 use crate::config::Config;
 
-/// A registration's limiter state: `None` until its first round, and again
-/// once it is released (its key forgotten).
-pub(crate) type RateState = Option<Nanos>;
+/// A registration's limiter state: none until its first round, and again
+/// once it is released (its key forgotten). GCRA's theoretical arrival
+/// time in nanoseconds since the core's start, [`NO_STATE`] for none: a
+/// sentinel rather than an `Option`, 8 bytes of every record instead of
+/// 16; an arrival time of `u64::MAX` nanoseconds would be 584 years after
+/// the service started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RateState(u64);
+
+impl Default for RateState {
+    fn default() -> Self {
+        RateState(NO_STATE)
+    }
+}
+
+impl RateState {
+    /// Whether the registration has limiter state (a key, in governor's
+    /// terms).
+    pub(crate) fn is_some(&self) -> bool {
+        self.0 != NO_STATE
+    }
+
+    /// Forgets the state (the registration is released).
+    pub(crate) fn forget(&mut self) {
+        self.0 = NO_STATE;
+    }
+}
 
 /// The one slot governor reads and writes during a check: the state of the
 /// registration being checked, put in just before and taken out just after
@@ -85,15 +109,12 @@ impl RateCap {
             self.clock.advance(since - self.clock_at);
             self.clock_at = since;
         }
-        self.slot
-            .0
-            .store(state.map_or(NO_STATE, u64::from), Ordering::Relaxed);
+        self.slot.0.store(state.0, Ordering::Relaxed);
         let verdict = self
             .limiter
             .check()
             .map_err(|not_until| not_until.wait_time_from(self.clock.now()));
-        let after = self.slot.0.swap(NO_STATE, Ordering::Relaxed);
-        *state = (after != NO_STATE).then(|| Nanos::from(after));
+        state.0 = self.slot.0.swap(NO_STATE, Ordering::Relaxed);
         verdict
     }
 }

@@ -44,14 +44,13 @@ impl<R> Core<R> {
             ReleaseReason::Stalled => EngineState::Stalled,
         };
         let reads = peer.cell.mark(state).unwrap_or(0);
-        peer.mark = Some(Mark {
+        peer.mark = Some(Box::new(Mark {
             reason,
             at: now,
             reads_at_mark: reads,
             held_by_handshake: false,
-        });
+        }));
         peer.leases.clear();
-        peer.message = None;
         tracing::info!(engine = %peer.id(), registration = %serial, state = state.as_str(), reads_in_flight = reads, "engine marked for release");
         self.unschedule_heartbeat(serial);
         if matches!(
@@ -119,7 +118,7 @@ impl<R> Core<R> {
         tracing::debug!(%engine, ?waited, "releasing");
         let resources = peer.resources.take().expect("checked above");
         let agents = peer.agents.clone();
-        peer.rate = None; // its limiter key forgotten
+        peer.rate.forget(); // its limiter key forgotten
         self.releases_in_flight += 1;
         self.actions.push_back(Action::Call(Call::Release {
             serial,

@@ -104,7 +104,7 @@ impl<R> Core<R> {
                     serial,
                     reads,
                     quiet,
-                    given_up: p.timed_out,
+                    given_up: u64::from(p.timed_out),
                     completing: is_completing,
                 });
             } else {
@@ -207,11 +207,11 @@ impl<R> Core<R> {
             tracing::debug!(%engine, why = why.as_str(), "read given up at an engine that completes reads: not evidence of a stall");
             return;
         }
-        p.unanswered += 1;
+        p.unanswered = p.unanswered.saturating_add(1);
         p.quiet_since.get_or_insert(now);
         tracing::info!(%engine, why = why.as_str(), unanswered = p.unanswered, "read given up unanswered: counted against the engine, not as a completion");
         if why == GiveUp::TimedOut {
-            p.timed_out += 1;
+            p.timed_out = p.timed_out.saturating_add(1);
             self.timers.set(Timer::StallMark, now);
         }
     }
