@@ -43,7 +43,9 @@ pub const MAX_READS_IN_FLIGHT: u64 = crate::core::cell::MAX_READS_IN_FLIGHT;
 /// A registered engine, as the decoder runtime holds it. Cheap to clone.
 ///
 /// Keep it beside the engine's cached layout: starting a read through it
-/// touches one atomic and nothing else.
+/// touches the registration's counts and nothing else (on the thread that
+/// reads first, without a locked instruction; see
+/// [`EngineRef::begin_read`]).
 #[derive(Clone)]
 pub struct EngineRef {
     pub(crate) cell: Arc<EngineCell>,
@@ -91,12 +93,15 @@ impl EngineRef {
     /// transfer may touch the engine's memory (until it is DONE, failed, or
     /// released); the service will not release the engine before.
     ///
-    /// The guard borrows this `EngineRef`: beginning and ending a read is
-    /// one atomic operation each, nothing else (the hot path every read
-    /// pays). For a read that moves to another task or thread, or outlives
-    /// the reference, use [`EngineRef::begin_read_owned`] (or
-    /// [`ReadGuard::into_owned`]), as with tokio's `Semaphore::acquire`
-    /// and `acquire_owned`.
+    /// The guard borrows this `EngineRef` (the hot path every read pays).
+    /// The first thread to read from a registration owns it: its begins
+    /// and ends are a few ordinary loads and stores, no locked instruction
+    /// (the service makes them visible with `membarrier` when it marks the
+    /// engine); any other thread's are one atomic read-modify-write each.
+    /// A guard may still end on another thread (a task that moved): it is
+    /// counted once either way. For a read that outlives the reference,
+    /// use [`EngineRef::begin_read_owned`] (or [`ReadGuard::into_owned`]),
+    /// as with tokio's `Semaphore::acquire` and `acquire_owned`.
     ///
     /// Fails at once, without waiting, when the engine is unreachable,
     /// replaced, retiring or released: a decoder must not post a transfer
@@ -118,7 +123,8 @@ impl EngineRef {
 
     /// Starts a read like [`EngineRef::begin_read`], with a guard that owns
     /// a reference to the registration (`'static`, `Send`): two more atomic
-    /// operations per read, for reads whose guard travels.
+    /// operations per read (the `Arc`'s), for reads whose guard outlives
+    /// the reference.
     pub fn begin_read_owned(&self) -> Result<OwnedReadGuard, ReadRefused> {
         self.begin_read().map(ReadGuard::into_owned)
     }
@@ -167,9 +173,10 @@ impl fmt::Debug for EngineRef {
 #[must_use = "dropping the guard ends the read at once, as a completion"]
 pub struct ReadGuard<'a> {
     cell: &'a Arc<EngineCell>,
-    /// The engine's completed count when the read began, or [`GIVEN_UP`]
-    /// once given up or handed to an owned guard (the drop then has
-    /// nothing left to do).
+    /// What the cell's `begin_read` returned (the engine's completed count
+    /// when the read began, and which count the read is in), or
+    /// [`GIVEN_UP`] once given up or handed to an owned guard (the drop
+    /// then has nothing left to do).
     done_at_begin: u64,
 }
 
@@ -184,8 +191,9 @@ pub struct OwnedReadGuard {
     done_at_begin: u64,
 }
 
-/// Not a completed count (those have 36 bits): marks a guard whose read is
-/// no longer its to end.
+/// Not a begin's value (those are a 36-bit completed count, with at most
+/// the top bit set for the owner's path): marks a guard whose read is no
+/// longer its to end.
 const GIVEN_UP: u64 = u64::MAX;
 
 impl ReadGuard<'_> {
@@ -263,7 +271,7 @@ macro_rules! read_guard {
             #[inline]
             fn drop(&mut self) {
                 if self.done_at_begin != GIVEN_UP {
-                    self.cell().end_read();
+                    self.cell().end_read(self.done_at_begin);
                 }
             }
         }

@@ -96,8 +96,10 @@
 //! neither the driver nor the offload queue. The driver ([`Keepalive`])
 //! owns tokio's clock, the transport and the channels, sleeps to the core's
 //! next deadline and carries out its actions. Reads are counted per
-//! registration with one atomic word ([`EngineRef::begin_read`]), so the hot
-//! path takes no lock. Transport calls are blocking FFI; they run on
+//! registration by the thread that reads first with plain stores, by the
+//! others with one atomic word, a `membarrier` on the service's side
+//! keeping the two honest ([`EngineRef::begin_read`]), so the hot path
+//! takes no lock and, on its usual thread, no locked instruction. Transport calls are blocking FFI; they run on
 //! blocking workers in batches, and a watchdog gives the calls queued
 //! behind a hung one a worker of their own.
 #![forbid(unsafe_code)]

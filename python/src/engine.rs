@@ -12,7 +12,9 @@
 //!
 //! The engine is never released while a read of it is open: leaving the
 //! `with` block (or `finish`) ends the read. Starting and ending a read
-//! touch one atomic, with the GIL held (no wait is involved).
+//! touch the registration's counts (ordinary stores on the thread that
+//! reads first, one atomic on any other), with the GIL held (no wait is
+//! involved).
 
 use std::sync::Mutex;
 

@@ -1,42 +1,63 @@
-//! Reads in flight per registration, counted with one atomic word.
+//! Reads in flight per registration: counted by the thread that owns the
+//! registration with ordinary stores, by every other thread with one
+//! atomic word.
 //!
 //! A decoder starts a read for every KV-cache pull, so starting and ending a
-//! read must not take a lock the service also takes. Each registration has
-//! an [`EngineCell`] shared by the runtime's handles and the core: one
-//! 64-bit word holds the engine's state, its reads in flight and a wrapping
-//! count of reads completed, so
-//! - "the engine is still live, count one more read" is one compare-and-swap;
-//! - "one read ended" is one `fetch_add` (it lowers the in-flight count and
-//!   raises the completed count in the same addition);
-//! - "one read was given up" is one `fetch_sub` (it lowers the in-flight
-//!   count and leaves the completed count alone: a given-up read is
-//!   evidence against the engine, not a completion);
-//! - "no read is in flight, release it" is one compare-and-swap.
+//! read must not take a lock the service also takes, and on the thread
+//! that does most of the reading it should not even take a locked
+//! instruction (two of them, about 20 ns on this project's Intel VMs, were
+//! the whole cost of a read). Each registration has an [`EngineCell`]
+//! shared by the runtime's handles and the core:
+//! - the *shared word* (64 bits) holds the engine's state, the reads in
+//!   flight that other threads began, and a wrapping count of reads
+//!   completed. "The engine is still live, count one more read" is one
+//!   compare-and-swap; "one read ended" is one `fetch_add` (one less in
+//!   flight, one more completed, in the same addition); "one read was
+//!   given up" is one `fetch_sub` (not a completion: evidence against the
+//!   engine); "no read is in flight, release it" is one compare-and-swap.
+//! - the *owner's word*: the first thread to read from the registration
+//!   owns it (where the kernel allows the asymmetric fence,
+//!   [`super::barrier`]) and counts its own begins, ends and completions
+//!   there with a load and a store, no locked instruction. A begin stores
+//!   its count, then looks at the state in the shared word; a mark sets
+//!   the state, then has every thread pass a full fence (`membarrier`),
+//!   then looks at the owner's count. Whichever comes second sees the
+//!   other: the begin sees the mark and takes its count back (and wakes
+//!   the core, which may have seen it), or the mark sees the count.
+//! - a read the owner began and another thread ends (its guard moved) is
+//!   ended there with a `fetch_add` on a third counter, *moved*: the
+//!   owner's reads in flight are its count minus moved, modulo 2^24.
 //!
-//! They can never interleave wrongly: a release never happens with a read in
-//! flight, and a read never starts on a marked engine. The completed count
-//! lets the core tell a slow engine (reads still completing) from a hung one
-//! without another atomic on the hot path.
+//! They can never interleave wrongly: after a mark, no read can start
+//! (the shared word refuses, and the owner's begin sees the mark or was
+//! seen by it), the counts only fall, and the release is a
+//! compare-and-swap on the shared word once every count reads zero. A
+//! release never happens with a read in flight, and a read never starts
+//! on a marked engine. The completed count lets the core tell a slow engine
+//! (reads still completing) from a hung one without another atomic on the
+//! hot path.
 //!
 //! # Why the completed count cannot fool the stall check
 //!
-//! The core compares the completed count between two of its checks; equal
-//! counts mean "no completion" only if the count cannot wrap between two
-//! checks. It has 36 bits (6.9 * 10^10), and the checks are at most
-//! [`super::stall::MAX_STALL_CHECK_PERIOD`] (60 s) apart, so a wrap would take more
-//! than 10^9 completions a second at one engine: every begin and end is an
-//! atomic operation on this one word, which a core cannot do faster than a
-//! few hundred million times a second (the `read_accounting` benchmark
-//! measures 10 ns for a begin and an end). The in-flight count has 24 bits:
-//! a 16,777,216th read in flight at one engine is refused
-//! ([`BeginRefused::Full`]) instead of carrying into the state.
+//! The core compares the completed count (the owner's and the shared
+//! word's, added modulo 2^36) between two of its checks; equal counts mean
+//! "no completion" only if the count cannot wrap between two checks. It
+//! has 36 bits (6.9 * 10^10), and the checks are at most
+//! [`super::stall::MAX_STALL_CHECK_PERIOD`] (60 s) apart, so a wrap would
+//! take more than 10^9 completions a second at one engine, more than one
+//! thread can begin and end (the `read_accounting` benchmark measures
+//! about 3 ns for a begin and an end on the owner's thread). The in-flight
+//! counts have 24 bits: a 16,777,216th read in flight at one engine, on
+//! either path, is refused ([`BeginRefused::Full`]) instead of carrying
+//! into the state.
 
 use crate::registration::RegistrationId;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{compiler_fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
 
+use super::barrier::{self, ThreadToken, NO_OWNER};
 use crate::give_up::GiveUp;
 use crate::state::EngineState;
 use crate::transport::EngineId;
@@ -57,6 +78,15 @@ const DONE_SHIFT: u32 = 28;
 pub(crate) const DONE_BITS: u32 = 64 - DONE_SHIFT;
 /// Added when a read ends: one less in flight, one more completed.
 const END_READ: u64 = (1 << DONE_SHIFT) - 1;
+/// The completed count's bits, once shifted down.
+const DONE_MASK: u64 = (1 << DONE_BITS) - 1;
+/// One completion, in either word.
+const ONE_DONE: u64 = 1 << DONE_SHIFT;
+
+/// Set in what [`EngineCell::begin_read`] returns when the read was
+/// counted in the owner's word (completed counts have 36 bits, so the top
+/// bit is free); the guard hands the value back at the read's end.
+pub(crate) const ON_OWNER: u64 = 1 << 63;
 
 const _: () = assert!(
     EngineState::Live as u64 == 0,
@@ -67,9 +97,65 @@ fn state_bits(state: EngineState) -> u64 {
     (state as u64) << STATE_SHIFT
 }
 
+/// Whether the word's state is `Live` (state 0: one mask, no decoding).
+#[inline(always)]
+fn is_live(word: u64) -> bool {
+    word & STATE_MASK == 0
+}
+
 fn state_of(word: u64) -> EngineState {
     EngineState::from_index(((word & STATE_MASK) >> STATE_SHIFT) as usize)
         .expect("only EngineState values are stored")
+}
+
+/// Test only: a pause of random length at each place where the read
+/// protocol's two sides can interleave, so that the race tests reach the
+/// interleavings a real machine makes once in billions (a mark landing
+/// between the owner's look at the state and its store, say). Off unless a
+/// test turns it on; compiled out of the library.
+#[cfg(test)]
+pub(crate) static WIDEN_RACES: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+#[inline(always)]
+fn race_window() {
+    #[cfg(test)]
+    if WIDEN_RACES.load(Ordering::Relaxed) {
+        thread_local! {
+            static SEED: std::cell::Cell<u64> = const { std::cell::Cell::new(0x2545_f491_4f6c_dd1d) };
+        }
+        let spins = SEED.with(|seed| {
+            let mut x = seed.get();
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            seed.set(x);
+            x % 512
+        });
+        if spins < 8 {
+            // Off the CPU now and then, long enough for the other side to
+            // run its whole step (a mark, its fence and a release).
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        } else if spins < 32 {
+            std::thread::yield_now();
+        } else {
+            for _ in 0..spins {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+/// The owner's reads in flight: its count less the ones that ended on
+/// other threads, modulo 2^24 (both wrap).
+fn owner_in_flight(own: u64, moved: u32) -> u64 {
+    own.wrapping_sub(u64::from(moved)) & COUNT_MASK
+}
+
+/// The owner's word with its count field set to `count`'s (modulo 2^24):
+/// the count wraps within its field, never into the completed count.
+fn with_count(own: u64, count: u64) -> u64 {
+    (own & !COUNT_MASK) | (count & COUNT_MASK)
 }
 
 /// What a read handle tells the core. Sent only when it matters: an error
@@ -180,7 +266,19 @@ impl Signal<'_> {
 pub(crate) struct EngineCell {
     id: EngineId,
     serial: RegistrationId,
+    /// The shared word: state, other threads' reads in flight, their
+    /// completions (and those of the owner's reads that ended elsewhere).
     word: AtomicU64,
+    /// The owner's word: its reads in flight (bits 0..24, modulo 2^24, less
+    /// `moved`) and completions (bits 28..64). Written only by the owner
+    /// thread, with plain stores.
+    own: AtomicU64,
+    /// The thread that owns the registration ([`NO_OWNER`] until one
+    /// reads).
+    owner: AtomicU32,
+    /// The owner's reads that ended on another thread (their guard moved),
+    /// wrapping: subtracted from the owner's count.
+    moved: AtomicU32,
     /// Reads failed, release done, transfers ended.
     signals: Signals,
     sink: Arc<dyn WakeSink>,
@@ -195,6 +293,9 @@ impl EngineCell {
             id,
             serial: RegistrationId(NEXT_SERIAL.fetch_add(1, Ordering::Relaxed)),
             word: AtomicU64::new(state_bits(EngineState::Live)),
+            own: AtomicU64::new(0),
+            owner: AtomicU32::new(NO_OWNER),
+            moved: AtomicU32::new(0),
             signals: Signals::default(),
             sink,
         })
@@ -214,23 +315,107 @@ impl EngineCell {
         state_of(self.word.load(Ordering::Acquire))
     }
 
+    /// Reads in flight now, on both paths.
     pub(crate) fn reads_in_flight(&self) -> u64 {
-        self.word.load(Ordering::Acquire) & COUNT_MASK
+        self.progress().0
     }
 
-    /// Reads in flight and the wrapping count of reads completed, read
-    /// together.
+    /// Reads in flight and the wrapping count of reads completed, both
+    /// paths added. The owner's word is read before `moved`: a read the
+    /// owner began and another thread ended between the two loads is then
+    /// counted as still in flight, never as ended twice (too many, never
+    /// too few).
     pub(crate) fn progress(&self) -> (u64, u64) {
-        let word = self.word.load(Ordering::Acquire);
-        (word & COUNT_MASK, word >> DONE_SHIFT)
+        let own = self.own.load(Ordering::SeqCst);
+        let moved = self.moved.load(Ordering::SeqCst);
+        let word = self.word.load(Ordering::SeqCst);
+        (
+            (word & COUNT_MASK) + owner_in_flight(own, moved),
+            ((own >> DONE_SHIFT) + (word >> DONE_SHIFT)) & DONE_MASK,
+        )
     }
 
     /// Counts one more read if the engine is live; else says why not.
-    /// Returns the completed count at that moment (read from the word the
-    /// compare-and-swap replaced: no extra atomic), so that the read can
-    /// tell at its end whether the engine completed anything meanwhile.
+    /// Returns the completed count at that moment, [`ON_OWNER`] set when
+    /// the read was counted on the owner's word (hand it back to
+    /// [`EngineCell::end_read`] or [`EngineCell::give_up`]), so that the
+    /// read can tell at its end whether the engine completed anything
+    /// meanwhile.
     #[inline]
     pub(crate) fn begin_read(&self) -> Result<u64, BeginRefused> {
+        let me = barrier::this_thread();
+        let owner = self.owner.load(Ordering::Relaxed);
+        if owner == me || (owner == NO_OWNER && self.claim(me)) {
+            self.begin_owned()
+        } else {
+            self.begin_shared()
+        }
+    }
+
+    /// The first thread to read owns the registration, where the kernel
+    /// has the asymmetric fence. `false`: read on the shared word.
+    #[cold]
+    fn claim(&self, me: ThreadToken) -> bool {
+        if me == barrier::NOT_AN_OWNER || !barrier::available() {
+            return false;
+        }
+        if self
+            .owner
+            .compare_exchange(NO_OWNER, me, Ordering::SeqCst, Ordering::Relaxed)
+            .is_err()
+        {
+            return false;
+        }
+        // A mark that saw no owner sent no fence: this load, after the
+        // claim in one total order with the mark's compare-and-swap and
+        // its look at the owner, sees that mark; every later begin on
+        // this thread then sees it too (its loads are not older).
+        state_of(self.word.load(Ordering::SeqCst)) == EngineState::Live
+    }
+
+    /// A begin on the owner's thread: a store, then a look at the state.
+    #[inline]
+    fn begin_owned(&self) -> Result<u64, BeginRefused> {
+        let word = self.word.load(Ordering::Relaxed);
+        if !is_live(word) {
+            return Err(BeginRefused::State(state_of(word)));
+        }
+        let own = self.own.load(Ordering::Relaxed);
+        let moved = self.moved.load(Ordering::Relaxed);
+        // A stale `moved` reads as more in flight: refused early at the
+        // limit, never late.
+        if owner_in_flight(own, moved) >= MAX_READS_IN_FLIGHT {
+            return Err(BeginRefused::Full);
+        }
+        race_window();
+        self.own
+            .store(with_count(own, own.wrapping_add(1)), Ordering::Relaxed);
+        // The light side of the fence: the store above stays before the
+        // load below in the program; `membarrier` in `mark` orders them
+        // in the hardware.
+        compiler_fence(Ordering::SeqCst);
+        race_window();
+        let now = self.word.load(Ordering::Relaxed);
+        if !is_live(now) {
+            self.back_out(own);
+            return Err(BeginRefused::State(state_of(now)));
+        }
+        Ok(ON_OWNER | (((own >> DONE_SHIFT) + (now >> DONE_SHIFT)) & DONE_MASK))
+    }
+
+    /// A mark came between the owner's store and its look: the count goes
+    /// back, and the core hears of it (the mark may have seen the count
+    /// and be waiting for it to fall).
+    #[cold]
+    fn back_out(&self, own: u64) {
+        self.own.store(own, Ordering::Release);
+        compiler_fence(Ordering::SeqCst);
+        self.sink.wake(Wake::Drained(self.serial));
+    }
+
+    /// A begin on any other thread: one compare-and-swap.
+    #[inline]
+    fn begin_shared(&self) -> Result<u64, BeginRefused> {
         let mut word = self.word.load(Ordering::Relaxed);
         loop {
             // Live is state 0: one comparison finds both a marked engine
@@ -244,43 +429,78 @@ impl EngineCell {
             match self.word.compare_exchange_weak(
                 word,
                 word + 1,
-                Ordering::AcqRel,
+                Ordering::SeqCst,
                 Ordering::Relaxed,
             ) {
-                Ok(_) => return Ok(word >> DONE_SHIFT),
+                Ok(_) => return Ok((word >> DONE_SHIFT) & DONE_MASK),
                 Err(now) => word = now,
             }
         }
     }
 
-    /// Ends one read. Wakes the core when it was the last read of a marked
-    /// registration: the core may be waiting for exactly this.
+    /// Ends one read (`begun`: what [`EngineCell::begin_read`] returned).
+    /// Wakes the core when the registration is marked and this may have
+    /// been its last read: the core may be waiting for exactly this.
     #[inline]
-    pub(crate) fn end_read(&self) {
-        let before = self.word.fetch_add(END_READ, Ordering::AcqRel);
-        debug_assert!(before & COUNT_MASK > 0, "a read ended that never began");
-        if before & COUNT_MASK == 1 && state_of(before) != EngineState::Live {
+    pub(crate) fn end_read(&self, begun: u64) {
+        if self.end(begun, true) {
             self.sink.wake(Wake::Drained(self.serial));
+        }
+    }
+
+    /// Ends one read, `completed` or not. Returns whether the core must
+    /// hear that the registration may be drained: it was marked, and this
+    /// was the shared word's last read or a read of the owner's (whose
+    /// counts no ender can add up alone).
+    #[inline]
+    fn end(&self, begun: u64, completed: bool) -> bool {
+        if begun & ON_OWNER == 0 {
+            let before = if completed {
+                self.word.fetch_add(END_READ, Ordering::SeqCst)
+            } else {
+                self.word.fetch_sub(1, Ordering::SeqCst)
+            };
+            debug_assert!(before & COUNT_MASK > 0, "a read ended that never began");
+            !is_live(before) && before & COUNT_MASK == 1
+        } else if self.owner.load(Ordering::Relaxed) == barrier::this_thread() {
+            // On the owner's thread: a store, then a look at the state.
+            let own = self.own.load(Ordering::Relaxed);
+            let done = if completed { ONE_DONE } else { 0 };
+            race_window();
+            self.own.store(
+                with_count(own.wrapping_add(done), own.wrapping_sub(1)),
+                Ordering::Release,
+            );
+            compiler_fence(Ordering::SeqCst);
+            !is_live(self.word.load(Ordering::Relaxed))
+        } else {
+            // The owner's read, ended elsewhere: its completion in the
+            // shared word (first: never "nothing in flight" before the
+            // completion is counted), its end in `moved`.
+            if completed {
+                self.word.fetch_add(ONE_DONE, Ordering::SeqCst);
+            }
+            self.moved.fetch_add(1, Ordering::SeqCst);
+            !is_live(self.word.load(Ordering::SeqCst))
         }
     }
 
     /// Ends one read that the runtime gave up while its transfer was in
     /// progress: one less in flight, no completion counted. The core hears
     /// of it (with whether the engine completed anything since the read
-    /// began, `done_at_begin` being what [`EngineCell::begin_read`]
-    /// returned), and, as for any read, of the last read of a marked
-    /// registration ending.
-    pub(crate) fn give_up(&self, why: GiveUp, done_at_begin: u64) {
-        let before = self.word.fetch_sub(1, Ordering::AcqRel);
-        debug_assert!(before & COUNT_MASK > 0, "a read ended that never began");
-        let done = before >> DONE_SHIFT;
+    /// began, `begun` being what [`EngineCell::begin_read`] returned), and,
+    /// as for any read, of the last read of a marked registration ending.
+    pub(crate) fn give_up(&self, why: GiveUp, begun: u64) {
+        let drained = self.end(begun, false);
+        let (_, done) = self.progress();
         self.sink.wake(Wake::GivenUp {
             serial: self.serial,
             why,
-            unanswered: done == done_at_begin,
+            unanswered: done == begun & DONE_MASK,
             done,
         });
-        if before & COUNT_MASK == 1 && state_of(before) != EngineState::Live {
+        // After the give-up: the core counts it before it may release.
+        if drained {
             self.sink.wake(Wake::Drained(self.serial));
         }
     }
@@ -306,33 +526,46 @@ impl EngineCell {
             let next = (word & !STATE_MASK) | state_bits(state);
             match self
                 .word
-                .compare_exchange(word, next, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange(word, next, Ordering::SeqCst, Ordering::Acquire)
             {
-                Ok(_) => return Some(word & COUNT_MASK),
+                Ok(_) => break,
                 Err(now) => word = now,
             }
         }
+        race_window();
+        if self.owner.load(Ordering::SeqCst) != NO_OWNER {
+            // The heavy side of the fence: from here on the owner's
+            // begins see the mark, and its stores so far are seen here.
+            barrier::heavy();
+        }
+        Some(self.reads_in_flight())
     }
 
     /// Moves a marked engine with no read in flight to `Released`. Fails
     /// (returning the reads still in flight) when a read is in flight; the
     /// last read to end wakes the core again.
     pub(crate) fn try_release(&self) -> Result<(), u64> {
+        // After the mark (and its fence) the owner's count only falls:
+        // zero once is zero for good.
+        let own = self.own.load(Ordering::SeqCst);
+        let moved = self.moved.load(Ordering::SeqCst);
+        let owned = owner_in_flight(own, moved);
+        race_window();
         let mut word = self.word.load(Ordering::Acquire);
         loop {
             debug_assert!(
                 state_of(word) != EngineState::Live,
                 "release of a live engine"
             );
-            if word & COUNT_MASK != 0 {
-                return Err(word & COUNT_MASK);
+            if owned != 0 || word & COUNT_MASK != 0 {
+                return Err(owned + (word & COUNT_MASK));
             }
             let next = (word & !STATE_MASK) | state_bits(EngineState::Released);
             // A read cannot start on a marked engine; only a read ending
             // changes the word, and then the count is already zero.
             match self
                 .word
-                .compare_exchange(word, next, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange(word, next, Ordering::SeqCst, Ordering::Acquire)
             {
                 Ok(_) => return Ok(()),
                 Err(now) => word = now,
@@ -374,6 +607,18 @@ impl EngineCell {
     /// Whether the release (once done) ended the engine's transfers.
     pub(crate) fn transfers_ended(&self) -> bool {
         self.signals.is_set(TRANSFERS_ENDED)
+    }
+
+    /// Test only: the path a read begun on this thread took (its
+    /// [`ON_OWNER`] bit), for tests that do not keep what `begin_read`
+    /// returned.
+    #[cfg(test)]
+    pub(crate) fn begun_here(&self) -> u64 {
+        if self.owner.load(Ordering::Relaxed) == barrier::this_thread() {
+            ON_OWNER
+        } else {
+            0
+        }
     }
 
     /// Test only: `n` reads begun and completed at once.
@@ -451,103 +696,441 @@ pub(crate) mod tests {
         }
     }
 
+    /// Which word a test's reads go to.
+    #[derive(Clone, Copy, Debug)]
+    enum Path {
+        /// This thread owns the registration.
+        Owner,
+        /// Another thread does: this one counts on the shared word.
+        Shared,
+    }
+
+    const PATHS: [Path; 2] = [Path::Owner, Path::Shared];
+
+    fn cell_on(path: Path, sink: Arc<Collect>) -> Arc<EngineCell> {
+        let cell = EngineCell::new(EngineId::from("p"), sink);
+        if let Path::Shared = path {
+            cell.owner.store(barrier::NOT_AN_OWNER, Ordering::Relaxed);
+        }
+        cell
+    }
+
+    /// Checks that a begin went where the test says (the owner path needs
+    /// the barrier: `barrier::tests` says loudly when it is missing).
+    fn begin(cell: &EngineCell, path: Path) -> u64 {
+        let begun = cell.begin_read().expect("live");
+        let on_owner = begun & ON_OWNER != 0;
+        match path {
+            Path::Owner => assert!(on_owner || !barrier::available(), "{path:?}"),
+            Path::Shared => assert!(!on_owner, "{path:?}"),
+        }
+        begun
+    }
+
     #[test]
     fn a_marked_engine_refuses_reads_and_releases_only_when_idle() {
-        let sink = Arc::new(Collect::default());
-        let cell = EngineCell::new(EngineId::from("p"), sink.clone());
-        cell.begin_read().unwrap();
-        assert_eq!(cell.mark(EngineState::Unreachable), Some(1));
-        assert_eq!(cell.mark(EngineState::Retiring), None, "first mark stands");
-        assert_eq!(
-            cell.begin_read(),
-            Err(BeginRefused::State(EngineState::Unreachable))
-        );
-        assert_eq!(cell.try_release(), Err(1));
-        cell.end_read();
-        assert_eq!(sink.take(), vec![Wake::Drained(cell.serial())]);
-        assert_eq!(cell.try_release(), Ok(()));
-        assert_eq!(cell.state(), EngineState::Released);
+        for path in PATHS {
+            let sink = Arc::new(Collect::default());
+            let cell = cell_on(path, sink.clone());
+            let begun = begin(&cell, path);
+            assert_eq!(cell.mark(EngineState::Unreachable), Some(1), "{path:?}");
+            assert_eq!(cell.mark(EngineState::Retiring), None, "first mark stands");
+            assert_eq!(
+                cell.begin_read(),
+                Err(BeginRefused::State(EngineState::Unreachable))
+            );
+            assert_eq!(cell.try_release(), Err(1));
+            cell.end_read(begun);
+            assert_eq!(sink.take(), vec![Wake::Drained(cell.serial())]);
+            assert_eq!(cell.try_release(), Ok(()));
+            assert_eq!(cell.state(), EngineState::Released);
+        }
     }
 
     #[test]
     fn ending_a_read_on_a_live_engine_wakes_nobody_and_counts_a_completion() {
-        let sink = Arc::new(Collect::default());
-        let cell = EngineCell::new(EngineId::from("p"), sink.clone());
-        cell.begin_read().unwrap();
-        cell.begin_read().unwrap();
-        cell.end_read();
-        assert_eq!(cell.progress(), (1, 1));
-        assert!(sink.take().is_empty());
+        for path in PATHS {
+            let sink = Arc::new(Collect::default());
+            let cell = cell_on(path, sink.clone());
+            let first = begin(&cell, path);
+            let _second = begin(&cell, path);
+            cell.end_read(first);
+            assert_eq!(cell.progress(), (1, 1), "{path:?}");
+            assert!(sink.take().is_empty());
+        }
     }
 
     #[test]
     fn a_given_up_read_ends_without_counting_a_completion_and_says_whether_it_was_answered() {
-        let sink = Arc::new(Collect::default());
-        let cell = EngineCell::new(EngineId::from("p"), sink.clone());
-        let first = cell.begin_read().unwrap();
-        let second = cell.begin_read().unwrap();
-        cell.give_up(GiveUp::TimedOut, first);
-        assert_eq!(
-            cell.progress(),
-            (1, 0),
-            "one less in flight, none completed"
-        );
-        let third = cell.begin_read().unwrap();
-        cell.end_read();
-        // `second` began before that completion, `third`'s completion is
-        // the one that ended: `second` was answered meanwhile.
-        cell.give_up(GiveUp::Cancelled, second);
-        assert_eq!(cell.progress(), (0, 1));
-        assert_eq!(
-            sink.take(),
-            vec![
-                Wake::GivenUp {
-                    serial: cell.serial(),
-                    why: GiveUp::TimedOut,
-                    unanswered: true,
-                    done: 0
-                },
-                Wake::GivenUp {
-                    serial: cell.serial(),
-                    why: GiveUp::Cancelled,
-                    unanswered: false,
-                    done: 1
-                },
-            ]
-        );
-        let _ = third;
-        // The last read of a marked registration given up drains it.
-        let last = cell.begin_read().unwrap();
-        cell.mark(EngineState::Stalled).unwrap();
-        cell.give_up(GiveUp::Cancelled, last);
-        assert_eq!(
-            sink.take().last(),
-            Some(&Wake::Drained(cell.serial())),
-            "drained after the give-up is known"
-        );
-        assert_eq!(cell.try_release(), Ok(()));
+        for path in PATHS {
+            let sink = Arc::new(Collect::default());
+            let cell = cell_on(path, sink.clone());
+            let first = begin(&cell, path);
+            let second = begin(&cell, path);
+            cell.give_up(GiveUp::TimedOut, first);
+            assert_eq!(
+                cell.progress(),
+                (1, 0),
+                "one less in flight, none completed ({path:?})"
+            );
+            let third = begin(&cell, path);
+            cell.end_read(third);
+            // `second` began before that completion, `third`'s completion
+            // is the one that ended: `second` was answered meanwhile.
+            cell.give_up(GiveUp::Cancelled, second);
+            assert_eq!(cell.progress(), (0, 1));
+            assert_eq!(
+                sink.take(),
+                vec![
+                    Wake::GivenUp {
+                        serial: cell.serial(),
+                        why: GiveUp::TimedOut,
+                        unanswered: true,
+                        done: 0
+                    },
+                    Wake::GivenUp {
+                        serial: cell.serial(),
+                        why: GiveUp::Cancelled,
+                        unanswered: false,
+                        done: 1
+                    },
+                ]
+            );
+            // The last read of a marked registration given up drains it.
+            let last = begin(&cell, path);
+            cell.mark(EngineState::Stalled).unwrap();
+            cell.give_up(GiveUp::Cancelled, last);
+            assert_eq!(
+                sink.take().last(),
+                Some(&Wake::Drained(cell.serial())),
+                "drained after the give-up is known"
+            );
+            assert_eq!(cell.try_release(), Ok(()));
+        }
     }
 
     #[test]
     fn reads_in_flight_are_refused_at_the_limit_instead_of_carrying_into_the_state() {
+        for path in PATHS {
+            let sink = Arc::new(Collect::default());
+            let cell = cell_on(path, sink);
+            let first = begin(&cell, path);
+            // As if MAX - 1 more had begun on the same path.
+            match path {
+                Path::Owner => cell.own.store(MAX_READS_IN_FLIGHT - 1, Ordering::Relaxed),
+                Path::Shared => cell.word.store(
+                    (MAX_READS_IN_FLIGHT - 1) | state_bits(EngineState::Live),
+                    Ordering::Release,
+                ),
+            }
+            let last = begin(&cell, path);
+            assert_eq!(cell.begin_read(), Err(BeginRefused::Full), "{path:?}");
+            assert_eq!(cell.state(), EngineState::Live);
+            assert_eq!(cell.reads_in_flight(), MAX_READS_IN_FLIGHT);
+            cell.end_read(last);
+            let again = cell.begin_read().expect("room for one");
+            cell.end_read(again);
+            cell.end_read(first);
+        }
+    }
+
+    /// The owner begins, another thread ends (the guard moved): counted
+    /// once, completed once; a give-up moved likewise completes nothing;
+    /// and a release waits for a moved read like any other.
+    #[test]
+    fn an_owners_read_ended_on_another_thread_counts_once() {
+        if !barrier::available() {
+            eprintln!("SKIPPED: no membarrier: no owner path to move reads from");
+            return;
+        }
+        let sink = Arc::new(Collect::default());
+        let cell = cell_on(Path::Owner, sink.clone());
+        let a = begin(&cell, Path::Owner);
+        let b = begin(&cell, Path::Owner);
+        let c = begin(&cell, Path::Owner);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                assert_ne!(cell.owner.load(Ordering::Relaxed), barrier::this_thread());
+                cell.end_read(a);
+            });
+        });
+        assert_eq!(cell.progress(), (2, 1));
+        std::thread::scope(|s| {
+            s.spawn(|| cell.give_up(GiveUp::Cancelled, b));
+        });
+        assert_eq!(cell.progress(), (1, 1), "a give-up completes nothing");
+        assert_eq!(cell.mark(EngineState::Retiring), Some(1));
+        assert_eq!(cell.try_release(), Err(1), "the moved-to thread's read");
+        sink.take();
+        std::thread::scope(|s| {
+            s.spawn(|| cell.end_read(c));
+        });
+        assert_eq!(sink.take(), vec![Wake::Drained(cell.serial())]);
+        assert_eq!(cell.try_release(), Ok(()));
+        assert_eq!(cell.progress(), (0, 2));
+    }
+
+    /// Reads begun on both paths at once (the owner and another thread):
+    /// the release waits for all of them, whichever ends last wakes the
+    /// core.
+    #[test]
+    fn a_release_waits_for_reads_on_both_paths() {
+        if !barrier::available() {
+            eprintln!("SKIPPED: no membarrier: one path only");
+            return;
+        }
+        for owner_ends_last in [true, false] {
+            let sink = Arc::new(Collect::default());
+            let cell = cell_on(Path::Owner, sink.clone());
+            let mine = begin(&cell, Path::Owner);
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::scope(|s| {
+                s.spawn(|| tx.send(cell.begin_read().unwrap()).unwrap());
+            });
+            let theirs = rx.recv().unwrap();
+            assert_eq!(theirs & ON_OWNER, 0, "another thread: the shared word");
+            assert_eq!(cell.mark(EngineState::Replaced), Some(2));
+            let (first, last) = if owner_ends_last {
+                (theirs, mine)
+            } else {
+                (mine, theirs)
+            };
+            let end_elsewhere = |begun| {
+                std::thread::scope(|s| {
+                    s.spawn(|| cell.end_read(begun));
+                })
+            };
+            if owner_ends_last {
+                end_elsewhere(first);
+            } else {
+                cell.end_read(first);
+            }
+            sink.take();
+            assert_eq!(cell.try_release(), Err(1));
+            if owner_ends_last {
+                cell.end_read(last);
+            } else {
+                end_elsewhere(last);
+            }
+            assert_eq!(sink.take(), vec![Wake::Drained(cell.serial())]);
+            assert_eq!(cell.try_release(), Ok(()));
+        }
+    }
+
+    /// Never a release with a read in flight, with the owner, another
+    /// thread and moved reads racing a mark: the owner begins and ends in
+    /// a tight loop (its store-then-look window is most of its time) and
+    /// hands some reads to the other thread to end, the other thread reads
+    /// on the shared word, and the core's thread marks at a random moment
+    /// and releases as soon as `try_release` lets it. Each read is also
+    /// counted in a separate `SeqCst` counter: a release that succeeds
+    /// while it is non-zero, or a reader that sees the release after its
+    /// begin succeeded, is the violation. `CELL_RACE_ROUNDS` sets the
+    /// rounds (a soak: 200,000).
+    #[test]
+    fn no_release_while_a_read_is_in_flight_on_either_path_or_moved() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::{Barrier, Mutex};
+        let rounds: u64 = std::env::var("CELL_RACE_ROUNDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(300);
+        WIDEN_RACES.store(true, Ordering::Relaxed);
+        let start = Barrier::new(3);
+        let go = Barrier::new(3);
+        let done = Barrier::new(3);
+        let current: Mutex<Option<Arc<EngineCell>>> = Mutex::new(None);
+        let in_flight = AtomicU64::new(0);
+        let released = AtomicBool::new(false);
+        let violations = AtomicU64::new(0);
+        let handed: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+        let owner_done = AtomicBool::new(false);
+        let owner_reads = AtomicU64::new(0);
+        let marked_busy = AtomicU64::new(0);
+        // Checks and ends one read (on this thread).
+        let finish = |cell: &EngineCell, begun: u64| {
+            if released.load(Ordering::SeqCst) {
+                violations.fetch_add(1, Ordering::SeqCst);
+            }
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+            cell.end_read(begun);
+        };
+        let began = || {
+            in_flight.fetch_add(1, Ordering::SeqCst);
+            if released.load(Ordering::SeqCst) {
+                violations.fetch_add(1, Ordering::SeqCst);
+            }
+        };
+        std::thread::scope(|s| {
+            // The owner.
+            s.spawn(|| {
+                for round in 0..rounds {
+                    start.wait();
+                    let cell = current.lock().unwrap().clone().unwrap();
+                    let mut held = Vec::new();
+                    let mut n = 0u64;
+                    // The first read claims the registration.
+                    if let Ok(begun) = cell.begin_read() {
+                        began();
+                        finish(&cell, begun);
+                    }
+                    go.wait();
+                    while let Ok(begun) = cell.begin_read() {
+                        began();
+                        n += 1;
+                        if begun & ON_OWNER != 0 {
+                            owner_reads.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // A third of the rounds end every read at once (a
+                        // begin then races a release with nothing else in
+                        // flight), the others also hold reads and hand
+                        // some to the other thread.
+                        match (round % 3, (n + round) % 7) {
+                            (0, _) => finish(&cell, begun),
+                            (_, 0) => handed.lock().unwrap().push(begun),
+                            (_, 1 | 2) => held.push(begun),
+                            _ => finish(&cell, begun),
+                        }
+                        if held.len() > 3 {
+                            finish(&cell, held.remove(0));
+                        }
+                    }
+                    for begun in held.drain(..) {
+                        finish(&cell, begun);
+                    }
+                    owner_done.store(true, Ordering::SeqCst);
+                    done.wait();
+                }
+            });
+            // Another thread: its own reads on the shared word, and the
+            // owner's handed-over ones.
+            s.spawn(|| {
+                for _ in 0..rounds {
+                    start.wait();
+                    let cell = current.lock().unwrap().clone().unwrap();
+                    go.wait();
+                    let mut refused = false;
+                    loop {
+                        let taken: Vec<u64> = std::mem::take(&mut *handed.lock().unwrap());
+                        for begun in taken {
+                            finish(&cell, begun);
+                        }
+                        if !refused {
+                            match cell.begin_read() {
+                                Ok(begun) => {
+                                    began();
+                                    finish(&cell, begun);
+                                }
+                                Err(_) => refused = true,
+                            }
+                        } else if owner_done.load(Ordering::SeqCst)
+                            && handed.lock().unwrap().is_empty()
+                        {
+                            break;
+                        } else {
+                            std::thread::yield_now();
+                        }
+                    }
+                    done.wait();
+                }
+            });
+            // The core: a fresh registration each round, marked at a
+            // random moment, released once it may be.
+            s.spawn(|| {
+                let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+                for _ in 0..rounds {
+                    released.store(false, Ordering::SeqCst);
+                    owner_done.store(false, Ordering::SeqCst);
+                    let cell = EngineCell::new(EngineId::from("p"), Arc::new(Collect::default()));
+                    *current.lock().unwrap() = Some(cell.clone());
+                    start.wait();
+                    go.wait();
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    for _ in 0..seed % 4_000 {
+                        std::hint::spin_loop();
+                    }
+                    let at_mark = cell.mark(EngineState::Unreachable).unwrap();
+                    if at_mark > 0 {
+                        marked_busy.fetch_add(1, Ordering::Relaxed);
+                    }
+                    while cell.try_release().is_err() {
+                        std::thread::yield_now();
+                    }
+                    released.store(true, Ordering::SeqCst);
+                    if in_flight.load(Ordering::SeqCst) != 0 {
+                        violations.fetch_add(1, Ordering::SeqCst);
+                    }
+                    done.wait();
+                    assert_eq!(in_flight.load(Ordering::SeqCst), 0);
+                    assert_eq!(cell.progress().0, 0);
+                }
+            });
+        });
+        eprintln!(
+            "{rounds} rounds: {} reads on the owner path, {} marks with reads in flight",
+            owner_reads.load(Ordering::Relaxed),
+            marked_busy.load(Ordering::Relaxed)
+        );
+        assert_eq!(violations.load(Ordering::SeqCst), 0);
+        if barrier::available() {
+            assert!(
+                owner_reads.load(Ordering::Relaxed) > 0,
+                "the owner path was exercised"
+            );
+        }
+    }
+
+    /// A thread that claims a registration already marked (the mark saw
+    /// no owner, so it sent no fence) is refused, and stays refused.
+    #[test]
+    fn a_claim_after_the_mark_is_refused() {
         let sink = Arc::new(Collect::default());
         let cell = EngineCell::new(EngineId::from("p"), sink);
-        cell.word.store(
-            (MAX_READS_IN_FLIGHT - 1) | state_bits(EngineState::Live),
-            Ordering::Release,
+        assert_eq!(cell.mark(EngineState::Retiring), Some(0));
+        for _ in 0..2 {
+            assert_eq!(
+                cell.begin_read(),
+                Err(BeginRefused::State(EngineState::Retiring))
+            );
+        }
+        assert_eq!(cell.try_release(), Ok(()));
+    }
+
+    /// The owner's count wraps within its 24 bits (reads that moved away
+    /// keep raising it): it never carries into the completed count.
+    #[test]
+    fn the_owners_count_wraps_within_its_field() {
+        if !barrier::available() {
+            eprintln!("SKIPPED: no membarrier: no owner path");
+            return;
+        }
+        let sink = Arc::new(Collect::default());
+        let cell = cell_on(Path::Owner, sink);
+        let first = begin(&cell, Path::Owner);
+        cell.end_read(first);
+        // As if 2^24 - 1 reads had begun here and ended elsewhere.
+        let own = cell.own.load(Ordering::Relaxed);
+        cell.own
+            .store(with_count(own, COUNT_MASK), Ordering::Relaxed);
+        cell.moved.store(COUNT_MASK as u32, Ordering::Relaxed);
+        assert_eq!(cell.progress(), (0, 1));
+        let a = begin(&cell, Path::Owner);
+        assert_eq!(cell.own.load(Ordering::Relaxed) & COUNT_MASK, 0, "wrapped");
+        assert_eq!(cell.progress(), (1, 1));
+        cell.end_read(a);
+        assert_eq!(
+            cell.progress(),
+            (0, 2),
+            "completed count untouched by the wrap"
         );
-        cell.begin_read().unwrap();
-        assert_eq!(cell.begin_read(), Err(BeginRefused::Full));
-        assert_eq!(cell.state(), EngineState::Live);
-        assert_eq!(cell.reads_in_flight(), MAX_READS_IN_FLIGHT);
-        cell.end_read();
-        assert!(cell.begin_read().is_ok());
     }
 
     #[test]
     fn the_completed_count_does_not_wrap_at_2_pow_24_or_anywhere_a_check_period_could_reach() {
         let sink = Arc::new(Collect::default());
-        let cell = EngineCell::new(EngineId::from("p"), sink);
+        let cell = cell_on(Path::Shared, sink);
         cell.begin_read().unwrap();
         cell.add_completions(1 << 24);
         assert_eq!(cell.progress(), (1, 1 << 24));
@@ -562,21 +1145,26 @@ pub(crate) mod tests {
 
     #[test]
     fn the_completed_count_wraps_without_touching_the_state_or_the_count() {
-        let sink = Arc::new(Collect::default());
-        let cell = EngineCell::new(EngineId::from("p"), sink);
-        // Start just below the wrap, with one read in flight.
-        cell.word.store(
-            (((1u64 << (64 - DONE_SHIFT)) - 1) << DONE_SHIFT) | state_bits(EngineState::Live),
-            Ordering::Release,
-        );
-        cell.begin_read().unwrap();
-        cell.begin_read().unwrap();
-        cell.end_read();
-        assert_eq!(cell.progress(), (1, 0), "wrapped to zero");
-        assert_eq!(cell.state(), EngineState::Live);
-        cell.mark(EngineState::Retiring).unwrap();
-        cell.end_read();
-        assert_eq!(cell.try_release(), Ok(()));
-        assert_eq!(cell.progress(), (0, 1));
+        for path in PATHS {
+            let sink = Arc::new(Collect::default());
+            let cell = cell_on(path, sink);
+            // Start just below the wrap.
+            let top = ((1u64 << (64 - DONE_SHIFT)) - 1) << DONE_SHIFT;
+            match path {
+                Path::Owner => cell.own.store(top, Ordering::Relaxed),
+                Path::Shared => cell
+                    .word
+                    .store(top | state_bits(EngineState::Live), Ordering::Release),
+            }
+            let first = begin(&cell, path);
+            let second = begin(&cell, path);
+            cell.end_read(first);
+            assert_eq!(cell.progress(), (1, 0), "wrapped to zero ({path:?})");
+            assert_eq!(cell.state(), EngineState::Live);
+            cell.mark(EngineState::Retiring).unwrap();
+            cell.end_read(second);
+            assert_eq!(cell.try_release(), Ok(()));
+            assert_eq!(cell.progress(), (0, 1));
+        }
     }
 }

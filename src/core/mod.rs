@@ -36,6 +36,7 @@
 //!   releases each engine as its reads end, and stops waiting at the drain
 //!   deadline.
 
+mod barrier;
 mod calls;
 pub(crate) mod cell;
 mod classify;

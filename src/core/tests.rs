@@ -345,8 +345,10 @@ impl Harness {
     }
 
     /// Ends a read the way the guard does: the cell, then its wake-up.
+    /// (Every read of these tests begins on the test's thread: its path
+    /// is this thread's.)
     fn end_read(&mut self, cell: &EngineCell) {
-        cell.end_read();
+        cell.end_read(cell.begun_here());
         self.deliver();
     }
 
@@ -1260,12 +1262,12 @@ fn reads_that_stop_completing_while_others_complete_mark_the_engine_stalled() {
     hung.begin_read().unwrap();
     run(&mut h, 9, |_, _| {
         fine.begin_read().unwrap();
-        fine.end_read();
+        fine.end_read(fine.begun_here());
     });
     assert_eq!(hung.state(), EngineState::Live, "not before the bound");
     run(&mut h, 4, |_, _| {
         fine.begin_read().unwrap();
-        fine.end_read();
+        fine.end_read(fine.begun_here());
     });
     assert_eq!(hung.state(), EngineState::Stalled);
     assert!(hung.reads_failed().is_set(), "its reads are failed");
@@ -1294,9 +1296,9 @@ fn a_slow_peer_whose_reads_complete_however_slowly_is_never_marked() {
     // replaced by a new one: always reads in flight, always progressing.
     run(&mut h, 120, |_, t| {
         fine.begin_read().unwrap();
-        fine.end_read();
+        fine.end_read(fine.begun_here());
         if t % 9 == 8 {
-            slow.end_read();
+            slow.end_read(slow.begun_here());
             slow.begin_read().unwrap();
         }
     });
@@ -1338,7 +1340,7 @@ fn with_the_report_action_a_stall_is_reported_once_and_the_engine_kept() {
     assert_eq!(hung.state(), EngineState::Live);
     assert_eq!(stalls(&mut h), vec![(id("hung"), false)], "once per stall");
     // It completes, then stalls again: reported again.
-    hung.end_read();
+    hung.end_read(hung.begun_here());
     hung.begin_read().unwrap();
     run(&mut h, 30, |_, _| {});
     assert_eq!(stalls(&mut h), vec![(id("hung"), false)]);
@@ -1360,8 +1362,8 @@ fn an_idle_live_engine_says_only_membership_or_the_router_can_retire_it() {
 
 /// One completed read (begun and ended at once).
 fn complete_one(cell: &EngineCell) {
-    cell.begin_read().unwrap();
-    cell.end_read();
+    let begun = cell.begin_read().unwrap();
+    cell.end_read(begun);
 }
 
 /// The `Stalled` events decided since the last take, with their fields.
