@@ -152,6 +152,14 @@ fn owner_in_flight(own: u64, moved: u32) -> u64 {
     own.wrapping_sub(u64::from(moved)) & COUNT_MASK
 }
 
+/// Reads completed on both paths (the owner's word and the shared word,
+/// which also counts the owner's reads that ended elsewhere), modulo
+/// 2^36.
+#[inline(always)]
+fn total_done(own: u64, word: u64) -> u64 {
+    ((own >> DONE_SHIFT) + (word >> DONE_SHIFT)) & DONE_MASK
+}
+
 /// The owner's word with its count field set to `count`'s (modulo 2^24):
 /// the count wraps within its field, never into the completed count.
 fn with_count(own: u64, count: u64) -> u64 {
@@ -331,7 +339,7 @@ impl EngineCell {
         let word = self.word.load(Ordering::SeqCst);
         (
             (word & COUNT_MASK) + owner_in_flight(own, moved),
-            ((own >> DONE_SHIFT) + (word >> DONE_SHIFT)) & DONE_MASK,
+            total_done(own, word),
         )
     }
 
@@ -400,7 +408,10 @@ impl EngineCell {
             self.back_out(own);
             return Err(BeginRefused::State(state_of(now)));
         }
-        Ok(ON_OWNER | (((own >> DONE_SHIFT) + (now >> DONE_SHIFT)) & DONE_MASK))
+        // The completed count as it was before the read counted (`word`,
+        // not `now`): a completion in between counts as one during the
+        // read, never the other way round.
+        Ok(ON_OWNER | total_done(own, word))
     }
 
     /// A mark came between the owner's store and its look: the count goes
@@ -416,6 +427,10 @@ impl EngineCell {
     /// A begin on any other thread: one compare-and-swap.
     #[inline]
     fn begin_shared(&self) -> Result<u64, BeginRefused> {
+        // The owner's completions, read before this read counts: one that
+        // lands in between is seen as a completion during the read (the
+        // safe side: a give-up then does not count against the engine).
+        let own = self.own.load(Ordering::Acquire);
         let mut word = self.word.load(Ordering::Relaxed);
         loop {
             // Live is state 0: one comparison finds both a marked engine
@@ -432,7 +447,7 @@ impl EngineCell {
                 Ordering::SeqCst,
                 Ordering::Relaxed,
             ) {
-                Ok(_) => return Ok((word >> DONE_SHIFT) & DONE_MASK),
+                Ok(_) => return Ok(total_done(own, word)),
                 Err(now) => word = now,
             }
         }
@@ -1080,6 +1095,65 @@ pub(crate) mod tests {
                 "the owner path was exercised"
             );
         }
+    }
+
+    /// A give-up is judged against completions on both paths: the owner's
+    /// completions before another thread's read began are not "during" it,
+    /// one after it began is.
+    #[test]
+    fn a_give_up_is_judged_against_completions_on_both_paths() {
+        if !barrier::available() {
+            eprintln!("SKIPPED: no membarrier: one path only");
+            return;
+        }
+        let sink = Arc::new(Collect::default());
+        let cell = cell_on(Path::Owner, sink.clone());
+        for _ in 0..3 {
+            let mine = begin(&cell, Path::Owner);
+            cell.end_read(mine);
+        }
+        let unanswered = |expected_done: u64| Wake::GivenUp {
+            serial: cell.serial(),
+            why: GiveUp::TimedOut,
+            unanswered: true,
+            done: expected_done,
+        };
+        // Another thread begins after the owner's three completions and
+        // gives up with none since: unanswered.
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let theirs = cell.begin_read().unwrap();
+                assert_eq!(theirs & ON_OWNER, 0);
+                cell.give_up(GiveUp::TimedOut, theirs);
+            });
+        });
+        assert_eq!(sink.take(), vec![unanswered(3)]);
+        // The owner gives up with none since its begin either, after the
+        // other thread completed one: unanswered; and one begun before
+        // the other thread's completion is answered.
+        let before = begin(&cell, Path::Owner);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let theirs = cell.begin_read().unwrap();
+                cell.end_read(theirs);
+            });
+        });
+        let after = begin(&cell, Path::Owner);
+        cell.give_up(GiveUp::TimedOut, after);
+        cell.give_up(GiveUp::TimedOut, before);
+        let wakes = sink.take();
+        assert_eq!(wakes[0], unanswered(4));
+        assert!(
+            matches!(
+                wakes[1],
+                Wake::GivenUp {
+                    unanswered: false,
+                    done: 4,
+                    ..
+                }
+            ),
+            "{wakes:?}"
+        );
     }
 
     /// A thread that claims a registration already marked (the mark saw
