@@ -229,10 +229,7 @@ impl<T: Transport> Keepalive<T> {
                     }
                 }
                 _ = self.offload.recv(&mut results) => {
-                    let now = Instant::now();
-                    for result in results.drain(..) {
-                        self.core.handle(now, Input::CallDone(result));
-                    }
+                    self.core.handle_results(Instant::now(), &mut results);
                 }
                 _ = &mut sleep, if deadline.is_some() => {}
             }
@@ -264,10 +261,7 @@ impl<T: Transport> Keepalive<T> {
     /// results that carry only successes wake nobody (`offload`).
     fn take_results(&mut self, results: &mut Vec<crate::core::CallOutcome>) {
         if self.offload.try_recv(results) {
-            let now = Instant::now();
-            for result in results.drain(..) {
-                self.core.handle(now, Input::CallDone(result));
-            }
+            self.core.handle_results(Instant::now(), results);
         }
     }
 

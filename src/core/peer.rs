@@ -288,6 +288,27 @@ impl<R> PeerTable<R> {
         Some(PeerKey { serial, slot })
     }
 
+    /// Loads the first line of `key`'s slot and nothing more: a pass of
+    /// these over a batch lets the batch's cache misses overlap (the
+    /// processor keeps several loads in flight when none depends on
+    /// another) instead of each record's coming when its turn does.
+    #[inline]
+    pub(super) fn warm(&self, key: PeerKey) {
+        if let Some((serial, peer)) = self.records.get(key.slot) {
+            // The fields a round reads at its send and at its result, which
+            // the compiler spreads over the record's lines.
+            std::hint::black_box((
+                *serial,
+                peer.next_heartbeat,
+                peer.heartbeat_in_flight,
+                peer.mark.is_some(),
+                peer.round_agents.is_some(),
+                peer.rate.is_some(),
+                peer.last_heartbeat.is_some(),
+            ));
+        }
+    }
+
     /// The record `key` names, if it is still held (not removed, its slot
     /// not reused).
     pub(super) fn at_mut(&mut self, key: PeerKey) -> Option<&mut Peer<R>> {
