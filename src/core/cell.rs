@@ -742,6 +742,19 @@ pub(crate) mod tests {
         begun
     }
 
+    /// A registration this thread will own, and its wake-ups; `None` (said
+    /// loudly) where the kernel has no membarrier and nobody owns anything
+    /// (`barrier::tests` fails CI on such a machine).
+    fn owned_cell(test: &str) -> Option<(Arc<Collect>, Arc<EngineCell>)> {
+        if !barrier::available() {
+            eprintln!("SKIPPED: {test}: no membarrier, so no owner path");
+            return None;
+        }
+        let sink = Arc::new(Collect::default());
+        let cell = cell_on(Path::Owner, sink.clone());
+        Some((sink, cell))
+    }
+
     #[test]
     fn a_marked_engine_refuses_reads_and_releases_only_when_idle() {
         for path in PATHS {
@@ -854,12 +867,10 @@ pub(crate) mod tests {
     /// and a release waits for a moved read like any other.
     #[test]
     fn an_owners_read_ended_on_another_thread_counts_once() {
-        if !barrier::available() {
-            eprintln!("SKIPPED: no membarrier: no owner path to move reads from");
+        let Some((sink, cell)) = owned_cell("an_owners_read_ended_on_another_thread_counts_once")
+        else {
             return;
-        }
-        let sink = Arc::new(Collect::default());
-        let cell = cell_on(Path::Owner, sink.clone());
+        };
         let a = begin(&cell, Path::Owner);
         let b = begin(&cell, Path::Owner);
         let c = begin(&cell, Path::Owner);
@@ -890,13 +901,10 @@ pub(crate) mod tests {
     /// core.
     #[test]
     fn a_release_waits_for_reads_on_both_paths() {
-        if !barrier::available() {
-            eprintln!("SKIPPED: no membarrier: one path only");
-            return;
-        }
         for owner_ends_last in [true, false] {
-            let sink = Arc::new(Collect::default());
-            let cell = cell_on(Path::Owner, sink.clone());
+            let Some((sink, cell)) = owned_cell("a_release_waits_for_reads_on_both_paths") else {
+                return;
+            };
             let mine = begin(&cell, Path::Owner);
             let (tx, rx) = std::sync::mpsc::channel();
             std::thread::scope(|s| {
@@ -1102,12 +1110,11 @@ pub(crate) mod tests {
     /// one after it began is.
     #[test]
     fn a_give_up_is_judged_against_completions_on_both_paths() {
-        if !barrier::available() {
-            eprintln!("SKIPPED: no membarrier: one path only");
+        let Some((sink, cell)) =
+            owned_cell("a_give_up_is_judged_against_completions_on_both_paths")
+        else {
             return;
-        }
-        let sink = Arc::new(Collect::default());
-        let cell = cell_on(Path::Owner, sink.clone());
+        };
         for _ in 0..3 {
             let mine = begin(&cell, Path::Owner);
             cell.end_read(mine);
@@ -1176,12 +1183,9 @@ pub(crate) mod tests {
     /// keep raising it): it never carries into the completed count.
     #[test]
     fn the_owners_count_wraps_within_its_field() {
-        if !barrier::available() {
-            eprintln!("SKIPPED: no membarrier: no owner path");
+        let Some((_sink, cell)) = owned_cell("the_owners_count_wraps_within_its_field") else {
             return;
-        }
-        let sink = Arc::new(Collect::default());
-        let cell = cell_on(Path::Owner, sink);
+        };
         let first = begin(&cell, Path::Owner);
         cell.end_read(first);
         // As if 2^24 - 1 reads had begun here and ended elsewhere.
