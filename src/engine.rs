@@ -113,9 +113,9 @@ impl EngineRef {
     #[inline]
     pub fn begin_read(&self) -> Result<ReadGuard<'_>, ReadRefused> {
         match self.cell.begin_read() {
-            Ok(done_at_begin) => Ok(ReadGuard {
+            Ok(begun) => Ok(ReadGuard {
                 cell: &self.cell,
-                done_at_begin,
+                begun,
             }),
             Err(refused) => Err(self.refused(refused)),
         }
@@ -177,7 +177,7 @@ pub struct ReadGuard<'a> {
     /// when the read began, and which count the read is in), or
     /// [`GIVEN_UP`] once given up or handed to an owned guard (the drop
     /// then has nothing left to do).
-    done_at_begin: u64,
+    begun: u64,
 }
 
 /// One read in flight, like [`ReadGuard`], owning a reference to its
@@ -188,7 +188,7 @@ pub struct ReadGuard<'a> {
 pub struct OwnedReadGuard {
     cell: Arc<EngineCell>,
     /// As in [`ReadGuard`].
-    done_at_begin: u64,
+    begun: u64,
 }
 
 /// Not a begin's value (those are a 36-bit completed count, with at most
@@ -202,7 +202,7 @@ impl ReadGuard<'_> {
     pub fn into_owned(mut self) -> OwnedReadGuard {
         OwnedReadGuard {
             cell: Arc::clone(self.cell),
-            done_at_begin: std::mem::replace(&mut self.done_at_begin, GIVEN_UP),
+            begun: std::mem::replace(&mut self.begun, GIVEN_UP),
         }
     }
 }
@@ -258,8 +258,8 @@ macro_rules! read_guard {
             /// keep the returned [`GivenUpRead`] with the buffer, and reuse
             /// the buffer only once it says [`Destination::Reusable`].
             pub fn give_up(mut self, why: GiveUp) -> GivenUpRead {
-                let done_at_begin = std::mem::replace(&mut self.done_at_begin, GIVEN_UP);
-                self.cell().give_up(why, done_at_begin);
+                let begun = std::mem::replace(&mut self.begun, GIVEN_UP);
+                self.cell().give_up(why, begun);
                 GivenUpRead {
                     cell: Arc::clone(self.cell()),
                     why,
@@ -270,8 +270,8 @@ macro_rules! read_guard {
         impl Drop for $guard {
             #[inline]
             fn drop(&mut self) {
-                if self.done_at_begin != GIVEN_UP {
-                    self.cell().end_read(self.done_at_begin);
+                if self.begun != GIVEN_UP {
+                    self.cell().end_read(self.begun);
                 }
             }
         }

@@ -76,12 +76,12 @@ const STATE_MASK: u64 = 0xf << STATE_SHIFT;
 const DONE_SHIFT: u32 = 28;
 /// How many bits the completed count has: it wraps at `2^DONE_BITS`.
 pub(crate) const DONE_BITS: u32 = 64 - DONE_SHIFT;
-/// Added when a read ends: one less in flight, one more completed.
-const END_READ: u64 = (1 << DONE_SHIFT) - 1;
-/// The completed count's bits, once shifted down.
-const DONE_MASK: u64 = (1 << DONE_BITS) - 1;
 /// One completion, in either word.
 const ONE_DONE: u64 = 1 << DONE_SHIFT;
+/// Added when a read ends: one less in flight, one more completed.
+const END_READ: u64 = ONE_DONE - 1;
+/// The completed count's bits, once shifted down.
+const DONE_MASK: u64 = (1 << DONE_BITS) - 1;
 
 /// Set in what [`EngineCell::begin_read`] returns when the read was
 /// counted in the owner's word (completed counts have 36 bits, so the top
@@ -121,17 +121,7 @@ pub(crate) static WIDEN_RACES: std::sync::atomic::AtomicBool =
 fn race_window() {
     #[cfg(test)]
     if WIDEN_RACES.load(Ordering::Relaxed) {
-        thread_local! {
-            static SEED: std::cell::Cell<u64> = const { std::cell::Cell::new(0x2545_f491_4f6c_dd1d) };
-        }
-        let spins = SEED.with(|seed| {
-            let mut x = seed.get();
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            seed.set(x);
-            x % 512
-        });
+        let spins: u32 = rand::random_range(0..512);
         if spins < 8 {
             // Off the CPU now and then, long enough for the other side to
             // run its whole step (a mark, its fence and a release).
@@ -167,10 +157,13 @@ fn with_count(own: u64, count: u64) -> u64 {
 }
 
 /// What a read handle tells the core. Sent only when it matters: an error
-/// status, or the last read of a marked registration ending.
+/// status, or a read of a marked registration ending (or backing out).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Wake {
-    /// The last read of a marked registration ended: it may be released.
+    /// A read of a marked registration ended or backed out, and it may
+    /// have been the last (the shared word's last one, or any of the
+    /// owner's, whose counts no ender adds up alone): the core tries the
+    /// release, which checks every count.
     Drained(RegistrationId),
     /// A transfer of this registration ended with this raw NIXL status
     /// (only errors are sent).
@@ -378,7 +371,7 @@ impl EngineCell {
         // claim in one total order with the mark's compare-and-swap and
         // its look at the owner, sees that mark; every later begin on
         // this thread then sees it too (its loads are not older).
-        state_of(self.word.load(Ordering::SeqCst)) == EngineState::Live
+        is_live(self.word.load(Ordering::SeqCst))
     }
 
     /// A begin on the owner's thread: a store, then a look at the state.
@@ -1060,7 +1053,6 @@ pub(crate) mod tests {
             // The core: a fresh registration each round, marked at a
             // random moment, released once it may be.
             s.spawn(|| {
-                let mut seed = 0x9e37_79b9_7f4a_7c15u64;
                 for _ in 0..rounds {
                     released.store(false, Ordering::SeqCst);
                     owner_done.store(false, Ordering::SeqCst);
@@ -1068,10 +1060,7 @@ pub(crate) mod tests {
                     *current.lock().unwrap() = Some(cell.clone());
                     start.wait();
                     go.wait();
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    for _ in 0..seed % 4_000 {
+                    for _ in 0..rand::random_range(0..4_000u32) {
                         std::hint::spin_loop();
                     }
                     let at_mark = cell.mark(EngineState::Unreachable).unwrap();
