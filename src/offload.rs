@@ -283,15 +283,14 @@ impl<T: Transport> Offload<T> {
     pub(crate) fn submit(&self, calls: impl IntoIterator<Item = Call<T::Resources>>) {
         let shared = &self.shared;
         let runtime = shared.runtime.get_or_init(Handle::current);
-        // Releases first: a release must not wait behind heartbeats that
-        // may hang.
-        let mut batch: VecDeque<Call<T::Resources>> = VecDeque::new();
-        for call in calls {
-            match call {
-                Call::Release { .. } => batch.push_front(call),
-                Call::Heartbeat { .. } => batch.push_back(call),
-            }
+        // Releases first (in order): a release must not wait behind
+        // heartbeats that may hang. A batch of heartbeats alone (a slot's)
+        // becomes the queue without a copy.
+        let mut calls: Vec<Call<T::Resources>> = calls.into_iter().collect();
+        if calls.iter().any(|c| matches!(c, Call::Release { .. })) {
+            calls.sort_by_key(|c| matches!(c, Call::Heartbeat { .. }));
         }
+        let batch = VecDeque::from(calls);
         if batch.is_empty() {
             return;
         }
@@ -372,7 +371,7 @@ impl<T: Transport> Offload<T> {
         if state.results.is_empty() {
             return false;
         }
-        out.append(&mut state.results);
+        Self::move_results(&mut state.results, out);
         true
     }
 
@@ -387,12 +386,24 @@ impl<T: Transport> Offload<T> {
                 let mut state = self.shared.lock();
                 if state.urgent {
                     state.urgent = false;
-                    out.append(&mut state.results);
+                    Self::move_results(&mut state.results, out);
                     return;
                 }
             }
             // A notification sent since the check above is kept as a permit.
             self.shared.results.notified().await;
+        }
+    }
+
+    /// Moves `results` to the end of `out`: by swapping the two vectors
+    /// when `out` is empty (the usual case: the driver hands every batch
+    /// to the core before the next), so a slot's results are not copied
+    /// one by one under the pool's lock.
+    fn move_results(results: &mut Vec<CallOutcome>, out: &mut Vec<CallOutcome>) {
+        if out.is_empty() {
+            std::mem::swap(results, out);
+        } else {
+            out.append(results);
         }
     }
 

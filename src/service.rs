@@ -307,12 +307,10 @@ impl<T: Transport> Keepalive<T> {
     }
 
     /// Carries out every decision the core has queued; transport calls go
-    /// to the offload queue as one batch.
+    /// to the offload queue as one batch, after the rest.
     fn carry_out(&mut self) {
-        let mut calls = Vec::new();
         while let Some(action) = self.core.poll_action() {
             match action {
-                Action::Call(call) => calls.push(call),
                 Action::Activated { cell } => {
                     let engine = EngineRef { cell };
                     self.directory
@@ -354,6 +352,7 @@ impl<T: Transport> Keepalive<T> {
                 }
             }
         }
+        let calls = self.core.take_calls();
         if !calls.is_empty() {
             self.offload.submit(calls);
         }

@@ -78,6 +78,17 @@ pub(super) fn heartbeat_round(requests: &BTreeSet<String>) -> HeartbeatMessages 
     )
 }
 
+/// How a round's deadline may be served (see [`super::HEARTBEAT_SLOT`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Deadline {
+    /// Within half a slot either side: a jittered round, whose exact time
+    /// nothing depends on.
+    Near,
+    /// Not before it: a round the rate cap deferred (it would only be
+    /// deferred again), or one put off because the last is still out.
+    NotBefore,
+}
+
 impl<R> Core<R> {
     pub(super) fn live_serial(&self, id: &EngineId) -> Option<RegistrationId> {
         let serial = *self.by_id.get(id)?;
@@ -125,7 +136,7 @@ impl<R> Core<R> {
             // The previous round has not come back (a slow or hung call):
             // never stack rounds on one engine. Try again next period.
             if let Some(interval) = self.config.heartbeat_interval {
-                self.schedule_at(key, now + interval);
+                self.schedule_at(key, now + interval, Deadline::NotBefore);
             }
             return;
         }
@@ -133,7 +144,7 @@ impl<R> Core<R> {
             Ok(()) => self.send_at(due, key),
             Err(wait) => {
                 self.summed.heartbeats_deferred += 1;
-                self.schedule_at(key, now + wait);
+                self.schedule_at(key, now + wait, Deadline::NotBefore);
             }
         }
     }
@@ -155,7 +166,7 @@ impl<R> Core<R> {
                 peer.renewal_wanted = true;
                 let at = now + wait;
                 if peer.next_heartbeat.is_none_or(|next| at < next) {
-                    self.schedule_heartbeat(serial, at);
+                    self.schedule_heartbeat(serial, at, Deadline::NotBefore);
                 }
             }
         }
@@ -178,21 +189,24 @@ impl<R> Core<R> {
             .round_agents
             .take()
             .unwrap_or_else(|| peer.agents.clone());
-        self.actions.push_back(Action::Call(Call::Heartbeat {
+        self.calls.push(Call::Heartbeat {
             key,
             agents,
             messages,
-        }));
+        });
         match self.config.heartbeat_interval {
             Some(interval) => {
-                let jitter = self.config.jitter.as_secs_f64();
-                let delta = if jitter > 0.0 {
-                    self.rng.random_range(-jitter..=jitter)
+                // Uniform over interval +/- jitter, in whole nanoseconds
+                // (floating point here was a measurable share of a round).
+                let jitter = self.config.jitter;
+                let next = if jitter.is_zero() {
+                    interval
                 } else {
-                    0.0
+                    let span = u64::try_from(jitter.as_nanos() * 2).unwrap_or(u64::MAX);
+                    (interval + Duration::from_nanos(self.rng.random_range(0..=span)))
+                        .saturating_sub(jitter)
                 };
-                let next = Duration::from_secs_f64((interval.as_secs_f64() + delta).max(0.0));
-                self.schedule_at(key, base + next);
+                self.schedule_at(key, base + next, Deadline::Near);
             }
             None => self.unschedule_at(key),
         }
@@ -247,22 +261,31 @@ impl<R> Core<R> {
         }
     }
 
-    pub(super) fn schedule_heartbeat(&mut self, serial: RegistrationId, at: Instant) {
+    pub(super) fn schedule_heartbeat(
+        &mut self,
+        serial: RegistrationId,
+        at: Instant,
+        deadline: Deadline,
+    ) {
         if let Some(key) = self.peers.key(serial) {
-            self.schedule_at(key, at);
+            self.schedule_at(key, at, deadline);
         }
     }
 
-    /// Puts the record at `key` in the schedule's slot of `at` (out of
+    /// Puts the record at `key` in the schedule's slot for `at` (out of
     /// the one it was in).
-    fn schedule_at(&mut self, key: PeerKey, at: Instant) {
+    fn schedule_at(&mut self, key: PeerKey, at: Instant, deadline: Deadline) {
         let Some(peer) = self.peers.at_mut(key) else {
             return;
         };
         if let Some(slot) = peer.next_heartbeat.take() {
             self.schedule.remove(key, slot);
         }
-        peer.next_heartbeat = Some(self.schedule.insert(key, at));
+        let slot = match deadline {
+            Deadline::Near => self.schedule.insert_near(key, at),
+            Deadline::NotBefore => self.schedule.insert(key, at),
+        };
+        peer.next_heartbeat = Some(slot);
     }
 
     pub(super) fn unschedule_heartbeat(&mut self, serial: RegistrationId) {

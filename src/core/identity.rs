@@ -616,7 +616,7 @@ impl<R> Core<R> {
             // Spread first heartbeats over one interval: engines registered
             // together must not all beat together.
             let offset = interval.mul_f64(rand::Rng::random::<f64>(&mut self.rng));
-            self.schedule_heartbeat(serial, now + offset);
+            self.schedule_heartbeat(serial, now + offset, super::heartbeat::Deadline::Near);
         }
         // In the directory first, then the event, then the caller's answer:
         // whoever sees the event finds the engine by id, and whoever holds

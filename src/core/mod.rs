@@ -175,10 +175,9 @@ pub(crate) enum Answer<R> {
     Withdrawn,
 }
 
-/// A decision of the core, for the driver to carry out.
+/// A decision of the core, for the driver to carry out. Transport calls
+/// are not among them: they come out as one batch ([`Core::take_calls`]).
 pub(crate) enum Action<R> {
-    /// Make these transport calls off the async threads.
-    Call(Call<R>),
     /// A registration is active: list it where it is looked up by id
     /// (before its event goes out).
     Activated { cell: Arc<EngineCell> },
@@ -252,6 +251,10 @@ pub(crate) struct Core<R> {
     rate: RateCap,
     rng: StdRng,
     actions: VecDeque<Action<R>>,
+    /// Transport calls decided and not yet taken, in order: kept apart from
+    /// the other actions so that a slot's rounds go to the offload queue as
+    /// one vector, moved rather than copied call by call.
+    calls: Vec<Call<R>>,
     /// Appended to a live engine's "why not released".
     silent_peer_note: String,
     /// Every timer but the heartbeat schedule.
@@ -277,7 +280,7 @@ impl<R> Core<R> {
     pub(crate) fn new(config: Config, now: Instant, rng: StdRng) -> Self {
         Core {
             rate: RateCap::new(&config, now),
-            schedule: Schedule::new(now),
+            schedule: Schedule::new(now, schedule::slot_for(config.heartbeat_interval)),
             timers: {
                 let mut timers = TimerTable::default();
                 timers.set_or_stop(Timer::Census, config.metrics_period.map(|p| now + p));
@@ -304,6 +307,7 @@ impl<R> Core<R> {
             newest_ticket: TicketId(0),
             rng,
             actions: VecDeque::new(),
+            calls: Vec::new(),
             silent_peer_note: "UCX settings not given to the service".to_string(),
             releases_in_flight: 0,
             stopping: None,
@@ -328,6 +332,13 @@ impl<R> Core<R> {
         self.actions
             .pop_front()
             .or_else(|| self.summed.take().map(Action::Count))
+    }
+
+    /// The transport calls decided since the last take, in order, to be
+    /// made off the async threads; carried out after the other actions.
+    pub(crate) fn take_calls(&mut self) -> Vec<Call<R>> {
+        let capacity = self.calls.len();
+        std::mem::replace(&mut self.calls, Vec::with_capacity(capacity))
     }
 
     /// When the core next needs [`Core::handle_timeout`].

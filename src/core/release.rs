@@ -120,12 +120,12 @@ impl<R> Core<R> {
         let agents = peer.agents.clone();
         peer.rate.forget(); // its limiter key forgotten
         self.releases_in_flight += 1;
-        self.actions.push_back(Action::Call(Call::Release {
+        self.calls.push(Call::Release {
             serial,
             engine,
             agents,
             resources,
-        }));
+        });
     }
 
     pub(super) fn release_done(

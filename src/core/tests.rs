@@ -29,6 +29,8 @@ struct Harness {
     now: Instant,
     sink: Arc<Collect>,
     actions: Vec<Action<Res>>,
+    /// Transport calls decided, in order, not yet looked at.
+    calls: Vec<Call<Res>>,
     /// What the core counted, in order (the driver records these).
     counts: Vec<Count>,
     next: u64,
@@ -52,6 +54,7 @@ fn harness_with(config: Config) -> Harness {
         now,
         sink: Arc::new(Collect::default()),
         actions: Vec::new(),
+        calls: Vec::new(),
         counts: Vec::new(),
         next: 0,
     }
@@ -118,6 +121,7 @@ impl Harness {
     /// runtime's handles is carried out at once, counts are kept apart,
     /// the rest is kept for the test to look at.
     fn collect(&mut self) {
+        self.calls.extend(self.core.take_calls());
         while let Some(a) = self.core.poll_action() {
             match a {
                 Action::FailReads { cell } => cell.fail_reads(),
@@ -258,18 +262,7 @@ impl Harness {
 
     /// The transport calls decided since the last take, and the rest kept.
     fn calls(&mut self) -> Vec<Call<Res>> {
-        let (calls, rest): (Vec<_>, Vec<_>) = self
-            .take()
-            .into_iter()
-            .partition(|a| matches!(a, Action::Call(_)));
-        self.actions = rest;
-        calls
-            .into_iter()
-            .map(|a| match a {
-                Action::Call(c) => c,
-                _ => unreachable!(),
-            })
-            .collect()
+        std::mem::take(&mut self.calls)
     }
 
     /// Completes every heartbeat call decided so far with `status` per
@@ -540,6 +533,80 @@ fn errors_that_are_not_disconnects_are_counted_and_never_release() {
         .filter(|e| matches!(e, Event::TransientError { .. }))
         .count();
     assert!(transient >= 6, "{transient}");
+}
+
+/// Rounds go to the slot nearest their deadline: consecutive rounds of an
+/// engine are an interval apart give or take the jitter and half a slot,
+/// and on average exactly an interval (rounding up added half a slot to
+/// every round).
+#[test]
+fn each_round_is_served_within_half_a_slot_of_its_deadline_and_the_schedule_does_not_drift() {
+    // Off the slot grid, so that rounding up would show.
+    let interval = Duration::from_millis(1003);
+    let jitter = Duration::from_millis(105);
+    let mut h = harness_with(
+        Config::builder()
+            .heartbeat_interval(Some(interval))
+            .jitter(jitter)
+            .rate_limit(Duration::from_millis(100), 2)
+            .metrics_period(None)
+            .build()
+            .unwrap(),
+    );
+    h.live("p", at(1), 1);
+    let mut sent = Vec::new();
+    while sent.len() < 3001 {
+        let due = h.core.poll_timeout().expect("a round is scheduled");
+        h.advance(due - h.now);
+        if h.complete(NixlStatus::SUCCESS).1 > 0 {
+            sent.push(h.now);
+        }
+    }
+    let half = HEARTBEAT_SLOT / 2;
+    let gaps: Vec<Duration> = sent.windows(2).map(|w| w[1] - w[0]).collect();
+    for gap in &gaps {
+        assert!(
+            *gap + jitter + half >= interval && *gap <= interval + jitter + half,
+            "a gap of {gap:?}"
+        );
+    }
+    // Rounding up would add 10 ms to the mean; the jitter's own spread
+    // over 3,000 rounds is about 1 ms.
+    let mean = gaps.iter().sum::<Duration>() / gaps.len() as u32;
+    assert!(
+        mean.abs_diff(interval) <= Duration::from_millis(4),
+        "mean gap {mean:?}"
+    );
+}
+
+/// At the shortest interval the slot is half of it: rounds keep their
+/// interval, and a round that does not come back is not retried in a loop
+/// (a round put off goes to the next boundary, never one already due).
+#[test]
+fn the_shortest_interval_keeps_its_rounds_and_a_hung_round_does_not_spin() {
+    let config = || {
+        Config::builder()
+            .heartbeat_interval(Some(crate::config::MIN_PERIOD))
+            .jitter(Duration::from_millis(1))
+            .rate_limit(crate::config::MIN_PERIOD, 2)
+            .metrics_period(None)
+            .build()
+            .unwrap()
+    };
+    let mut h = harness_with(config());
+    h.live("p", at(1), 1);
+    let mut rounds = 0;
+    for _ in 0..1000 {
+        h.advance(Duration::from_millis(1));
+        rounds += h.complete(NixlStatus::SUCCESS).1;
+    }
+    // 1 s at one round per 10 ms (+/- 1 ms), each in a 5 ms slot.
+    assert!((95..=105).contains(&rounds), "{rounds} rounds");
+
+    let mut h = harness_with(config());
+    h.live("p", at(1), 1);
+    h.advance(SECOND);
+    assert_eq!(h.calls().len(), 1, "one round, hung");
 }
 
 #[test]
