@@ -294,18 +294,20 @@ impl<T: Transport> Offload<T> {
         if batch.is_empty() {
             return;
         }
-        let (start, start_watchdog, stand_by) = {
+        let (wake, start, start_watchdog, stand_by) = {
             let mut state = shared.lock();
             let was_pending = state.pending();
             state.queued += batch.len();
             state.batches.push_back(batch);
             // The batch needs a taker unless one is on its way (it takes
             // the newest batch first): an idle thread, else a new one.
-            let mut start = false;
+            let (mut wake, mut start) = (false, false);
             if state.coming() == 0 {
                 if state.unclaimed_idle() > 0 {
+                    // Counted now, woken once the lock is let go (woken
+                    // under it, the thread would only wait for the lock).
                     state.permits += 1;
-                    shared.work.notify_one();
+                    wake = true;
                 } else if state.room(shared.limits.cap, Instant::now()) > 0 {
                     state.threads += 1;
                     state.starting += 1;
@@ -322,8 +324,11 @@ impl<T: Transport> Offload<T> {
             if stand_by {
                 state.standing_by = true;
             }
-            (start, start_watchdog, stand_by)
+            (wake, start, start_watchdog, stand_by)
         };
+        if wake {
+            shared.work.notify_one();
+        }
         if stand_by {
             let watched = shared.clone();
             // The task ends on its own once nothing is queued or running.
