@@ -3,7 +3,11 @@
 //! against a loop that scans every engine each 1 ms tick (the timer
 //! resolution of the service's DelayQueue) and calls the transport inline.
 //! A third line isolates the cost of one `spawn_blocking` per heartbeat
-//! (what the service does), with no scheduling at all.
+//! (what the service does), with no scheduling at all. A last line is the
+//! floor of any slot-based schedule on the machine: a task on the same
+//! runtime that wakes at every slot boundary and does nothing else, at the
+//! service's slot and at half of it (on a VM a wake-up after milliseconds
+//! asleep can cost a hundred microseconds of CPU).
 //!
 //! Each measurement runs in its own child process (this executable with
 //! `--child`), so that memory and CPU are its own.
@@ -74,6 +78,7 @@ fn main() {
         (v[0], v[1], v[2])
     };
     let mut ratios = Vec::new();
+    let floor = |slot: Duration| run("timer", slot.as_micros() as usize).0;
     for n in [1_000usize, 10_000, 100_000] {
         let (cpu, rate, bytes) = run("service", n);
         let (scan_cpu, scan_rate, _) = run("scan", n);
@@ -87,6 +92,13 @@ fn main() {
         let _ = scan_rate;
         ratios.push((n, cpu, scan_cpu, bytes, rate));
     }
+    println!(
+        "floor: a task that only wakes at each slot boundary: {:.2}% of a core every {:?} (the service's slot), {:.2}% every {:?}",
+        floor(nixl_keepalive::HEARTBEAT_SLOT) * 100.0,
+        nixl_keepalive::HEARTBEAT_SLOT,
+        floor(nixl_keepalive::HEARTBEAT_SLOT / 2) * 100.0,
+        nixl_keepalive::HEARTBEAT_SLOT / 2,
+    );
     println!();
     for (n, cpu, scan, bytes, rate) in ratios {
         let ratio = if cpu > 0.0 { scan / cpu } else { f64::INFINITY };
@@ -126,6 +138,8 @@ fn child(kind: &str, engines: usize, measure: Duration) {
             "service" => service(engines, measure).await,
             "scan" => scan(engines, measure).await,
             "blocking" => blocking(engines, measure).await,
+            // `engines` is the period in microseconds here.
+            "timer" => timer(Duration::from_micros(engines as u64), measure).await,
             other => panic!("unknown child {other}"),
         }
     });
@@ -257,6 +271,33 @@ async fn blocking(engines: usize, measure: Duration) -> (f64, f64, f64) {
     };
     tokio::time::sleep(INTERVAL * 2).await;
     let (cpu, rate) = measure_cpu(measure, || transport.notifies.load(Ordering::Relaxed)).await;
+    stop.cancel();
+    let _ = task.await;
+    (cpu, rate, 0.0)
+}
+
+/// The floor: a task that sleeps to each boundary of `slot` and does
+/// nothing else, on the same runtime as the service.
+async fn timer(slot: Duration, measure: Duration) -> (f64, f64, f64) {
+    let stop = CancellationToken::new();
+    let wakes = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let task = {
+        let stop = stop.clone();
+        let wakes = wakes.clone();
+        tokio::spawn(async move {
+            let mut next = Instant::now();
+            loop {
+                next += slot;
+                tokio::select! {
+                    _ = tokio::time::sleep_until(next) => {}
+                    _ = stop.cancelled() => break,
+                }
+                wakes.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    tokio::time::sleep(INTERVAL).await;
+    let (cpu, rate) = measure_cpu(measure, || wakes.load(Ordering::Relaxed)).await;
     stop.cancel();
     let _ = task.await;
     (cpu, rate, 0.0)

@@ -1,11 +1,11 @@
 //! The heartbeat schedule: the one place heartbeat deadlines live.
 //!
-//! Deadlines go to [`HEARTBEAT_SLOT`] boundaries and are kept in a map
-//! from slot to the registrations due then, so engines due within one
-//! slot are served in one wake-up of the driver instead of one each (at 10k
-//! engines a wake-up per millisecond was most of the service's CPU), and
-//! the next deadline is the map's first key. A registration is in at most
-//! one slot; its peer record holds which, so it can be moved or removed.
+//! Deadlines go to [`HEARTBEAT_SLOT`] boundaries and are kept by slot
+//! (see [`Schedule`]), so engines due within one slot are served in one
+//! wake-up of the driver instead of one each (at 10k engines a wake-up per
+//! millisecond was most of the service's CPU). A registration is in at
+//! most one slot; its peer record holds which, so it can be moved or
+//! removed.
 //!
 //! A deadline that may be served a little early (a jittered round's) goes
 //! to the nearest boundary ([`Schedule::insert_near`]); one that must not
@@ -20,8 +20,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// Heartbeat deadlines go to multiples of this (from the service's start),
-/// or of half the heartbeat interval where that is shorter (see
-/// [`slot_for`]).
+/// or of half the heartbeat interval where that is shorter (5 ms at the
+/// shortest interval, 10 ms).
 ///
 /// A jittered round goes to the nearest boundary, so it is served within
 /// half a slot of its deadline, either side: 10 ms at most, the lateness
