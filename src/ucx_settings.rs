@@ -19,7 +19,9 @@
 //!   operation* after the crash fails with REMOTE_DISCONNECT (measured on
 //!   loopback: a read in flight or the next heartbeat, 1-70 ms when busy).
 //!   Idle, that first operation is the next heartbeat: at most one
-//!   heartbeat gap (interval + jitter) plus [`SLACK`]. Only where IB
+//!   heartbeat gap (interval + jitter) plus [`SLACK`], which also covers
+//!   the schedule's rounding of each round to the nearest slot boundary
+//!   (at most half of [`crate::HEARTBEAT_SLOT`], 10 ms). Only where IB
 //!   transports are in use can a dead process look silent until UCX's
 //!   timers fire (operators measured about 25 s with defaults on GB200);
 //!   there the crashed bound is never reported below keepalive + the IB
