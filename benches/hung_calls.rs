@@ -106,13 +106,15 @@ fn main() {
             cluster.transport.start_window();
             // All of them hang at once: one burst of renewals, one batch.
             for e in blocked {
-                cluster.handle.renew_leases(e);
+                cluster.handle.renew_leases(e)
+.expect("the service is running");
             }
             // A release queued right behind them.
             let t0 = Instant::now();
             cluster
                 .handle
-                .peer_gone(PeerRef::Engine(victim.clone()), GoneMode::Drain);
+                .peer_gone(PeerRef::Engine(victim.clone()), GoneMode::Drain)
+.expect("the service is running");
             let release = tokio::time::timeout(block, async {
                 loop {
                     match events.recv().await {

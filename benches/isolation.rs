@@ -48,7 +48,8 @@ fn main() {
             }
             // All of them hang at once: one burst of renewals.
             for e in blocked {
-                cluster.handle.renew_leases(e);
+                cluster.handle.renew_leases(e)
+.expect("the service is running");
             }
             // Two blocked calls back to back, at least.
             let mut b = cluster.lateness_over(block * 2 + CLUSTER_INTERVAL).await;
@@ -90,9 +91,10 @@ fn main() {
 /// The baseline: one thread sends every engine's heartbeat in turn, inline,
 /// once per interval; one engine's notify blocks.
 fn naive(block: Duration) -> Duration {
-    let ucx = FakeUcx::new(FakeConfig {
-        record_calls: false,
-        ..FakeConfig::default()
+    let ucx = FakeUcx::new({
+        let mut config = FakeConfig::default();
+        config.record_calls = false;
+        config
     });
     let mut agents = Vec::new();
     let mut healthy = HashSet::new();

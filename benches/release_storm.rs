@@ -121,9 +121,10 @@ async fn released_all(events: &mut broadcast::Receiver<Event>, doomed: &[EngineI
 }
 
 fn direct_releases(n: usize) -> Duration {
-    let ucx = FakeUcx::new(FakeConfig {
-        record_calls: false,
-        ..FakeConfig::default()
+    let ucx = FakeUcx::new({
+        let mut config = FakeConfig::default();
+        config.record_calls = false;
+        config
     });
     let handshakes: Vec<_> = (0..n)
         .map(|i| {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real-process tests, N times in a row, with a CPU load running beside
 # them: the check that they wait for what they assert instead of racing
-# the processes they watch (README, "Tests").
+# the processes they watch (docs/testing.md).
 #
 #   bash scripts/stress-real.sh [N]          # N runs, 5 by default
 #

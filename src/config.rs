@@ -68,7 +68,12 @@ pub(crate) const DERIVED_RATE_PERIOD_CAP: Duration = Duration::from_secs(1);
 pub(crate) const DERIVED_JITTER_DIVISOR: u32 = 10;
 
 /// One knob: its environment name, default, syntax and meaning. The
-/// README's table is this list.
+/// README's knob table is this list (`tests/readme.rs` checks it).
+///
+/// Hidden: the table the workspace's own readers share (the Python
+/// binding's keywords, the README test), not an embedding API; embedders
+/// read [`Config`]'s accessors and the documented table.
+#[doc(hidden)]
 #[derive(Clone, Copy, Debug)]
 pub struct Knob {
     /// Environment variable.
@@ -84,9 +89,20 @@ pub struct Knob {
 
 /// `NIXL_KEEPALIVE_*` variables read by other parts of the project: the
 /// test harness (`REQUIRE_REAL`: a missing NIXL runtime fails the real
-/// tests instead of skipping them) and the UCX loader (`UCX_LIB`: an
-/// explicit `libucp` to load).
-pub const NOT_SERVICE_KNOBS: &[&str] = &["NIXL_KEEPALIVE_REQUIRE_REAL", "NIXL_KEEPALIVE_UCX_LIB"];
+/// tests instead of skipping them; `BIN`: the prefill binary the Python
+/// tests start; the rest: sizes and roles of the Python tests' child
+/// processes) and the UCX loader (`UCX_LIB`: an explicit `libucp` to load).
+/// Hidden for the reason [`Knob`] is.
+#[doc(hidden)]
+pub const NOT_SERVICE_KNOBS: &[&str] = &[
+    "NIXL_KEEPALIVE_REQUIRE_REAL",
+    "NIXL_KEEPALIVE_UCX_LIB",
+    "NIXL_KEEPALIVE_BIN",
+    "NIXL_KEEPALIVE_PY_RELEASES",
+    "NIXL_KEEPALIVE_PY_CYCLES",
+    "NIXL_KEEPALIVE_FROZEN_CHILD",
+    "NIXL_KEEPALIVE_BUFFER_CHILD",
+];
 
 const INTERVAL: &str = "NIXL_KEEPALIVE_INTERVAL";
 const JITTER: &str = "NIXL_KEEPALIVE_JITTER";
@@ -98,7 +114,9 @@ const METRICS_PERIOD: &str = "NIXL_KEEPALIVE_METRICS_PERIOD";
 const READ_STALL: &str = "NIXL_KEEPALIVE_READ_STALL";
 const READ_STALL_ACTION: &str = "NIXL_KEEPALIVE_READ_STALL_ACTION";
 
-/// Every knob the service reads from the environment.
+/// Every knob the service reads from the environment. Hidden for the
+/// reason [`Knob`] is.
+#[doc(hidden)]
 pub const KNOBS: &[Knob] = &[
     Knob {
         env: INTERVAL,
@@ -171,7 +189,7 @@ pub const KNOBS: &[Knob] = &[
 /// The service's configuration. Build it with [`Config::builder`] or read
 /// it with [`Config::from_env`]; both validate, and there is no other way
 /// to make one: its fields are private, so every `Config` the service is
-/// given is within the bounds of [`KNOBS`] (no value can panic a timer,
+/// given is within the bounds of the knob table (no value can panic a timer,
 /// abort an allocation or spin the driver). Read the values with the
 /// accessors; change them with [`Config::to_builder`].
 ///
@@ -305,6 +323,7 @@ impl Default for Config {
 
 /// What the service does with an engine whose reads stopped completing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StallAction {
     /// Mark it stalled, fail its reads (their guards report `is_failed`),
     /// and release it once they end.
@@ -337,6 +356,7 @@ pub(crate) fn derived_rate_period(interval: Option<Duration>) -> Duration {
 
 /// One configuration value that was not accepted.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// An environment variable's value did not parse.
     #[error("{var}={value:?} is not accepted: {reason}; expected {expected}")]
@@ -360,7 +380,7 @@ pub enum ConfigError {
         value: String,
         /// Why it is not accepted.
         reason: String,
-        /// What is accepted (syntax and range, as in [`KNOBS`]).
+        /// What is accepted (syntax and range, as in the knob table).
         expected: &'static str,
     },
 }
@@ -375,7 +395,7 @@ impl ConfigError {
     }
 }
 
-/// Every configuration value that was not accepted, in [`KNOBS`] order, so
+/// Every configuration value that was not accepted, in the knob table's order, so
 /// that one start-up reports them all. Never empty.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConfigErrors(Vec<ConfigError>);
@@ -444,7 +464,7 @@ impl Config {
     }
 
     /// Reads `NIXL_KEEPALIVE_*` from the process environment over the
-    /// defaults (see [`KNOBS`]), deriving the jitter and the rate period
+    /// defaults (the README's knob table), deriving the jitter and the rate period
     /// from the interval where they are not set. Every refused value is
     /// in the error.
     pub fn from_env() -> Result<Config, ConfigErrors> {

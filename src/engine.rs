@@ -291,6 +291,7 @@ read_guard!(OwnedReadGuard, "OwnedReadGuard", |this| &this.cell);
 
 /// What may become of the destination buffer of a given-up read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Destination {
     /// The engine was released and the transport's release ended every
     /// transfer still running to it ([`crate::Transport::release_ends_transfers`]):

@@ -11,6 +11,7 @@ use crate::transport::{AgentName, EngineId, PeerAddr, ReleaseStep, Transport};
 /// from. Nothing was counted; no transfer should be posted.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("read from engine {engine} refused: the engine is {state}")]
+#[non_exhaustive]
 pub struct ReadRefused {
     /// The engine the read was for.
     pub engine: EngineId,
@@ -31,6 +32,7 @@ pub struct ServiceStopped;
 /// [`crate::Event::Conflict`]: a conflict is never resolved by releasing
 /// the engine already registered.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, thiserror::Error)]
+#[non_exhaustive]
 pub enum Conflict {
     /// An agent name of the claim belongs to another engine's
     /// registration or load in progress: loading it would load over (or
@@ -147,6 +149,7 @@ impl Conflict {
 /// A handshake's claim was not granted: nothing may be loaded. Nothing in
 /// the peer table changed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ClaimRefused {
     /// The service is stopping or has stopped.
     #[error(transparent)]
@@ -168,6 +171,7 @@ pub enum ClaimRefused {
 /// A registration the service did not take. The registration comes back
 /// whole: its metadata is loaded and its dlists prepped, so the caller
 /// gives them back (or retries). Nothing in the peer table changed.
+#[non_exhaustive]
 pub enum RegisterError<R> {
     /// The service is stopping or has stopped: nothing is activated any
     /// more.

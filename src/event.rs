@@ -11,6 +11,7 @@ use crate::NixlStatus;
 /// Where a status came from. One classifier judges every status
 /// whatever its source; the source only says where it was seen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Source {
     /// A heartbeat notification (`genNotif`).
     Heartbeat,
@@ -37,6 +38,7 @@ impl std::fmt::Display for Source {
 
 /// Why an engine was released.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ReleaseReason {
     /// A heartbeat or transfer returned REMOTE_DISCONNECT.
     Unreachable,
@@ -75,6 +77,7 @@ impl ReleaseReason {
 /// What a release waited for between the engine being marked and its NIXL
 /// state being handed to the transport.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct WaitedFor {
     /// From the mark to the start of the release.
     pub duration: Duration,
@@ -88,9 +91,18 @@ pub struct WaitedFor {
 /// [`crate::KeepaliveHandle::subscribe`]. Every event about an engine names
 /// the registration it is about: the unit of an engine's lifecycle (see
 /// [`crate::EngineRef::registration`], [`crate::EngineRef::released`]).
+///
+/// New kinds of event and new fields of a kind may come in any release
+/// (both are `#[non_exhaustive]`): match the ones you act on and end with
+/// `_ => {}`, and name fields with `..`. Its `Display` is the one text form
+/// of an event, `<kind> key=value ...` (what `nixl-keepalive decode`
+/// prints after `event: `); with the `serde` feature it serializes as a
+/// map of the same fields under `"event": <kind>`.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Event {
     /// An engine registered after its handshake.
+    #[non_exhaustive]
     Registered {
         /// The engine.
         engine: EngineId,
@@ -101,6 +113,7 @@ pub enum Event {
         address: PeerAddr,
     },
     /// A heartbeat or transfer returned REMOTE_DISCONNECT.
+    #[non_exhaustive]
     Unreachable {
         /// The engine.
         engine: EngineId,
@@ -114,6 +127,7 @@ pub enum Event {
     },
     /// A new engine id registered at a known address (or the same id again:
     /// then `old == new`).
+    #[non_exhaustive]
     Replaced {
         /// The engine that was at the address.
         old: EngineId,
@@ -125,6 +139,7 @@ pub enum Event {
         address: PeerAddr,
     },
     /// The router or orchestrator said the engine is gone.
+    #[non_exhaustive]
     Retiring {
         /// The engine.
         engine: EngineId,
@@ -140,6 +155,7 @@ pub enum Event {
     /// (frozen, deadlocked, NIC gone). With the `fail` action its reads are
     /// failed and it is released once they end; with `report` it is only
     /// reported (once per stall).
+    #[non_exhaustive]
     Stalled {
         /// The engine.
         engine: EngineId,
@@ -161,6 +177,7 @@ pub enum Event {
     },
     /// Reads in flight from an engine were failed (unreachable, or gone in
     /// `fail` mode); their guards report `is_failed()`.
+    #[non_exhaustive]
     ReadsFailed {
         /// The engine.
         engine: EngineId,
@@ -171,6 +188,7 @@ pub enum Event {
         count: u64,
     },
     /// An error that is not a disconnect: counted, logged, never a release.
+    #[non_exhaustive]
     TransientError {
         /// The engine.
         engine: EngineId,
@@ -183,6 +201,7 @@ pub enum Event {
         source: Source,
     },
     /// The engine's NIXL state was given back.
+    #[non_exhaustive]
     Released {
         /// The engine.
         engine: EngineId,
@@ -200,13 +219,15 @@ pub enum Event {
         panicked: bool,
         /// UCX endpoints the release could not close (NIXL's own close
         /// mode keeps a live peer's endpoint, and its socket, until the
-        /// agent is destroyed; see the README, "Releases leave nothing
-        /// behind"). 0 when every endpoint was closed or none was observed.
+        /// agent is destroyed; see `docs/design/releases.md` in the
+        /// repository). 0 when every endpoint was closed or none was
+        /// observed.
         endpoints_left_open: u32,
     },
     /// Two sources claimed one identity (see [`Conflict`]): the newcomer
     /// was refused, the registered engine kept. Published once per
     /// conflict (both sides the same); repeats are only counted.
+    #[non_exhaustive]
     Conflict {
         /// What collided.
         conflict: Conflict,
@@ -214,6 +235,7 @@ pub enum Event {
     /// A transport call panicked. Not a disconnect: the engine is kept
     /// (a heartbeat) or counted as released (a release, see
     /// [`Event::Released::panicked`]).
+    #[non_exhaustive]
     TransportPanicked {
         /// The engine the call was for.
         engine: EngineId,
@@ -246,6 +268,321 @@ impl Event {
                 old_registration, ..
             } => Some(*old_registration),
             Event::Conflict { .. } => None,
+        }
+    }
+}
+
+/// One value of an event's rendering: what it is decides how the line and
+/// the serialized form write it.
+enum Value<'a> {
+    /// A name from a peer (engine id, address): escaped in the line, a
+    /// string as it is when serialized.
+    Name(&'a str),
+    /// Free text (a conflict's detail, a panic's message): quoted in the
+    /// line, so it stays one field whatever it holds.
+    Text(&'a str),
+    /// A fixed lowercase word of ours (a reason, a source).
+    Word(&'static str),
+    /// A count or a registration id.
+    Number(u64),
+    /// Yes or no.
+    Flag(bool),
+    /// A raw NIXL status: `NAME (raw)` in the line; the raw number, and
+    /// its name under `<key>_name`, when serialized.
+    Status(NixlStatus),
+    /// A time, in whole milliseconds (the key says `_ms`).
+    Millis(Duration),
+}
+
+impl Event {
+    /// The kind, as the first word of the line (`registered`,
+    /// `unreachable`, `replaced`, `retiring`, `stalled`, `reads_failed`,
+    /// `transient_error`, `released`, `conflict`, `transport_panicked`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Event::Registered { .. } => "registered",
+            Event::Unreachable { .. } => "unreachable",
+            Event::Replaced { .. } => "replaced",
+            Event::Retiring { .. } => "retiring",
+            Event::Stalled { .. } => "stalled",
+            Event::ReadsFailed { .. } => "reads_failed",
+            Event::TransientError { .. } => "transient_error",
+            Event::Released { .. } => "released",
+            Event::Conflict { .. } => "conflict",
+            Event::TransportPanicked { .. } => "transport_panicked",
+        }
+    }
+
+    /// Every field of the event, in the order the line shows them: the one
+    /// list both renderings (`Display`, `Serialize`) walk, so they cannot
+    /// disagree.
+    fn each_field<E>(
+        &self,
+        mut f: impl FnMut(&'static str, Value<'_>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        use Value::*;
+        let id = |r: &RegistrationId| Number(r.get());
+        match self {
+            Event::Registered {
+                engine,
+                registration,
+                address,
+            } => {
+                f("engine", Name(engine.as_str()))?;
+                f("registration", id(registration))?;
+                f("address", Name(address.as_str()))
+            }
+            Event::Unreachable {
+                engine,
+                registration,
+                status,
+                source,
+            } => {
+                f("engine", Name(engine.as_str()))?;
+                f("registration", id(registration))?;
+                f("status", Status(*status))?;
+                f("source", Word(source.as_str()))
+            }
+            Event::Replaced {
+                old,
+                old_registration,
+                new,
+                address,
+            } => {
+                f("old", Name(old.as_str()))?;
+                f("old_registration", id(old_registration))?;
+                f("new", Name(new.as_str()))?;
+                f("address", Name(address.as_str()))
+            }
+            Event::Retiring {
+                engine,
+                registration,
+                fail_reads,
+            } => {
+                f("engine", Name(engine.as_str()))?;
+                f("registration", id(registration))?;
+                f("fail_reads", Flag(*fail_reads))
+            }
+            Event::Stalled {
+                engine,
+                registration,
+                reads_in_flight,
+                stalled_for,
+                given_up,
+                failed,
+            } => {
+                f("engine", Name(engine.as_str()))?;
+                f("registration", id(registration))?;
+                f("reads", Number(*reads_in_flight))?;
+                f("stalled_ms", Millis(*stalled_for))?;
+                f("given_up", Number(*given_up))?;
+                f("failed", Flag(*failed))
+            }
+            Event::ReadsFailed {
+                engine,
+                registration,
+                count,
+            } => {
+                f("engine", Name(engine.as_str()))?;
+                f("registration", id(registration))?;
+                f("count", Number(*count))
+            }
+            Event::TransientError {
+                engine,
+                registration,
+                status,
+                source,
+            } => {
+                f("engine", Name(engine.as_str()))?;
+                f("registration", id(registration))?;
+                f("status", Status(*status))?;
+                f("source", Word(source.as_str()))
+            }
+            Event::Released {
+                engine,
+                registration,
+                reason,
+                waited_for,
+                failed_steps,
+                panicked,
+                endpoints_left_open,
+            } => {
+                f("engine", Name(engine.as_str()))?;
+                f("registration", id(registration))?;
+                f("reason", Word(reason.as_str()))?;
+                f("waited_ms", Millis(waited_for.duration))?;
+                f("reads_at_mark", Number(waited_for.reads_in_flight_at_mark))?;
+                f("handshake", Flag(waited_for.handshake))?;
+                f("failed_steps", Number(*failed_steps as u64))?;
+                f("panicked", Flag(*panicked))?;
+                f(
+                    "endpoints_left_open",
+                    Number(u64::from(*endpoints_left_open)),
+                )
+            }
+            Event::Conflict { conflict } => {
+                f("kind", Word(conflict.kind()))?;
+                f("engine", Name(conflict.engine().as_str()))?;
+                f("detail", Text(&conflict.to_string()))
+            }
+            Event::TransportPanicked {
+                engine,
+                registration,
+                call,
+                message,
+            } => {
+                f("engine", Name(engine.as_str()))?;
+                f("registration", id(registration))?;
+                f("call", Word(call))?;
+                f("message", Text(message))
+            }
+        }
+    }
+}
+
+/// `<kind> key=value ...`, one line whatever a peer sent: names escaped,
+/// free text quoted, times in milliseconds. What `nixl-keepalive decode`
+/// prints after `event: `, and what the demo's log shows.
+impl std::fmt::Display for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.kind())?;
+        self.each_field(|key, value| {
+            write!(f, " {key}=")?;
+            match value {
+                Value::Name(name) => crate::text::write_escaped_uncut(f, name),
+                Value::Text(text) => write!(f, "{text:?}"),
+                Value::Word(word) => f.write_str(word),
+                Value::Number(n) => write!(f, "{n}"),
+                Value::Flag(b) => write!(f, "{b}"),
+                Value::Status(status) => write!(f, "{status}"),
+                Value::Millis(d) => write!(f, "{}", d.as_millis()),
+            }
+        })
+    }
+}
+
+/// A map of the line's fields under `"event": <kind>`: names and text as
+/// strings, counts as numbers, a status as its raw number with its name
+/// beside it (`"status": -10, "status_name": "NIXL_ERR_REMOTE_DISCONNECT"`),
+/// times in whole milliseconds.
+#[cfg(feature = "serde")]
+impl serde::Serialize for Event {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("event", self.kind())?;
+        self.each_field(|key, value| match value {
+            Value::Name(s) | Value::Text(s) => map.serialize_entry(key, s),
+            Value::Word(word) => map.serialize_entry(key, word),
+            Value::Number(n) => map.serialize_entry(key, &n),
+            Value::Flag(b) => map.serialize_entry(key, &b),
+            Value::Status(status) => {
+                map.serialize_entry(key, &status.raw())?;
+                map.serialize_entry(&format!("{key}_name"), status.name())
+            }
+            Value::Millis(d) => {
+                map.serialize_entry(key, &u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            }
+        })?;
+        map.end()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn released() -> Event {
+        Event::Released {
+            engine: EngineId::from("p-1"),
+            registration: RegistrationId(7),
+            reason: ReleaseReason::Unreachable,
+            waited_for: WaitedFor {
+                duration: Duration::from_micros(2_500),
+                reads_in_flight_at_mark: 1,
+                handshake: false,
+            },
+            failed_steps: 0,
+            panicked: false,
+            endpoints_left_open: 0,
+        }
+    }
+
+    #[test]
+    fn the_line_is_the_kind_then_every_field_in_order() {
+        assert_eq!(
+            released().to_string(),
+            "released engine=p-1 registration=7 reason=unreachable waited_ms=2 reads_at_mark=1 \
+             handshake=false failed_steps=0 panicked=false endpoints_left_open=0"
+        );
+        let unreachable = Event::Unreachable {
+            engine: EngineId::from("p-1"),
+            registration: RegistrationId(7),
+            status: NixlStatus::ERR_REMOTE_DISCONNECT,
+            source: Source::Transfer,
+        };
+        assert_eq!(
+            unreachable.to_string(),
+            "unreachable engine=p-1 registration=7 status=NIXL_ERR_REMOTE_DISCONNECT (-10) source=transfer"
+        );
+    }
+
+    #[test]
+    fn a_peer_s_name_or_text_cannot_forge_a_second_line() {
+        let forged = Event::TransportPanicked {
+            engine: EngineId::from("p\nevent: released engine=victim"),
+            registration: RegistrationId(1),
+            call: "genNotif",
+            message: "boom\nevent: released".into(),
+        };
+        let line = forged.to_string();
+        assert!(!line.contains('\n'), "{line}");
+        assert!(line.starts_with("transport_panicked engine=p\\n"), "{line}");
+        assert!(
+            line.ends_with("message=\"boom\\nevent: released\""),
+            "{line}"
+        );
+    }
+
+    #[cfg(all(feature = "serde", feature = "membership"))]
+    #[test]
+    fn serialized_it_is_the_line_s_fields_under_event() {
+        let json = serde_json::to_value(released()).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "event": "released", "engine": "p-1", "registration": 7,
+                "reason": "unreachable", "waited_ms": 2, "reads_at_mark": 1,
+                "handshake": false, "failed_steps": 0, "panicked": false,
+                "endpoints_left_open": 0,
+            })
+        );
+        let conflict = Event::Conflict {
+            conflict: Conflict::EngineInUse {
+                engine: EngineId::from("p-1"),
+                address: PeerAddr::from("10.0.0.1:5600"),
+            },
+        };
+        let json = serde_json::to_value(&conflict).unwrap();
+        assert_eq!(json["event"], "conflict");
+        assert_eq!(json["kind"], "engine_in_use");
+        assert_eq!(json["detail"], conflict_detail(&conflict));
+        let unreachable = Event::Unreachable {
+            engine: EngineId::from("p-1"),
+            registration: RegistrationId(7),
+            status: NixlStatus::ERR_REMOTE_DISCONNECT,
+            source: Source::Heartbeat,
+        };
+        let json = serde_json::to_value(unreachable).unwrap();
+        assert_eq!(json["status"], -10);
+        assert_eq!(json["status_name"], "NIXL_ERR_REMOTE_DISCONNECT");
+    }
+
+    #[cfg(all(feature = "serde", feature = "membership"))]
+    fn conflict_detail(event: &Event) -> String {
+        match event {
+            Event::Conflict { conflict } => conflict.to_string(),
+            _ => unreachable!(),
         }
     }
 }

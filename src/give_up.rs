@@ -5,6 +5,7 @@
 /// Why the runtime stopped waiting for a read whose transfer was still in
 /// progress. See [`crate::ReadGuard::give_up`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum GiveUp {
     /// The runtime's read timeout passed: its own verdict that the engine
     /// is hung. When no read of the engine completed while this one was in

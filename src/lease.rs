@@ -21,6 +21,7 @@ pub const MAX_REQUEST_ID: usize = 256;
 /// added: [`crate::KeepaliveHandle::add_leases`] takes all of its ids or
 /// none.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RequestIdError {
     /// Empty, too long, or holds a control character.
     #[error("lease request id refused: {0}")]
@@ -33,6 +34,18 @@ pub enum RequestIdError {
         /// The comma's byte offset.
         at: usize,
     },
+}
+
+/// Why [`crate::KeepaliveHandle::add_leases`] added nothing.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LeaseError {
+    /// One of the ids is not a request id the `HB:` text can carry.
+    #[error(transparent)]
+    RequestId(#[from] RequestIdError),
+    /// The service is no longer running: nothing would renew them.
+    #[error(transparent)]
+    Stopped(#[from] crate::ServiceStopped),
 }
 
 /// Checks one request id: 1 to [`MAX_REQUEST_ID`] bytes of printable text

@@ -86,7 +86,24 @@
 //! the registration they name ([`KeepaliveHandle::member_gone`]). Only
 //! authoritative evidence retires a live engine; anything that merely
 //! disagrees is a [`Conflict`]: refused, logged once, counted, never a
-//! release. The rules are in the README ("One identity per prefill").
+//! release. The rules are in the repository's `docs/design/identity.md`.
+//!
+//! # Features
+//!
+//! None by default: the service, [`Transport`] and
+//! [`nixl_transport::NixlTransport`]. `fake`: the fault-injecting fake UCX
+//! (`nixl_keepalive::fake`), for tests. `membership`: cluster membership
+//! (`nixl_keepalive::membership`: the source trait, the in-memory store,
+//! the reconciler). `etcd`: the etcd source and prefill registration (its
+//! build runs `protoc`). `serde`: `Serialize` for [`Event`].
+//!
+//! # An API that grows
+//!
+//! Events, errors and the reports the service hands out are
+//! `#[non_exhaustive]`: match the variants you act on and end with
+//! `_ => {}`, name fields with `..`. The calls that hand the service
+//! something to do return [`ServiceStopped`] (or an error that holds it)
+//! once it has stopped, rather than dropping the request silently.
 //!
 //! # How it is built
 //!
@@ -115,6 +132,14 @@ pub mod fake;
 mod give_up;
 mod handle;
 pub mod lease;
+// Hidden modules: public only because the workspace's command line, tests,
+// benchmarks and fuzz target share them; no embedding API, no promise
+// across releases. `log_limit`: the CLI rate-limits its own log lines with
+// it. `text`: the CLI checks and escapes peers' names with it (its error
+// type, part of the API, is re-exported as `NameError`). `ucx_time`: the
+// CLI's demo flags and the fuzz target parse UCX times with it (its types
+// in the API are re-exported from `ucx_settings`).
+#[doc(hidden)]
 pub mod log_limit;
 #[cfg(feature = "membership")]
 pub mod membership;
@@ -124,10 +149,12 @@ mod registration;
 mod service;
 mod snapshot;
 mod state;
-pub mod telemetry;
+mod telemetry;
+#[doc(hidden)]
 pub mod text;
 pub mod transport;
 pub mod ucx_settings;
+#[doc(hidden)]
 pub mod ucx_time;
 
 pub use crate::core::HEARTBEAT_SLOT;
@@ -139,7 +166,9 @@ pub use error::{ClaimRefused, Conflict, ReadRefused, RegisterError, ServiceStopp
 pub use event::{Event, ReleaseReason, Source, WaitedFor};
 pub use give_up::GiveUp;
 pub use handle::{Handshake, KeepaliveHandle, Ready, ReadyToLoad};
-pub use offload::{HUNG_AFTER, TRANSPORT_THREADS_CAP};
+pub use lease::LeaseError;
+#[doc(hidden)]
+pub use offload::HUNG_AFTER;
 pub use registration::{
     Claim, Departure, GoneMode, Incarnation, PeerRef, Registration, RegistrationId,
 };
@@ -148,6 +177,7 @@ pub use snapshot::{
     CallInFlight, DetectionSummary, EngineSnapshot, HeartbeatSnapshot, Snapshot, TransportSnapshot,
 };
 pub use state::EngineState;
+pub use text::NameError;
 
 pub use nixl_sys::NixlStatus;
 pub use transport::{

@@ -76,11 +76,17 @@ pub(crate) const STUCK: Duration = Duration::from_millis(1);
 /// 50 MiB of memory. A registration holds at most two of them (a heartbeat
 /// round and its release), so the cap is reached only with about a thousand
 /// engines hung at once; past it, calls wait for a thread to come back.
-pub const TRANSPORT_THREADS_CAP: usize = 2048;
+/// Not a knob: the snapshot shows the pool's threads, and the docs state
+/// the cap.
+pub(crate) const TRANSPORT_THREADS_CAP: usize = 2048;
 
 /// A call in flight this long is hung: counted, logged and listed in the
 /// snapshot. Far beyond any NIXL call's time (microseconds for a
 /// notification, milliseconds for a release).
+///
+/// Hidden (re-exported at the root for the `hung_calls` benchmark, which
+/// waits past it): a fact of the pool the docs state, not an embedding
+/// API.
 pub const HUNG_AFTER: Duration = Duration::from_secs(1);
 
 /// A thread idle this long exits.

@@ -109,6 +109,7 @@ impl<R> Registration<R> {
 
 /// Which peer a "peer gone" message means.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum PeerRef {
     /// By engine id.
     Engine(EngineId),
@@ -134,10 +135,21 @@ pub struct Departure {
 
 /// What to do with reads in flight from a peer that is gone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum GoneMode {
     /// Let reads in flight finish, then release.
     Drain,
     /// Report reads in flight failed at once; release as soon as their
     /// guards drop.
     Fail,
+}
+
+impl GoneMode {
+    /// `drain` or `fail`: the word the router's requests and the logs use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GoneMode::Drain => "drain",
+            GoneMode::Fail => "fail",
+        }
+    }
 }

@@ -34,6 +34,7 @@ use crate::ucx_settings::{detection_bound, secs_text, warnings, UcxSettings};
 /// once: engines whose reads were still in flight at the drain deadline,
 /// and registrations refused at shutdown whose caller had stopped waiting.
 /// The caller releases them once its reads have ended.
+#[non_exhaustive]
 pub struct Stopped<R> {
     /// Registrations still held, resources and all.
     pub unreleased: Vec<Registration<R>>,
@@ -86,6 +87,7 @@ impl<T: Transport> Keepalive<T> {
             inbox: inbox_tx,
             events: events.clone(),
             directory: directory.clone(),
+            handed_back: Default::default(),
         };
         let rng = match config.seed {
             Some(seed) => StdRng::seed_from_u64(seed),

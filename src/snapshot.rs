@@ -11,6 +11,7 @@ use crate::NixlStatus;
 
 /// The last heartbeat round of an engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HeartbeatSnapshot {
     /// How long ago it came back.
     pub ago: Duration,
@@ -21,6 +22,7 @@ pub struct HeartbeatSnapshot {
 
 /// One engine of the table.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct EngineSnapshot {
     /// Engine id.
     pub engine: EngineId,
@@ -48,6 +50,7 @@ pub struct EngineSnapshot {
 
 /// The whole table.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct Snapshot {
     /// Engines, by id.
     pub engines: Vec<EngineSnapshot>,
@@ -70,9 +73,10 @@ pub struct Snapshot {
     pub transport: TransportSnapshot,
 }
 
-/// The pool the service runs transport calls on (see
-/// [`crate::TRANSPORT_THREADS_CAP`]).
+/// The pool the service runs transport calls on (at most 2048 threads,
+/// one per hung call).
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct TransportSnapshot {
     /// Threads started and not exited (busy or idle).
     pub threads: usize,
@@ -82,7 +86,7 @@ pub struct TransportSnapshot {
     pub cap: usize,
     /// Calls waiting for a thread.
     pub queued: usize,
-    /// Calls ever counted hung (in flight for [`crate::HUNG_AFTER`]).
+    /// Calls ever counted hung (each once, after 1 s in flight).
     pub hung_total: u64,
     /// Calls in flight, the longest first.
     pub in_flight: Vec<CallInFlight>,
@@ -97,6 +101,7 @@ impl TransportSnapshot {
 
 /// A transport call in flight.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CallInFlight {
     /// The engine it is for.
     pub engine: EngineId,
@@ -104,13 +109,14 @@ pub struct CallInFlight {
     pub call: &'static str,
     /// How long it has been inside the transport (wall clock).
     pub age: Duration,
-    /// In flight for [`crate::HUNG_AFTER`] or more.
+    /// In flight for 1 s or more: hung.
     pub hung: bool,
 }
 
 /// The detection bounds, as numbers: one per kind of dead peer (see
 /// [`crate::ucx_settings`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DetectionSummary {
     /// A crashed peer (process gone): the first operation after the crash,
     /// at most one heartbeat gap when idle; `None` when heartbeats are off.

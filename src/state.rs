@@ -5,6 +5,7 @@ use std::fmt;
 
 /// Where an engine is in its life, as the service sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum EngineState {
     /// Registered and answering: reads may start.
     Live,

@@ -12,68 +12,68 @@ use crate::event::Source;
 use crate::state::EngineState;
 
 /// Heartbeat notifications accepted by NIXL (one per agent).
-pub const HEARTBEATS_SENT: &str = "nixl_keepalive_heartbeats_sent_total";
+pub(crate) const HEARTBEATS_SENT: &str = "nixl_keepalive_heartbeats_sent_total";
 /// Heartbeat notifications that failed, by `status`.
-pub const HEARTBEATS_FAILED: &str = "nixl_keepalive_heartbeats_failed_total";
+pub(crate) const HEARTBEATS_FAILED: &str = "nixl_keepalive_heartbeats_failed_total";
 /// Heartbeat rounds held back by the per-engine rate cap.
-pub const HEARTBEATS_DEFERRED: &str = "nixl_keepalive_heartbeats_rate_limited_total";
+pub(crate) const HEARTBEATS_DEFERRED: &str = "nixl_keepalive_heartbeats_rate_limited_total";
 /// Transfer results reported with an error, by `status`.
-pub const TRANSFER_ERRORS: &str = "nixl_keepalive_transfer_errors_total";
+pub(crate) const TRANSFER_ERRORS: &str = "nixl_keepalive_transfer_errors_total";
 /// Engines whose reads in flight stopped completing (hung peers), by
 /// `action` (`fail` or `report`).
-pub const READ_STALLS: &str = "nixl_keepalive_read_stalls_total";
+pub(crate) const READ_STALLS: &str = "nixl_keepalive_read_stalls_total";
 /// Reads the runtime gave up while their transfer was in progress, by
 /// `why` (`timed_out`, `cancelled`) and `answered` (`false`: no read of the
 /// engine completed meanwhile, evidence against it).
-pub const READS_GIVEN_UP: &str = "nixl_keepalive_reads_given_up_total";
+pub(crate) const READS_GIVEN_UP: &str = "nixl_keepalive_reads_given_up_total";
 /// Episodes in which engines' reads stopped completing while no engine's
 /// completed: the decoder itself looked stuck and nobody was blamed.
-pub const DECODER_STALLS: &str = "nixl_keepalive_decoder_stalls_total";
+pub(crate) const DECODER_STALLS: &str = "nixl_keepalive_decoder_stalls_total";
 /// Transport calls that panicked, by `call` (`genNotif`, `release`).
-pub const TRANSPORT_PANICS: &str = "nixl_keepalive_transport_panics_total";
+pub(crate) const TRANSPORT_PANICS: &str = "nixl_keepalive_transport_panics_total";
 /// Threads of the transport calls' pool (busy and idle).
-pub const TRANSPORT_THREADS: &str = "nixl_keepalive_transport_threads";
+pub(crate) const TRANSPORT_THREADS: &str = "nixl_keepalive_transport_threads";
 /// Transport calls in flight for `HUNG_AFTER` or more, now.
-pub const TRANSPORT_CALLS_HUNG: &str = "nixl_keepalive_transport_calls_hung";
+pub(crate) const TRANSPORT_CALLS_HUNG: &str = "nixl_keepalive_transport_calls_hung";
 /// Transport calls counted hung, ever (each once).
-pub const TRANSPORT_CALLS_HUNG_TOTAL: &str = "nixl_keepalive_transport_calls_hung_total";
+pub(crate) const TRANSPORT_CALLS_HUNG_TOTAL: &str = "nixl_keepalive_transport_calls_hung_total";
 /// Engines in the table, by `state`.
-pub const ENGINES: &str = "nixl_keepalive_engines";
+pub(crate) const ENGINES: &str = "nixl_keepalive_engines";
 /// Releases, by `reason`.
-pub const RELEASES: &str = "nixl_keepalive_releases_total";
+pub(crate) const RELEASES: &str = "nixl_keepalive_releases_total";
 /// Release steps that failed with something other than NOT_FOUND, by
 /// `status`.
-pub const RELEASE_STEPS_FAILED: &str = "nixl_keepalive_release_steps_failed_total";
+pub(crate) const RELEASE_STEPS_FAILED: &str = "nixl_keepalive_release_steps_failed_total";
 /// UCX endpoints of released agents, by `outcome`: `closed` (destroyed at
 /// once), `left_open` (kept by UCX, with their sockets and mappings, until
 /// the decode's agent is destroyed), `not_observed` (one per agent whose
 /// endpoint closes the transport cannot see: NIXL's own close mode).
-pub const RELEASE_ENDPOINTS: &str = "nixl_keepalive_release_endpoints_total";
+pub(crate) const RELEASE_ENDPOINTS: &str = "nixl_keepalive_release_endpoints_total";
 /// UCP endpoints the decode agent's UCX workers hold, from UCX's own
 /// introspection (its VFS tree), read after each release: NIXL's loopback
 /// endpoint plus one per loaded remote agent when nothing is left behind.
-pub const UCX_ENDPOINTS: &str = "nixl_keepalive_ucx_endpoints";
+pub(crate) const UCX_ENDPOINTS: &str = "nixl_keepalive_ucx_endpoints";
 /// Seconds from an engine being marked (detection) to its release.
-pub const DETECTION_TO_RELEASE: &str = "nixl_keepalive_detection_to_release_seconds";
+pub(crate) const DETECTION_TO_RELEASE: &str = "nixl_keepalive_detection_to_release_seconds";
 /// Reads in flight over all engines.
-pub const READS_IN_FLIGHT: &str = "nixl_keepalive_reads_in_flight";
+pub(crate) const READS_IN_FLIGHT: &str = "nixl_keepalive_reads_in_flight";
 /// The worst-case seconds from a peer's crash (its process gone) to its
 /// release with the settings in force: the first operation after the
 /// crash sees it, so at most one heartbeat gap (plus slack) when idle;
 /// longer only where IB transports are in use. +Inf with heartbeats off.
-pub const DETECTION_BOUND_CRASH: &str = "nixl_keepalive_detection_bound_crashed_seconds";
+pub(crate) const DETECTION_BOUND_CRASH: &str = "nixl_keepalive_detection_bound_crashed_seconds";
 /// The same for a silent peer (partition, a NIC that stops answering):
 /// UCX keepalive plus the timeout of the slowest transport in use (the TCP
 /// user timeout over TCP); +Inf when unbounded.
-pub const DETECTION_BOUND_SILENT: &str = "nixl_keepalive_detection_bound_silent_seconds";
+pub(crate) const DETECTION_BOUND_SILENT: &str = "nixl_keepalive_detection_bound_silent_seconds";
 /// The same for a frozen peer (SIGSTOP, a deadlock) with reads in flight:
 /// 1.25 read-stall bounds, or one runtime read timeout if the runtime gives
 /// reads up sooner; +Inf with the read-stall check off. A frozen idle peer
 /// is not bounded by the service (membership or the router retire it).
-pub const DETECTION_BOUND_FROZEN: &str = "nixl_keepalive_detection_bound_frozen_seconds";
+pub(crate) const DETECTION_BOUND_FROZEN: &str = "nixl_keepalive_detection_bound_frozen_seconds";
 /// Identity conflicts refused (two sources claiming one agent name,
 /// engine id, address or incarnation), by `kind`.
-pub const IDENTITY_CONFLICTS: &str = "nixl_keepalive_identity_conflicts_total";
+pub(crate) const IDENTITY_CONFLICTS: &str = "nixl_keepalive_identity_conflicts_total";
 
 pub(crate) fn transport_threads(threads: usize) {
     gauge!(TRANSPORT_THREADS).set(threads as f64);

@@ -26,6 +26,7 @@ pub const PRINT_LIMIT: usize = 128;
 
 /// A name that breaks the rules of [`check_name`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum NameError {
     /// Empty.
     #[error("{what} is empty; expected 1 to {max} bytes of printable text")]

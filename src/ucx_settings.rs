@@ -67,7 +67,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::ucx_time::{parse_time, TimeField, TimeSyntaxError, UcxTime};
+use crate::ucx_time::parse_time;
+pub use crate::ucx_time::{TimeField, TimeSyntaxError, TimeSyntaxIssue, UcxTime};
 
 /// Added to every bound: progress-thread and scheduling delays.
 pub const SLACK: Duration = Duration::from_secs(1);
@@ -84,6 +85,7 @@ pub const LINUX_TCP_RETRANSMIT_LIMIT: Duration = Duration::from_millis(924_600);
 
 /// Where a value came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Origin {
     /// UCX's own configuration (`ucp_config_read`), which includes the
     /// environment and UCX's config files.
@@ -113,6 +115,7 @@ impl fmt::Display for Origin {
 
 /// One setting with its origin.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Setting<T> {
     /// The value.
     pub value: T,
@@ -124,6 +127,7 @@ pub struct Setting<T> {
 
 /// A count that UCX also accepts as `inf` (`UCX_KEEPALIVE_NUM_EPS`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Count {
     /// A number.
     Finite(u32),
@@ -133,6 +137,7 @@ pub enum Count {
 
 /// `UCX_TCP_KEEPCNT`: a number or `auto`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeepCount {
     /// A number of probes.
     Probes(u32),
@@ -142,6 +147,7 @@ pub enum KeepCount {
 
 /// The endpoint error-handling mode NIXL asks UCX for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ErrorHandling {
     /// `UCP_ERR_HANDLING_MODE_PEER`: failures are reported and keepalive
     /// runs (NIXL's UCX backend default).
@@ -152,6 +158,7 @@ pub enum ErrorHandling {
 
 /// The UCX settings in force.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct UcxSettings {
     /// `UCX_KEEPALIVE_INTERVAL` (TIME_UNITS, default 20s).
     pub keepalive_interval: Setting<UcxTime>,
@@ -189,6 +196,7 @@ pub struct UcxSettings {
 
 /// A UCX variable with a value that is not UCX syntax.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SettingsError {
     /// A time variable.
     #[error("{var}: {source}")]
@@ -489,6 +497,7 @@ fn parse_bool(s: &str) -> Option<bool> {
 /// Worst-case times from a peer's death to its release, one per kind of
 /// death (see the module docs).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DetectionBound {
     /// Process gone (killed, crashed): the first operation after it sees
     /// it; idle, the next heartbeat.

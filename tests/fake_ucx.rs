@@ -226,9 +226,10 @@ async fn a_read_on_the_wire_when_the_peer_dies_ends_with_backend() {
 
 #[tokio::test(start_paused = true)]
 async fn a_frozen_peer_is_detected_after_the_keepalive_interval_when_opted_in() {
-    let (ucx, hs) = one_peer(FakeConfig {
-        frozen_peers_detected: true,
-        ..FakeConfig::default()
+    let (ucx, hs) = one_peer({
+        let mut config = FakeConfig::default();
+        config.frozen_peers_detected = true;
+        config
     });
     ucx.freeze(&hs.engine);
     advance(19 * S).await;
@@ -271,10 +272,11 @@ async fn a_frozen_peer_is_never_detected_with_keepalive_inf() {
 
 #[tokio::test(start_paused = true)]
 async fn a_frozen_peer_is_never_detected_when_configured_as_measured_on_shm_and_tcp() {
-    let config = FakeConfig {
-        keepalive_interval: Some(2 * S),
-        frozen_peers_detected: false,
-        ..FakeConfig::default()
+    let config = {
+        let mut config = FakeConfig::default();
+        config.keepalive_interval = Some(2 * S);
+        config.frozen_peers_detected = false;
+        config
     };
     let (ucx, hs) = one_peer(config);
     ucx.freeze(&hs.engine);
@@ -545,9 +547,10 @@ async fn a_release_closes_every_endpoint_live_or_dead_by_default() {
 
 #[tokio::test(start_paused = true)]
 async fn nixls_own_close_mode_leaves_a_live_peers_endpoint_open_and_closes_a_failed_one() {
-    let config = FakeConfig {
-        nixl_flush_close: true,
-        ..FakeConfig::default()
+    let config = {
+        let mut config = FakeConfig::default();
+        config.nixl_flush_close = true;
+        config
     };
     let (ucx, hs) = one_peer(config);
     // Rank 0's endpoint fails (UCX noticed), rank 1's peer is still live.
@@ -623,9 +626,10 @@ async fn calls_to_invalidated_metadata_answer_not_found() {
 
 #[tokio::test(start_paused = true)]
 async fn nixl_may_drop_metadata_itself_after_a_read_sees_a_disconnect() {
-    let config = FakeConfig {
-        drop_metadata_on_disconnect: true,
-        ..FakeConfig::default()
+    let config = {
+        let mut config = FakeConfig::default();
+        config.drop_metadata_on_disconnect = true;
+        config
     };
     let (ucx, hs) = one_peer(config);
     ucx.crash(&hs.engine);
@@ -777,9 +781,10 @@ async fn block_notify_for_sleeps_in_real_time_and_can_be_lifted() {
 
 #[tokio::test(start_paused = true)]
 async fn recording_can_be_turned_off() {
-    let config = FakeConfig {
-        record_calls: false,
-        ..FakeConfig::default()
+    let config = {
+        let mut config = FakeConfig::default();
+        config.record_calls = false;
+        config
     };
     let (ucx, hs) = one_peer(config);
     ucx.notify(&hs.agents[0], b"HB:").unwrap();

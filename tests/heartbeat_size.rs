@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use nixl_keepalive::fake::{FakeConfig, FakeOp, FakeUcx};
 use nixl_keepalive::lease::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
-use nixl_keepalive::lease::{RequestIdError, MAX_REQUEST_ID};
-use nixl_keepalive::text::NameError;
+use nixl_keepalive::lease::{LeaseError, RequestIdError, MAX_REQUEST_ID};
+use nixl_keepalive::NameError;
 use nixl_keepalive::{Config, EngineRef, KeepaliveHandle, PeerAddr};
 use proptest::prelude::*;
 use tokio_util::sync::CancellationToken;
@@ -56,7 +56,9 @@ async fn ten_thousand_pending_requests_go_out_in_notifications_of_at_most_8_kib_
     // A burst of renewal requests: the rate cap (burst 2) counts rounds,
     // however many notifications a round takes.
     for _ in 0..5 {
-        handle.renew_leases(engine.id());
+        handle
+            .renew_leases(engine.id())
+            .expect("the service is running");
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     let notifies: Vec<_> = ucx
@@ -114,13 +116,22 @@ async fn a_request_id_with_a_comma_or_a_control_character_is_refused_and_nothing
     let e = handle
         .add_leases(id, vec!["ok-1".into(), "req-1,req-2".into()], true)
         .unwrap_err();
-    assert!(matches!(e, RequestIdError::Separator { at: 5, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            LeaseError::RequestId(RequestIdError::Separator { at: 5, .. })
+        ),
+        "{e}"
+    );
     assert!(e.to_string().contains("req-1,req-2"), "{e}");
     let e = handle
         .add_leases(id, vec!["a\nHB:victim".into()], true)
         .unwrap_err();
     assert!(
-        matches!(e, RequestIdError::Name(NameError::Control { .. })),
+        matches!(
+            e,
+            LeaseError::RequestId(RequestIdError::Name(NameError::Control { .. }))
+        ),
         "{e}"
     );
     assert!(e.to_string().contains("a\\nHB:victim"), "{e}");
@@ -128,7 +139,10 @@ async fn a_request_id_with_a_comma_or_a_control_character_is_refused_and_nothing
         .add_leases(id, vec!["r".repeat(MAX_REQUEST_ID + 1)], true)
         .unwrap_err();
     assert!(
-        matches!(e, RequestIdError::Name(NameError::TooLong { .. })),
+        matches!(
+            e,
+            LeaseError::RequestId(RequestIdError::Name(NameError::TooLong { .. }))
+        ),
         "{e}"
     );
     handle

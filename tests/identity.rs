@@ -84,7 +84,7 @@ fn conflicts(events: &[Event]) -> Vec<&Conflict> {
     events
         .iter()
         .filter_map(|e| match e {
-            Event::Conflict { conflict } => Some(conflict),
+            Event::Conflict { conflict, .. } => Some(conflict),
             _ => None,
         })
         .collect()

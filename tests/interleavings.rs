@@ -367,7 +367,9 @@ impl Run {
                     },
                 };
                 let was_live = registered.state == EngineState::Live;
-                self.handle.member_gone(departure, GoneMode::Drain);
+                self.handle
+                    .member_gone(departure, GoneMode::Drain)
+                    .expect("the service is running");
                 self.settle().await;
                 // Nothing else ran in between: only this record could have
                 // retired it.
@@ -502,10 +504,15 @@ impl Run {
             }
             Op::GoneById(i, fail) => {
                 if let Some(engine) = self.engine_at(i) {
-                    self.handle.peer_gone(PeerRef::Engine(engine), mode(fail));
+                    self.handle
+                        .peer_gone(PeerRef::Engine(engine), mode(fail))
+                        .expect("the service is running");
                 }
             }
-            Op::GoneByAddr(i, fail) => self.handle.peer_gone(PeerRef::Address(addr(i)), mode(fail)),
+            Op::GoneByAddr(i, fail) => self
+                .handle
+                .peer_gone(PeerRef::Address(addr(i)), mode(fail))
+                .expect("the service is running"),
             Op::Lease(i, r) => {
                 if let Some(engine) = self.engine_at(i) {
                     self.handle
@@ -515,7 +522,9 @@ impl Run {
             }
             Op::Unlease(i, r) => {
                 if let Some(engine) = self.engine_at(i) {
-                    self.handle.remove_leases(&engine, vec![format!("req-{r}")]);
+                    self.handle
+                        .remove_leases(&engine, vec![format!("req-{r}")])
+                        .expect("the service is running");
                 }
             }
             Op::Advance(ms) => tokio::time::sleep(Duration::from_millis(ms as u64)).await,
@@ -602,9 +611,10 @@ fn run(ops: Vec<Op>, seed: u64) -> Vec<String> {
         .build()
         .unwrap();
     runtime.block_on(async move {
-        let ucx = FakeUcx::new(FakeConfig {
-            keepalive_interval: Some(Duration::from_secs(5)),
-            ..FakeConfig::default()
+        let ucx = FakeUcx::new({
+            let mut config = FakeConfig::default();
+            config.keepalive_interval = Some(Duration::from_secs(5));
+            config
         });
         let ledger = Arc::new(Ledger::default());
         let config = Config::builder()

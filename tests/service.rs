@@ -247,7 +247,9 @@ async fn the_per_engine_heartbeat_is_rate_limited_lease_renewals_included() {
             .expect("a valid request id");
     }
     for _ in 0..100 {
-        w.handle.renew_leases(engine.id());
+        w.handle
+            .renew_leases(engine.id())
+            .expect("the service is running");
         w.run_for(Duration::from_millis(100)).await;
     }
     let elapsed = start.elapsed();
@@ -354,7 +356,8 @@ async fn a_prefill_restarted_twice_normally_and_once_by_force_is_cleared_each_ti
     for _ in 0..2 {
         let read = current.begin_read().unwrap();
         w.handle
-            .peer_gone(PeerRef::Engine(current.id().clone()), GoneMode::Drain);
+            .peer_gone(PeerRef::Engine(current.id().clone()), GoneMode::Drain)
+            .expect("the service is running");
         w.run_for(Duration::from_millis(10)).await;
         assert!(!read.is_failed(), "drain lets reads finish");
         read.finish(w.ucx.read(current.id()));
@@ -561,17 +564,21 @@ async fn peer_gone_by_id_and_by_address_in_both_modes_is_idempotent_and_ignores_
 
     // Unknown peers: nothing happens.
     w.handle
-        .peer_gone(PeerRef::Engine(EngineId::from("nobody")), GoneMode::Fail);
-    w.handle.peer_gone(
-        PeerRef::Address(PeerAddr::from("10.9.9.9:1")),
-        GoneMode::Drain,
-    );
+        .peer_gone(PeerRef::Engine(EngineId::from("nobody")), GoneMode::Fail)
+        .expect("the service is running");
+    w.handle
+        .peer_gone(
+            PeerRef::Address(PeerAddr::from("10.9.9.9:1")),
+            GoneMode::Drain,
+        )
+        .expect("the service is running");
 
     // By id, drain: the read finishes normally, then release.
     let ra = ea.begin_read().unwrap();
     for _ in 0..3 {
         w.handle
-            .peer_gone(PeerRef::Engine(a.clone()), GoneMode::Drain);
+            .peer_gone(PeerRef::Engine(a.clone()), GoneMode::Drain)
+            .expect("the service is running");
     }
     w.run_for(Duration::from_secs(10)).await;
     assert!(!ra.is_failed());
@@ -585,9 +592,11 @@ async fn peer_gone_by_id_and_by_address_in_both_modes_is_idempotent_and_ignores_
     // By address, fail: the reads are failed at once, release on drop.
     let rb: Vec<_> = (0..2).map(|_| eb.begin_read().unwrap()).collect();
     w.handle
-        .peer_gone(PeerRef::Address(addr(2)), GoneMode::Fail);
+        .peer_gone(PeerRef::Address(addr(2)), GoneMode::Fail)
+        .expect("the service is running");
     w.handle
-        .peer_gone(PeerRef::Address(addr(2)), GoneMode::Fail);
+        .peer_gone(PeerRef::Address(addr(2)), GoneMode::Fail)
+        .expect("the service is running");
     let count = w
         .until(Duration::from_millis(1), |e| match e {
             Event::ReadsFailed { engine, count, .. } if engine == &b => Some(*count),
@@ -600,7 +609,8 @@ async fn peer_gone_by_id_and_by_address_in_both_modes_is_idempotent_and_ignores_
     w.released(&b, Duration::from_millis(1)).await;
     // Gone again after release: still nothing.
     w.handle
-        .peer_gone(PeerRef::Engine(b.clone()), GoneMode::Fail);
+        .peer_gone(PeerRef::Engine(b.clone()), GoneMode::Fail)
+        .expect("the service is running");
     w.run_for(Duration::from_secs(1)).await;
     assert!(w.handle.snapshot().await.unwrap().engines.is_empty());
     w.stop().await.assert_nothing_leaked();

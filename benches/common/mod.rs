@@ -211,9 +211,10 @@ impl FakeCluster {
     pub async fn start(healthy: usize, others: &[usize]) -> FakeCluster {
         use nixl_keepalive::fake::{FakeConfig, FakeUcx};
         use nixl_keepalive::{Config, PeerAddr, Registration};
-        let ucx = FakeUcx::new(FakeConfig {
-            record_calls: false,
-            ..FakeConfig::default()
+        let ucx = FakeUcx::new({
+            let mut config = FakeConfig::default();
+            config.record_calls = false;
+            config
         });
         let mut n = 0usize;
         let mut spawn = |count: usize| -> Vec<(EngineId, PeerAddr)> {

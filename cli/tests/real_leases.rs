@@ -145,7 +145,9 @@ fn over_three_leases_no_block_is_read_after_its_lease_expired_and_completed_requ
             vec![held.clone()],
             "leases of ended requests left behind"
         );
-        handle.remove_leases(&engine, vec![held.clone()]);
+        handle
+            .remove_leases(&engine, vec![held.clone()])
+            .expect("the service is running");
         let removed = Instant::now();
         while !expired(&p.log_text(), &held) {
             assert!(

@@ -697,7 +697,7 @@ fn a_partitioned_prefill_is_released_within_the_reported_bound_and_a_short_one_i
     // UCX's verdict: none, TCP is still retransmitting. The decode's own
     // read timeout (5 s) may pass meanwhile: a read given up unanswered is
     // the runtime's verdict that the engine is hung, and the service marks
-    // it stalled by design (README, "Hung peers"); it is registered again
+    // it stalled by design (docs/design/hung-peers.md); it is registered again
     // after the heal. Nothing else may happen to it.
     let during = events(&seen);
     assert!(

@@ -151,6 +151,7 @@ use crate::{
 
 /// How the simulated UCX behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FakeConfig {
     /// `UCX_KEEPALIVE_INTERVAL`: how long a peer must be silent before UCX
     /// fails its endpoints with `UCS_ERR_ENDPOINT_TIMEOUT`. `None` is `inf`:
@@ -204,6 +205,7 @@ impl FakeConfig {
 
 /// A handshake that did not complete. Nothing was loaded.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum FakeError {
     /// Nobody listens at the address: the engine there crashed and was not
     /// restarted.
@@ -231,6 +233,7 @@ pub enum FakeError {
 
 /// Why [`FakeUcx::connect`] did not connect. Nothing stays loaded.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum FakeConnectError {
     /// The side channel did not answer.
     #[error("handshake: {0}")]

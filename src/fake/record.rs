@@ -8,6 +8,7 @@ use crate::{AgentName, EngineId, NixlStatus, UcsStatus};
 
 /// A NIXL operation the fake performed on the decode side's agent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum FakeOp {
     /// `loadRemoteMD` for one remote agent (part of a handshake).
     LoadRemoteMd,
@@ -26,6 +27,7 @@ pub enum FakeOp {
 
 /// One recorded call.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FakeCall {
     /// The virtual time at which the call completed (for a blocked notify:
     /// when it was let go).

@@ -168,13 +168,13 @@ fn args_summary(args: &DemoArgs) -> report::RunInfo {
 async fn simulate(args: &DemoArgs, config: Config) -> Outcome {
     let out_is_tty = std::io::stdout().is_terminal();
     let live = !args.json;
-    let ucx = FakeUcx::new(FakeConfig {
-        keepalive_interval: args.ucx_keepalive.0,
-        record_calls: false,
+    let ucx = FakeUcx::new({
+        let mut fake = FakeConfig::with_keepalive(args.ucx_keepalive.0);
+        fake.record_calls = false;
         // As measured on shared memory and TCP: UCX never reports a frozen
         // peer; its lease expiry in the membership plane does.
-        frozen_peers_detected: false,
-        ..FakeConfig::default()
+        fake.frozen_peers_detected = false;
+        fake
     });
     let addrs: Vec<PeerAddr> = (0..args.prefills)
         .map(|i| PeerAddr::new(format!("10.0.{}.{}:5600", i / 250, i % 250 + 1)))
@@ -266,18 +266,15 @@ async fn simulate(args: &DemoArgs, config: Config) -> Outcome {
         view.stop().await;
     }
     shutdown.cancel();
-    let stopped = match service.await {
-        Ok(stopped) => stopped,
+    let unreleased = match service.await {
+        Ok(stopped) => stopped.unreleased,
         Err(e) => {
             timeline.violation(format!("the keepalive service task failed: {e}"));
-            nixl_keepalive::Stopped {
-                unreleased: Vec::new(),
-                releases_unfinished: Vec::new(),
-            }
+            Vec::new()
         }
     };
-    let returned_at_stop = stopped.unreleased.len();
-    for registration in stopped.unreleased {
+    let returned_at_stop = unreleased.len();
+    for registration in unreleased {
         // What the service handed back: the runtime releases it itself.
         use nixl_keepalive::Transport;
         ucx.release(

@@ -2,7 +2,10 @@
 
 use std::process::ExitCode;
 
+use std::io::Write;
+
 use clap::Parser;
+use nixl_keepalive::log_limit::{Line, LineBudget, LINES_PER_SECOND};
 
 mod control;
 mod decode;
@@ -52,8 +55,9 @@ pub(crate) fn main() -> ExitCode {
     }
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`). Colour only
-/// when stderr is a terminal and `NO_COLOR` is unset or empty
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`), within one
+/// log budget for the whole process ([`LogBudget`]). Colour only when
+/// stderr is a terminal and `NO_COLOR` is unset or empty
 /// (<https://no-color.org>): a log written to a file or a pipe carries no
 /// ANSI escapes.
 pub(crate) fn init_tracing() {
@@ -65,9 +69,99 @@ pub(crate) fn init_tracing() {
     );
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(LogBudget)
         .with_ansi(ansi)
         .try_init();
+    LogBudget::spawn_flusher();
+}
+
+/// The log's writer: stderr, through one [`LineBudget`] of
+/// [`LINES_PER_SECOND`] for every line the process logs, whatever it is
+/// about. The per-key limits ([`nixl_keepalive::log_limit::LogLimiter`])
+/// decide what deserves a line; this caps how many there are: 10,000 dead
+/// members, each a first occurrence, once wrote 30,013 lines in 40 s.
+/// Lines over the budget are counted, and one line a second says how
+/// many (`log budget: N lines suppressed ...`), written before the next
+/// line or by a flusher thread once the burst is over.
+struct LogBudget;
+
+static LINE_BUDGET: std::sync::LazyLock<std::sync::Mutex<LineBudget>> =
+    std::sync::LazyLock::new(|| std::sync::Mutex::new(LineBudget::new(LINES_PER_SECOND)));
+
+impl LogBudget {
+    fn admit() -> Line {
+        LINE_BUDGET
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .admit(tokio::time::Instant::now())
+    }
+
+    /// The line that tells what the budget suppressed.
+    fn tell(suppressed: u64) {
+        let _ = writeln!(
+            std::io::stderr(),
+            " WARN nixl_keepalive::log_limit: log budget: {suppressed} lines suppressed in the last second (at most {LINES_PER_SECOND} lines a second; every event is still counted in the metrics)"
+        );
+    }
+
+    /// A thread that tells, once a second, what a burst that ended left
+    /// untold.
+    fn spawn_flusher() {
+        static STARTED: std::sync::Once = std::sync::Once::new();
+        STARTED.call_once(|| {
+            let _ = std::thread::Builder::new()
+                .name("log-budget".into())
+                .spawn(|| loop {
+                    std::thread::sleep(std::time::Duration::from_secs(1));
+                    let told = LINE_BUDGET
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .flush(tokio::time::Instant::now());
+                    if let Some(n) = told {
+                        LogBudget::tell(n);
+                    }
+                });
+        });
+    }
+}
+
+/// One log line's writer: stderr, or nothing when over the budget.
+enum BudgetedLine {
+    Stderr(std::io::Stderr),
+    Suppressed,
+}
+
+impl Write for BudgetedLine {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            BudgetedLine::Stderr(s) => s.write(buf),
+            BudgetedLine::Suppressed => Ok(buf.len()),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            BudgetedLine::Stderr(s) => s.flush(),
+            BudgetedLine::Suppressed => Ok(()),
+        }
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBudget {
+    type Writer = BudgetedLine;
+
+    /// Called once per event (the formatter writes each line whole).
+    fn make_writer(&'a self) -> BudgetedLine {
+        match LogBudget::admit() {
+            Line::Write { suppressed } => {
+                if suppressed > 0 {
+                    LogBudget::tell(suppressed);
+                }
+                BudgetedLine::Stderr(std::io::stderr())
+            }
+            _ => BudgetedLine::Suppressed,
+        }
+    }
 }
 
 /// Whether logs get ANSI colour: on a terminal, unless `NO_COLOR` is set

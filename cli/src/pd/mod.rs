@@ -109,21 +109,23 @@ pub mod wire;
 
 /// Counts and logs a frame a peer got wrong (see "What is counted"). `side` is `prefill` (a bad
 /// request reached a prefill) or `decode` (a bad reply reached a decoder);
-/// `host` is who sent it (a client's address without its port: each
-/// connection has a port of its own). One WARN per side, host and kind of
-/// error per period, with the count it stands for: a client that sends
-/// the same garbage in a loop is one line per 10 s.
-pub(crate) fn bad_frame(side: &'static str, host: &str, error: &wire::WireError) {
+/// `peer` is who sent it, its full address (host and port: two broken
+/// peers on one host are two peers, and the second is not hidden behind
+/// the first). One WARN per side, peer and kind of error per period, with
+/// the count it stands for; over all peers, the process's log budget
+/// (`log_limit::LineBudget`) caps the lines a second, so a client that
+/// reconnects in a loop (a new port each time) costs at most that.
+pub(crate) fn bad_frame(side: &'static str, peer: &str, error: &wire::WireError) {
     type Key = (&'static str, String, &'static str);
     static LOG: std::sync::LazyLock<std::sync::Mutex<nixl_keepalive::log_limit::LogLimiter<Key>>> =
         std::sync::LazyLock::new(Default::default);
     metrics::counter!("nixl_keepalive_pd_bad_frames_total", "side" => side).increment(1);
     let told = LOG.lock().unwrap_or_else(|e| e.into_inner()).admit(
-        (side, host.to_string(), error.kind()),
+        (side, peer.to_string(), error.kind()),
         tokio::time::Instant::now(),
     );
     if let Some(suppressed) = told {
-        let peer = nixl_keepalive::text::Escaped(host);
+        let peer = nixl_keepalive::text::Escaped(peer);
         tracing::warn!(side, %peer, %error, suppressed, "bad side-channel frame refused");
     }
 }

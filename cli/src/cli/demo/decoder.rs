@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use backon::BackoffBuilder;
 use nixl_keepalive::fake::{AuditedUcx, FakeError, FakeResources, FakeUcx};
-use nixl_keepalive::{EngineRef, EngineState, Event, KeepaliveHandle, NixlStatus, PeerAddr, Ready};
+use nixl_keepalive::{
+    EngineRef, EngineState, Event, KeepaliveHandle, LeaseError, NixlStatus, PeerAddr, Ready,
+};
 use nixl_keepalive_cli::pd::retry;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -382,10 +384,12 @@ impl Decoder {
             request += 1;
             let engine = current.engine.id().clone();
             let lease = format!("req-{}-{request}", rng.random::<u32>());
-            inner
-                .handle
-                .add_leases(&engine, vec![lease.clone()], false)
-                .expect("the demo's request ids are valid");
+            if let Err(LeaseError::RequestId(e)) =
+                inner.handle.add_leases(&engine, vec![lease.clone()], false)
+            {
+                // (A stopped service is the end of the run: no lease.)
+                panic!("the demo's request ids are valid: {e}");
+            }
             let failed = guard.failed();
             tokio::pin!(failed);
             let mut wait = rng.random_range(shape.read.0..=shape.read.1);
@@ -411,7 +415,8 @@ impl Decoder {
                 }
                 wait = shape.poll;
             }
-            inner.handle.remove_leases(&engine, vec![lease]);
+            // A stopped service renews nothing: there is nothing to remove.
+            let _ = inner.handle.remove_leases(&engine, vec![lease]);
             let counter = if failed_by_service {
                 &inner.counts.failed_by_service
             } else if status == NixlStatus::SUCCESS {

@@ -72,9 +72,11 @@ impl DemoMembership {
         let (mut updates, _driver) = membership::spawn(
             store.watch(),
             handle,
-            MembershipConfig {
-                gone_mode: GoneMode::Fail,
-                reset_grace: LEASE_TTL,
+            {
+                let mut config = MembershipConfig::default();
+                config.gone_mode = GoneMode::Fail;
+                config.reset_grace = LEASE_TTL;
+                config
             },
             shutdown.clone(),
         );
@@ -133,6 +135,7 @@ fn on_update(update: &MembershipUpdate, timeline: &Timeline, in_outage: &mut boo
                 "membership: etcd was reset: {awaited} engines kept for {:.1} s",
                 grace.as_secs_f64()
             ),
+            other => format!("membership: {other:?}"),
         };
         timeline.log(line);
     }

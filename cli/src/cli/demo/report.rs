@@ -136,6 +136,8 @@ impl EventCounts {
                 self.released += 1;
                 *self.released_by_reason.entry(reason.as_str()).or_default() += 1;
             }
+            // A kind this build does not count: still in the log.
+            _ => {}
         }
     }
 }
@@ -151,6 +153,17 @@ struct Record {
     incidents: Vec<Incident>,
     log: Vec<String>,
     violations: Vec<String>,
+    events: Vec<LoggedEvent>,
+}
+
+/// One event of the service with when it came (seconds of the scenario):
+/// the JSON summary's `event_log`, the library's own serialization of the
+/// event beside `at_s`.
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct LoggedEvent {
+    at_s: f64,
+    #[serde(flatten)]
+    event: Event,
 }
 
 impl Timeline {
@@ -250,93 +263,42 @@ impl Timeline {
             .any(|i| i.open && i.prefill == prefill && i.expect == Expect::Release)
     }
 
-    /// Feeds one event of the service.
+    /// Feeds one event of the service: its outcome for the incident it
+    /// closes, and the event itself, as the library renders it (its
+    /// `Display` in the log, its `Serialize` in the JSON summary).
     pub(super) fn on_event(&self, event: &Event) {
         let now = self.now();
         let mut record = self.lock();
-        let line = match event {
-            Event::Registered { engine, address, .. } => format!("{engine} registered at {address}"),
+        match event {
             Event::Unreachable {
                 engine,
                 status,
                 source,
                 ..
-            } => {
-                record.detect(engine, now, format!("{} ({source})", status.name()));
-                format!("{engine} unreachable: {} from a {source}", status.name())
-            }
-            Event::Replaced { old, new, address, .. } => {
-                record.detect(
-                    old,
-                    now,
-                    if old == new {
-                        "registered again".into()
-                    } else {
-                        format!("replaced by {new}")
-                    },
-                );
+            } => record.detect(engine, now, format!("{} ({source})", status.name())),
+            Event::Replaced { old, new, .. } => record.detect(
+                old,
+                now,
                 if old == new {
-                    format!("{old} registered again at {address}: the old registration goes first")
+                    "registered again".into()
                 } else {
-                    format!("{old} replaced by {new} at {address}")
-                }
-            }
-            Event::Retiring { engine, fail_reads, .. } => {
-                record.detect(engine, now, "peer gone".into());
-                format!("{engine} retiring (fail reads: {fail_reads})")
-            }
-            Event::ReadsFailed { engine, count, .. } => {
-                format!("{count} read(s) from {engine} failed by the service")
-            }
-            Event::Conflict { conflict } => {
-                format!("identity conflict refused ({}): {conflict}", conflict.kind())
-            }
-            Event::TransientError {
-                engine,
-                status,
-                source,
-                ..
-            } => format!(
-                "{engine}: {} from a {source} (transient: counted, kept)",
-                status.name()
+                    format!("replaced by {new}")
+                },
             ),
-            Event::TransportPanicked {
-                engine,
-                call,
-                message,
-                ..
-            } => format!("{engine}: the transport panicked in {call}: {message}"),
-            Event::Stalled {
-                engine,
-                reads_in_flight,
-                stalled_for,
-                failed,
-                ..
-            } => format!(
-                "{engine}: {reads_in_flight} read(s) stalled for {stalled_for:?} while others completed: hung{}",
-                if *failed { "; its reads failed" } else { " (reported only)" }
-            ),
+            Event::Retiring { engine, .. } => record.detect(engine, now, "peer gone".into()),
             Event::Released {
                 engine,
                 reason,
                 waited_for,
-                failed_steps,
                 ..
-            } => {
-                record.release(engine, now, *reason, *waited_for);
-                format!(
-                    "{engine} released ({}); waited for {}{}",
-                    reason.as_str(),
-                    Waited::from(*waited_for).text(),
-                    if *failed_steps > 0 {
-                        format!("; {failed_steps} release step(s) failed")
-                    } else {
-                        String::new()
-                    }
-                )
-            }
-        };
-        record.log.push(format!("[{}] {line}", clock(now)));
+            } => record.release(engine, now, *reason, *waited_for),
+            _ => {}
+        }
+        record.log.push(format!("[{}] {event}", clock(now)));
+        record.events.push(LoggedEvent {
+            at_s: now.as_secs_f64(),
+            event: event.clone(),
+        });
     }
 
     /// Closes the incidents at the end of the run and returns them.
@@ -365,6 +327,11 @@ impl Timeline {
             .violations
             .extend(late.into_iter().map(|l| format!("[end] VIOLATION: {l}")));
         (record.incidents.clone(), record.violations.clone())
+    }
+
+    /// Every event of the service seen so far, in order.
+    fn events(&self) -> Vec<LoggedEvent> {
+        self.lock().events.clone()
     }
 }
 
@@ -505,6 +472,9 @@ pub(super) struct Outcome {
     pub(super) incidents: Vec<Incident>,
     pub(super) reads: Reads,
     pub(super) events: EventCounts,
+    /// Every event of the service, in order, as the library serializes
+    /// it (`"event": <kind>` and the fields its line shows), with `at_s`.
+    pub(super) event_log: Vec<LoggedEvent>,
     /// Release calls the transport got from the service.
     pub(super) transport_releases: u64,
     /// Registrations the service handed back at shutdown (released by the
@@ -545,6 +515,7 @@ impl Outcome {
             reads,
             released: events.released,
             events,
+            event_log: timeline.events(),
             transport_releases,
             returned_at_stop,
             leaked: Leaked {
