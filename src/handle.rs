@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use tokio::sync::{broadcast, mpsc, oneshot};
 
@@ -16,7 +16,7 @@ use crate::core::{Answer, EngineCell, Input, RequestId, TicketId, Wake, WakeSink
 use crate::engine::{EngineRef, OwnedReadGuard};
 use crate::error::{ClaimRefused, ReadRefused, RegisterError, ServiceStopped};
 use crate::event::Event;
-use crate::lease::{check_request_id, RequestIdError};
+use crate::lease::{check_request_id, LeaseError};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::snapshot::Snapshot;
 use crate::state::EngineState;
@@ -64,7 +64,15 @@ pub struct KeepaliveHandle<R> {
     pub(crate) sink: Arc<dyn WakeSink>,
     pub(crate) events: broadcast::Sender<Event>,
     pub(crate) directory: Directory,
+    /// Registrations refused because the service had stopped, whose
+    /// futures were dropped before they could hand them back
+    /// ([`KeepaliveHandle::take_handed_back`]).
+    pub(crate) handed_back: HandedBack<R>,
 }
+
+/// Where a refused registration goes when nobody is left to take it from
+/// its future: shared by every clone of a handle.
+pub(crate) type HandedBack<R> = Arc<Mutex<Vec<Registration<R>>>>;
 
 impl<R> Clone for KeepaliveHandle<R> {
     fn clone(&self) -> Self {
@@ -73,6 +81,38 @@ impl<R> Clone for KeepaliveHandle<R> {
             sink: self.sink.clone(),
             events: self.events.clone(),
             directory: self.directory.clone(),
+            handed_back: self.handed_back.clone(),
+        }
+    }
+}
+
+/// A registration the stopped service refused, on its way back to the
+/// caller in a future's `RegisterError::Stopped`. Dropped before it got
+/// there (the future dropped unpolled), it goes to the handle's
+/// [`KeepaliveHandle::take_handed_back`] instead of being lost: every
+/// registration handed to the library ends exactly once.
+struct Refused<R> {
+    registration: Option<Registration<R>>,
+    handed_back: HandedBack<R>,
+}
+
+impl<R> Refused<R> {
+    fn take(mut self) -> Registration<R> {
+        self.registration.take().expect("taken once")
+    }
+}
+
+impl<R> Drop for Refused<R> {
+    fn drop(&mut self) {
+        if let Some(registration) = self.registration.take() {
+            tracing::warn!(
+                engine = %registration.engine,
+                "a registration refused by the stopped service was dropped unread: kept for take_handed_back()"
+            );
+            self.handed_back
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(registration);
         }
     }
 }
@@ -130,7 +170,9 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
     /// returns, before the future is first polled; dropping the future
     /// loses nothing (an activated engine is found with
     /// [`KeepaliveHandle::engine`], a refused one is handed back in
-    /// [`crate::Stopped::unreleased`]).
+    /// [`crate::Stopped::unreleased`]; one refused because the service
+    /// had stopped already is kept for
+    /// [`KeepaliveHandle::take_handed_back`]).
     pub fn register(
         &self,
         registration: Registration<R>,
@@ -165,17 +207,30 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
                 Msg::Ask {
                     input: Input::Register { registration, .. },
                     ..
-                } => RegisterError::Stopped(registration),
+                } => Refused {
+                    registration: Some(registration),
+                    handed_back: self.handed_back.clone(),
+                },
                 _ => unreachable!("sent a registration"),
             });
         async move {
-            sent?;
+            sent.map_err(|refused| RegisterError::Stopped(refused.take()))?;
             match answer.await {
                 Ok(Answer::Registered(cell)) => Ok(EngineRef { cell }),
                 Ok(Answer::Refused(error)) => Err(error),
                 _ => Err(RegisterError::ServiceGone { engine }),
             }
         }
+    }
+
+    /// Registrations that were refused because the service had stopped and
+    /// whose futures were dropped before they said so
+    /// (`drop(handle.register(r))` after the stop): taken out here, once
+    /// each. Give each back as you would [`crate::Stopped::unreleased`].
+    /// Empty while the service runs (a running service answers every
+    /// registration: activated, or handed back in its `Stopped`).
+    pub fn take_handed_back(&self) -> Vec<Registration<R>> {
+        std::mem::take(&mut *self.handed_back.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// A question to the service: the answer, or `None` when the service
@@ -201,8 +256,12 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
     /// record expiring late, one engine id listed at two addresses) is an
     /// identity conflict: counted, logged once, never a release. A no-op
     /// for engines not registered.
-    pub fn member_gone(&self, departure: Departure, mode: GoneMode) {
-        self.input(Input::MemberGone { departure, mode });
+    ///
+    /// [`ServiceStopped`] when the service is no longer running: nothing
+    /// was retired by this call (a stopped service released or handed back
+    /// every engine already).
+    pub fn member_gone(&self, departure: Departure, mode: GoneMode) -> Result<(), ServiceStopped> {
+        self.input(Input::MemberGone { departure, mode })
     }
 
     /// The registered engine `engine`, if any.
@@ -233,13 +292,16 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
     ///
     /// Each id must be 1 to [`crate::lease::MAX_REQUEST_ID`] bytes of
     /// printable text without `,` (the separator of `HB:`'s ids): the
-    /// first id that is not is in the error, and none of them is added.
+    /// first id that is not is in the error
+    /// ([`LeaseError::RequestId`]), and none of them is added.
+    /// [`LeaseError::Stopped`] when the service is no longer running:
+    /// nothing will renew them.
     pub fn add_leases(
         &self,
         engine: &EngineId,
         requests: Vec<String>,
         renew_now: bool,
-    ) -> Result<(), RequestIdError> {
+    ) -> Result<(), LeaseError> {
         for id in &requests {
             check_request_id(id)?;
         }
@@ -247,32 +309,43 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
             engine: engine.clone(),
             requests,
             renew_now,
-        });
+        })?;
         Ok(())
     }
 
     /// Asks for a lease renewal to `engine` as soon as its rate cap allows.
-    pub fn renew_leases(&self, engine: &EngineId) {
+    /// [`ServiceStopped`] when the service is no longer running: no
+    /// renewal will go out.
+    pub fn renew_leases(&self, engine: &EngineId) -> Result<(), ServiceStopped> {
         self.input(Input::AddLeases {
             engine: engine.clone(),
             requests: Vec::new(),
             renew_now: true,
-        });
+        })
     }
 
-    /// Stops renewing these lease request ids.
-    pub fn remove_leases(&self, engine: &EngineId, requests: Vec<String>) {
+    /// Stops renewing these lease request ids. [`ServiceStopped`] when the
+    /// service is no longer running (it renews nothing any more).
+    pub fn remove_leases(
+        &self,
+        engine: &EngineId,
+        requests: Vec<String>,
+    ) -> Result<(), ServiceStopped> {
         self.input(Input::RemoveLeases {
             engine: engine.clone(),
             requests,
-        });
+        })
     }
 
     /// The router or orchestrator says a peer is gone. Idempotent; a no-op
     /// for unknown peers. `Fail` after `Drain` fails the reads still in
     /// flight.
-    pub fn peer_gone(&self, peer: PeerRef, mode: GoneMode) {
-        self.input(Input::PeerGone { peer, mode });
+    ///
+    /// [`ServiceStopped`] when the service is no longer running: the call
+    /// changed nothing (a stopped service released or handed back every
+    /// engine already), so a router can tell "noted" from "nobody there".
+    pub fn peer_gone(&self, peer: PeerRef, mode: GoneMode) -> Result<(), ServiceStopped> {
+        self.input(Input::PeerGone { peer, mode })
     }
 
     /// Events from now on. A subscriber slower than the event capacity
@@ -292,9 +365,12 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
         wait.await.map_err(|_| ServiceStopped)
     }
 
-    fn input(&self, input: Input<R>) {
-        // A stopped service has nothing left to act on.
-        let _ = self.inbox.send(Msg::Input(input));
+    /// Hands `input` to the driver; refused once the driver is gone (the
+    /// service stopped: nothing is left to act on it).
+    fn input(&self, input: Input<R>) -> Result<(), ServiceStopped> {
+        self.inbox
+            .send(Msg::Input(input))
+            .map_err(|_| ServiceStopped)
     }
 }
 
@@ -452,7 +528,8 @@ impl<R: Send + 'static> ReadyToLoad<R> {
     /// returns, before the future is first polled: dropping the future
     /// loses nothing (find the engine with [`KeepaliveHandle::engine`]).
     /// Only a service that has already stopped hands it back
-    /// ([`RegisterError::Stopped`]).
+    /// ([`RegisterError::Stopped`]; with the future dropped unpolled, through
+    /// [`KeepaliveHandle::take_handed_back`]).
     pub fn register(
         mut self,
         resources: R,

@@ -80,10 +80,13 @@ name_type! {
     ///
     /// Addresses are compared as written once made canonical: an IP
     /// literal is written the one way the standard library writes it
-    /// (`127.000.0.1:05600` is `127.0.0.1:5600`, `[0:0::1]:80` is
-    /// `[::1]:80`), a host name in lower case. A name is not resolved here;
-    /// [`PeerAddr::resolve`] resolves it to the one address it names, so
-    /// that `localhost:5600` and `127.0.0.1:5600` are one peer.
+    /// (`[0:0::1]:80` is `[::1]:80`), a host name in lower case. A name is
+    /// not resolved here; [`PeerAddr::resolve`] resolves it to the one
+    /// address it names, so that `localhost:5600` and `127.0.0.1:5600` are
+    /// one peer, and refuses a host of numbers that is not a standard IPv4
+    /// literal (`010.0.0.1:5600`, `127.000.0.1:5600`, `2130706433:5600`):
+    /// the standard parser refuses it and the C resolver would read it
+    /// another way (`010` as octal 8), so it could name two hosts.
     PeerAddr,
     canonical_address
 }
@@ -108,12 +111,35 @@ fn canonical_address(raw: Arc<str>) -> Arc<str> {
     }
 }
 
+/// Whether `host` is made of numbers only (decimal or `0x` hex parts
+/// between dots) without being a standard dotted-quad IPv4 literal: the
+/// forms `inet_aton` reads its own way (octal, hex, fewer parts).
+fn is_nonstandard_numeric_host(host: &str) -> bool {
+    let host = host.strip_suffix('.').unwrap_or(host);
+    let numeric_part = |part: &str| {
+        let part = part.to_ascii_lowercase();
+        match part.strip_prefix("0x") {
+            Some(hex) => hex.bytes().all(|b| b.is_ascii_hexdigit()),
+            None => !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()),
+        }
+    };
+    !host.is_empty()
+        && host.split('.').all(numeric_part)
+        && host.parse::<std::net::Ipv4Addr>().is_err()
+}
+
 /// A `host:port` that could not be made one address.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ResolveError {
     /// Not `host:port` with a port number.
     #[error("{0:?} is not host:port (a host name or IP address, a colon, a port 0-65535)")]
     Form(String),
+    /// The host is made of numbers but is not a standard IPv4 literal
+    /// (leading zeros, hex, fewer than four parts): a C resolver would read
+    /// it as another address than it seems to say.
+    #[error("{0:?} is refused: its host is numbers but not a standard IPv4 address (four decimal parts 0-255 without leading zeros), and a C resolver would read it another way (010 as octal 8); write it as, e.g., 10.0.0.1:5600")]
+    NumericHost(String),
     /// The name did not resolve.
     #[error("{address} does not resolve: {source}")]
     Lookup {
@@ -140,13 +166,29 @@ impl PeerAddr {
     /// peer. A name that resolves to several addresses is refused
     /// ([`ResolveError::Ambiguous`]), never guessed. IP literals are not
     /// looked up.
+    ///
+    /// A host made only of numbers (and dots, or `0x` parts) that is not a
+    /// standard IPv4 literal is refused ([`ResolveError::NumericHost`]):
+    /// the lookup would hand it to the C resolver, which reads `010` as
+    /// octal and `2130706433` as one 32-bit number. The port is decimal
+    /// digits only (`05600` is `5600`; a sign is refused).
     pub async fn resolve(address: &str) -> Result<PeerAddr, ResolveError> {
         let form = || ResolveError::Form(crate::text::Escaped(address).to_string());
         let (host, port) = address.rsplit_once(':').ok_or_else(form)?;
-        if host.is_empty() || port.parse::<u16>().is_err() {
+        if host.is_empty()
+            || port.is_empty()
+            || !port.bytes().all(|b| b.is_ascii_digit())
+            || port.parse::<u16>().is_err()
+        {
             return Err(form());
         }
-        let literal = PeerAddr::new(address);
+        if is_nonstandard_numeric_host(host) {
+            return Err(ResolveError::NumericHost(
+                crate::text::Escaped(address).to_string(),
+            ));
+        }
+        let port: u16 = port.parse().map_err(|_| form())?;
+        let literal = PeerAddr::new(format!("{host}:{port}"));
         if literal.as_str().parse::<std::net::SocketAddr>().is_ok() {
             return Ok(literal);
         }
@@ -176,6 +218,7 @@ impl PeerAddr {
 /// A NIXL call that did not succeed, with the raw status it returned.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{operation} returned {status}")]
+#[non_exhaustive]
 pub struct TransportError {
     /// What was called (`genNotif`, `invalidateRemoteMD`, ...).
     pub operation: &'static str,
@@ -217,6 +260,7 @@ impl ReleaseStep {
 
 /// What one release step gave back.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ReleaseTarget {
     /// A prepped descriptor-list handle (`releasedDlistH`), by its index in
     /// the engine's resources.
@@ -251,6 +295,7 @@ pub enum ReleaseTarget {
 /// keepalive round (`UCX_KEEPALIVE_INTERVAL` of the prefill, 20 s by
 /// default).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum EndpointClose {
     /// Every endpoint closed at once: destroyed with its transports.
     Closed {
@@ -331,5 +376,65 @@ pub trait Transport: Send + Sync + 'static {
     /// (`cli/tests/real_buffer.rs`).
     fn release_ends_transfers(&self) -> bool {
         false
+    }
+}
+
+#[cfg(test)]
+mod resolve_tests {
+    use super::{PeerAddr, ResolveError};
+
+    #[tokio::test]
+    async fn a_numeric_host_that_is_not_a_standard_ipv4_literal_is_refused_naming_the_form() {
+        for address in [
+            "010.000.000.001:5600",
+            "010.0.0.1:5600",
+            "127.000.0.1:5600",
+            "2130706433:5600",
+            "127.1:5600",
+            "0x7f.0.0.1:5600",
+            "1.2.3.4.5:5600",
+        ] {
+            match PeerAddr::resolve(address).await {
+                Err(ResolveError::NumericHost(shown)) => {
+                    assert_eq!(shown, address);
+                    let text = ResolveError::NumericHost(shown).to_string();
+                    assert!(text.contains("standard IPv4"), "{text}");
+                }
+                other => panic!("{address}: {other:?}"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn standard_literals_are_kept_and_the_port_is_written_canonically() {
+        let ok = |a: &str| a.to_string();
+        assert_eq!(
+            PeerAddr::resolve("10.0.0.1:5600").await.unwrap().as_str(),
+            ok("10.0.0.1:5600")
+        );
+        assert_eq!(
+            PeerAddr::resolve("127.0.0.1:05600").await.unwrap().as_str(),
+            ok("127.0.0.1:5600")
+        );
+        assert_eq!(
+            PeerAddr::resolve("[0:0::1]:80").await.unwrap().as_str(),
+            ok("[::1]:80")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_port_with_a_sign_or_no_port_is_not_host_port() {
+        for address in [
+            "10.0.0.1:+80",
+            "10.0.0.1:",
+            "not-an-address",
+            ":80",
+            "10.0.0.1:65536",
+        ] {
+            assert!(
+                matches!(PeerAddr::resolve(address).await, Err(ResolveError::Form(_))),
+                "{address}"
+            );
+        }
     }
 }

@@ -130,9 +130,11 @@ async fn two_notifies_that_hang_in_one_burst_hold_neither_a_release_nor_a_health
     let gates: Vec<NotifyGate> = hung.iter().map(|e| ucx.block_notify(e)).collect();
     // One burst: two rounds that will hang, and a release, in one batch.
     for e in &hung {
-        handle.renew_leases(e);
+        handle.renew_leases(e).expect("the service is running");
     }
-    handle.peer_gone(PeerRef::Engine(gone.clone()), GoneMode::Drain);
+    handle
+        .peer_gone(PeerRef::Engine(gone.clone()), GoneMode::Drain)
+        .expect("the service is running");
     until(&handle, "both notifies hang", || {
         gates.iter().all(|g| g.waiting() == 1)
     })
@@ -226,5 +228,63 @@ async fn a_late_report_from_the_old_process_of_a_pinned_id_never_marks_the_reloa
     assert!(new.begin_read().is_ok());
     shutdown.cancel();
     assert!(task.await.unwrap().unreleased.is_empty());
+    ucx.assert_nothing_leaked();
+}
+
+/// A registration handed to a service that has stopped was lost when its
+/// future was dropped unpolled: the `RegisterError::Stopped` that gives it
+/// back lived only inside the future. Now it waits in
+/// `take_handed_back`, once, for a direct registration and for a claim
+/// granted before the stop alike.
+#[tokio::test(start_paused = true)]
+async fn a_registration_dropped_unpolled_after_the_stop_is_handed_back_exactly_once() {
+    use nixl_keepalive::Transport;
+    let (ucx, handle, task, shutdown) = service(Duration::from_secs(5));
+    ucx.spawn_prefill(addr(1), 2);
+    let metadata = ucx.fetch_metadata(&addr(1)).unwrap();
+    let Ready::Load(ready) = handle
+        .handshake(addr(1))
+        .ready_to_load(metadata.claim())
+        .await
+        .unwrap()
+    else {
+        panic!("a new engine: load it")
+    };
+    let loaded = ucx.load_metadata(&metadata).unwrap();
+    shutdown.cancel();
+    let stopped = task.await.unwrap();
+    assert!(stopped.unreleased.is_empty());
+    assert!(handle.take_handed_back().is_empty(), "nothing refused yet");
+    ucx.spawn_prefill(addr(2), 1);
+    let late = ucx.handshake(&addr(2)).unwrap();
+    drop(handle.register(nixl_keepalive::Registration {
+        engine: late.engine.clone(),
+        incarnation: None,
+        address: addr(2),
+        agents: late.agents.clone(),
+        resources: late.resources,
+    }));
+    drop(ready.register(loaded.resources));
+    let mut back = handle.take_handed_back();
+    back.sort_by(|a, b| a.address.cmp(&b.address));
+    assert_eq!(
+        back.iter().map(|r| r.address.clone()).collect::<Vec<_>>(),
+        vec![addr(1), addr(2)],
+        "both dropped registrations, each once"
+    );
+    assert!(handle.take_handed_back().is_empty(), "taken once");
+    // A future that is polled hands it back itself, and not twice.
+    let polled = handle.register(nixl_keepalive::Registration {
+        engine: EngineId::from("polled"),
+        incarnation: None,
+        address: addr(3),
+        agents: vec![nixl_keepalive::AgentName::from("polled-agent")],
+        resources: FakeResources::empty(EngineId::from("polled")),
+    });
+    assert!(matches!(polled.await, Err(RegisterError::Stopped(_))));
+    assert!(handle.take_handed_back().is_empty());
+    for r in back {
+        ucx.release(&r.engine, &r.agents, r.resources);
+    }
     ucx.assert_nothing_leaked();
 }

@@ -95,3 +95,66 @@ async fn a_broken_prefill_s_1235_transient_errors_in_16_s_make_one_line_per_peri
         .expect("the count is in the line");
     assert!(told > 700, "{}", lines[1]);
 }
+
+/// A stream of stale incarnations of one engine (records of its dead
+/// predecessors expiring late, each naming its own incarnation) was one
+/// WARN each. Now the WARN is per engine and kind: the first, then one at
+/// each power of two of distinct ones with the count; every one is still
+/// counted and still an event, and the healthy engine is kept.
+#[tokio::test(start_paused = true)]
+async fn stale_incarnations_of_one_engine_are_one_warn_then_a_count_not_a_line_each() {
+    let captured = Captured::default();
+    let sink = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || sink.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let ucx = FakeUcx::new(FakeConfig::default());
+    let shutdown = CancellationToken::new();
+    let config = Config::builder()
+        .event_capacity(4096)
+        .seed(5)
+        .build()
+        .unwrap();
+    let (handle, task) = nixl_keepalive::spawn(Arc::new(ucx.clone()), config, shutdown.clone());
+    let mut events = handle.subscribe();
+    let address = PeerAddr::new("10.0.0.2:5600");
+    ucx.spawn_prefill(address.clone(), 1);
+    let engine = ucx.connect(&handle, &address).await.expect("connects");
+    let stale = 300u64;
+    for k in 0..stale {
+        handle
+            .member_gone(
+                nixl_keepalive::Departure {
+                    engine: engine.id().clone(),
+                    incarnation: Some(nixl_keepalive::Incarnation(1_000_000 + k)),
+                    address: address.clone(),
+                },
+                nixl_keepalive::GoneMode::Drain,
+            )
+            .unwrap();
+    }
+    let _ = handle.snapshot().await.unwrap();
+    assert_eq!(engine.state(), nixl_keepalive::EngineState::Live, "kept");
+    shutdown.cancel();
+    task.await.unwrap();
+
+    let mut conflicts = 0;
+    while let Ok(e) = events.try_recv() {
+        if matches!(e, Event::Conflict { .. }) {
+            conflicts += 1;
+        }
+    }
+    assert_eq!(conflicts, stale, "each distinct conflict is an event");
+    let warns: Vec<String> = captured
+        .lines_with("WARN")
+        .into_iter()
+        .filter(|l| l.contains("identity conflict"))
+        .collect();
+    // 1, then 2, 4, 8, 16, 32, 64, 128, 256: 9 lines for 300.
+    assert_eq!(warns.len(), 9, "{warns:#?}");
+    assert!(warns[8].contains("distinct=256"), "{}", warns[8]);
+}

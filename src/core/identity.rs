@@ -127,7 +127,27 @@ impl<R> Core<R> {
         *seen += 1;
         let seen = *seen;
         if seen == 1 {
-            tracing::warn!(kind = conflict.kind(), source, %conflict, "identity conflict: the newcomer is refused, the registered engine kept (logged once; counted in nixl_keepalive_identity_conflicts_total)");
+            // The WARN is keyed by engine and kind, not by the whole
+            // conflict: a stream of stale incarnations (or replies) of one
+            // engine is one WARN, then one at the 2nd, 4th, 8th, ... distinct
+            // one (and every 1,000th) with the count; each is still an event
+            // and counted.
+            let key = (conflict.kind(), conflict.engine().clone());
+            if self.conflict_lines.len() >= CONFLICTS_REMEMBERED
+                && !self.conflict_lines.contains_key(&key)
+            {
+                self.conflict_lines.clear();
+            }
+            let distinct = self.conflict_lines.entry(key).or_insert(0);
+            *distinct += 1;
+            let distinct = *distinct;
+            if distinct == 1 {
+                tracing::warn!(kind = conflict.kind(), source, %conflict, "identity conflict: the newcomer is refused, the registered engine kept (logged once per engine and kind; counted in nixl_keepalive_identity_conflicts_total)");
+            } else if distinct.is_power_of_two() || distinct % 1000 == 0 {
+                tracing::warn!(kind = conflict.kind(), source, %conflict, distinct, "identity conflicts of this engine and kind so far (the others at DEBUG)");
+            } else {
+                tracing::debug!(kind = conflict.kind(), source, %conflict, distinct, "another identity conflict of this engine and kind");
+            }
             self.emit(Event::Conflict { conflict });
         } else {
             tracing::debug!(kind = conflict.kind(), source, %conflict, times = seen, "identity conflict again");
@@ -405,13 +425,17 @@ impl<R> Core<R> {
         *count -= 1;
         if *count == 0 {
             self.handshakes.remove(&t.address);
-            for serial in self
-                .held_by_handshake
-                .remove(&t.address)
-                .unwrap_or_default()
-            {
-                self.try_release(now, serial);
-            }
+        }
+        // The registrations this address holds back are judged again: a
+        // handshake begun before their mark may have been the last that
+        // held them, whatever later ones are still open (each that is
+        // still held goes back on the list).
+        for serial in self
+            .held_by_handshake
+            .remove(&t.address)
+            .unwrap_or_default()
+        {
+            self.try_release(now, serial);
         }
     }
 
@@ -667,6 +691,11 @@ impl<R> Core<R> {
             self.by_id.remove(engine);
             self.engine_moved(now, engine.clone());
         }
+        // After mass departures (10,000 members that left) the tables give
+        // their buckets back.
+        super::shrink::after_removal(&mut self.agents);
+        super::shrink::after_removal(&mut self.by_addr);
+        super::shrink::after_removal(&mut self.by_id);
     }
 
     // ----- retirement by others -----

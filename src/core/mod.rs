@@ -49,6 +49,7 @@ mod rate;
 mod release;
 mod report;
 mod schedule;
+mod shrink;
 mod stall;
 mod status;
 #[cfg(test)]
@@ -245,6 +246,8 @@ pub(crate) struct Core<R> {
     waiting: Map<EngineId, VecDeque<TicketId>>,
     /// Conflicts seen, and how often: each is logged once.
     conflicts: Map<Conflict, u64>,
+    /// Distinct conflicts per (kind, engine), for the WARN lines.
+    conflict_lines: Map<(&'static str, EngineId), u64>,
     /// The newest handshake started so far.
     newest_ticket: TicketId,
     schedule: Schedule<PeerKey>,
@@ -304,6 +307,7 @@ impl<R> Core<R> {
             loads: Map::default(),
             waiting: Map::default(),
             conflicts: Map::default(),
+            conflict_lines: Map::default(),
             newest_ticket: TicketId(0),
             rng,
             actions: VecDeque::new(),

@@ -22,6 +22,12 @@ pub(super) struct Mark {
     pub(super) at: Instant,
     pub(super) reads_at_mark: u64,
     pub(super) held_by_handshake: bool,
+    /// The handshakes open at the registration's address when it was
+    /// marked: only these hold its release back. One begun after the mark
+    /// cannot (it finds the engine marked already), so a loop of
+    /// handshakes at a dead prefill's address delays its release by one
+    /// handshake's length at most, never for as long as the loop runs.
+    pub(super) handshakes_before: Vec<TicketId>,
 }
 
 /// The KV leases a registration's heartbeats name, and the round built for
@@ -320,6 +326,10 @@ impl<R> PeerTable<R> {
 
     pub(super) fn remove(&mut self, serial: &RegistrationId) -> Option<Peer<R>> {
         let slot = self.index.remove(serial)?;
+        // The index gives its buckets back after mass departures. The
+        // records' slab cannot move records (timers and calls name their
+        // slots) and keeps its slots; freed ones are reused first.
+        super::shrink::after_removal(&mut self.index);
         Some(self.records.remove(slot).1)
     }
 

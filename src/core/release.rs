@@ -31,12 +31,14 @@ impl<R> Core<R> {
     /// Marks a live registration: no new reads, no more heartbeats;
     /// released as soon as it is idle. The first mark stands.
     pub(super) fn mark(&mut self, now: Instant, serial: RegistrationId, reason: ReleaseReason) {
-        let Some(peer) = self.peers.get_mut(&serial) else {
+        let Some(peer) = self.peers.get(&serial) else {
             return;
         };
         if !peer.is_live() {
             return;
         }
+        let handshakes_before = self.open_handshakes_at(&peer.address);
+        let peer = self.peers.get_mut(&serial).expect("checked");
         let state = match reason {
             ReleaseReason::Unreachable | ReleaseReason::MetadataLost => EngineState::Unreachable,
             ReleaseReason::Replaced | ReleaseReason::Reregistered => EngineState::Replaced,
@@ -49,6 +51,7 @@ impl<R> Core<R> {
             at: now,
             reads_at_mark: reads,
             held_by_handshake: false,
+            handshakes_before,
         }));
         peer.leases.clear();
         tracing::info!(engine = %peer.id(), registration = %serial, state = state.as_str(), reads_in_flight = reads, "engine marked for release");
@@ -62,6 +65,21 @@ impl<R> Core<R> {
             self.fail_reads(serial);
         }
         self.try_release(now, serial);
+    }
+
+    /// The handshakes open at `address` now, in ticket order.
+    fn open_handshakes_at(&self, address: &crate::transport::PeerAddr) -> Vec<TicketId> {
+        if !self.handshakes.contains_key(address) {
+            return Vec::new();
+        }
+        let mut open: Vec<TicketId> = self
+            .tickets
+            .iter()
+            .filter(|(_, t)| t.address == *address)
+            .map(|(&id, _)| id)
+            .collect();
+        open.sort_unstable();
+        open
     }
 
     pub(super) fn fail_reads(&mut self, serial: RegistrationId) {
@@ -92,12 +110,19 @@ impl<R> Core<R> {
         if peer.mark.is_none() || peer.is_releasing() {
             return;
         }
-        // A pending handshake may yet decide the engine at this address is
-        // new, so the old one waits; not when somebody is waiting to load
-        // this very engine id again (they wait for this release), and not
-        // once the service is stopping (nothing new will register).
+        // A handshake that was pending when the engine was marked may yet
+        // decide the engine at this address is new, so the old one waits;
+        // not for a handshake begun after the mark (a loop of them would
+        // hold a dead prefill's memory for as long as it runs), not when
+        // somebody is waiting to load this very engine id again (they wait
+        // for this release), and not once the service is stopping
+        // (nothing new will register).
+        let mark = peer.mark.as_ref().expect("checked");
         let held = self.stopping.is_none()
-            && self.handshakes.contains_key(&peer.address)
+            && mark
+                .handshakes_before
+                .iter()
+                .any(|t| self.tickets.contains_key(t))
             && !self.reload_wanted(peer.id());
         if held {
             let address = peer.address.clone();

@@ -174,10 +174,15 @@ impl<R> Core<R> {
 
     /// The runtime gave up a read of registration `serial` in progress.
     /// Not a completion. Unanswered (no read of the engine completed while
-    /// it was in flight, and none since the last check: the core's own
-    /// sample, which cannot wrap within a check period, confirms the
-    /// read's), it is evidence: it keeps the engine's quiet stretch going
+    /// it was in flight: the read's own count at its begin against the
+    /// count now), it is evidence: it keeps the engine's quiet stretch going
     /// with no read in flight, and a timed-out one is judged at once.
+    /// Completions the core has not sampled yet are taken in first, but
+    /// they do not answer the read: they may predate its begin (a read
+    /// that began after the last completion of a prefill that then froze,
+    /// and timed out before the next stall check, is still unanswered).
+    /// The read's count cannot have wrapped while it was in flight: that
+    /// takes 2^36 completions of one engine during one read.
     pub(super) fn read_given_up(
         &mut self,
         now: Instant,
@@ -196,14 +201,12 @@ impl<R> Core<R> {
         let reads = peer.cell.reads_in_flight();
         let engine = peer.id().clone();
         let p = &mut peer.progress;
-        let mut answered = !unanswered;
         if done != p.done_seen {
-            // Completions since the last check, before this read began or
-            // while it was in flight: the engine answers.
+            // Completions since the last check: before this read began or
+            // while it was in flight (the read's own count tells which).
             p.completed(now, done, reads);
-            answered = true;
         }
-        if answered {
+        if !unanswered {
             tracing::debug!(%engine, why = why.as_str(), "read given up at an engine that completes reads: not evidence of a stall");
             return;
         }

@@ -655,6 +655,73 @@ fn a_replaced_engine_is_released_only_after_its_reads_and_pending_handshakes_end
 }
 
 #[test]
+fn handshakes_begun_after_the_mark_never_hold_the_release() {
+    // Two staggered loops of handshakes at a frozen prefill's address,
+    // as a decoder re-handshaking on `ReadRefused` makes: only the one
+    // open at the mark holds the release, however long the loops run.
+    let mut h = harness();
+    let frozen = h.live("frozen", at(1), 1);
+    let before = h.handshake(at(1));
+    h.input(Input::PeerGone {
+        peer: PeerRef::Engine(id("frozen")),
+        mode: GoneMode::Fail,
+    });
+    assert_eq!(frozen.state(), EngineState::Retiring);
+    let mut open = vec![h.handshake(at(1))];
+    for _ in 0..5 {
+        open.push(h.handshake(at(1)));
+        let oldest = open.remove(0);
+        h.finish(oldest);
+        assert!(
+            h.released().is_empty(),
+            "the handshake open at the mark still holds it"
+        );
+    }
+    h.finish(before);
+    assert_eq!(
+        h.released(),
+        vec![1],
+        "released once the last handshake begun before the mark ended, with {} later ones open",
+        open.len()
+    );
+    match &h.events()[..] {
+        [.., Event::Released { waited_for, .. }] => assert!(waited_for.handshake),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_mark_with_only_later_handshakes_open_is_released_at_once() {
+    let mut h = harness();
+    let _frozen = h.live("frozen", at(1), 1);
+    h.input(Input::PeerGone {
+        peer: PeerRef::Engine(id("frozen")),
+        mode: GoneMode::Drain,
+    });
+    assert_eq!(h.released(), vec![1]);
+    // And the other way round: marked while idle, a handshake begun
+    // after the mark at the same address does not bring the hold back.
+    let _second = h.live("second", at(2), 2);
+    let later = h.handshake(at(2));
+    h.input(Input::PeerGone {
+        peer: PeerRef::Address(at(2)),
+        mode: GoneMode::Drain,
+    });
+    assert!(
+        h.released().is_empty(),
+        "a handshake open at the mark holds it (it may find the engine new)"
+    );
+    let after = h.handshake(at(2));
+    h.finish(later);
+    assert_eq!(
+        h.released(),
+        vec![2],
+        "the later handshake does not hold it"
+    );
+    h.finish(after);
+}
+
+#[test]
 fn a_registration_without_a_handshake_of_a_held_id_is_refused_and_handed_back() {
     let mut h = harness();
     let first = h.live("p", at(1), 1);
@@ -819,16 +886,13 @@ fn reconnecting_to_a_pinned_id_marked_unreachable_under_our_own_handshake_does_n
     // One read ends with REMOTE_DISCONNECT: marked unreachable.
     h.transfer(&cell, NixlStatus::ERR_REMOTE_DISCONNECT);
     h.end_read(&cell);
-    // The runtime starts its reconnect; then the last read ends.
+    // The runtime starts its reconnect; then the last read ends. A
+    // handshake begun after the mark does not hold the release.
     let ticket = h.handshake(at(1));
     h.end_read(&cell);
-    assert!(
-        h.released().is_empty(),
-        "held by the handshake, as a replaced engine would be"
-    );
-    // The handshake finds the same id: it must go first, not wait for us.
-    let request = h.claim(ticket, claim("p", 2));
     assert_eq!(h.released(), vec![1]);
+    // The handshake finds the same id: loaded again, after the release.
+    let request = h.claim(ticket, claim("p", 2));
     assert!(h.answered_load(request));
     let (request, _) = h.register_with(Some(ticket), registration("p", at(1), 2));
     assert!(h.registered(request));
@@ -1697,6 +1761,27 @@ fn a_read_given_up_as_timed_out_unanswered_while_others_complete_stalls_its_engi
     h.give_up(&hung, GiveUp::Cancelled, second);
     assert_eq!(h.released(), vec![1]);
     assert_eq!(fine.state(), EngineState::Live);
+}
+
+#[test]
+fn a_timed_out_read_that_began_after_the_last_completion_is_evidence_before_any_stall_check() {
+    // vLLM's shape: one read completes, the prefill freezes, the next
+    // read times out (2 s) before the core's next stall check (every
+    // 2.5 s at a 10 s bound) has sampled that completion. The completion
+    // predates the read: the read is unanswered and judged at once.
+    let mut h = harness();
+    let hung = h.live("hung", at(1), 1);
+    h.advance(Duration::from_millis(300));
+    complete_one(&hung);
+    let begun = hung.begin_read().unwrap();
+    h.advance(Duration::from_secs(2));
+    h.give_up(&hung, GiveUp::TimedOut, begun);
+    h.advance(Duration::ZERO);
+    let stalled = stalled_events(&mut h);
+    assert_eq!(stalled.len(), 1, "judged at once");
+    assert_eq!(stalled[0].2, 1, "on the evidence of the one timed-out read");
+    assert_eq!(h.released(), vec![1], "no read in flight: released at once");
+    assert_eq!(hung.state(), EngineState::Released);
 }
 
 #[test]
