@@ -12,6 +12,13 @@
 //! those it stands for. Keys are whatever names a peer and a reason: an
 //! `(EngineId, &'static str)`, an `(IpAddr, &'static str)`.
 //!
+//! Over all keys, one [`LineBudget`] caps the lines a process writes per
+//! second: a flood of first occurrences (10,000 dead members, each a new
+//! key) costs at most [`LINES_PER_SECOND`] lines a second, and one line
+//! per second says how many were suppressed. The command line puts its
+//! whole log through it; the per-key budget decides what is worth a
+//! line, the global one how many lines there may be.
+//!
 //! Synchronous and clock-free like the core: every call takes `now`
 //! (tokio's `Instant`, so paused-clock tests see the same budget). Memory
 //! is bounded: at most [`LogLimiter::capacity`] keys are remembered; when
@@ -193,9 +200,144 @@ impl<K: Hash + Eq> LogLimiter<K> {
     }
 }
 
+/// The most log lines the command line writes per second, by default
+/// (`NIXL_KEEPALIVE_LOG_LINES_PER_SEC` overrides it).
+pub const LINES_PER_SECOND: u32 = 100;
+
+/// A cap on lines per second over a whole log, whatever they are about:
+/// within each second the first `per_second` lines are written, the rest
+/// counted; the first line of the next second (or [`LineBudget::flush`])
+/// says how many were suppressed. See the [module docs](self).
+#[derive(Debug)]
+pub struct LineBudget {
+    per_second: u32,
+    window: Option<Instant>,
+    written: u32,
+    suppressed: u64,
+    total_suppressed: u64,
+}
+
+/// What [`LineBudget::admit`] says about one line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Line {
+    /// Write it; first write a line saying `suppressed` lines were not
+    /// written in the last second (when it is not 0).
+    Write {
+        /// Lines suppressed since the last summary.
+        suppressed: u64,
+    },
+    /// Over the budget: do not write it (it is counted).
+    Suppress,
+}
+
+impl LineBudget {
+    /// At most `per_second` lines a second (at least 1).
+    pub fn new(per_second: u32) -> Self {
+        LineBudget {
+            per_second: per_second.max(1),
+            window: None,
+            written: 0,
+            suppressed: 0,
+            total_suppressed: 0,
+        }
+    }
+
+    /// The cap.
+    pub fn per_second(&self) -> u32 {
+        self.per_second
+    }
+
+    fn roll(&mut self, now: Instant) -> u64 {
+        let over = self
+            .window
+            .is_none_or(|w| now.saturating_duration_since(w) >= Duration::from_secs(1));
+        if !over {
+            return 0;
+        }
+        self.window = Some(now);
+        self.written = 0;
+        std::mem::take(&mut self.suppressed)
+    }
+
+    /// One line at `now`.
+    pub fn admit(&mut self, now: Instant) -> Line {
+        let suppressed = self.roll(now);
+        if self.written < self.per_second {
+            self.written += 1;
+            Line::Write { suppressed }
+        } else {
+            self.suppressed += 1;
+            self.total_suppressed += 1;
+            Line::Suppress
+        }
+    }
+
+    /// When the second with suppressed lines is over: how many, to be
+    /// said in a line of its own (a burst that ended is told without
+    /// waiting for the next line). `None` otherwise.
+    pub fn flush(&mut self, now: Instant) -> Option<u64> {
+        if self.suppressed == 0 {
+            return None;
+        }
+        match self.roll(now) {
+            0 => None,
+            n => Some(n),
+        }
+    }
+
+    /// Lines suppressed over the budget's life.
+    pub fn total_suppressed(&self) -> u64 {
+        self.total_suppressed
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn thirty_thousand_lines_in_forty_seconds_become_the_budget_and_one_summary_a_second() {
+        // 10,000 dead members once gave 30,013 lines in 40 s.
+        let mut b = LineBudget::new(100);
+        let start = Instant::now();
+        let (mut written, mut summaries, mut told) = (0u64, 0u64, 0u64);
+        for i in 0..30_013u64 {
+            let now = start + Duration::from_micros(i * 40_000_000 / 30_013);
+            if let Line::Write { suppressed } = b.admit(now) {
+                written += 1;
+                if suppressed > 0 {
+                    summaries += 1;
+                    told += suppressed;
+                }
+            }
+        }
+        if let Some(n) = b.flush(start + Duration::from_secs(41)) {
+            summaries += 1;
+            told += n;
+        }
+        assert!(written <= 100 * 41, "{written}");
+        assert!(summaries <= 41, "{summaries}");
+        assert_eq!(written + told, 30_013, "every line written or told");
+        assert_eq!(b.total_suppressed(), told);
+    }
+
+    #[test]
+    fn under_the_budget_every_line_is_written_and_nothing_is_flushed() {
+        let mut b = LineBudget::new(3);
+        let now = Instant::now();
+        for _ in 0..3 {
+            assert_eq!(b.admit(now), Line::Write { suppressed: 0 });
+        }
+        assert_eq!(b.flush(now + Duration::from_secs(5)), None);
+        assert_eq!(b.admit(now), Line::Suppress, "the fourth in one second");
+        assert_eq!(
+            b.admit(now + Duration::from_secs(5)),
+            Line::Write { suppressed: 1 },
+            "a new second says what the last one suppressed"
+        );
+        assert_eq!(LineBudget::new(0).per_second(), 1);
+    }
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)

@@ -45,10 +45,9 @@ fn config() -> Config {
 
 /// The fake UCX as measured: a frozen peer is never reported.
 fn measured_ucx() -> FakeConfig {
-    FakeConfig {
-        frozen_peers_detected: false,
-        ..FakeConfig::default()
-    }
+    let mut config = FakeConfig::default();
+    config.frozen_peers_detected = false;
+    config
 }
 
 fn world(mode: GoneMode) -> World {
@@ -61,9 +60,11 @@ fn world(mode: GoneMode) -> World {
     let (updates, _driver) = membership::spawn(
         store.watch(),
         handle.clone(),
-        MembershipConfig {
-            gone_mode: mode,
-            reset_grace: TTL,
+        {
+            let mut config = MembershipConfig::default();
+            config.gone_mode = mode;
+            config.reset_grace = TTL;
+            config
         },
         shutdown.clone(),
     );
@@ -502,15 +503,15 @@ fn put(key: &str, engine: &str, address: &str, revision: i64) -> SourceEvent {
 fn every_event_of_one_revision_is_applied_in_order() {
     // etcd gives every event of one transaction the same revision: a
     // 3-put transaction, then a prefix delete of the three keys.
-    let mut r = Reconciler::new();
+    let mut r = Reconciler::with_prefix("");
     let mut announced = Vec::new();
-    for k in ["k1", "k2", "k3"] {
-        announced.extend(r.apply(put(k, &format!("e-{k}"), &format!("h{k}:1"), 5)));
+    for k in ["e1", "e2", "e3"] {
+        announced.extend(r.apply(put(k, k, &format!("h{k}:1"), 5)));
     }
     assert_eq!(announced.len(), 3, "{announced:?}");
     assert_eq!(r.members().len(), 3);
     let mut retired = Vec::new();
-    for k in ["k1", "k2", "k3"] {
+    for k in ["e1", "e2", "e3"] {
         retired.extend(r.apply(SourceEvent::Deleted {
             key: k.into(),
             revision: 6,
@@ -522,39 +523,92 @@ fn every_event_of_one_revision_is_applied_in_order() {
 }
 
 #[test]
-fn an_engine_under_two_keys_is_retired_only_when_both_are_gone() {
+fn only_the_record_under_its_engines_own_key_speaks_for_it_and_a_copy_elsewhere_retires_nothing() {
+    // Issue 30, item 3: a copy of a live prefill's record under another
+    // key (same engine id and address, no incarnation). Before, the copy
+    // was a member of its own, and its deletion was a departure that
+    // matched the registration: the healthy prefill was released.
     let mut r = Reconciler::new();
-    r.apply(put("k1", "e1", "h:1", 1));
-    r.apply(put("k2", "e1", "h:1", 2));
-    let del = |k: &str, rev| SourceEvent::Deleted {
-        key: k.into(),
-        revision: rev,
-    };
-    assert!(r.apply(del("k1", 3)).is_empty());
-    let a = r.apply(del("k2", 4));
-    assert!(matches!(
-        &a[..],
-        [Decision::Retire {
-            why: RetireWhy::Deleted,
-            ..
+    let own = format!("{}e1", membership::DEFAULT_PREFIX);
+    let copy = format!("{}copy-of-e1", membership::DEFAULT_PREFIX);
+    let live = Member::new("e1", "h:1", 1).with_incarnation(7);
+    assert_eq!(r.own_key("e1"), own);
+    let a = r.apply(SourceEvent::Put {
+        key: own.clone(),
+        value: live.to_json().into_bytes(),
+        revision: 1,
+    });
+    assert_eq!(a, vec![Decision::Announce(live.clone())]);
+    let refused = r.apply(put(&copy, "e1", "h:1", 2));
+    assert!(
+        matches!(&refused[..], [Decision::BadValue { key, error }]
+            if *key == copy && error.reason() == "not_canonical"),
+        "{refused:?}"
+    );
+    assert_eq!(r.members().len(), 1, "the copy is no member");
+    assert!(
+        r.apply(SourceEvent::Deleted {
+            key: copy.clone(),
+            revision: 3
+        })
+        .is_empty(),
+        "its deletion retires nothing"
+    );
+    // Whatever it names: another engine id under a key of another, a
+    // record under a key outside the prefix, and in a list too.
+    for (k, e) in [(own.as_str(), "e2"), ("/elsewhere/e1", "e1")] {
+        let a = r.apply(put(k, e, "h:1", 4));
+        assert!(
+            matches!(&a[..], [Decision::BadValue { error, .. }] if error.reason() == "not_canonical"),
+            "{a:?}"
+        );
+    }
+    assert_eq!(r.members().get(&own), Some(&live), "the key is unchanged");
+    let a = r.apply(SourceEvent::Listed {
+        revision: 9,
+        cluster_id: 1,
+        epoch: Some(1),
+        entries: vec![
+            (own.clone(), live.to_json().into_bytes()),
+            (
+                copy.clone(),
+                Member::new("e1", "h:1", 1).to_json().into_bytes(),
+            ),
+        ],
+    });
+    assert!(
+        matches!(&a[..], [Decision::BadValue { key, .. }] if *key == copy),
+        "{a:?}"
+    );
+    // Its own record's deletion still retires it.
+    let a = r.apply(SourceEvent::Deleted {
+        key: own,
+        revision: 10,
+    });
+    assert_eq!(
+        a,
+        vec![Decision::Retire {
+            member: live,
+            why: RetireWhy::Deleted
         }]
-    ));
+    );
 }
 
 #[test]
 fn a_list_announces_only_what_is_new_and_retires_only_what_is_missing() {
-    let mut r = Reconciler::new();
-    r.apply(put("k1", "e1", "h:1", 1));
-    r.apply(put("k2", "e2", "h:2", 2));
+    let mut r = Reconciler::with_prefix("");
+    r.apply(put("e1", "e1", "h:1", 1));
+    r.apply(put("e2", "e2", "h:2", 2));
     let listed = |entries: Vec<(&str, &str, &str)>| SourceEvent::Listed {
         revision: 10,
         cluster_id: 1,
+        epoch: Some(1),
         entries: entries
             .into_iter()
             .map(|(k, e, a)| (k.to_string(), Member::new(e, a, 1).to_json().into_bytes()))
             .collect(),
     };
-    let a = r.apply(listed(vec![("k1", "e1", "h:1"), ("k3", "e3", "h:2")]));
+    let a = r.apply(listed(vec![("e1", "e1", "h:1"), ("e3", "e3", "h:2")]));
     // k2 is gone from the list: its record is retired (the service judges
     // it against e2's registration); k3 is new: announced. A new engine id
     // at e2's address is not itself a retirement: only a handshake there
@@ -572,7 +626,7 @@ fn a_list_announces_only_what_is_new_and_retires_only_what_is_missing() {
     assert_eq!(r.revision(), 10);
     // The same list again: nothing.
     assert!(r
-        .apply(listed(vec![("k1", "e1", "h:1"), ("k3", "e3", "h:2")]))
+        .apply(listed(vec![("e1", "e1", "h:1"), ("e3", "e3", "h:2")]))
         .is_empty());
 }
 
@@ -812,6 +866,99 @@ async fn a_wiped_store_retires_nothing_during_the_grace_period_and_then_only_wha
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_store_wiped_with_its_cluster_id_kept_and_its_revision_passed_releases_no_healthy_prefill(
+) {
+    // Issue 30, item 1: an etcd restarted empty with the same flags keeps
+    // its cluster id, and other applications' keys took its revision past
+    // the last one the decoder saw. Before, that list was taken as the
+    // truth: every prefill retired (`missing_from_list`) and released.
+    let mut w = world(GoneMode::Fail);
+    let mut prefills = Vec::new();
+    let mut keepers = Vec::new();
+    for i in 1..=3 {
+        let (p, lease) = w.start_leased_prefill(&addr(i), 1);
+        let stop = CancellationToken::new();
+        w.keep_registered(&p, &addr(i), lease, stop.clone());
+        keepers.push(stop);
+        prefills.push(p);
+    }
+    let mut engines = Vec::new();
+    for _ in 0..3 {
+        engines.push(w.joined().await);
+    }
+    // p3 freezes: it cannot register again.
+    w.ucx.freeze(&prefills[2]);
+    keepers[2].cancel();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    w.store.wipe_keeping_cluster_id(10_000);
+    match w.update().await {
+        MembershipUpdate::StoreReset { awaited, grace } => {
+            assert_eq!((awaited, grace), (3, TTL));
+        }
+        other => panic!("a store reset, not {other:?}"),
+    }
+    let reset_at = tokio::time::Instant::now();
+    tokio::time::sleep(TTL - Duration::from_millis(10)).await;
+    assert!(w.releases_so_far().is_empty(), "nothing during the grace");
+    assert!(w.store.contains(&key(&prefills[0])) && w.store.contains(&key(&prefills[1])));
+    let left = w.left(1).await;
+    assert_eq!(
+        left,
+        vec![(prefills[2].clone(), RetireWhy::MissingAfterReset)]
+    );
+    assert!(reset_at.elapsed() >= TTL);
+    assert_eq!(w.released(&prefills[2]).await, ReleaseReason::PeerGone);
+    tokio::time::sleep(TTL * 3).await;
+    assert!(w.releases_so_far().is_empty());
+    for (m, e) in &engines {
+        let want = if m.engine() == prefills[2] {
+            EngineState::Released
+        } else {
+            EngineState::Live
+        };
+        assert_eq!(e.state(), want, "{}", m.engine_id);
+    }
+    for k in keepers {
+        k.cancel();
+    }
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_copy_of_a_live_prefills_record_under_another_key_is_refused_and_its_deletion_releases_nothing(
+) {
+    // Issue 30, item 3, through the service: before, the copy's deletion
+    // matched the registration (same engine id and address, no
+    // incarnation) and released the healthy prefill.
+    let mut w = world(GoneMode::Drain);
+    let (p, _lease) = w.start_leased_prefill(&addr(1), 1);
+    let (_, healthy) = w.joined().await;
+    let copy_key = format!("{}copy", membership::DEFAULT_PREFIX);
+    let copy = Member::new(p.as_str(), addr(1).as_str(), 1);
+    for _ in 0..3 {
+        // Flapped: written and deleted again and again.
+        assert!(w.store.put_member(&copy_key, &copy, None));
+        assert!(w.store.delete(&copy_key));
+    }
+    match w.update().await {
+        MembershipUpdate::BadValue { key, error, .. } => {
+            assert_eq!(key, copy_key);
+            assert_eq!(error.reason(), "not_canonical", "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+    tokio::time::sleep(TTL).await;
+    assert!(
+        w.updates.try_recv().is_err(),
+        "reported once, however often it flapped"
+    );
+    assert!(w.releases_so_far().is_empty());
+    assert_eq!(healthy.state(), EngineState::Live);
+    assert!(conflicts_in(&mut w.events).is_empty(), "never judged");
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_outage_during_the_grace_period_starts_it_again_when_the_store_is_back() {
     let mut w = world(GoneMode::Drain);
     let p = w.start_prefill(&addr(1), 1);
@@ -947,6 +1094,7 @@ fn listed(revision: i64, cluster_id: u64, entries: &[(&str, &str, &str)]) -> Sou
     SourceEvent::Listed {
         revision,
         cluster_id,
+        epoch: Some(1),
         entries: entries
             .iter()
             .map(|(k, e, a)| (k.to_string(), Member::new(*e, *a, 1).to_json().into_bytes()))
@@ -956,10 +1104,10 @@ fn listed(revision: i64, cluster_id: u64, entries: &[(&str, &str, &str)]) -> Sou
 
 #[test]
 fn a_list_from_another_cluster_sets_aside_what_it_lacks_until_the_grace_period_ends() {
-    let mut r = Reconciler::new();
-    r.apply(listed(40, 1, &[("k1", "e1", "h:1"), ("k2", "e2", "h:2")]));
+    let mut r = Reconciler::with_prefix("");
+    r.apply(listed(40, 1, &[("e1", "e1", "h:1"), ("e2", "e2", "h:2")]));
     // A restored snapshot: a higher revision, but another cluster id.
-    let a = r.apply(listed(90, 2, &[("k1", "e1", "h:1"), ("k3", "e3", "h:3")]));
+    let a = r.apply(listed(90, 2, &[("e1", "e1", "h:1"), ("e3", "e3", "h:3")]));
     assert_eq!(
         a,
         vec![
@@ -981,9 +1129,9 @@ fn a_list_from_another_cluster_sets_aside_what_it_lacks_until_the_grace_period_e
 
 #[test]
 fn a_revision_that_went_back_is_a_store_reset_and_a_key_written_again_is_no_longer_awaited() {
-    let mut r = Reconciler::new();
-    r.apply(listed(40, 1, &[("k1", "e1", "h:1"), ("k2", "e2", "h:2")]));
-    r.apply(put("k3", "e3", "h:3", 41));
+    let mut r = Reconciler::with_prefix("");
+    r.apply(listed(40, 1, &[("e1", "e1", "h:1"), ("e2", "e2", "h:2")]));
+    r.apply(put("e3", "e3", "h:3", 41));
     let a = r.apply(listed(1, 1, &[]));
     assert_eq!(
         a,
@@ -995,9 +1143,9 @@ fn a_revision_that_went_back_is_a_store_reset_and_a_key_written_again_is_no_long
     // back at another address: its old record is gone (the service
     // retires e2's registration only if it is the one at h:2), the new one
     // announced.
-    assert!(r.apply(put("k1", "e1", "h:1", 2)).is_empty());
+    assert!(r.apply(put("e1", "e1", "h:1", 2)).is_empty());
     assert_eq!(
-        r.apply(put("k2", "e2", "h:9", 3)),
+        r.apply(put("e2", "e2", "h:9", 3)),
         vec![
             Decision::Retire {
                 member: Member::new("e2", "h:2", 1),
@@ -1019,10 +1167,87 @@ fn a_revision_that_went_back_is_a_store_reset_and_a_key_written_again_is_no_long
 }
 
 #[test]
+fn a_list_of_another_store_epoch_is_a_reset_whatever_its_cluster_id_and_revision_say() {
+    let mut r = Reconciler::with_prefix("");
+    let with_epoch = |revision, epoch: Option<u64>, entries: &[(&str, &str, &str)]| {
+        let SourceEvent::Listed {
+            cluster_id,
+            entries,
+            ..
+        } = listed(revision, 1, entries)
+        else {
+            unreachable!()
+        };
+        SourceEvent::Listed {
+            revision,
+            cluster_id,
+            epoch,
+            entries,
+        }
+    };
+    r.apply(with_epoch(
+        40,
+        Some(1),
+        &[("e1", "e1", "h:1"), ("e2", "e2", "h:2")],
+    ));
+    // Wiped, restarted with the same flags (same cluster id), revision
+    // past 40: before, e2 was retired at once (`missing_from_list`).
+    assert_eq!(
+        r.apply(with_epoch(500, Some(2), &[("e1", "e1", "h:1")])),
+        vec![Decision::StoreReset { awaited: 1 }]
+    );
+    // An epoch that vanished (the store lost it and none could be written
+    // again) is as good as another one.
+    assert_eq!(
+        r.apply(with_epoch(600, None, &[("e1", "e1", "h:1")])),
+        vec![Decision::StoreReset { awaited: 1 }]
+    );
+    assert_eq!(
+        r.end_reset_grace(),
+        vec![Decision::Retire {
+            member: Member::new("e2", "h:2", 1),
+            why: RetireWhy::MissingAfterReset
+        }]
+    );
+    // The same epoch again: the same store, a deletion is a deletion.
+    assert_eq!(
+        r.apply(with_epoch(700, None, &[])),
+        vec![Decision::Retire {
+            member: Member::new("e1", "h:1", 1),
+            why: RetireWhy::MissingFromList
+        }]
+    );
+}
+
+#[test]
+fn a_refused_record_at_an_awaited_key_does_not_keep_its_engine_past_the_grace() {
+    let mut r = Reconciler::with_prefix("");
+    r.apply(listed(40, 1, &[("e1", "e1", "h:1")]));
+    assert_eq!(
+        r.apply(listed(1, 1, &[])),
+        vec![Decision::StoreReset { awaited: 1 }]
+    );
+    // Another engine's record at e1's own key: refused, e1 still awaited.
+    let a = r.apply(put("e1", "e2", "h:2", 2));
+    assert!(
+        matches!(&a[..], [Decision::BadValue { error, .. }] if error.reason() == "not_canonical"),
+        "{a:?}"
+    );
+    assert_eq!(r.awaited().len(), 1);
+    assert_eq!(
+        r.end_reset_grace(),
+        vec![Decision::Retire {
+            member: Member::new("e1", "h:1", 1),
+            why: RetireWhy::MissingAfterReset
+        }]
+    );
+}
+
+#[test]
 fn a_first_list_and_a_later_one_of_the_same_store_are_no_reset() {
-    let mut r = Reconciler::new();
+    let mut r = Reconciler::with_prefix("");
     assert!(!r
-        .apply(listed(7, 3, &[("k1", "e1", "h:1")]))
+        .apply(listed(7, 3, &[("e1", "e1", "h:1")]))
         .contains(&Decision::StoreReset { awaited: 0 }));
     let a = r.apply(listed(9, 3, &[]));
     assert_eq!(
@@ -1035,31 +1260,29 @@ fn a_first_list_and_a_later_one_of_the_same_store_are_no_reset() {
 }
 
 #[test]
-fn a_second_reset_during_the_grace_keeps_awaiting_and_an_engine_found_under_another_key_is_not_retired(
-) {
-    let mut r = Reconciler::new();
+fn a_second_reset_during_the_grace_keeps_awaiting_and_a_record_under_another_key_keeps_nothing() {
+    let mut r = Reconciler::with_prefix("");
     r.apply(listed(
         40,
         1,
         &[
-            ("k1", "e1", "h:1"),
-            ("k2", "e2", "h:2"),
-            ("k3", "e3", "h:3"),
+            ("e1", "e1", "h:1"),
+            ("e2", "e2", "h:2"),
+            ("e3", "e3", "h:3"),
         ],
     ));
     assert_eq!(
-        r.apply(listed(2, 2, &[("k1", "e1", "h:1")])),
+        r.apply(listed(2, 2, &[("e1", "e1", "h:1")])),
         vec![Decision::StoreReset { awaited: 2 }]
     );
     // Wiped again before the grace ended: k1 had come back, now it is
-    // awaited too; e3 comes back under another key.
-    let a = r.apply(listed(1, 3, &[("k9", "e3", "h:3")]));
-    assert_eq!(
-        a,
-        vec![
-            Decision::StoreReset { awaited: 3 },
-            Decision::Announce(Member::new("e3", "h:3", 1))
-        ]
+    // awaited too; a record of e3 shows up under another key: refused (it
+    // does not speak for e3), so e3 stays awaited.
+    let a = r.apply(listed(1, 3, &[("e9", "e3", "h:3")]));
+    assert!(
+        matches!(&a[..], [Decision::StoreReset { awaited: 3 }, Decision::BadValue { error, .. }]
+            if error.reason() == "not_canonical"),
+        "{a:?}"
     );
     let mut retired: Vec<String> = r
         .end_reset_grace()
@@ -1073,7 +1296,11 @@ fn a_second_reset_during_the_grace_keeps_awaiting_and_an_engine_found_under_anot
         })
         .collect();
     retired.sort();
-    assert_eq!(retired, vec!["e1", "e2"], "e3 is listed under k9");
+    assert_eq!(
+        retired,
+        vec!["e1", "e2", "e3"],
+        "a record of e3 under another key does not keep it"
+    );
 }
 
 #[test]
@@ -1147,7 +1374,7 @@ fn record_bounds_are_exact() {
 fn conflicts_in(events: &mut broadcast::Receiver<Event>) -> Vec<&'static str> {
     let mut out = Vec::new();
     while let Ok(e) = events.try_recv() {
-        if let Event::Conflict { conflict } = e {
+        if let Event::Conflict { conflict, .. } = e {
             out.push(conflict.kind());
         }
     }
@@ -1184,23 +1411,27 @@ async fn a_record_of_a_healthy_engine_id_at_another_address_neither_retires_nor_
     let mut w = world(GoneMode::Drain);
     let (p, _lease) = w.start_leased_prefill(&addr(1), 1);
     let (_, healthy) = w.joined().await;
-    // Another key names p at another address.
+    // Another key names p at another address: not p's own key, so it is
+    // refused (never announced, never a member).
     let hostile_key = "/nixl-keepalive/prefill/hostile";
     assert!(w.store.put_member(
         hostile_key,
         &Member::new(p.as_str(), addr(9).as_str(), 1),
         None
     ));
-    let _ = w.update().await; // announced (a handshake at addr 9 finds nobody)
+    assert!(matches!(
+        w.update().await,
+        MembershipUpdate::BadValue { error, .. } if error.reason() == "not_canonical"
+    ));
     let _ = w.releases_so_far();
     assert!(w.store.delete(hostile_key));
     tokio::time::sleep(TTL).await;
     assert_eq!(
         healthy.state(),
         EngineState::Live,
-        "its record's removal is a conflict"
+        "its record's removal retires nothing"
     );
-    assert_eq!(conflicts_in(&mut w.events), vec!["record_address"]);
+    assert!(conflicts_in(&mut w.events).is_empty());
     // Its own record's removal still retires it: not shielded.
     assert!(w.store.delete(&key(&p)));
     assert_eq!(w.released(&p).await, ReleaseReason::PeerGone);
@@ -1213,22 +1444,28 @@ async fn a_dead_predecessors_record_expiring_late_never_retires_its_successor() 
     let pinned = EngineId::from("pinned");
     w.ucx.spawn_prefill_with_id(addr(1), pinned.clone(), 1);
     let old = w.record(&pinned, &addr(1), 1);
-    // The predecessor's record lingers under a key of its own (say, a
-    // prefix its old version used); the successor registers.
-    let stale_key = "/nixl-keepalive/prefill/old-pinned";
-    assert!(w.store.put_member(stale_key, &old, None));
+    // The predecessor's record under its own key; the successor (a new
+    // incarnation, the same pinned id) registers.
+    assert!(w.store.put_member(&key(&pinned), &old, None));
     let _ = w.joined().await;
     w.ucx.restart_with_same_id(&addr(1));
-    let _lease = w.register(&pinned, &addr(1), 1);
-    let (_, successor) = w.joined().await;
+    let successor = w.connect(&addr(1)).await;
     assert_eq!(successor.state(), EngineState::Live);
     let _ = w.releases_so_far();
     let _ = conflicts_in(&mut w.events);
-    // The predecessor's record finally goes.
-    assert!(w.store.delete(stale_key));
+    // The predecessor's record finally goes (replaced by the successor's
+    // own): judged against the successor's registration, a conflict.
+    w.register_plain(&pinned, &addr(1));
     tokio::time::sleep(TTL).await;
     assert_eq!(successor.state(), EngineState::Live);
     assert_eq!(conflicts_in(&mut w.events), vec!["record_incarnation"]);
+    // A stale copy under another key is refused and goes unnoticed.
+    let stale_key = "/nixl-keepalive/prefill/old-pinned";
+    assert!(w.store.put_member(stale_key, &old, None));
+    assert!(w.store.delete(stale_key));
+    tokio::time::sleep(TTL).await;
+    assert_eq!(successor.state(), EngineState::Live);
+    assert!(conflicts_in(&mut w.events).is_empty());
     assert!(w.releases_so_far().is_empty());
     w.stop().await.assert_nothing_leaked();
 }

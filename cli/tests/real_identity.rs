@@ -237,3 +237,55 @@ fn two_prefills_started_with_one_engine_id_do_not_churn_and_the_first_keeps_read
     assert_eq!(log.matches("identity conflict").count(), 1, "{log}");
     decode.stop();
 }
+
+/// Issue 30, item 8: a prefill that conflicts at an address (the engine
+/// id of a healthy prefill registered elsewhere) earns a back-off there;
+/// an honest prefill that starts at that address after it (a new engine
+/// id) must not inherit it. Before, the reader slept the whole conflict
+/// pause (10 s) whoever came next; now the back-off is per claimant, and
+/// a reader waiting out a conflict asks the address every retry step and
+/// ends the wait as soon as another claimant (or nobody) answers.
+#[test]
+fn an_honest_prefill_starting_where_a_conflicting_one_was_is_registered_without_its_back_off() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let id = common::unique("pinned");
+    let healthy = PrefillProc::start(&PrefillSpec {
+        engine_id: Some(id.clone()),
+        ..Default::default()
+    });
+    let listen = common::listen_outside_ephemeral();
+    let mut decode = DecodeProc::start(
+        &["--prefill", healthy.addr.as_str(), "--prefill", &listen],
+        ENV,
+        MARGIN,
+    );
+    decode.wait_line(&format!("event: registered engine={id}"), MARGIN);
+    // The same engine id at the other address: refused, twice (the second
+    // refusal of one claimant is what earns the long pause).
+    let mut conflicting = PrefillProc::start(&PrefillSpec {
+        engine_id: Some(id.clone()),
+        listen: Some(listen.clone()),
+        ..Default::default()
+    });
+    wait_for_a_second_refusal(&decode, "engine_elsewhere");
+    let killed = conflicting.kill();
+    let honest = PrefillProc::start(&PrefillSpec {
+        listen: Some(listen.clone()),
+        ..Default::default()
+    });
+    let (registered, _) = decode.wait_line(
+        &format!("event: registered engine={}", honest.engine),
+        CONFLICT_RETRY + MARGIN,
+    );
+    let waited = registered - killed;
+    assert!(
+        waited < Duration::from_secs(5),
+        "the honest prefill waited {waited:?} after the conflicting one was killed (the conflict pause is 10 s)"
+    );
+    report(&format!(
+        "conflicting prefill killed -> honest prefill at its address registered {} later (conflict pause 10 s)",
+        common::ms(waited)
+    ));
+    decode.stop();
+}

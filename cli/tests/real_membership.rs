@@ -519,7 +519,7 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
         let shutdown = tokio_util::sync::CancellationToken::new();
         let mut source =
             EtcdSource::spawn(EtcdOptions::new(vec![etcd.url()], prefix), shutdown.clone());
-        let mut reconciler = Reconciler::new();
+        let mut reconciler = Reconciler::with_prefix(source.prefix());
         let listed = next(&mut source).await;
         let SourceEvent::Listed {
             revision, entries, ..
@@ -611,7 +611,7 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
 use std::collections::BTreeSet;
 
 use nixl_keepalive::membership::etcd::etcd_client::{
-    Client, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp,
+    Client, DeleteOptions, GetOptions, GetResponse, PutOptions, Txn, TxnOp,
 };
 use nixl_keepalive::membership::{Member, DEFAULT_PREFIX};
 
@@ -1085,7 +1085,7 @@ fn a_prefix_over_4_mib_is_listed_whole_in_pages_and_a_value_over_the_limit_is_re
                 panic!("{listed:?}")
             };
             assert_eq!(entries.len(), 1200);
-            let mut r = Reconciler::new();
+            let mut r = Reconciler::with_prefix(prefix);
             let actions = r.apply(listed);
             assert_eq!(
                 actions
@@ -1302,11 +1302,16 @@ fn hostile_records_change_nothing_print_escaped_and_are_reported_at_a_bounded_ra
 }
 
 /// Records that disagree with a healthy prefill's registration (issue 14):
-/// a new engine id at its address, its engine id at another address, a
-/// record of another incarnation (a dead predecessor's) at its address.
-/// Each is announced, judged against the registration, and when it goes
-/// away it is a conflict, counted and logged once: the healthy prefill is
-/// never released and is read the whole time.
+/// a new engine id at its address (under that id's own key: announced,
+/// and a handshake there finds the registered engine), and under keys
+/// that are not its engine's own: its engine id at another address, a
+/// record of another incarnation (a dead predecessor's) at its address,
+/// and a plain copy of its record (same id and address, no incarnation).
+/// Only the record under `<prefix><engine id>` speaks for an engine: the
+/// others are refused (`not_canonical`), counted and reported once, never
+/// members, so their removal retires nothing. The healthy prefill is
+/// never released and is read the whole time. (Issue 30, item 3: before,
+/// the copy's deletion released the healthy prefill.)
 #[test]
 fn conflicting_records_never_release_a_healthy_prefill() {
     let Some(_rt) = runtime_or_skip() else { return };
@@ -1340,16 +1345,29 @@ fn conflicting_records_never_release_a_healthy_prefill() {
             key_of("predecessor"),
             record(&p.engine, p.addr.as_str(), Some(7)),
         ),
+        // A copy of its record: same engine id and address, no incarnation.
+        (key_of("copy"), record(&p.engine, p.addr.as_str(), None)),
     ];
+    let not_canonical = "nixl_keepalive_membership_bad_values_total{reason=\"not_canonical\"}";
     let before = d.verified_reads();
     with_etcd(&etcd, async |c| {
         for (k, v) in &conflicting {
             c.put(k.as_str(), v.as_str(), None).await.expect("put");
         }
     });
-    d.wait_until("every record announced", PATIENCE, |d| {
-        d.lines_of("membership: joined ", &[]).len() > conflicting.len()
-    });
+    d.wait_until(
+        "the forged id announced, the others refused",
+        PATIENCE,
+        |d| {
+            d.lines_of("membership: joined ", &[]).len() == 2 && d.metric_or_0(not_canonical) == 3.0
+        },
+    );
+    assert_eq!(
+        d.lines_of("membership: bad_value ", &["reason=not_canonical"])
+            .len(),
+        3,
+        "each reported once"
+    );
     // Reads go on while they are listed (handshakes at the healthy
     // address find the registered engine: nothing reloaded).
     d.wait_verified(before + 20, PATIENCE);
@@ -1358,12 +1376,9 @@ fn conflicting_records_never_release_a_healthy_prefill() {
             c.delete(k.as_str(), None).await.expect("delete");
         }
     });
-    // Counted, then published (`event: conflict` on stdout once each).
-    d.wait_until("the removals judged as conflicts", PATIENCE, |d| {
-        d.metric_or_0("nixl_keepalive_identity_conflicts_total{kind=\"record_address\"}") >= 1.0
-            && d.metric_or_0("nixl_keepalive_identity_conflicts_total{kind=\"record_incarnation\"}")
-                >= 1.0
-            && d.lines_of("event: conflict ", &[]).len() >= 2
+    // The forged id's record goes: it was never a registration's.
+    d.wait_until("the forged id's record gone", PATIENCE, |d| {
+        d.lines_of("membership: left ", &["forged-id"]).len() == 1
     });
     let after = d.verified_reads();
     d.wait_verified(after + 20, PATIENCE);
@@ -1374,12 +1389,331 @@ fn conflicting_records_never_release_a_healthy_prefill() {
         1,
         "registered once, never reloaded"
     );
-    let conflicts = d.lines_of("event: conflict ", &[]).len();
-    assert_eq!(conflicts, 2, "one event per conflict");
+    assert!(
+        d.lines_of("membership: left ", &[&p.engine]).is_empty(),
+        "no record that speaks for it went away"
+    );
+    assert_eq!(d.metric_or_0(not_canonical), 3.0);
     report(&format!(
-        "{} conflicting records written and deleted next to a healthy prefill: {conflicts} conflicts refused, nothing released, reads {before} -> {}",
+        "{} conflicting records written and deleted next to a healthy prefill: 3 refused as not its own key, nothing released, reads {before} -> {}",
         conflicting.len(),
         d.verified_reads()
+    ));
+    d.stop();
+}
+
+/// The store's revision and cluster id, as a response header says.
+async fn header(c: &mut Client) -> (i64, u64) {
+    let r = c.get("/", None).await.expect("get");
+    let h = r.header().expect("header");
+    (h.revision(), h.cluster_id())
+}
+
+/// Sends `sig` to a process by pid (`kill -SIG PID`).
+fn signal_pid(pid: u32, sig: &str) {
+    let st = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(st.success(), "kill -{sig} {pid} failed");
+}
+
+/// Issue 30, item 1: an etcd restarted empty with the same flags keeps its
+/// cluster id, and another application's keys take its revision past the
+/// last one the decode saw: neither says "reset". The decode and the
+/// prefills are stopped (SIGSTOP) across the wipe, so the decode's first
+/// list of the new store lacks every prefill. Before, that list was taken
+/// as the truth: every healthy prefill retired (`missing_from_list`) and
+/// released. Now the store epoch the decode keeps in etcd is gone with the
+/// wipe: a store reset, a grace period, nothing released.
+#[test]
+fn etcd_restarted_empty_with_the_same_flags_and_a_higher_revision_releases_no_healthy_prefill() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(mut etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let prefills: Vec<PrefillProc> = (0..3).map(|_| prefill_with_etcd(&etcd)).collect();
+    for p in &prefills {
+        prefill_line(p, "ETCD registered");
+    }
+    let all = sorted(prefills.iter().map(|p| p.engine.clone()));
+    // A grace period well over the prefills' TTL/3 re-registration, on a
+    // loaded 2-core machine.
+    let mut d = DecodeProc::on_etcd(&etcd, &["--etcd-reset-grace", "8"], &[]);
+    d.wait_registered(&all);
+    let (old_revision, old_cluster) = with_etcd(&etcd, async |c| header(c).await);
+
+    signal_pid(d.pid(), "STOP");
+    for p in &prefills {
+        p.signal("STOP");
+    }
+    let wiped_at = etcd.wipe_and_restart();
+    // Another application's writes, one revision each, past the old one.
+    let (new_revision, new_cluster) = with_etcd(&etcd, async |c| {
+        for i in 0..old_revision + 10 {
+            c.put(format!("/other-app/{i}"), "x", None)
+                .await
+                .expect("put");
+        }
+        header(c).await
+    });
+    assert!(
+        new_revision > old_revision,
+        "{new_revision} > {old_revision}"
+    );
+    assert_eq!(
+        new_cluster, old_cluster,
+        "the same flags keep the cluster id: only the epoch tells"
+    );
+    signal_pid(d.pid(), "CONT");
+    let (reset_at, reset) = d.wait_line("membership: store_reset", PATIENCE);
+    assert_eq!(field(&reset, "awaited="), "3", "{reset}");
+    for p in &prefills {
+        p.signal("CONT");
+    }
+    for p in &prefills {
+        prefill_line(p, "ETCD lease_lost");
+        prefill_line(p, "ETCD registered");
+    }
+    let reregistered_at = Instant::now();
+    d.wait_metric("nixl_keepalive_membership_awaited", PATIENCE, |v| v == 0.0);
+    d.wait_metric("nixl_keepalive_membership_members", PATIENCE, |v| v == 3.0);
+    let before = d.verified_reads();
+    d.wait_verified(before + 6, PATIENCE);
+    assert!(d.released().is_empty(), "released: {:?}", d.released());
+    assert!(
+        d.lines_of("membership: left ", &[]).is_empty(),
+        "{:?}",
+        d.lines_of("membership: left ", &[])
+    );
+    for e in &all {
+        assert_eq!(d.engine_state(e).as_deref(), Some("live"));
+    }
+    report(&format!(
+        "etcd wiped, same flags (cluster id {old_cluster:#x} kept), revision {old_revision} -> {new_revision} by other keys: store reset seen {} after the restart, awaited=3; the prefills registered again {} after it; nothing retired or released",
+        ms(reset_at - wiped_at),
+        ms(reregistered_at - wiped_at)
+    ));
+    d.stop();
+}
+
+/// Issue 30, item 2: two prefills started with one `--engine-id`. The
+/// second cannot own the key: it says so once, naming the owner, and
+/// does not overwrite it. When the owner dies (SIGKILL: its key goes with
+/// its lease) the second claims the key, and the decode registers and
+/// reads it. Before, the second overwrote the key (taking it under its own
+/// lease) and could be lost for good.
+#[test]
+fn a_second_prefill_with_one_engine_id_waits_for_the_key_and_is_found_when_its_owner_dies() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let engine = common::unique("pinned");
+    let spec = PrefillSpec {
+        engine_id: Some(engine.clone()),
+        args: vec![
+            "--etcd-endpoint".into(),
+            etcd.url(),
+            "--etcd-ttl".into(),
+            TTL_SECS.to_string(),
+        ],
+        ..Default::default()
+    };
+    let mut owner = PrefillProc::start(&spec);
+    prefill_line(&owner, "ETCD registered");
+    let second = PrefillProc::start(&spec);
+    let contested = prefill_line(&second, "ETCD contested");
+    assert!(
+        contested.contains(owner.addr.as_str()),
+        "names the owner: {contested}"
+    );
+    let mut d = DecodeProc::on_etcd(&etcd, &[], &[]);
+    let (_, reg) = d.wait_nth(1, &["event: registered", &engine], PATIENCE);
+    assert_eq!(field(&reg, "address="), owner.addr.as_str(), "{reg}");
+    d.wait_verified(d.verified_reads() + 2, PATIENCE);
+    // The key is still the owner's.
+    let held = with_etcd(&etcd, async |c| {
+        let r = c.get(key_of(&engine), None).await.expect("get");
+        String::from_utf8_lossy(r.kvs()[0].value()).into_owned()
+    });
+    assert!(held.contains(owner.addr.as_str()), "{held}");
+
+    let killed = owner.kill();
+    let claimed = prefill_line(&second, "ETCD registered");
+    let claimed_at = Instant::now();
+    assert!(claimed.contains(&key_of(&engine)), "{claimed}");
+    let (found, reg) = d.wait_nth(2, &["event: registered", &engine], PATIENCE);
+    assert_eq!(field(&reg, "address="), second.addr.as_str(), "{reg}");
+    let before = d.verified_reads();
+    d.wait_verified(before + 2, PATIENCE);
+    assert_eq!(d.engine_state(&engine).as_deref(), Some("live"));
+    let lines = second.take_lines();
+    assert!(
+        !lines.iter().any(|l| l.starts_with("ETCD contested")),
+        "one contested line, not one per try: {lines:?}"
+    );
+    report(&format!(
+        "owner SIGKILLed: the second prefill claimed the key {} later (TTL {TTL_SECS} s), the decode registered it {} after the kill",
+        ms(claimed_at - killed),
+        ms(found - killed)
+    ));
+    d.stop();
+}
+
+/// The claim on its own (no NIXL needed): two registrations of one engine
+/// id at once, as two prefills started together. Exactly one holds the key
+/// (one transaction each); the other says so and waits. A claimant
+/// stopped while it waits deletes nothing (the key is its owner's); a
+/// claimant waiting when the owner stops takes the key at once.
+#[test]
+fn two_claimants_of_one_key_at_once_one_holds_it_and_a_stopped_claimant_leaves_the_owners_key() {
+    use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdRegistration, RegistrationEvent};
+    use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    async fn next(rx: &mut UnboundedReceiver<RegistrationEvent>) -> RegistrationEvent {
+        tokio::time::timeout(PATIENCE, rx.recv())
+            .await
+            .expect("a registration event in time")
+            .expect("registration running")
+    }
+    let url = etcd.url();
+    common::block_on(async move {
+        let prefix = "/claim/prefill/";
+        let key = format!("{prefix}pinned");
+        let options = EtcdOptions::new(vec![url.clone()], prefix);
+        let ttl = Duration::from_secs(2);
+        let claimant = |port: u16, incarnation: u64| {
+            let member =
+                Member::new("pinned", format!("127.0.0.1:{port}"), 1).with_incarnation(incarnation);
+            let (tx, rx) = unbounded_channel();
+            let registration = EtcdRegistration::start(options.clone(), member.clone(), ttl, tx);
+            (member, registration, rx)
+        };
+        let (a, reg_a, mut rx_a) = claimant(7101, 1);
+        let (b, reg_b, mut rx_b) = claimant(7102, 2);
+        let (ea, eb) = (next(&mut rx_a).await, next(&mut rx_b).await);
+        let registered = |e: &RegistrationEvent| matches!(e, RegistrationEvent::Registered { .. });
+        let contested = |e: &RegistrationEvent| matches!(e, RegistrationEvent::Contested { .. });
+        assert!(
+            (registered(&ea) && contested(&eb)) || (contested(&ea) && registered(&eb)),
+            "exactly one holds the key: {ea:?} / {eb:?}"
+        );
+        let (owner, owner_reg, waiter_reg, waiter_event) = if registered(&ea) {
+            (a, reg_a, reg_b, eb)
+        } else {
+            (b, reg_b, reg_a, ea)
+        };
+        let RegistrationEvent::Contested { owner: named, .. } = &waiter_event else {
+            unreachable!()
+        };
+        assert!(named.contains(&owner.address), "names the owner: {named}");
+        let mut client = Client::connect([url.clone()], None).await.expect("etcd");
+        let value = |r: &GetResponse| {
+            r.kvs()
+                .first()
+                .map(|kv| String::from_utf8_lossy(kv.value()).into_owned())
+        };
+        // Stopped while it waits: the owner's key stays.
+        waiter_reg.stop().await;
+        let r = client.get(key.as_str(), None).await.expect("get");
+        assert_eq!(
+            value(&r),
+            Some(owner.to_json()),
+            "the owner's key is left alone"
+        );
+        // A claimant waiting when the owner stops gets the key.
+        let (c, reg_c, mut rx_c) = claimant(7103, 3);
+        assert!(contested(&next(&mut rx_c).await));
+        let stopped = Instant::now();
+        owner_reg.stop().await;
+        assert!(registered(&next(&mut rx_c).await));
+        let took = stopped.elapsed();
+        let r = client.get(key.as_str(), None).await.expect("get");
+        assert_eq!(value(&r), Some(c.to_json()));
+        reg_c.stop().await;
+        let r = client.get(key.as_str(), None).await.expect("get");
+        assert_eq!(value(&r), None, "the holder's stop deletes its key");
+        report(&format!(
+            "two claimants at once: one registered, one contested; the waiting one stopped without touching the key; a waiting claimant took the key {} after the owner's stop",
+            ms(took)
+        ));
+    });
+}
+
+/// Issue 30, item 7: 10,000 members in etcd, every one dead (a closed port
+/// on loopback: each handshake refused at once, retried with back-off).
+/// Every record is a first occurrence (a joined line, a failed handshake),
+/// so per-key limits alone let every one through: before, 30,013 lines
+/// (6.5 MB) in 40 s. The process's log budget caps the lines a second and
+/// says how many it suppressed; every failure is still counted in the
+/// metrics.
+#[test]
+fn ten_thousand_dead_members_cost_the_log_budget_not_a_line_each() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    const DEAD: usize = 10_000;
+    let records: Vec<(String, String)> = (0..DEAD)
+        .map(|i| {
+            let id = format!("dead-{i:05}");
+            // Every 127/8 address is loopback; port 9 is closed: refused.
+            let address = format!("127.0.{}.{}:9", i / 250, i % 250 + 1);
+            (key_of(&id), Member::new(id.as_str(), address, 1).to_json())
+        })
+        .collect();
+    with_etcd(&etcd, async |c| {
+        put_in_transactions(c, records, None).await;
+    });
+    let started = Instant::now();
+    let mut d = DecodeProc::on_etcd(&etcd, &[], &[]);
+    d.wait_metric("nixl_keepalive_membership_members", PATIENCE, |v| {
+        v == DEAD as f64
+    });
+    // Every dead member tried at least once (each failure counted).
+    d.wait_metric(
+        "nixl_keepalive_pd_handshake_failures_total{reason=\"connect\"}",
+        PATIENCE,
+        |v| v >= DEAD as f64,
+    );
+    d.wait_until("the budget said what it suppressed", PATIENCE, |d| {
+        d.log_text().contains("log budget:")
+    });
+    let elapsed = started.elapsed();
+    let log = d.log_text();
+    let lines = log.lines().count();
+    let told: u64 = log
+        .lines()
+        .filter_map(|l| {
+            l.split("log budget: ")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum();
+    let seconds = elapsed.as_secs() + 2;
+    let budget = nixl_keepalive::log_limit::LINES_PER_SECOND as u64;
+    // At most the budget per second, one summary a second, and the lines
+    // of start-up (before the clock of this count started).
+    let bound = seconds * (budget + 1) + 50;
+    assert!(
+        (lines as u64) <= bound,
+        "{lines} log lines in {elapsed:?}: over {bound}"
+    );
+    assert!(told > 0, "the suppressed lines were told");
+    report(&format!(
+        "{DEAD} dead members: {lines} log lines ({} bytes) in {} (budget {budget}/s), {told} suppressed and told",
+        log.len(),
+        ms(elapsed)
     ));
     d.stop();
 }

@@ -203,3 +203,44 @@ fn a_hostile_reply_naming_one_agent_for_two_ranks_is_refused_and_nothing_is_load
         report("hostile reply (one agent for ranks 0 and 1, real metadata): refused by the wire decoder and by RemoteEngine::load; nothing loaded; the honest prefill then registered");
     });
 }
+
+/// Issue 30, item 7: two broken peers on one host, the same fault. The
+/// refusal is logged per full peer address (host and port) and reason:
+/// each gets its first line. Before, the line was keyed by the host alone
+/// and the second peer got none.
+#[test]
+fn two_broken_clients_on_one_host_with_the_same_fault_each_get_their_first_log_line() {
+    use std::io::{Read, Write};
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let prefill = PrefillProc::start(&PrefillSpec::default());
+    let mut peers = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(prefill.addr.as_str()).expect("connect");
+        let garbage = b"not the side channel";
+        s.write_all(&(garbage.len() as u32).to_be_bytes()).unwrap();
+        s.write_all(garbage).unwrap();
+        // The prefill closes the connection once it has refused the frame.
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        peers.push(s.local_addr().unwrap().to_string());
+    }
+    assert_ne!(peers[0], peers[1]);
+    until("a refusal line for each peer", MARGIN, || {
+        let log = prefill.log_text();
+        let lines: Vec<String> = log
+            .lines()
+            .filter(|l| l.contains("bad side-channel frame refused"))
+            .map(str::to_string)
+            .collect();
+        check(
+            peers
+                .iter()
+                .all(|p| lines.iter().any(|l| l.contains(p.as_str()))),
+            lines,
+        )
+    });
+    report(&format!(
+        "two broken clients on one host ({peers:?}): one line each"
+    ));
+}

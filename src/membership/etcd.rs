@@ -25,6 +25,30 @@
 //! over it makes the list fail, reported as `listing ... cannot complete`.
 //! Watch responses get the same limit, and etcd is asked to split large
 //! ones (watch fragments, etcd 3.4+).
+//!
+//! # The store epoch
+//!
+//! An etcd restarted with an empty data directory and the same flags keeps
+//! its cluster id, and its revision can pass the last one a decoder saw
+//! (other applications' keys): neither tells the new store from the old.
+//! So before each list the source makes sure the store holds an epoch,
+//! a random number under [`EtcdOptions::store_epoch_key`] (created only
+//! where absent, in one transaction: two decoders at once agree on the
+//! first one written), and reads it at the list's own revision. A wiped
+//! store lost it with everything else: the list names another epoch, or
+//! none, and the reconciler takes it as a store reset (a grace period,
+//! never a mass release). The key is outside the prefix's records (and
+//! skipped if a prefix happens to cover it); it has no lease.
+//!
+//! # Claiming a key
+//!
+//! A prefill writes its key only where the key is free or already its
+//! own (the same engine id, address and incarnation), in one transaction.
+//! A key held by another process (two prefills started with one
+//! `--engine-id`) is not overwritten: the registration says so once per
+//! owner ([`RegistrationEvent::Contested`], one WARN naming the owner),
+//! watches the key, and claims it as soon as it is free (the owner
+//! stopped, or its lease expired).
 
 use std::time::Duration;
 
@@ -32,7 +56,8 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 
 pub use etcd_client;
 use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, KvClient, PutOptions, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KvClient, PutOptions, Txn,
+    TxnOp, WatchOptions,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -41,6 +66,7 @@ use super::{Member, MembershipSource, SourceEvent};
 
 /// Where etcd is and how to talk to it.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct EtcdOptions {
     /// Client URLs, such as `http://127.0.0.1:2379`.
     pub endpoints: Vec<String>,
@@ -86,6 +112,13 @@ impl EtcdOptions {
             page_size: DEFAULT_PAGE_SIZE,
             max_message: DEFAULT_MAX_MESSAGE,
         }
+    }
+
+    /// The key that holds the store's epoch (see the module docs): the
+    /// prefix without its trailing `/`, then `.store-epoch`
+    /// (`/nixl-keepalive/prefill.store-epoch` for the default prefix).
+    pub fn store_epoch_key(&self) -> String {
+        format!("{}.store-epoch", self.prefix.trim_end_matches('/'))
     }
 
     async fn connect(&self) -> Result<Client, etcd_client::Error> {
@@ -140,11 +173,16 @@ impl Backoff {
 /// [`MembershipSource::next`] is cancel safe).
 pub struct EtcdSource {
     rx: mpsc::UnboundedReceiver<SourceEvent>,
+    prefix: String,
 }
 
 impl MembershipSource for EtcdSource {
     async fn next(&mut self) -> Option<SourceEvent> {
         self.rx.recv().await
+    }
+
+    fn prefix(&self) -> &str {
+        &self.prefix
     }
 }
 
@@ -152,8 +190,9 @@ impl EtcdSource {
     /// Starts watching (in a task that runs until `shutdown`).
     pub fn spawn(options: EtcdOptions, shutdown: CancellationToken) -> EtcdSource {
         let (tx, rx) = mpsc::unbounded_channel();
+        let prefix = options.prefix.clone();
         tokio::spawn(watch_loop(options, tx, shutdown));
-        EtcdSource { rx }
+        EtcdSource { rx, prefix }
     }
 }
 
@@ -223,7 +262,65 @@ async fn watch_loop(
 struct Listing {
     revision: i64,
     cluster_id: u64,
+    epoch: Option<u64>,
     entries: Vec<(String, Vec<u8>)>,
+}
+
+/// Writes a store epoch where the store has none (only if the key was
+/// never created: of two decoders at once, the first write stands). A
+/// refusal (no write permission, say) is reported and the list goes on
+/// without an epoch: the revision and cluster id are the evidence left.
+async fn ensure_epoch(kv: &mut KvClient, options: &EtcdOptions) {
+    let key = options.store_epoch_key();
+    let epoch: u64 = rand::random();
+    let txn = Txn::new()
+        .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(key.as_str(), epoch.to_string(), None)]);
+    match tokio::time::timeout(options.timeout, kv.txn(txn)).await {
+        Ok(Ok(r)) if r.succeeded() => {
+            tracing::info!(key = %key, epoch, "etcd: the store had no epoch (new or wiped): wrote one")
+        }
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(key = %key, error = %e, "etcd: cannot write the store epoch: a store wiped and restarted with the same flags is then seen only if its revision went back")
+        }
+        Err(_) => tracing::warn!(key = %key, "etcd: writing the store epoch timed out"),
+    }
+}
+
+/// Why the store epoch could not be read at a list's revision.
+enum EpochRead {
+    /// The revision was compacted meanwhile: list again.
+    Compacted,
+    /// etcd failed: an outage.
+    Failed(RoundEnd),
+}
+
+/// The store epoch at `revision` (`None`: absent, or not a number).
+async fn read_epoch(
+    kv: &mut KvClient,
+    options: &EtcdOptions,
+    revision: i64,
+) -> Result<Option<u64>, EpochRead> {
+    let key = options.store_epoch_key();
+    let get = kv.get(
+        key.as_str(),
+        Some(GetOptions::new().with_revision(revision)),
+    );
+    match tokio::time::timeout(options.timeout, get).await {
+        Err(_) => Err(EpochRead::Failed(RoundEnd::Unreachable(format!(
+            "reading the store epoch timed out after {:?}",
+            options.timeout
+        )))),
+        Ok(Err(e)) if compacted(&e) => Err(EpochRead::Compacted),
+        Ok(Err(e)) => Err(EpochRead::Failed(RoundEnd::Unreachable(format!(
+            "reading the store epoch: {e}"
+        )))),
+        Ok(Ok(r)) => Ok(r
+            .kvs()
+            .first()
+            .and_then(|kv| std::str::from_utf8(kv.value()).ok()?.parse().ok())),
+    }
 }
 
 /// The end of the key range of `prefix` (etcd's rule: the prefix with its
@@ -267,6 +364,8 @@ async fn list_prefix(kv: &mut KvClient, options: &EtcdOptions) -> Result<Listing
     let prefix = options.prefix.as_bytes();
     let end = prefix_end(prefix);
     let page_size = options.page_size.max(1);
+    let epoch_key = options.store_epoch_key();
+    ensure_epoch(kv, options).await;
     'list: loop {
         let mut from = prefix.to_vec();
         let mut last_read: Option<String> = None;
@@ -317,7 +416,11 @@ async fn list_prefix(kv: &mut KvClient, options: &EtcdOptions) -> Result<Listing
                 }
             };
             at = Some((revision, cluster_id));
-            for kv in page.kvs() {
+            for kv in page
+                .kvs()
+                .iter()
+                .filter(|kv| kv.key() != epoch_key.as_bytes())
+            {
                 entries.push((
                     String::from_utf8_lossy(kv.key()).into_owned(),
                     kv.value().to_vec(),
@@ -333,11 +436,19 @@ async fn list_prefix(kv: &mut KvClient, options: &EtcdOptions) -> Result<Listing
                     limit = (limit * 2).min(page_size);
                 }
                 _ => {
+                    // At the list's revision: the epoch of the very store
+                    // these pages came from.
+                    let epoch = match read_epoch(kv, options, revision).await {
+                        Ok(epoch) => epoch,
+                        Err(EpochRead::Compacted) => continue 'list,
+                        Err(EpochRead::Failed(end)) => return Err(end),
+                    };
                     return Ok(Listing {
                         revision,
                         cluster_id,
+                        epoch,
                         entries,
-                    })
+                    });
                 }
             }
         }
@@ -385,8 +496,10 @@ async fn watch_round(
     let listed = SourceEvent::Listed {
         revision: listing.revision,
         cluster_id: listing.cluster_id,
+        epoch: listing.epoch,
         entries: listing.entries,
     };
+    let epoch_key = options.store_epoch_key();
     if tx.send(listed).is_err() {
         return RoundEnd::Stop;
     }
@@ -408,6 +521,9 @@ async fn watch_round(
         // events share theirs.
         for event in message.events() {
             let Some(kv) = event.kv() else { continue };
+            if kv.key() == epoch_key.as_bytes() {
+                continue;
+            }
             let key = String::from_utf8_lossy(kv.key()).into_owned();
             let revision = kv.mod_revision();
             let e = match event.event_type() {
@@ -427,6 +543,7 @@ async fn watch_round(
 
 /// What a prefill's registration reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RegistrationEvent {
     /// The key was written under a fresh lease.
     Registered {
@@ -448,6 +565,15 @@ pub enum RegistrationEvent {
     Unreachable {
         /// What failed.
         error: String,
+    },
+    /// The key is held by another process (two prefills started with one
+    /// engine id): not overwritten. Sent once per owner; the registration
+    /// watches the key and claims it when it is free.
+    Contested {
+        /// The key.
+        key: String,
+        /// Who holds it, as its record says (escaped).
+        owner: String,
     },
 }
 
@@ -488,7 +614,8 @@ impl EtcdRegistration {
 
     /// Stops the keep-alive, then deletes the key and revokes the lease,
     /// so decoders retire the engine before its side channel closes.
-    /// Bounded by the options' timeout.
+    /// Only a key this registration holds (under its lease) is deleted: a
+    /// contested key stays its owner's. Bounded by the options' timeout.
     pub async fn stop(self) {
         self.stop.cancel();
         let _ = self.task.await;
@@ -500,8 +627,112 @@ impl EtcdRegistration {
 enum Lapse {
     /// The lease is gone: register again under a new one.
     LeaseLost(i64),
+    /// Another process holds the key: wait for it to be free, then claim
+    /// it under a new lease.
+    Contested {
+        /// Who holds it, as its record says (escaped).
+        owner: String,
+        /// The store's revision when the key was found held: the wait
+        /// watches the key from the next one.
+        revision: i64,
+    },
     /// Anything else: reconnect and retry the same lease.
     Failed(String),
+}
+
+/// Writes `member` under `key` with `lease`, only where the key is free
+/// or holds this very process's record (a put of ours whose answer was
+/// lost): never over another process's record (two prefills started with
+/// one engine id). One transaction each, so of two claimants at once
+/// exactly one wins.
+async fn claim(
+    c: &mut Client,
+    key: &str,
+    member: &Member,
+    lease: i64,
+    timeout: Duration,
+) -> Result<(), Lapse> {
+    let put = || {
+        TxnOp::put(
+            key,
+            member.to_json(),
+            Some(PutOptions::new().with_lease(lease)),
+        )
+    };
+    let free = Txn::new()
+        .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+        .and_then([put()])
+        .or_else([TxnOp::get(key, None)]);
+    let r = match tokio::time::timeout(timeout, c.txn(free)).await {
+        Err(_) => return Err(Lapse::Failed("claiming the key timed out".into())),
+        Ok(Err(e)) if lease_gone(&e) => return Err(Lapse::LeaseLost(lease)),
+        Ok(Err(e)) => return Err(Lapse::Failed(format!("claiming the key: {e}"))),
+        Ok(Ok(r)) => r,
+    };
+    if r.succeeded() {
+        return Ok(());
+    }
+    let revision = r.header().map_or(0, |h| h.revision());
+    let held = r.op_responses().into_iter().find_map(|op| match op {
+        etcd_client::TxnOpResponse::Get(g) => g
+            .kvs()
+            .first()
+            .map(|kv| (kv.value().to_vec(), kv.mod_revision())),
+        _ => None,
+    });
+    let Some((value, mod_revision)) = held else {
+        // Deleted between the compare and the read: free now.
+        return Err(Lapse::Failed("the key changed while it was claimed".into()));
+    };
+    match Member::from_json(&value) {
+        Ok(owner) if owner == *member => {
+            // Our own record under an older lease of ours: take it over,
+            // unless it changed since it was read.
+            let mine = Txn::new()
+                .when([Compare::mod_revision(key, CompareOp::Equal, mod_revision)])
+                .and_then([put()]);
+            match tokio::time::timeout(timeout, c.txn(mine)).await {
+                Ok(Ok(r)) if r.succeeded() => Ok(()),
+                Ok(Err(e)) if lease_gone(&e) => Err(Lapse::LeaseLost(lease)),
+                _ => Err(Lapse::Failed("the key changed while it was claimed".into())),
+            }
+        }
+        Ok(owner) => Err(Lapse::Contested {
+            owner: format!(
+                "engine {} at {} incarnation {}",
+                crate::text::Escaped(&owner.engine_id),
+                crate::text::Escaped(&owner.address),
+                owner
+                    .incarnation
+                    .map_or_else(|| "unknown".to_string(), |i| format!("{i:#018x}"))
+            ),
+            revision,
+        }),
+        Err(e) => Err(Lapse::Contested {
+            owner: format!("a record that is not a member ({e})"),
+            revision,
+        }),
+    }
+}
+
+/// Waits until `key` may be free: a deletion (or any change) of it after
+/// `revision`, or `at_most` (a watch that cannot start, or a change
+/// missed, costs no more than that).
+async fn until_changed(c: &mut Client, key: &str, revision: i64, at_most: Duration) {
+    let wait = async {
+        let options = WatchOptions::new().with_start_revision(revision + 1);
+        let Ok(mut stream) = c.watch(key, Some(options)).await else {
+            return std::future::pending::<()>().await;
+        };
+        loop {
+            match stream.message().await {
+                Ok(Some(m)) if m.events().is_empty() && !m.canceled() => continue,
+                Ok(Some(_)) => return,
+                _ => return std::future::pending().await,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(at_most, wait).await;
 }
 
 /// etcd says the lease does not exist: etcd-client's own check of the
@@ -533,6 +764,8 @@ async fn register_loop(
     let mut last_error: Option<String> = None;
     // The last lapse was a lost lease (no keep-alive answered since).
     let mut lost_last = false;
+    // Who held the key when it was last found held (said once per owner).
+    let mut contested_by: Option<String> = None;
     loop {
         if stop.is_cancelled() {
             break;
@@ -541,6 +774,22 @@ async fn register_loop(
             _ = stop.cancelled() => break,
             lapse = keep_registered(&options, &member, &key, ttl_secs, period, &mut client, &mut lease, &mut backoff, &events) => lapse,
         };
+        if let Lapse::Contested { owner, revision } = lapse {
+            if contested_by.as_deref() != Some(owner.as_str()) {
+                tracing::warn!(%key, %owner, "etcd: the key is held by another process (one engine id for two prefills?): not overwriting it; claiming it when it is free");
+                let _ = events.send(RegistrationEvent::Contested {
+                    key: key.clone(),
+                    owner: owner.clone(),
+                });
+                contested_by = Some(owner);
+            }
+            let Some(c) = client.as_mut() else { continue };
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = until_changed(c, &key, revision, period) => {}
+            }
+            continue;
+        }
         if let Lapse::LeaseLost(_) = lapse {
             // etcd answered: an outage before this is over, so the new
             // lease is asked for at once (within the TTL the decoders'
@@ -561,6 +810,8 @@ async fn register_loop(
                 tracing::warn!(%key, lease = id, retry_in_ms = pause.as_millis() as u64, "etcd: lease lost (expired, revoked or etcd lost its data): registering again under a new lease");
                 let _ = events.send(RegistrationEvent::LeaseLost { lease: id });
             }
+            // Waited for above, without a back-off.
+            Lapse::Contested { .. } => {}
             Lapse::Failed(error) => {
                 client = None;
                 if last_error.as_deref() != Some(&error) {
@@ -581,18 +832,25 @@ async fn register_loop(
             _ = tokio::time::sleep(pause) => {}
         }
     }
-    // Graceful stop: the key goes first, then the lease.
+    // Graceful stop: the key goes first, then the lease; only the key as
+    // this registration holds it (under its lease). A contested key is its
+    // owner's, and a key written by another process after this one's lease
+    // was lost is that process's: deleting either would retire a live
+    // prefill.
+    let Some(l) = lease else {
+        tracing::info!(%key, "etcd registration stopped: it held no key, nothing deleted");
+        return;
+    };
     let cleanup = async {
         let mut c = match client {
             Some(c) => c,
             None => options.connect().await.map_err(|e| e.to_string())?,
         };
-        c.delete(key.as_str(), None)
-            .await
-            .map_err(|e| e.to_string())?;
-        if let Some(l) = lease {
-            let _ = c.lease_revoke(l).await;
-        }
+        let ours = Txn::new()
+            .when([Compare::lease(key.as_str(), CompareOp::Equal, l)])
+            .and_then([TxnOp::delete(key.as_str(), None)]);
+        c.txn(ours).await.map_err(|e| e.to_string())?;
+        let _ = c.lease_revoke(l).await;
         Ok::<(), String>(())
     };
     match tokio::time::timeout(options.timeout, cleanup).await {
@@ -638,18 +896,17 @@ async fn keep_registered(
                 Ok(Ok(g)) => g,
             };
             let id = granted.id();
-            let put = c.put(
-                key,
-                member.to_json(),
-                Some(PutOptions::new().with_lease(id)),
-            );
-            match tokio::time::timeout(timeout, put).await {
-                Err(_) => return Lapse::Failed("put timed out".into()),
-                Ok(Err(e)) if lease_gone(&e) => return Lapse::LeaseLost(id),
-                Ok(Err(e)) => return failed("put", e),
-                Ok(Ok(_)) => {}
-            }
+            // Set before the claim: a stop that interrupts it still
+            // deletes the key if the claim went through (the delete
+            // compares the key's lease with this one).
             *lease = Some(id);
+            if let Err(lapse) = claim(c, key, member, id, timeout).await {
+                // Not ours to keep: the lease would only hold nothing (and
+                // a claim whose answer was lost goes with it).
+                *lease = None;
+                let _ = tokio::time::timeout(timeout, c.lease_revoke(id)).await;
+                return lapse;
+            }
             tracing::info!(%key, lease = id, ttl_secs, "etcd: registered");
             let _ = events.send(RegistrationEvent::Registered {
                 key: key.to_string(),

@@ -16,7 +16,11 @@
 //! expiry or [`InMemoryStore::revoke_lease`] with several keys each send
 //! several events of one revision. [`InMemoryStore::wipe`] is an etcd
 //! restarted with an empty data directory: revision back to 0, every key
-//! and lease gone, a new cluster id.
+//! and lease gone, a new cluster id; [`InMemoryStore::wipe_keeping_cluster_id`]
+//! is one restarted empty with the same flags (its cluster id kept) whose
+//! revision other writers took past the old one. Either way the store's
+//! epoch (see [`SourceEvent::Listed`]) is a new one: the etcd source keeps
+//! it in a key of the store, which the wipe took with the rest.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -42,6 +46,8 @@ struct Inner {
     kv: BTreeMap<String, (Vec<u8>, Option<LeaseId>)>,
     revision: i64,
     cluster_id: u64,
+    /// The store's epoch: new with every wipe.
+    epoch: u64,
     up: bool,
     watchers: Vec<mpsc::UnboundedSender<SourceEvent>>,
     leases: HashMap<LeaseId, Lease>,
@@ -59,6 +65,7 @@ impl Inner {
         SourceEvent::Listed {
             revision: self.revision,
             cluster_id: self.cluster_id,
+            epoch: Some(self.epoch),
             entries: self
                 .kv
                 .iter()
@@ -108,15 +115,22 @@ pub struct InMemoryStore {
     inner: Arc<Mutex<Inner>>,
 }
 
-/// Watches an [`InMemoryStore`]'s keys (all of them: one store, one prefix).
+/// Watches an [`InMemoryStore`]'s keys (all of them: one store, one
+/// prefix, [`super::DEFAULT_PREFIX`] unless [`InMemoryStore::watch_prefix`]
+/// names another).
 pub struct InMemorySource {
     rx: mpsc::UnboundedReceiver<SourceEvent>,
+    prefix: String,
 }
 
 impl MembershipSource for InMemorySource {
     async fn next(&mut self) -> Option<SourceEvent> {
         // `recv` is cancel safe.
         self.rx.recv().await
+    }
+
+    fn prefix(&self) -> &str {
+        &self.prefix
     }
 }
 
@@ -127,6 +141,7 @@ impl InMemoryStore {
         let mut inner = store.lock();
         inner.up = true;
         inner.cluster_id = 1;
+        inner.epoch = 1;
         drop(inner);
         store
     }
@@ -138,6 +153,12 @@ impl InMemoryStore {
     /// A watcher: it gets the whole store at once (`Listed`), then every
     /// change. While the store is down it gets the listing when it is back.
     pub fn watch(&self) -> InMemorySource {
+        self.watch_prefix(super::DEFAULT_PREFIX)
+    }
+
+    /// A watcher (as [`InMemoryStore::watch`]) whose records speak for
+    /// their engines under `prefix`.
+    pub fn watch_prefix(&self, prefix: &str) -> InMemorySource {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut inner = self.lock();
         if inner.up {
@@ -148,7 +169,10 @@ impl InMemoryStore {
             });
         }
         inner.watchers.push(tx);
-        InMemorySource { rx }
+        InMemorySource {
+            rx,
+            prefix: prefix.to_string(),
+        }
     }
 
     /// Writes `value` under `key` (no lease). Refused (false) while down.
@@ -229,6 +253,22 @@ impl InMemoryStore {
         inner.leases.clear();
         inner.revision = 0;
         inner.cluster_id += 1;
+        inner.epoch += 1;
+        let listing = inner.listing();
+        inner.send(listing);
+    }
+
+    /// An etcd restarted empty with the same flags: every key and lease
+    /// gone, the cluster id kept, and the revision at `revision` (other
+    /// applications' writes took it there, past what watchers saw).
+    /// Only the store's epoch tells the new store from the old one.
+    /// Watchers get the store as a list.
+    pub fn wipe_keeping_cluster_id(&self, revision: i64) {
+        let mut inner = self.lock();
+        inner.kv.clear();
+        inner.leases.clear();
+        inner.revision = revision;
+        inner.epoch += 1;
         let listing = inner.listing();
         inner.send(listing);
     }

@@ -41,6 +41,12 @@
 //!   IPv6 address, then a port from 1 to 65535;
 //! - `ranks`: its ranks (NIXL agents), 1 to 64.
 //!
+//! Only the record under an engine's own key speaks for it: a
+//! well-formed record under any other key (a copy of a live prefill's
+//! record, whatever it names) is refused as
+//! [`SchemaError::NotCanonical`], never a member, so its removal retires
+//! nothing (see `docs/design/membership-resets.md`).
+//!
 //! A value is at most [`MAX_RECORD`] bytes (checked before it is parsed)
 //! and a key at most [`MAX_KEY`]. Unknown fields are ignored (room to
 //! grow). A record that breaks these rules is refused: counted by reason
@@ -59,10 +65,14 @@
 //! # A store reset
 //!
 //! An etcd restarted with a wiped data directory (or restored from an old
-//! snapshot) starts again at a lower revision, under a new cluster id. The
-//! first list after it (its revision below the last one seen, or its
-//! cluster id changed) is a **store reset**: the membership plane lost its
-//! data, which is no evidence that any engine died. So it is handled as an
+//! snapshot) lost its data, which is no evidence that any engine died. Its
+//! first list is a **store reset** when anything says it is another store:
+//! its cluster id changed, its revision is below the last one seen, or
+//! its store epoch (a value the source keeps in the store itself, see
+//! [`SourceEvent::Listed`]) changed, appeared or vanished. The epoch is
+//! what tells an etcd restarted empty with the same flags, which keeps its
+//! cluster id, and whose revision other writers may have taken past the
+//! last one seen. So it is handled as an
 //! outage followed by a grace period of [`MembershipConfig::reset_grace`]
 //! (set it to the prefills' lease TTL: a prefill whose lease is gone
 //! registers again within about a third of it): the engines the new store
@@ -122,6 +132,7 @@ pub const MAX_KEY: usize = 1024;
 /// One prefill engine as the membership plane knows it: the JSON value of
 /// its key (see the module docs for the schema).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Member {
     /// The engine id its handshake reports.
     pub engine_id: String,
@@ -141,6 +152,7 @@ pub struct Member {
 /// from the record is escaped and cut (it comes from whoever can write to
 /// etcd).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SchemaError {
     /// The key is longer than [`MAX_KEY`] bytes.
     #[error("key is {0} bytes long; expected at most {MAX_KEY}")]
@@ -166,12 +178,24 @@ pub enum SchemaError {
     /// `ranks` outside 1..=[`MAX_RANKS`].
     #[error("ranks must be 1 to {MAX_RANKS}, got {0}")]
     Ranks(u16),
+    /// A well-formed record under another key than its engine's own,
+    /// `<prefix><engine id>` (a copy of a live prefill's record, a key of
+    /// an old version, a hand-written one): only the record under the
+    /// engine's own key speaks for it, so this one is a conflict, never a
+    /// member, and its removal retires nothing, whatever it names.
+    #[error("a record of engine {engine} under another key than its own ({expected}): only the record under <prefix><engine id> speaks for an engine")]
+    NotCanonical {
+        /// The engine id the record names, escaped and cut.
+        engine: String,
+        /// The key that would speak for it, escaped and cut.
+        expected: String,
+    },
 }
 
 impl SchemaError {
     /// The reason, as the `reason` label of
     /// `nixl_keepalive_membership_bad_values_total`: `key`, `too_large`,
-    /// `json`, `engine_id`, `address` or `ranks`.
+    /// `json`, `engine_id`, `address`, `ranks` or `not_canonical`.
     pub fn reason(&self) -> &'static str {
         match self {
             SchemaError::KeyTooLong(_) => "key",
@@ -180,6 +204,7 @@ impl SchemaError {
             SchemaError::EngineId(_) => "engine_id",
             SchemaError::Address { .. } => "address",
             SchemaError::Ranks(_) => "ranks",
+            SchemaError::NotCanonical { .. } => "not_canonical",
         }
     }
 }
@@ -322,6 +347,7 @@ fn check_address(address: &str) -> Result<(), String> {
 /// several events may share one (every event of one etcd transaction, a
 /// prefix delete or a lease revocation has the same revision).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SourceEvent {
     /// The whole prefix at `revision`: at start, after a compaction and
     /// after every outage. Keys not listed are gone. A revision below the
@@ -331,9 +357,17 @@ pub enum SourceEvent {
         /// The revision the list was read at; the watch goes on from the
         /// next one.
         revision: i64,
-        /// Which store answered: etcd's cluster id (a wiped or restored
-        /// etcd gets a new one).
+        /// Which store answered: etcd's cluster id (a restored snapshot
+        /// or a new cluster gets a new one; an etcd restarted empty with
+        /// the same flags keeps it).
         cluster_id: u64,
+        /// The store's epoch, read at `revision`: a value kept in the
+        /// store itself (the etcd source creates it when it is missing),
+        /// so a store that lost its data, whatever its cluster id and
+        /// revision say, lists another epoch (or none). `None` when the
+        /// source cannot read or write one; the revision and cluster id
+        /// are the only evidence then.
+        epoch: Option<u64>,
         /// Every key with its raw value.
         entries: Vec<(String, Vec<u8>)>,
     },
@@ -370,10 +404,19 @@ pub trait MembershipSource: Send + 'static {
     ///
     /// Must be cancel safe: the driver races it against other inputs.
     fn next(&mut self) -> impl Future<Output = Option<SourceEvent>> + Send;
+
+    /// The key prefix the source watches: only the record under
+    /// `<prefix><engine id>` speaks for an engine (see
+    /// [`SchemaError::NotCanonical`]). [`DEFAULT_PREFIX`] unless the
+    /// source says otherwise.
+    fn prefix(&self) -> &str {
+        DEFAULT_PREFIX
+    }
 }
 
 /// Why an engine is retired.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RetireWhy {
     /// Its key was deleted, or its lease expired.
     Deleted,
@@ -404,6 +447,7 @@ impl RetireWhy {
 
 /// What the reconciler decided.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Decision {
     /// A new engine: the runtime should handshake with it.
     Announce(Member),
@@ -433,25 +477,78 @@ pub enum Decision {
 /// The membership state machine: keys to members, the last revision seen.
 /// Every input returns the actions it implies; it has no clock and does
 /// no I/O, so its rules are tested on their own.
-#[derive(Debug, Default)]
+///
+/// Two rules stand above the others (see `docs/design/membership-resets.md`):
+/// only the record under an engine's own key, `<prefix><engine id>`,
+/// speaks for it (any other is refused as [`SchemaError::NotCanonical`]);
+/// and a list of a store that lost its data (another cluster id, a lower
+/// revision, or another [store epoch](SourceEvent::Listed)) retires
+/// nothing at once: what it lacks is awaited for a grace period.
+#[derive(Debug)]
 pub struct Reconciler {
+    /// The watched prefix: a record speaks for its engine only under
+    /// `prefix + engine id`.
+    prefix: String,
     members: BTreeMap<String, Member>,
     /// How many keys hold each record identity (engine id, incarnation,
     /// address): a record that goes away while another key still says the
     /// same retires nothing.
     identities: HashMap<(String, Option<u64>, String), usize>,
     revision: i64,
-    /// The store's cluster id, from the last list.
+    /// The store's cluster id, from the last list (`None` before the
+    /// first).
     cluster_id: Option<u64>,
+    /// The store's epoch, from the last list.
+    epoch: Option<u64>,
     /// After a store reset: members the new store lacked, by key, until
     /// they register again or the grace period ends.
     awaited: BTreeMap<String, Member>,
 }
 
+impl Default for Reconciler {
+    fn default() -> Self {
+        Reconciler::new()
+    }
+}
+
 impl Reconciler {
-    /// Empty: nothing known, revision 0.
+    /// Empty: nothing known, revision 0, watching [`DEFAULT_PREFIX`].
     pub fn new() -> Self {
-        Self::default()
+        Reconciler::with_prefix(DEFAULT_PREFIX)
+    }
+
+    /// Empty, for a source watching `prefix` (its
+    /// [`MembershipSource::prefix`]).
+    pub fn with_prefix(prefix: impl Into<String>) -> Self {
+        Reconciler {
+            prefix: prefix.into(),
+            members: BTreeMap::new(),
+            identities: HashMap::new(),
+            revision: 0,
+            cluster_id: None,
+            epoch: None,
+            awaited: BTreeMap::new(),
+        }
+    }
+
+    /// The key that speaks for `engine_id`: `<prefix><engine id>`.
+    pub fn own_key(&self, engine_id: &str) -> String {
+        format!("{}{engine_id}", self.prefix)
+    }
+
+    /// Parses a record and checks that it is under its engine's own key.
+    fn parse(&self, key: &str, value: &[u8]) -> Result<Member, SchemaError> {
+        let member = Member::from_record(key, value)?;
+        let own = key
+            .strip_prefix(self.prefix.as_str())
+            .is_some_and(|id| id == member.engine_id);
+        if !own {
+            return Err(SchemaError::NotCanonical {
+                engine: cut(&member.engine_id),
+                expected: cut(&self.own_key(&member.engine_id)),
+            });
+        }
+        Ok(member)
     }
 
     /// The highest revision seen (the watch resumes after it). Only for
@@ -477,15 +574,15 @@ impl Reconciler {
             SourceEvent::Listed {
                 revision,
                 cluster_id,
+                epoch,
                 entries,
-            } => self.list(revision, cluster_id, entries),
+            } => self.list(revision, cluster_id, epoch, entries),
             SourceEvent::Put {
                 key,
                 value,
                 revision,
             } => {
                 self.seen(revision);
-                self.recall_awaited(&key);
                 self.put(key, &value)
             }
             SourceEvent::Deleted { key, revision } => {
@@ -518,17 +615,33 @@ impl Reconciler {
     /// A list: after a store reset, the members the new store lacks are set
     /// aside (awaited, not retired); then the list is reconciled as any
     /// other. The list's revision is taken as it is (after a reset it is
-    /// lower).
+    /// lower, or higher: an etcd restarted empty with the same flags keeps
+    /// its cluster id, and other keys may have taken its revision past the
+    /// last one seen).
+    ///
+    /// A reset is any evidence that the store is not the one listed
+    /// before: another cluster id, a lower revision, or another epoch
+    /// (one appearing or vanishing included). The first list has nothing
+    /// to compare with.
     fn list(
         &mut self,
         revision: i64,
         cluster_id: u64,
+        epoch: Option<u64>,
         entries: Vec<(String, Vec<u8>)>,
     ) -> Vec<Decision> {
-        let reset = self.cluster_id.is_some_and(|c| c != cluster_id) || revision < self.revision;
+        let reset = self.cluster_id.is_some()
+            && (self.cluster_id != Some(cluster_id)
+                || revision < self.revision
+                || self.epoch != epoch);
         self.cluster_id = Some(cluster_id);
-        for (key, _) in &entries {
-            self.recall_awaited(key);
+        self.epoch = epoch;
+        // Only a record that speaks for its engine brings it back: a
+        // refused one at an awaited key must not keep it past the grace.
+        for (key, value) in &entries {
+            if self.awaited.contains_key(key) && self.parse(key, value).is_ok() {
+                self.recall_awaited(key);
+            }
         }
         let mut actions = Vec::new();
         if reset {
@@ -610,10 +723,13 @@ impl Reconciler {
 
     /// A write.
     fn put(&mut self, key: String, value: &[u8]) -> Vec<Decision> {
-        let member = match Member::from_record(&key, value) {
+        let member = match self.parse(&key, value) {
             Ok(m) => m,
+            // Refused: the key is unchanged, an awaited engine still
+            // awaited.
             Err(error) => return vec![Decision::BadValue { key, error }],
         };
+        self.recall_awaited(&key);
         let old = self.insert_member(key, member.clone());
         let mut actions = Vec::new();
         match old {
@@ -658,7 +774,7 @@ impl Reconciler {
         let mut actions = Vec::new();
         let mut fresh = BTreeMap::new();
         for (key, value) in entries {
-            match Member::from_record(&key, &value) {
+            match self.parse(&key, &value) {
                 Ok(m) => {
                     fresh.insert(key, m);
                 }
@@ -698,6 +814,15 @@ impl Reconciler {
     }
 }
 
+/// A text from a record, escaped and cut to 128 characters for a message.
+fn cut(text: &str) -> String {
+    let shown = Escaped(text).to_string();
+    match shown.char_indices().nth(128) {
+        Some((at, _)) => format!("{}...", &shown[..at]),
+        None => shown,
+    }
+}
+
 fn identity_key(member: &Member) -> (String, Option<u64>, String) {
     (
         member.engine_id.clone(),
@@ -708,6 +833,7 @@ fn identity_key(member: &Member) -> (String, Option<u64>, String) {
 
 /// What the driver tells the decoder runtime.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum MembershipUpdate {
     /// A prefill engine joined: handshake with it.
     Joined(Member),
@@ -764,6 +890,7 @@ pub enum MembershipUpdate {
 
 /// How the driver retires engines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MembershipConfig {
     /// What a removal does to reads in flight (default: drain).
     pub gone_mode: GoneMode,
@@ -791,28 +918,30 @@ pub const REFUSALS_BURST: u32 = 10;
 pub const REFUSALS_PERIOD: Duration = Duration::from_secs(1);
 
 /// Metric names (Prometheus).
-pub mod metric {
+mod metric {
     /// Gauge: 1 while the watch is up (listed and watching), else 0.
-    pub const WATCH_UP: &str = "nixl_keepalive_membership_watch_up";
+    pub(crate) const WATCH_UP: &str = "nixl_keepalive_membership_watch_up";
     /// Counter: outages of the membership plane.
-    pub const OUTAGES: &str = "nixl_keepalive_membership_outages_total";
+    pub(crate) const OUTAGES: &str = "nixl_keepalive_membership_outages_total";
     /// Counter: full lists of the prefix (start, compaction, outage end).
-    pub const LISTS: &str = "nixl_keepalive_membership_lists_total";
+    pub(crate) const LISTS: &str = "nixl_keepalive_membership_lists_total";
     /// Gauge: engines the membership plane lists now.
-    pub const MEMBERS: &str = "nixl_keepalive_membership_members";
+    pub(crate) const MEMBERS: &str = "nixl_keepalive_membership_members";
     /// Counter `{why}`: engines retired (deleted, replaced,
     /// missing_from_list, missing_after_reset).
-    pub const RETIRED: &str = "nixl_keepalive_membership_retired_total";
+    pub(crate) const RETIRED: &str = "nixl_keepalive_membership_retired_total";
     /// Counter: engines announced.
-    pub const JOINED: &str = "nixl_keepalive_membership_joined_total";
+    pub(crate) const JOINED: &str = "nixl_keepalive_membership_joined_total";
     /// Counter `{reason}`: records refused (see [`super::SchemaError::reason`]).
-    pub const BAD_VALUES: &str = "nixl_keepalive_membership_bad_values_total";
-    /// Counter: store resets (revision went back, or cluster id changed).
-    pub const STORE_RESETS: &str = "nixl_keepalive_membership_store_resets_total";
+    pub(crate) const BAD_VALUES: &str = "nixl_keepalive_membership_bad_values_total";
+    /// Counter: store resets (another store epoch or cluster id, or the
+    /// revision went back).
+    pub(crate) const STORE_RESETS: &str = "nixl_keepalive_membership_store_resets_total";
     /// Gauge: engines kept after a store reset, awaiting their new record.
-    pub const AWAITED: &str = "nixl_keepalive_membership_awaited";
+    pub(crate) const AWAITED: &str = "nixl_keepalive_membership_awaited";
     /// Histogram: from seeing a removal to the engine's release, seconds.
-    pub const DELETION_TO_RELEASE: &str = "nixl_keepalive_membership_deletion_to_release_seconds";
+    pub(crate) const DELETION_TO_RELEASE: &str =
+        "nixl_keepalive_membership_deletion_to_release_seconds";
 }
 
 /// Starts the driver: reads `source`, retires engines through `handle`
@@ -844,7 +973,7 @@ async fn drive<S: MembershipSource, R: Send + 'static>(
     updates: mpsc::UnboundedSender<MembershipUpdate>,
     shutdown: CancellationToken,
 ) {
-    let mut reconciler = Reconciler::new();
+    let mut reconciler = Reconciler::with_prefix(source.prefix());
     // Engines retired by membership, waiting for their release.
     let mut pending: HashMap<EngineId, Instant> = HashMap::new();
     let mut outage_since: Option<Instant> = None;
@@ -1001,7 +1130,15 @@ async fn carry_out<R: Send + 'static>(
                 pending.entry(engine.clone()).or_insert_with(Instant::now);
             }
             let address = resolved.departed(&member);
-            handle.member_gone(member.departure(address), config.gone_mode);
+            if handle
+                .member_gone(member.departure(address), config.gone_mode)
+                .is_err()
+            {
+                // A stopped service released or handed back every engine:
+                // nothing is left to retire (the loop ends when the
+                // service's events close).
+                tracing::debug!(%engine, "membership: the service has stopped; nothing to retire");
+            }
             let _ = updates.send(MembershipUpdate::Left { member, why });
         }
         Decision::BadValue { key, error } => refused(key, error, refusals, updates),
@@ -1010,7 +1147,7 @@ async fn carry_out<R: Send + 'static>(
             tracing::warn!(
                 awaited,
                 grace_ms = config.reset_grace.as_millis() as u64,
-                "membership plane was reset (its revision went back or its cluster id changed): the engines it lacks are kept for the grace period"
+                "membership plane was reset (another store epoch or cluster id, or its revision went back): the engines it lacks are kept for the grace period, none retired now"
             );
             let _ = updates.send(MembershipUpdate::StoreReset {
                 awaited,
@@ -1051,7 +1188,7 @@ fn refused(
     updates: &mpsc::UnboundedSender<MembershipUpdate>,
 ) {
     metrics::counter!(metric::BAD_VALUES, "reason" => error.reason()).increment(1);
-    if let Some(unreported) = refusals.refused(Instant::now()) {
+    if let Some(unreported) = refusals.refused(&key, &error.to_string(), Instant::now()) {
         tracing::warn!(key = %Escaped(&key), %error, reason = error.reason(), unreported, "membership: record refused; the key is treated as unchanged");
         let _ = updates.send(MembershipUpdate::BadValue {
             key,

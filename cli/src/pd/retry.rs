@@ -1,8 +1,22 @@
 //! Retrying a prefill that keeps failing its handshake: capped
-//! exponential back-off (`backon`'s, no jitter, no limit on attempts; the
-//! pauses are a plain iterator, slept on tokio's clock by the caller).
+//! exponential back-off (`backon`'s, no limit on attempts; the pauses are
+//! a plain iterator, slept on tokio's clock by the caller), per claimant
+//! and with jitter:
+//!
+//! - **per claimant**: the back-off is earned by whoever answered at the
+//!   address (an engine id and incarnation, or nobody). A new engine id
+//!   or incarnation there starts fresh: a prefill that starts where a
+//!   broken or conflicting one was is not made to wait for the other's
+//!   failures.
+//! - **jitter**: each pause is drawn from the upper half of the doubling
+//!   step, `[d/2, d)` (`rand`'s thread generator, so every reader has its
+//!   own draws): retries to many dead members spread out instead of
+//!   running in lockstep. (`backon`'s own jitter draws from a fixed seed
+//!   without its `std` feature, the same sequence in every reader, and
+//!   adds up to a whole step above the cap.)
+//!
 //! (How often a failure is logged is the decoder's
-//! [`nixl_keepalive::log_limit::LogLimiter`], per failure reason.)
+//! [`nixl_keepalive::log_limit::LogLimiter`], per address and reason.)
 
 use std::time::Duration;
 
@@ -17,13 +31,21 @@ pub struct AfterFailure {
     pub in_a_row: u64,
 }
 
-/// Back-off for one prefill address. See the module docs.
+/// Who answered at an address: the engine id and incarnation its
+/// handshake reply named, `None` when nobody answered (or the reply could
+/// not be read). The unit a back-off is earned by.
+pub type Claimant = Option<(String, u64)>;
+
+/// Back-off for one prefill address, per claimant. See the module docs.
 #[derive(Debug)]
 pub struct Retry {
     builder: ExponentialBuilder,
     pauses: <ExponentialBuilder as BackoffBuilder>::Backoff,
     max: Duration,
     in_a_row: u64,
+    /// Who earned the failures so far.
+    claimant: Claimant,
+    jitter: bool,
 }
 
 impl Retry {
@@ -37,30 +59,62 @@ impl Retry {
             pauses: builder.build(),
             max,
             in_a_row: 0,
+            claimant: None,
+            jitter: true,
         }
     }
 
-    /// Records a failed attempt.
+    /// The same without jitter: each pause the whole doubling step (for
+    /// tests of the steps).
+    pub fn without_jitter(mut self) -> Retry {
+        self.jitter = false;
+        self
+    }
+
+    /// Records a failed attempt by whoever failed the last one.
     pub fn failed(&mut self) -> AfterFailure {
         self.in_a_row += 1;
+        // Never `None` (no limit on attempts or total delay).
+        let step = self.pauses.next().unwrap_or(self.max);
+        let pause = if self.jitter {
+            step.mul_f64(0.5 + rand::random::<f64>() / 2.0)
+        } else {
+            step
+        };
         AfterFailure {
-            // Never `None` (no limit on attempts or total delay).
-            pause: self.pauses.next().unwrap_or(self.max),
+            pause,
             in_a_row: self.in_a_row,
         }
+    }
+
+    /// Records a failed attempt by `claimant`: another claimant than the
+    /// one whose failures the back-off holds starts it fresh.
+    pub fn failed_by(&mut self, claimant: Claimant) -> AfterFailure {
+        if claimant != self.claimant {
+            self.pauses = self.builder.build();
+            self.in_a_row = 0;
+            self.claimant = claimant;
+        }
+        self.failed()
+    }
+
+    /// Who earned the failures so far.
+    pub fn claimant(&self) -> &Claimant {
+        &self.claimant
     }
 
     /// Records a success: the next failure starts from `first` again.
     /// Returns the failures in a row it ended.
     pub fn succeeded(&mut self) -> u64 {
         self.pauses = self.builder.build();
+        self.claimant = None;
         std::mem::take(&mut self.in_a_row)
     }
 }
 
-/// Pauses from `first`, doubling up to `max`, without end and without
-/// jitter: what every retry of the command line uses (this module's, the
-/// demo's reconnects).
+/// Pauses from `first`, doubling up to `max`, without end (the steps;
+/// [`Retry`] draws its jitter within each): what every retry of the
+/// command line uses (this module's, the demo's reconnects).
 pub fn backoff(first: Duration, max: Duration) -> ExponentialBuilder {
     ExponentialBuilder::new()
         .with_min_delay(first)
@@ -93,7 +147,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn pauses_double_up_to_the_cap_and_a_success_starts_over() {
-        let mut r = Retry::new(ms(250), ms(8000));
+        let mut r = Retry::new(ms(250), ms(8000)).without_jitter();
         let pauses = fail_for(&mut r, Duration::from_secs(60)).await;
         assert_eq!(
             &pauses[..7],
@@ -117,9 +171,54 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_new_claimant_at_an_address_starts_fresh_and_the_same_one_keeps_its_back_off() {
+        // Issue 30, item 8: before, a conflict at an address made the next,
+        // honest claimant there wait out the other's back-off.
+        let mut r = Retry::new(ms(250), ms(4000)).without_jitter();
+        let broken: Claimant = Some(("p".into(), 1));
+        for _ in 0..5 {
+            r.failed_by(broken.clone());
+        }
+        assert_eq!(r.failed_by(broken.clone()).pause, ms(4000), "earned");
+        // The same engine id restarted (another incarnation): fresh.
+        let after = r.failed_by(Some(("p".into(), 2)));
+        assert_eq!((after.pause, after.in_a_row), (ms(250), 1));
+        // Nobody at the address any more: fresh too.
+        assert_eq!(r.failed_by(None).pause, ms(250));
+        assert_eq!(r.failed_by(None).pause, ms(500));
+    }
+
+    #[test]
+    fn retries_of_many_dead_members_are_spread_not_in_lockstep() {
+        // 1,000 readers, each failing 6 times from the same instant: with
+        // jitter their attempts fall at many different times, within the
+        // upper half of each step.
+        let mut attempts = std::collections::BTreeSet::new();
+        for _ in 0..1000 {
+            let mut r = Retry::new(ms(250), ms(4000));
+            let mut at = Duration::ZERO;
+            for step in [250, 500, 1000, 2000, 4000, 4000] {
+                let p = r.failed_by(None).pause;
+                assert!(
+                    p >= ms(step / 2) && p < ms(step),
+                    "{p:?} for a {step} ms step"
+                );
+                at += p;
+            }
+            attempts.insert(at.as_millis());
+        }
+        // Without jitter all 1,000 fall on one millisecond; with it they
+        // spread over seconds (1,000 draws over about 5,900 ms collide
+        // now and then).
+        assert!(attempts.len() > 700, "{} distinct times", attempts.len());
+        let spread = attempts.last().unwrap() - attempts.first().unwrap();
+        assert!(spread > 2000, "spread over {spread} ms");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn edge_values_do_not_spin_or_overflow() {
         // A zero first pause is raised to 1 ms; a cap under it to it.
-        let mut r = Retry::new(Duration::ZERO, Duration::ZERO);
+        let mut r = Retry::new(Duration::ZERO, Duration::ZERO).without_jitter();
         assert_eq!(r.failed().pause, ms(1));
         assert_eq!(r.failed().pause, ms(1));
         // A huge cap: doubling saturates instead of overflowing.
