@@ -62,3 +62,29 @@ fn an_operator_kills_a_prefill_and_the_decode_command_releases_it() {
     ));
     d.stop();
 }
+
+/// Issue 30, item 10b: `/v1/snapshot` left out each engine's incarnation,
+/// so a router could not tell a restarted process (a new incarnation, the
+/// same pinned id) from the one it knew. Each engine now carries the
+/// incarnation its handshake sent, as a decimal string.
+#[test]
+fn the_snapshot_names_each_engines_incarnation() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let p = PrefillProc::start(&PrefillSpec::default());
+    let mut d = DecodeProc::start(&["--prefill", p.addr.as_str()], &[], MARGIN);
+    d.wait_nth(1, &["event: registered", &p.engine], MARGIN);
+    let (status, body) = d.http("GET", "/v1/snapshot", None);
+    assert_eq!(status, 200, "{body}");
+    let snapshot: serde_json::Value = serde_json::from_str(&body).expect("snapshot JSON");
+    let engine = snapshot["engines"]
+        .as_array()
+        .and_then(|e| e.iter().find(|e| e["engine"] == p.engine.as_str()))
+        .unwrap_or_else(|| panic!("{} not in {snapshot}", p.engine));
+    assert_eq!(
+        engine["incarnation"].as_str(),
+        Some(p.incarnation.as_str()),
+        "the prefill's own incarnation: {engine}"
+    );
+    d.stop();
+}

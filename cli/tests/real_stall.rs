@@ -11,10 +11,21 @@
 //! sees the hung reads counted. The tests still wait for every count they
 //! assert on (bounded, printing what they saw), and check that the count
 //! was already there at the event, which is that guarantee.
+//!
+//! The bounds are the detector's, counted on the service's own clock: a
+//! quiet stretch is judged exactly one bound after a check first saw it,
+//! by a timer. Starved of CPU (measured once in 12 runs beside two busy
+//! loops: no `stalled` within 3.5 s), the service's timers fire late and
+//! the stall comes as much later; so each freeze measures how late a
+//! timer on the service's runtime fires (a probe task beside it, sleeping
+//! in 10 ms steps) and judges the stall against the bound plus that
+//! lateness, twice (the check that starts the stretch, the timer that
+//! judges it). A detector late in its own time still fails.
 
 mod common;
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::wait::{check, until_async, MARGIN};
@@ -52,8 +63,48 @@ fn abandoned(d: &DecodeSide) -> u64 {
     d.decoder.stats().abandoned.load(Ordering::Relaxed)
 }
 
+/// How often the lateness probe asks for a wake-up.
+const PROBE_STEP: Duration = Duration::from_millis(10);
+
+/// How late timers on the current runtime fire, at worst since it was
+/// started: a task that sleeps in [`PROBE_STEP`]s and keeps the largest
+/// overshoot. The service's timers run on the same runtime and threads,
+/// so they are starved alike.
+struct Lateness {
+    worst_us: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Lateness {
+    fn start() -> Lateness {
+        let worst_us = Arc::new(AtomicU64::new(0));
+        let worst = worst_us.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let due = tokio::time::Instant::now() + PROBE_STEP;
+                tokio::time::sleep_until(due).await;
+                let late = due.elapsed().as_micros() as u64;
+                worst.fetch_max(late, Ordering::Relaxed);
+            }
+        });
+        Lateness { worst_us, task }
+    }
+
+    /// The worst lateness so far.
+    fn worst(&self) -> Duration {
+        Duration::from_micros(self.worst_us.load(Ordering::Relaxed))
+    }
+}
+
+impl Drop for Lateness {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Freezes `frozen` while both prefills are read; waits for its stall
-/// and release (within `bound` of the SIGSTOP, printing what it saw
+/// and release (within `bound` of the SIGSTOP plus twice the worst timer
+/// lateness of the service's runtime meanwhile, printing what it saw
 /// otherwise), then SIGCONT and waits until it is registered and read
 /// again. Returns (stop -> stalled, stop -> released, reads at the mark,
 /// stalled_for, given_up, resume -> registered again).
@@ -80,12 +131,15 @@ async fn freeze_and_thaw(
         check(verified(d) >= start + 20, verified(d))
     })
     .await;
+    let lateness = Lateness::start();
     frozen.signal("STOP");
     let t0 = Instant::now();
     let before = verified(d);
     let abandoned_before = abandoned(d);
+    // Waited for past the bound (MARGIN), and judged against the bound
+    // plus the lateness measured meanwhile.
     let ((reads, stalled_for, given_up), stalled_at) = d
-        .wait_for(bound, |e| match e {
+        .wait_for(bound + MARGIN, |e| match e {
             Event::Stalled {
                 engine,
                 reads_in_flight,
@@ -97,14 +151,31 @@ async fn freeze_and_thaw(
             _ => None,
         })
         .await;
-    let left = bound.saturating_sub(t0.elapsed());
     let (reason, released_at) = d
-        .wait_for(left.max(Duration::from_millis(1)), |e| match e {
+        .wait_for(MARGIN, |e| match e {
             Event::Released { engine, reason, .. } if *engine == id => Some(*reason),
             _ => None,
         })
         .await;
     assert_eq!(reason, ReleaseReason::Stalled);
+    let late = lateness.worst();
+    drop(lateness);
+    let allowed = bound + late * 2;
+    assert!(
+        released_at - t0 <= allowed,
+        "stalled {:?} and released {:?} after the freeze: over the bound {bound:?} plus twice \
+         the service runtime's worst timer lateness {late:?} meanwhile",
+        stalled_at - t0,
+        released_at - t0,
+    );
+    if late > Duration::from_millis(100) {
+        report(&format!(
+            "timers on the service's runtime fired up to {} late during the freeze (allowed {} instead of {})",
+            ms(late),
+            ms(allowed),
+            ms(bound)
+        ));
+    }
     // `decode` counts a given-up read before its guard ends, and the last
     // guard's end is what released the engine: the count is there at the
     // event (the guarantee), and waited for all the same.

@@ -167,3 +167,39 @@ fn sigterm_with_reads_in_flight_releases_every_engine_and_exits_0() {
 fn sigint_with_reads_in_flight_releases_every_engine_and_exits_0() {
     stop_several_times("INT");
 }
+
+/// Issue 30, item 10a: `decode` printed its read summary every 5 s only,
+/// so the reads after the last line were never reported. Stopped well
+/// within its first 5 s, after reads were verified, it must print one
+/// more `reads:` line at stop (` at=stop`) counting at least the reads
+/// verified before the stop.
+#[test]
+fn decode_prints_a_final_read_summary_at_stop() {
+    use common::decode::{DecodeProc, SUMMARY_PERIOD};
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let p = PrefillProc::start(&PrefillSpec::default());
+    let mut d = DecodeProc::start(&["--prefill", p.addr.as_str()], &[], common::wait::MARGIN);
+    let (registered, _) = d.wait_nth(1, &["event: registered", &p.engine], common::wait::MARGIN);
+    d.wait_verified(1, common::wait::MARGIN);
+    let before_stop = d.verified_reads();
+    let stopped_at = Instant::now();
+    let lines = d.stop_with_output();
+    let final_line = lines
+        .iter()
+        .find(|l| l.starts_with("reads: ") && l.ends_with(" at=stop"))
+        .unwrap_or_else(|| panic!("no final read summary at stop; stdout: {lines:#?}"));
+    let verified: u64 = final_line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("verified="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no verified= in {final_line}"));
+    assert!(
+        verified >= before_stop && verified > 0,
+        "{final_line}: fewer than the {before_stop} verified before the stop"
+    );
+    report(&format!(
+        "final summary {} after registration (periodic every {SUMMARY_PERIOD:?}): {final_line}",
+        ms(stopped_at - registered)
+    ));
+}

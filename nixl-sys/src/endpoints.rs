@@ -27,7 +27,12 @@
 //! (`UCX_KEEPALIVE_INTERVAL` in the prefill's environment, 20 s by default)
 //! next checks the endpoint it made for the decode and learns that it was
 //! removed. A prefill with UCX keepalive off keeps that socket, and the
-//! decode its half, until one of them exits.
+//! decode its half, until one of them exits. So [`crate::Agent`] also
+//! records the TCP sockets UCX opens while it loads a remote agent's
+//! metadata and shuts down those the forced close left open when it
+//! invalidates that agent: the descriptors go at once, and the peer closes
+//! its end on reading end-of-file, whatever its keepalive period (see
+//! `sockets.rs` for what UCX's TCP transport keeps and why).
 //!
 //! `NIXL_SYS_EP_CLOSE=nixl` leaves NIXL's own close mode (the interposer is
 //! not loaded); `force` (or unset) is the default.
@@ -117,6 +122,18 @@ pub struct EndpointCloses {
     /// [`EndpointCloseMode::Force`]. When false, the counts are all 0 and
     /// say nothing.
     pub observed: bool,
+    /// TCP connections to the agent that the forced close left open and the
+    /// invalidation then shut down itself (see [`crate::Agent::invalidate_remote_metadata`]):
+    /// without that, UCX keeps each until the *peer* closes it, at the
+    /// peer's next UCX keepalive round. 0 when nothing was recorded for the
+    /// agent or everything had closed already (a dead peer), and always 0
+    /// from [`EndpointCloser::around_invalidation`], which does not see the
+    /// loads.
+    pub connections_shut: u32,
+    /// Of [`EndpointCloses::connections_shut`], those whose descriptor UCX
+    /// had not closed yet when the invalidation returned (it closes them at
+    /// its next progress of the worker).
+    pub connections_pending: u32,
 }
 
 impl EndpointCloses {
@@ -291,6 +308,8 @@ impl EpClose {
                 already_failed: raw.already_forced,
                 left_open: raw.left_open + raw.unresolved,
                 observed: true,
+                connections_shut: 0,
+                connections_pending: 0,
             },
         )
     }

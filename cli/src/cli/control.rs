@@ -228,11 +228,7 @@ fn authorize(
             "missing token: send the header 'Authorization: Bearer <token>' with the token of --control-token-file",
         ));
     };
-    let given = value
-        .to_str()
-        .ok()
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+    let given = value.to_str().ok().and_then(bearer_token).unwrap_or("");
     if !same(given.as_bytes(), token.as_bytes()) {
         return Err((
             StatusCode::UNAUTHORIZED,
@@ -240,6 +236,17 @@ fn authorize(
         ));
     }
     Ok(())
+}
+
+/// The token of an `Authorization` value in the `Bearer` scheme: the
+/// scheme name in any case (auth schemes are case-insensitive, RFC 7235
+/// section 2.1; `bearer` from a client was refused before), then spaces,
+/// then the token (surrounding spaces trimmed). `None` for another scheme.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| rest.trim_matches(' '))
 }
 
 /// Compares without stopping at the first difference (no timing hint
@@ -358,10 +365,7 @@ async fn peer_gone(
             )
         }
     };
-    let mode_name = match mode {
-        GoneMode::Drain => "drain",
-        GoneMode::Fail => "fail",
-    };
+    let mode_name = mode.as_str();
     let (peer, engine) = match (request.engine, request.address) {
         (Some(engine), None) => {
             let id = EngineId::from(engine.as_str());
@@ -410,7 +414,13 @@ async fn peer_gone(
         }
     };
     tracing::info!(%engine, mode = mode_name, "router: peer gone");
-    state.handle.peer_gone(peer, mode);
+    if state.handle.peer_gone(peer, mode).is_err() {
+        return error(
+            client,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the keepalive service has stopped: every engine is released or handed back",
+        );
+    }
     (
         StatusCode::ACCEPTED,
         axum::Json(json!({ "accepted": true, "engine": engine, "mode": mode_name })),
@@ -444,6 +454,11 @@ pub(crate) fn snapshot_json(s: &Snapshot) -> serde_json::Value {
         "engines": s.engines.iter().map(|e| json!({
             "engine": e.engine.as_str(),
             "address": e.address.as_str(),
+            // The process start the registration is of (a restart at the
+            // same address is a new one), as its handshake sent it: a
+            // decimal u64 (JSON numbers lose precision above 2^53), or null
+            // when the handshake carried none.
+            "incarnation": e.incarnation.map(|i| i.0.to_string()),
             "agents": e.agents.iter().map(|a| a.as_str()).collect::<Vec<_>>(),
             "state": e.state.as_str(),
             "reads_in_flight": e.reads_in_flight,
@@ -976,6 +991,38 @@ mod tests {
         // The routes' own errors are JSON as before.
         let (status, _) = send(addr, b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n").await;
         assert_eq!(status, 404);
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_accepted_in_any_case_and_other_schemes_are_not() {
+        for v in [
+            "Bearer s3cret",
+            "bearer s3cret",
+            "BEARER s3cret",
+            "bEaReR  s3cret ",
+        ] {
+            assert_eq!(bearer_token(v), Some("s3cret"), "{v:?}");
+        }
+        for v in ["Basic s3cret", "Bearers3cret", "s3cret", "Bearer"] {
+            assert_eq!(bearer_token(v), None, "{v:?}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lower_case_bearer_scheme_passes_the_token_check() {
+        let (addr, _stop) = server(Some("s3cret"), true).await;
+        for scheme in ["bearer", "BEARER"] {
+            let raw = format!(
+                "GET /v1/snapshot HTTP/1.1\r\nHost: x\r\nAuthorization: {scheme} s3cret\r\n\r\n"
+            );
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            s.write_all(raw.as_bytes()).await.unwrap();
+            let answer = read_all(&mut s).await;
+            assert!(!answer.starts_with("HTTP/1.1 401"), "{scheme}: {answer}");
+        }
+        let raw = "GET /v1/snapshot HTTP/1.1\r\nHost: x\r\nAuthorization: bearer wrong\r\n\r\n";
+        let (status, _) = send(addr, raw.as_bytes()).await;
+        assert_eq!(status, 401, "a wrong token is still refused");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -277,6 +277,28 @@ impl DecodeProc {
             .map(|e| e["state"].as_str().unwrap().to_string())
     }
 
+    /// [`DecodeProc::stop`], then every stdout line it printed, its last
+    /// ones included (read until `decode stopped` arrives, or its stdout
+    /// ends: the reader thread may lag the exit).
+    pub fn stop_with_output(self) -> Vec<String> {
+        let lines = self.lines.clone();
+        self.stop();
+        let deadline = Instant::now() + HTTP_PATIENCE;
+        loop {
+            let all: Vec<String> = lines
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(_, l)| l.clone())
+                .collect();
+            let done = all.iter().any(|l| l.starts_with("decode stopped"));
+            if done || Instant::now() >= deadline {
+                return all;
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
     /// SIGTERM; asserts a clean exit (everything released at shutdown).
     pub fn stop(mut self) {
         let _ = Command::new("kill")

@@ -97,6 +97,8 @@ pub struct PrefillProc {
     pub addr: PeerAddr,
     /// Its engine id.
     pub engine: String,
+    /// Its incarnation (one per start), as its READY line printed it.
+    pub incarnation: String,
     /// Its pid.
     pub pid: u32,
     /// Where its stderr goes.
@@ -247,6 +249,7 @@ impl PrefillProc {
         Ok(PrefillProc {
             addr: PeerAddr::from(field("listen=")),
             engine: field("engine="),
+            incarnation: field("incarnation="),
             pid: child.id(),
             child,
             log,
