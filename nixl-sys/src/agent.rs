@@ -19,13 +19,15 @@
 //! (notifications, transfer status), which is enough for a caller that
 //! polls regularly, and costs no CPU while idle. See [`ProgressThread`].
 
+use std::collections::HashSet;
 use std::ffi::{c_int, c_void, CStr, CString};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::endpoints::{EndpointCloses, UcxEndpoints};
 use crate::error::{check, check_agent_name, NixlError, WithDetail};
 use crate::runtime::{CapiAgentConfig, Raw, Runtime};
+use crate::sockets::{self, Look, Recorded};
 use crate::status::NixlStatus;
 
 type P = *mut c_void;
@@ -96,6 +98,27 @@ pub struct Desc {
     pub dev_id: u64,
 }
 
+/// The kind of memory a registration or a descriptor list is of (NIXL's
+/// segment types; `nixl_capi_mem_type_t`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MemType {
+    /// Host memory (`DRAM_SEG`).
+    #[default]
+    Dram,
+    /// GPU memory (`VRAM_SEG`), the descriptor's device id its ordinal.
+    Vram,
+}
+
+impl MemType {
+    fn capi(self) -> c_int {
+        match self {
+            MemType::Dram => 0,
+            MemType::Vram => 1,
+        }
+    }
+}
+
 /// A notification received from a remote agent.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Notification {
@@ -128,7 +151,32 @@ pub(crate) struct AgentInner {
     rt: &'static Runtime,
     capi: P,
     name: String,
+    /// The TCP sockets UCX opened while each remote agent's metadata was
+    /// loaded, shut down at its invalidation (see `sockets.rs`).
+    sockets: Mutex<Recorded>,
+    /// Notifications taken while an invalidation progressed the worker to
+    /// let UCX close the sockets it shut down: handed out first by the
+    /// next [`Agent::get_notifs`], so none is lost.
+    stashed: Mutex<Vec<Notification>>,
+    /// The ports this agent's UCX workers listen on (those that appeared
+    /// while its backend was created): where peers connect to it.
+    ucx_ports: std::sync::OnceLock<HashSet<u16>>,
+    /// Held across a load and its recording, and across a release's
+    /// shutting down: a release on one thread never judges the host of an
+    /// agent another thread is loading (not recorded yet) as free of
+    /// loaded agents, and never looks while a load's sockets appear.
+    socket_work: Mutex<()>,
 }
+
+/// How long an invalidation progresses the worker at most for UCX to close
+/// the descriptors of the connections it shut down (UCX reads their end at
+/// its next progress; this bounds a worker that does not get to it).
+const SHUT_SOCKETS_PATIENCE: Duration = Duration::from_millis(200);
+
+/// How long an invalidation that shut connections down watches for the
+/// peer connecting back (it does at its next progress of its worker: 1-10
+/// ms for this project's `prefill`).
+const RECONNECT_WATCH: Duration = Duration::from_millis(30);
 
 // Safety: the agent was created with a locking thread-sync mode (RW or
 // STRICT; `ThreadSync` has no NONE), so NIXL serialises concurrent calls
@@ -177,6 +225,150 @@ impl AgentInner {
         let st = unsafe { (c.get_notifs)(self.capi, guard.p, std::ptr::null_mut()) };
         op("getNotifs", rt.capi_status(st))?;
         Ok(guard)
+    }
+
+    /// NIXL's `getNotifs` (progressing the workers), read into a list.
+    fn collect_notifs(&self) -> Result<Vec<Notification>, NixlError> {
+        let rt = self.rt;
+        let c = rt.capi();
+        let guard = self.take_notifs()?;
+        let mut out = Vec::new();
+        // Safety: the strings and bytes read below live in the map, which
+        // outlives this block (guard).
+        unsafe {
+            let mut n = 0usize;
+            op(
+                "getNotifs",
+                rt.capi_status((c.notif_map_size)(guard.p, &mut n)),
+            )?;
+            for i in 0..n {
+                let mut agent: *const std::ffi::c_char = std::ptr::null();
+                op(
+                    "getNotifs",
+                    rt.capi_status((c.notif_map_get_agent_at)(guard.p, i, &mut agent)),
+                )?;
+                let name = CStr::from_ptr(agent).to_string_lossy().into_owned();
+                let mut m = 0usize;
+                op(
+                    "getNotifs",
+                    rt.capi_status((c.notif_map_get_notifs_size)(guard.p, agent, &mut m)),
+                )?;
+                for j in 0..m {
+                    let mut data: *const c_void = std::ptr::null();
+                    let mut len = 0usize;
+                    op(
+                        "getNotifs",
+                        rt.capi_status((c.notif_map_get_notif)(
+                            guard.p, agent, j, &mut data, &mut len,
+                        )),
+                    )?;
+                    let message = if len == 0 {
+                        Vec::new()
+                    } else {
+                        std::slice::from_raw_parts(data as *const u8, len).to_vec()
+                    };
+                    out.push(Notification {
+                        agent: name.clone(),
+                        message,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn recorded(&self) -> std::sync::MutexGuard<'_, Recorded> {
+        self.sockets.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn socket_work(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.socket_work
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn stash(&self) -> std::sync::MutexGuard<'_, Vec<Notification>> {
+        self.stashed.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// After `remote`'s invalidation: shuts down the still-open sockets
+    /// recorded at its loads, then progresses the worker (notifications go
+    /// to the stash) until UCX has closed their descriptors. Returns how
+    /// many sockets were shut down, and how many of those UCX had not
+    /// closed when it stopped waiting ([`SHUT_SOCKETS_PATIENCE`]).
+    ///
+    /// Connections the peer opened *to* this agent. UCX's TCP transport
+    /// gives the peer's endpoint for this agent the decode's socket when
+    /// the two sides' connection sequence numbers agree; when they do not
+    /// (seen after fast release-reload rounds, when the peer had not yet
+    /// made an endpoint for a released one), the peer connects to this
+    /// agent's UCX listening port instead, and that connection, received
+    /// here with no endpoint of ours, stays until the peer's keepalive
+    /// fails it. A peer also connects again when its endpoint's socket ends
+    /// before UCX acknowledged it. Those connections carry no name, only
+    /// the peer's host. So when the released agent was the last loaded one
+    /// on its hosts (no other agent recorded here has UCX there), every
+    /// connection accepted on this agent's UCX ports from those hosts is
+    /// shut down too, watched for [`RECONNECT_WATCH`], each once the worker
+    /// has been progressed after it was first seen (then UCX has
+    /// acknowledged it, and the peer fails its endpoint instead of
+    /// connecting again). UCX's connection from this worker to itself is
+    /// never touched. While another loaded agent shares the host nothing
+    /// accepted is touched (its own may be among them); what is left then
+    /// goes at the release of the last one there, or at the peer's
+    /// keepalive. This assumes the peers do not load this agent's metadata
+    /// themselves (pull mode): one that did would reach it the same way,
+    /// and its connection would be cut when the last agent on its host is
+    /// released here.
+    fn shut_recorded(&self, remote: &[u8]) -> (u32, u32) {
+        let _work = self.socket_work();
+        let (agent, last_on_host) = {
+            let mut recorded = self.recorded();
+            let agent = recorded.take(remote);
+            let shared = recorded.shares_a_host(&agent.peers);
+            (agent, !shared)
+        };
+        if agent.inodes.is_empty() {
+            return (0, 0);
+        }
+        let started = Instant::now();
+        let ports = self.ucx_ports.get().cloned().unwrap_or_default();
+        let accepted = |look: &Look| -> Vec<u64> {
+            if last_on_host {
+                look.accepted_from(&ports, &agent.peers)
+            } else {
+                Vec::new()
+            }
+        };
+        let mut targets: HashSet<u64> = agent.inodes.clone();
+        let look = Look::now();
+        let mut shut = sockets::shut_down(&look, &targets);
+        let mut seen: HashSet<u64> = accepted(&look).into_iter().collect();
+        if shut == 0 && seen.is_empty() {
+            // All closed already: the forced close destroyed them (a
+            // connection not shared with the peer's direction), or UCX had
+            // (a dead peer).
+            return (0, 0);
+        }
+        // A failed progress (the agent is being torn down) ends the wait.
+        while let Ok(notifs) = self.collect_notifs() {
+            self.stash().extend(notifs);
+            let look = Look::now();
+            for inode in accepted(&look) {
+                if !seen.insert(inode) && targets.insert(inode) {
+                    shut += sockets::shut_down(&look, &HashSet::from([inode]));
+                }
+            }
+            let open = sockets::open_count(&look, &targets);
+            let settled = open == 0 && seen.iter().all(|i| targets.contains(i));
+            let waited = started.elapsed();
+            let watched = !last_on_host || waited >= RECONNECT_WATCH;
+            if (settled && watched) || waited >= SHUT_SOCKETS_PATIENCE {
+                return (shut, open);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        (shut, sockets::open_count(&Look::now(), &targets))
     }
 }
 
@@ -240,6 +432,10 @@ impl Agent {
             rt,
             capi: agent,
             name: name.to_string(),
+            sockets: Mutex::default(),
+            stashed: Mutex::default(),
+            ucx_ports: std::sync::OnceLock::new(),
+            socket_work: Mutex::default(),
         });
 
         let ucx = c"UCX";
@@ -249,6 +445,7 @@ impl Agent {
         let st = unsafe { (c.get_plugin_params)(agent, ucx.as_ptr(), &mut mems, &mut params) };
         op("getPluginParams", rt.capi_status(st)).detail(|| "UCX plugin".into())?;
         let mut backend: P = std::ptr::null_mut();
+        let listening_before = Look::now();
         // Safety: live agent and params; the params and mem list are ours to
         // destroy once the backend is created. The C API backend handle is a
         // thin wrapper around the agent-owned backend, so destroying it
@@ -263,6 +460,9 @@ impl Agent {
             st
         };
         op("createBackend", rt.capi_status(st)).detail(|| "UCX".into())?;
+        let _ = inner
+            .ucx_ports
+            .set(Look::now().listening_since(&listening_before));
         // The UCX plugin is loaded now: settle the endpoint close mode.
         let _ = rt.endpoint_close_mode();
         Ok(Agent { inner })
@@ -281,6 +481,38 @@ impl Agent {
     /// Allocates `len` bytes of zeroed DRAM and registers them with NIXL.
     pub fn register_dram(&self, len: usize) -> Result<DramRegistration, NixlError> {
         DramRegistration::new(self.inner.clone(), len)
+    }
+
+    /// Registers `len` bytes at `addr` (memory the caller owns and keeps
+    /// alive for the [`Registered`]'s life) as `mem` of device `dev_id`.
+    pub(crate) fn register_region(
+        &self,
+        mem: MemType,
+        addr: usize,
+        len: usize,
+        dev_id: u64,
+    ) -> Result<Registered, NixlError> {
+        let rt = self.inner.rt;
+        let c = rt.capi();
+        let mut reg = Registered {
+            agent: self.inner.clone(),
+            reg_dlist: std::ptr::null_mut(),
+            registered: false,
+        };
+        // Safety: out-pointer valid; a nixl_capi_mem_type_t value.
+        let st = unsafe { (c.create_reg_dlist)(mem.capi(), &mut reg.reg_dlist) };
+        op("registerMem", rt.capi_status(st))?;
+        // Safety: live reg dlist; the caller owns the range.
+        let st = unsafe {
+            (c.reg_dlist_add_desc)(reg.reg_dlist, addr, len, dev_id, std::ptr::null(), 0)
+        };
+        op("registerMem", rt.capi_status(st))?;
+        // Safety: live agent and reg dlist.
+        let st = unsafe { (c.register_mem)(reg.agent.capi, reg.reg_dlist, std::ptr::null_mut()) };
+        op("registerMem", rt.capi_status(st))
+            .detail(|| format!("{mem:?}, {len} bytes, device {dev_id}"))?;
+        reg.registered = true;
+        Ok(reg)
     }
 
     /// This agent's metadata, to hand to peers out of band.
@@ -314,10 +546,22 @@ impl Agent {
     /// through the shim, which returns the length.)
     pub fn load_remote_metadata(&self, metadata: &[u8]) -> Result<String, NixlError> {
         let rt = self.inner.rt;
+        // The sockets UCX opens for the new endpoint appear during the load
+        // (its TCP transport connects when the endpoint is created): looked
+        // for only where invalidations force the close, whose leftovers
+        // they are.
+        let recording = rt.endpoint_close_mode().is_force();
+        let work = recording.then(|| self.inner.socket_work());
+        let before = recording.then(Look::now);
         // Safety: live agent.
         let (raw, name) = unsafe { rt.load_remote_md(self.inner.capi, metadata) };
         op("loadRemoteMD", raw)?;
         let name = name.unwrap_or_default();
+        if let Some(before) = before {
+            let opened = Look::now().opened_since(&before);
+            self.inner.recorded().record(&name, opened);
+        }
+        drop(work);
         match check_agent_name(&name) {
             Ok(n) => Ok(n.to_owned()),
             Err(problem) => {
@@ -327,6 +571,7 @@ impl Agent {
                     let _ = rt
                         .ep_close()
                         .forcing(|| unsafe { rt.invalidate_remote_md(self.inner.capi, &name) });
+                    self.inner.shut_recorded(&name);
                 }
                 Err(NixlError::agent_name("loadRemoteMD", &name, problem))
             }
@@ -340,14 +585,42 @@ impl Agent {
     /// peer or dead. Returns what the closes did. `NOT_FOUND` for an agent
     /// this one does not know (already invalidated, or dropped by NIXL):
     /// for a release, treat that as done.
+    ///
+    /// The forced close does not take down a TCP connection UCX shares
+    /// between both directions: UCX keeps it to receive until the peer
+    /// closes it, at the peer's next UCX keepalive round (20 s by default,
+    /// never with keepalive off), so a flapping router could run the
+    /// process out of descriptors. So the sockets UCX opened while this
+    /// agent's metadata was loaded and that are still open are shut down
+    /// here ([`EndpointCloses::connections_shut`]), with the connections
+    /// the peer opened to this agent when it was the last one loaded on its
+    /// host, and the worker is progressed (at least 30 ms when something
+    /// was shut down, at most 200 ms; notifications taken meanwhile come
+    /// from the next [`Agent::get_notifs`]) until UCX has closed their
+    /// descriptors. The peer reads end-of-file and closes its end at once,
+    /// whatever its keepalive period. Nothing is shut down when the
+    /// invalidation failed (other than `NOT_FOUND`): the agent may still be
+    /// loaded. See `docs/design/releases-and-sockets.md`.
     pub fn invalidate_remote_metadata(&self, remote: &str) -> Result<EndpointCloses, NixlError> {
         remote_name("invalidateRemoteMD", remote)?;
         let rt = self.inner.rt;
         // Safety: live agent.
-        let (raw, closes) = rt
+        let (raw, mut closes) = rt
             .ep_close()
             .forcing(|| unsafe { rt.invalidate_remote_md(self.inner.capi, remote.as_bytes()) });
-        op("invalidateRemoteMD", raw).detail(|| format!("agent {remote}"))?;
+        let result = op("invalidateRemoteMD", raw).detail(|| format!("agent {remote}"));
+        // Invalidated, or unknown to NIXL (dropped by it already): the
+        // agent is not loaded, its connections have no owner left.
+        let gone = match &result {
+            Ok(_) => true,
+            Err(e) => e.status == NixlStatus::ERR_NOT_FOUND,
+        };
+        if gone {
+            let (shut, pending) = self.inner.shut_recorded(remote.as_bytes());
+            closes.connections_shut = shut;
+            closes.connections_pending = pending;
+        }
+        result?;
         Ok(closes)
     }
 
@@ -379,57 +652,43 @@ impl Agent {
     /// Takes the notifications received since the last call. Also
     /// progresses the UCX worker.
     pub fn get_notifs(&self) -> Result<Vec<Notification>, NixlError> {
-        let rt = self.inner.rt;
-        let c = rt.capi();
-        let guard = self.inner.take_notifs()?;
-        let mut out = Vec::new();
-        // Safety: the strings and bytes read below live in the map, which
-        // outlives this block (guard).
-        unsafe {
-            let mut n = 0usize;
-            op(
-                "getNotifs",
-                rt.capi_status((c.notif_map_size)(guard.p, &mut n)),
-            )?;
-            for i in 0..n {
-                let mut agent: *const std::ffi::c_char = std::ptr::null();
-                op(
-                    "getNotifs",
-                    rt.capi_status((c.notif_map_get_agent_at)(guard.p, i, &mut agent)),
-                )?;
-                let name = CStr::from_ptr(agent).to_string_lossy().into_owned();
-                let mut m = 0usize;
-                op(
-                    "getNotifs",
-                    rt.capi_status((c.notif_map_get_notifs_size)(guard.p, agent, &mut m)),
-                )?;
-                for j in 0..m {
-                    let mut data: *const c_void = std::ptr::null();
-                    let mut len = 0usize;
-                    op(
-                        "getNotifs",
-                        rt.capi_status((c.notif_map_get_notif)(
-                            guard.p, agent, j, &mut data, &mut len,
-                        )),
-                    )?;
-                    let message = if len == 0 {
-                        Vec::new()
-                    } else {
-                        std::slice::from_raw_parts(data as *const u8, len).to_vec()
-                    };
-                    out.push(Notification {
-                        agent: name.clone(),
-                        message,
-                    });
-                }
+        let mut out = std::mem::take(&mut *self.inner.stash());
+        match self.inner.collect_notifs() {
+            Ok(more) => {
+                out.extend(more);
+                Ok(out)
+            }
+            Err(e) => {
+                // Kept for the next call rather than lost with the error.
+                self.inner.stash().splice(0..0, out);
+                Err(e)
             }
         }
-        Ok(out)
     }
 
     /// Prepares a handle over this agent's own (registered) memory.
     pub fn prep_local_dlist(&self, descs: &[Desc]) -> Result<DlistHandle, NixlError> {
-        self.prep(None, descs)
+        self.prep(None, MemType::Dram, descs)
+    }
+
+    /// [`Agent::prep_local_dlist`] over memory of type `mem` (VRAM
+    /// registered with [`Agent::register_vram`]).
+    pub fn prep_local_dlist_in(
+        &self,
+        mem: MemType,
+        descs: &[Desc],
+    ) -> Result<DlistHandle, NixlError> {
+        self.prep(None, mem, descs)
+    }
+
+    /// [`Agent::prep_remote_dlist`] over `remote`'s memory of type `mem`.
+    pub fn prep_remote_dlist_in(
+        &self,
+        remote: &str,
+        mem: MemType,
+        descs: &[Desc],
+    ) -> Result<DlistHandle, NixlError> {
+        self.prep(Some(remote), mem, descs)
     }
 
     /// Prepares a handle over `remote`'s memory (its metadata must be
@@ -439,18 +698,23 @@ impl Agent {
         remote: &str,
         descs: &[Desc],
     ) -> Result<DlistHandle, NixlError> {
-        self.prep(Some(remote), descs)
+        self.prep(Some(remote), MemType::Dram, descs)
     }
 
-    fn prep(&self, remote: Option<&str>, descs: &[Desc]) -> Result<DlistHandle, NixlError> {
+    fn prep(
+        &self,
+        remote: Option<&str>,
+        mem: MemType,
+        descs: &[Desc],
+    ) -> Result<DlistHandle, NixlError> {
         if let Some(r) = remote {
             remote_name("prepXferDlist", r)?;
         }
         let rt = self.inner.rt;
         let c = rt.capi();
         let mut dl: P = std::ptr::null_mut();
-        // Safety: out-pointer valid; DRAM = 0 in nixl_capi_mem_type_t.
-        let st = unsafe { (c.create_xfer_dlist)(0, &mut dl) };
+        // Safety: out-pointer valid; a nixl_capi_mem_type_t value.
+        let st = unsafe { (c.create_xfer_dlist)(mem.capi(), &mut dl) };
         op("prepXferDlist", rt.capi_status(st))?;
         let guard = CapiGuard {
             p: dl,
@@ -672,6 +936,43 @@ impl Drop for DramRegistration {
         }
         // Safety: allocated in `new` as a boxed slice of `len` bytes.
         drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+    }
+}
+
+/// A region registered by [`Agent::register_region`]: deregistered on drop
+/// (before its owner frees the memory).
+pub(crate) struct Registered {
+    agent: Arc<AgentInner>,
+    reg_dlist: P,
+    registered: bool,
+}
+
+// Safety: the reg dlist is only touched on drop, through the locking agent.
+unsafe impl Send for Registered {}
+// Safety: no access through a shared reference.
+unsafe impl Sync for Registered {}
+
+impl Registered {
+    /// The agent's name.
+    pub(crate) fn agent_name(&self) -> &str {
+        &self.agent.name
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        if self.reg_dlist.is_null() {
+            return;
+        }
+        let c = self.agent.rt.capi();
+        // Safety: made by this agent; after deregistration NIXL no longer
+        // touches the memory; the dlist is destroyed once.
+        unsafe {
+            if self.registered {
+                (c.deregister_mem)(self.agent.capi, self.reg_dlist, std::ptr::null_mut());
+            }
+            (c.destroy_reg_dlist)(self.reg_dlist);
+        }
     }
 }
 

@@ -42,9 +42,11 @@
 //! 1 ms.
 
 mod agent;
+pub mod cuda;
 pub mod endpoints;
 mod error;
 mod runtime;
+mod sockets;
 mod status;
 /// Test support for the real runtime (feature `testing`): not part of the
 /// binding's API, for this workspace's tests and anyone testing against
@@ -53,7 +55,7 @@ mod status;
 pub mod testing;
 
 pub use agent::{
-    Agent, AgentConfig, Desc, DlistHandle, DramRegistration, Notification, ProgressThread,
+    Agent, AgentConfig, Desc, DlistHandle, DramRegistration, MemType, Notification, ProgressThread,
     ThreadSync, XferRequest, XferState,
 };
 pub use endpoints::{

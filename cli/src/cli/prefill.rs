@@ -13,8 +13,19 @@
 //! alive every TTL/3, and written again under a new lease when it finds
 //! the old one expired (after a freeze, or an etcd outage longer than the
 //! TTL); one stdout line per change (`ETCD registered key=.. lease=..`,
-//! `ETCD lease_lost lease=..`, `ETCD unreachable error=..`). A graceful
+//! `ETCD lease_lost lease=..`, `ETCD unreachable error=..`, and `ETCD
+//! contested key=.. owner=..` when another process holds the key: it is
+//! claimed when free). A graceful
 //! stop deletes the key before the side channel closes.
+//!
+//! `--memory vram` puts the KV cache in GPU memory (CUDA device
+//! `--cuda-device`, through the driver API loaded at run time, registered
+//! as NIXL `VRAM_SEG`); without a GPU and its driver it stops at once with
+//! an error naming `libcuda.so.1`. `--size` allocates and registers more
+//! than the blocks per rank (the rest set to a constant byte), e.g. most of
+//! a GPU; then one line `PREFILL MEMORY kind=.. device=.. region_bytes=..`
+//! comes before the READY line (with `free_bytes=.. total_bytes=..` for
+//! VRAM, from `cuMemGetInfo` once allocated).
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -22,11 +33,63 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use nixl_keepalive::EngineId;
-use nixl_keepalive_cli::pd::prefill::{fresh_engine_id, Prefill, PrefillConfig};
+use nixl_keepalive_cli::pd::prefill::{fresh_engine_id, Memory, Prefill, PrefillConfig};
 use nixl_keepalive_cli::pd::wire::{MAX_BLOCK_SIZE, MAX_RANKS};
 use tokio_util::sync::CancellationToken;
+
+/// Where the KV cache (or a decode's landing slots) live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum MemoryArg {
+    /// Host memory (NIXL `DRAM_SEG`).
+    Dram,
+    /// GPU memory of `--cuda-device` (NIXL `VRAM_SEG`; needs an NVIDIA GPU
+    /// and its driver, `libcuda.so.1`).
+    Vram,
+}
+
+impl MemoryArg {
+    /// The memory, checked: for VRAM, the driver must load and the device
+    /// exist (else the error to print, naming `libcuda.so.1`).
+    pub(crate) fn resolve(self, device: i32) -> Result<Memory, String> {
+        match self {
+            MemoryArg::Dram => Ok(Memory::Dram),
+            MemoryArg::Vram => {
+                let cuda =
+                    nixl_sys::cuda::Cuda::get().map_err(|e| format!("--memory vram: {e}"))?;
+                if device >= cuda.device_count() {
+                    return Err(format!(
+                        "--memory vram: --cuda-device {device} does not exist ({} CUDA device(s) seen)",
+                        cuda.device_count()
+                    ));
+                }
+                Ok(Memory::Vram { device })
+            }
+        }
+    }
+}
+
+/// A byte count: digits with an optional binary suffix `K`, `M`, `G`, `T`
+/// (`KiB`.. too), e.g. `120G`, `65536`.
+pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(digits);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a byte count (digits, then K, M, G or T)"))?;
+    let shift = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        _ => return Err(format!("{text:?}: unknown unit (K, M, G or T, binary)")),
+    };
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
 
 /// `prefill`'s flags.
 #[derive(Debug, Args)]
@@ -93,6 +156,21 @@ pub(crate) struct PrefillArgs {
     /// How long one side-channel connection may take, in ms.
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     connection_timeout_ms: u64,
+
+    /// Where the KV cache lives: host memory, or GPU memory of
+    /// `--cuda-device` (fails at once without a GPU and its driver).
+    #[arg(long, value_enum, default_value = "dram")]
+    memory: MemoryArg,
+
+    /// The CUDA device of `--memory vram`.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=1023))]
+    cuda_device: i32,
+
+    /// Bytes to allocate and register per rank (`120G`, `256M`, ...); at
+    /// least `--blocks` × `--block-size`, which sit at its start; the rest
+    /// is set to a constant byte. Default: exactly the blocks.
+    #[arg(long, value_parser = parse_size)]
+    size: Option<u64>,
 }
 
 pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
@@ -104,6 +182,22 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    // Before NIXL loads: `--memory vram` without a GPU stops here, at once.
+    let memory = match args.memory.resolve(args.cuda_device) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let region = match args.size.map(usize::try_from) {
+        None => 0,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => {
+            eprintln!("error: --size does not fit this machine's address space");
+            return ExitCode::from(2);
+        }
+    };
     super::init_tracing();
     let rt = match nixl_sys::Runtime::get() {
         Ok(rt) => rt,
@@ -134,6 +228,9 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
         };
     }
     config.idle_poll_interval = Duration::from_millis(args.idle_poll_ms.max(args.poll_ms));
+    config.memory = memory;
+    config.region = region;
+    let kv = config.blocks as usize * config.block_size;
     let prefill = match Prefill::start(rt, config) {
         Ok(p) => p,
         Err(e) => {
@@ -141,6 +238,23 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if args.size.is_some() || memory != Memory::Dram {
+        let mut line = format!(
+            "PREFILL MEMORY kind={} region_bytes={} blocks_bytes={kv}",
+            memory.kind(),
+            region.max(kv)
+        );
+        if let Memory::Vram { device } = memory {
+            line.push_str(&format!(" device={device}"));
+            if let Ok(info) = nixl_sys::cuda::Cuda::get().and_then(|c| c.mem_info(device)) {
+                line.push_str(&format!(
+                    " free_bytes={} total_bytes={}",
+                    info.free, info.total
+                ));
+            }
+        }
+        println!("{line}");
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -234,6 +348,10 @@ fn register(
                     RegistrationEvent::Unreachable { error } => {
                         println!("ETCD unreachable error={error}")
                     }
+                    RegistrationEvent::Contested { key, owner } => {
+                        println!("ETCD contested key={key} owner={owner}")
+                    }
+                    other => println!("ETCD {other:?}"),
                 }
             }
         });

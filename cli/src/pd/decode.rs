@@ -26,20 +26,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nixl_sys::{Agent, Desc, DlistHandle, DramRegistration, NixlError, NixlStatus, XferState};
+use nixl_sys::cuda::{CudaError, DeviceMemory, VramRegistration};
+use nixl_sys::{
+    Agent, Desc, DlistHandle, DramRegistration, MemType, NixlError, NixlStatus, XferState,
+};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use super::pattern;
+use super::prefill::Memory;
 use super::wire::{self, HandshakeReply, WireError};
 use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
 use nixl_keepalive::text::Escaped;
-use nixl_keepalive::KeepaliveHandle;
 use nixl_keepalive::{
     AgentName, Claim, ClaimRefused, Destination, EngineId, EngineRef, EngineState, GiveUp,
     GivenUpRead, Incarnation, PeerAddr, Ready, ServiceStopped,
 };
+use nixl_keepalive::{KeepaliveHandle, LeaseError};
 
 /// A handshake that did not complete. Nothing stays loaded.
 #[derive(Debug, thiserror::Error)]
@@ -116,6 +120,15 @@ pub enum HandshakeError {
     /// was given back).
     #[error("{0}")]
     Refused(String),
+    /// GPU landing slots could not be had (`--memory vram`); whatever had
+    /// been loaded was invalidated again.
+    #[error("loading {engine}: GPU landing slots: {source}")]
+    Memory {
+        /// The engine.
+        engine: EngineId,
+        /// The driver's error.
+        source: CudaError,
+    },
 }
 
 impl HandshakeError {
@@ -137,6 +150,7 @@ impl HandshakeError {
             HandshakeError::Refused(_) => "refused",
             HandshakeError::Conflict(_) => "conflict",
             HandshakeError::Invalid(_) => "invalid",
+            HandshakeError::Memory { .. } => "memory",
         }
     }
 }
@@ -246,12 +260,45 @@ impl ReadOutcome {
     }
 }
 
-/// The decode side's landing slots for one engine: registered DRAM, one
-/// block each, and the local dlist over them.
+/// One landing slot: registered DRAM, or registered GPU memory.
+enum Slot {
+    Dram(DramRegistration),
+    Vram(VramRegistration),
+}
+
+impl Slot {
+    fn desc(&self) -> Desc {
+        match self {
+            Slot::Dram(r) => r.desc(),
+            Slot::Vram(r) => r.desc(),
+        }
+    }
+
+    /// The first byte that differs from block `block` of rank `rank`
+    /// (GPU memory is copied back to the host first; a failed copy is
+    /// reported as a mismatch at 0, and logged).
+    fn first_mismatch(&self, seed: u64, rank: u16, block: u32) -> Option<usize> {
+        match self {
+            Slot::Dram(r) => pattern::first_mismatch(r.bytes(), seed, rank, block),
+            Slot::Vram(r) => {
+                let mut host = vec![0u8; r.memory().len()];
+                if let Err(e) = r.memory().read(0, &mut host) {
+                    tracing::error!(error = %e, "cannot copy a GPU landing slot back to check it");
+                    return Some(0);
+                }
+                pattern::first_mismatch(&host, seed, rank, block)
+            }
+        }
+    }
+}
+
+/// The decode side's landing slots for one engine: registered memory
+/// (DRAM, or VRAM with `--memory vram`), one block each, and the local
+/// dlist over them.
 struct LocalSlots {
     /// `None` only while dropping: it goes before the memory it describes.
     dlist: Option<DlistHandle>,
-    regions: Vec<DramRegistration>,
+    regions: Vec<Slot>,
     free: Mutex<Vec<usize>>,
     /// Slots lent to transfers given up in progress, not proven over.
     lent: Mutex<BTreeSet<usize>>,
@@ -321,6 +368,25 @@ impl RemoteEngine {
         reply: &HandshakeReply,
         slots: usize,
     ) -> Result<RemoteEngine, HandshakeError> {
+        Self::load_in(agent, address, reply, slots, Memory::Dram)
+    }
+
+    /// [`RemoteEngine::load`] with the prefill's KV cache and the local
+    /// landing slots in `memory`. The handshake does not say where a
+    /// prefill's memory is: with [`Memory::Vram`], the prefill's is taken
+    /// to be VRAM of the same device ordinal (one GPU: the check in
+    /// `scripts/gpu-check.sh`).
+    pub fn load_in(
+        agent: &Agent,
+        address: PeerAddr,
+        reply: &HandshakeReply,
+        slots: usize,
+        memory: Memory,
+    ) -> Result<RemoteEngine, HandshakeError> {
+        let (mem_type, dev_id) = match memory {
+            Memory::Dram => (MemType::Dram, 0),
+            Memory::Vram { device } => (MemType::Vram, device as u64),
+        };
         let engine = EngineId::new(reply.engine.as_str());
         if let Some((first, second)) = wire::find_duplicate_agent(reply) {
             return Err(HandshakeError::DuplicateAgent {
@@ -369,10 +435,10 @@ impl RemoteEngine {
                 .map(|b| Desc {
                     addr: info.base + u64::from(b) * reply.block_size,
                     len: bs,
-                    dev_id: 0,
+                    dev_id,
                 })
                 .collect();
-            match agent.prep_remote_dlist(&info.agent, &descs) {
+            match agent.prep_remote_dlist_in(&info.agent, mem_type, &descs) {
                 Ok(h) => handles.push(h),
                 Err(e) => {
                     drop(handles);
@@ -383,10 +449,23 @@ impl RemoteEngine {
         }
         let local = (|| {
             let regions = (0..slots.max(1))
-                .map(|_| agent.register_dram(bs))
-                .collect::<Result<Vec<_>, _>>()?;
+                .map(|_| match memory {
+                    Memory::Dram => Ok(Slot::Dram(agent.register_dram(bs).map_err(load_err)?)),
+                    Memory::Vram { device } => {
+                        let m = DeviceMemory::alloc(device, bs).map_err(|source| {
+                            HandshakeError::Memory {
+                                engine: engine.clone(),
+                                source,
+                            }
+                        })?;
+                        Ok(Slot::Vram(agent.register_vram(m).map_err(load_err)?))
+                    }
+                })
+                .collect::<Result<Vec<_>, HandshakeError>>()?;
             let descs: Vec<Desc> = regions.iter().map(|r| r.desc()).collect();
-            let dlist = agent.prep_local_dlist(&descs)?;
+            let dlist = agent
+                .prep_local_dlist_in(mem_type, &descs)
+                .map_err(load_err)?;
             Ok(LocalSlots {
                 dlist: Some(dlist),
                 free: Mutex::new((0..regions.len()).collect()),
@@ -399,7 +478,7 @@ impl RemoteEngine {
             Err(e) => {
                 drop(handles);
                 undo(&loaded);
-                return Err(load_err(e));
+                return Err(e);
             }
         };
         Ok(RemoteEngine {
@@ -561,8 +640,7 @@ impl RemoteEngine {
             };
         }
         drop(req);
-        let bytes = self.local.regions[slot].bytes();
-        match pattern::first_mismatch(bytes, self.seed, rank, block) {
+        match self.local.regions[slot].first_mismatch(self.seed, rank, block) {
             None => ReadOutcome::Verified,
             Some(offset) => ReadOutcome::Corrupt { offset },
         }
@@ -654,6 +732,9 @@ pub struct DecodeOptions {
     pub probe_interval: Duration,
     /// Pause between rounds of reads (`reads_in_flight` reads each).
     pub read_pause: Duration,
+    /// Where the landing slots are, and where the prefills' KV caches are
+    /// taken to be (see [`RemoteEngine::load_in`]).
+    pub memory: Memory,
 }
 
 impl Default for DecodeOptions {
@@ -667,6 +748,7 @@ impl Default for DecodeOptions {
             warn_every: Duration::from_secs(30),
             probe_interval: Duration::from_secs(2),
             read_pause: Duration::from_millis(20),
+            memory: Memory::Dram,
         }
     }
 }
@@ -747,6 +829,11 @@ pub struct Decoder {
     next_request: AtomicU64,
     /// Registrations this decoder loaded, until released.
     loaded: Mutex<Vec<Connected>>,
+    /// Handshake-failure WARNs, one per prefill address and reason per
+    /// `warn_every`, shared by every reader: a reader started again for
+    /// the same address (a record flapped in etcd) does not start a fresh
+    /// budget, and one reader's flood does not hide another's first line.
+    handshake_log: Mutex<LogLimiter<(PeerAddr, &'static str)>>,
 }
 
 impl Decoder {
@@ -759,10 +846,14 @@ impl Decoder {
         Arc::new(Decoder {
             handle,
             transport,
-            options,
             stats: Arc::default(),
             next_request: AtomicU64::new(0),
+            handshake_log: Mutex::new(LogLimiter::new(
+                options.warn_every,
+                nixl_keepalive::log_limit::LOG_KEYS * 16,
+            )),
             loaded: Mutex::default(),
+            options,
         })
     }
 
@@ -799,12 +890,24 @@ impl Decoder {
         address: &PeerAddr,
         current: Option<&Connected>,
     ) -> Result<Found, HandshakeError> {
-        let result = self.handshake(address, current).await;
+        self.connect_by(address, current).await.0
+    }
+
+    /// [`Decoder::connect`], and who answered: the engine id and
+    /// incarnation of the reply, `None` when no reply was read. A failure
+    /// is earned by that claimant ([`super::retry::Retry::failed_by`]).
+    pub async fn connect_by(
+        &self,
+        address: &PeerAddr,
+        current: Option<&Connected>,
+    ) -> (Result<Found, HandshakeError>, super::retry::Claimant) {
+        let mut claimant = None;
+        let result = self.handshake(address, current, &mut claimant).await;
         if let Err(e) = &result {
             metrics::counter!("nixl_keepalive_pd_handshake_failures_total", "reason" => e.reason())
                 .increment(1);
         }
-        result
+        (result, claimant)
     }
 
     /// The handshake and registration calls themselves (see `connect`):
@@ -813,9 +916,11 @@ impl Decoder {
         &self,
         address: &PeerAddr,
         current: Option<&Connected>,
+        claimant: &mut super::retry::Claimant,
     ) -> Result<Found, HandshakeError> {
         let handshake = self.handle.handshake(address.clone());
         let reply = fetch(address, self.options.handshake_timeout).await?;
+        *claimant = Some((reply.engine.clone(), reply.incarnation));
         let ready = match handshake.ready_to_load(claim_of(&reply)).await {
             Ok(Ready::Load(ready)) => ready,
             Ok(Ready::Current(engine)) => {
@@ -839,14 +944,18 @@ impl Decoder {
                 return Err(HandshakeError::Invalid(reason))
             }
             Err(ClaimRefused::Stopped(stopped)) => return Err(HandshakeError::Stopped(stopped)),
+            // A refusal this build does not know: nothing may be loaded.
+            Err(other) => return Err(HandshakeError::Invalid(other.to_string())),
         };
         let agent = self.transport.agent().clone();
         let addr = address.clone();
         let slots = self.options.reads_in_flight.max(1);
-        let loaded =
-            tokio::task::spawn_blocking(move || RemoteEngine::load(&agent, addr, &reply, slots))
-                .await
-                .expect("load does not panic");
+        let memory = self.options.memory;
+        let loaded = tokio::task::spawn_blocking(move || {
+            RemoteEngine::load_in(&agent, addr, &reply, slots, memory)
+        })
+        .await
+        .expect("load does not panic");
         let remote = match loaded {
             Ok(remote) => remote,
             Err(HandshakeError::AgentMismatch {
@@ -943,12 +1052,18 @@ impl Decoder {
         };
         let request = self.next_request_id();
         let engine = connected.remote.engine.clone();
-        if let Err(e) = self
+        match self
             .handle
             .add_leases(&engine, vec![request.clone()], false)
         {
+            Ok(()) => {}
+            // Stopping: nothing renews leases any more, and the read's
+            // engine is released or handed back.
+            Err(LeaseError::Stopped(_)) => {
+                tracing::debug!("lease not added: the service has stopped")
+            }
             // Our own ids (`<decode agent>-<n>`) are always valid.
-            tracing::error!(error = %e, "lease not added");
+            Err(e) => tracing::error!(error = %e, "lease not added"),
         }
         let remote = connected.remote.clone();
         let agent = self.transport.agent().clone();
@@ -975,7 +1090,8 @@ impl Decoder {
         })
         .await
         .expect("reads do not panic");
-        self.handle.remove_leases(&engine, vec![request]);
+        // A stopped service renews nothing: there is nothing to remove.
+        let _ = self.handle.remove_leases(&engine, vec![request]);
         if let (Some(given_up), Some(slot)) = (given_up, outcome.lent_slot()) {
             self.reclaim_when_over(connected.remote.clone(), slot, given_up);
         }
@@ -993,7 +1109,9 @@ impl Decoder {
                     remote.return_slot(slot);
                     stats.slots_returned.fetch_add(1, Ordering::Relaxed);
                 }
-                Destination::Retire => {
+                // `Retire`, and any verdict this build does not know: the
+                // safe answer is never to reuse the slot.
+                _ => {
                     stats.slots_retired.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(engine = %remote.engine, slot, "landing slot retired: the given-up READ may still write it (NIXL's release does not end it); never reused");
                 }
@@ -1014,14 +1132,45 @@ impl Decoder {
         tokio::spawn(async move { me.reader_loop(address, shutdown).await })
     }
 
+    /// Waits out a conflicting claimant's back-off at `address`, at most
+    /// `pause`, asking the address (the side-channel reply only, nothing
+    /// loaded) every retry step: it ends as soon as another claimant (a
+    /// new engine id or incarnation) or nobody answers there, so an
+    /// honest prefill that starts where a conflicting one was is
+    /// handshaken at once, not after the other's back-off.
+    async fn until_another_claimant(
+        &self,
+        address: &PeerAddr,
+        claimant: &super::retry::Claimant,
+        pause: Duration,
+    ) {
+        let deadline = tokio::time::Instant::now() + pause;
+        loop {
+            let step = self
+                .options
+                .retry
+                .mul_f64(0.5 + rand::random::<f64>() / 2.0)
+                .max(Duration::from_millis(1));
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return;
+            }
+            tokio::time::sleep_until((now + step).min(deadline)).await;
+            if tokio::time::Instant::now() >= deadline {
+                return;
+            }
+            match fetch(address, self.options.handshake_timeout).await {
+                Ok(reply) if Some((reply.engine.clone(), reply.incarnation)) == *claimant => {}
+                _ => return,
+            }
+        }
+    }
+
     async fn reader_loop(self: Arc<Self>, address: PeerAddr, shutdown: CancellationToken) {
         let mut current: Option<Connected> = None;
         let mut last_probe: Option<Instant> = None;
         let o = &self.options;
         let mut retry = super::retry::Retry::new(o.retry, o.retry_max);
-        // One WARN per failure reason per period, with the count it
-        // stands for.
-        let mut warnings: LogLimiter<&'static str> = LogLimiter::new(o.warn_every, 32);
         while !shutdown.is_cancelled() {
             if let Some(c) = &current {
                 if c.engine.state() != EngineState::Live {
@@ -1041,11 +1190,14 @@ impl Decoder {
             let probe_due = last_probe.is_none_or(|t| t.elapsed() >= self.options.probe_interval);
             if current.is_none() || probe_due {
                 last_probe = Some(Instant::now());
-                match self.connect(&address, current.as_ref()).await {
-                    Ok(h) => {
+                match self.connect_by(&address, current.as_ref()).await {
+                    (Ok(h), _) => {
                         let failures = retry.succeeded();
                         // The next failure is told at once.
-                        warnings.forget(|_| true);
+                        self.handshake_log
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .forget(|(a, _)| *a == address);
                         if failures > 0 {
                             tracing::info!(%address, failures, "handshake succeeded after failures");
                         }
@@ -1053,16 +1205,28 @@ impl Decoder {
                             current = Some(c);
                         }
                     }
-                    Err(e) => {
+                    (Err(e), claimant) => {
                         let now = tokio::time::Instant::now();
-                        let mut after = retry.failed();
+                        // Earned by whoever answered: a new engine id or
+                        // incarnation here starts fresh.
+                        let mut after = retry.failed_by(claimant.clone());
+                        let conflicted = matches!(e, HandshakeError::Conflict(_));
                         if let HandshakeError::Conflict(conflict) = &e {
                             // The service logged the conflict once, with
-                            // both sides; a collision of identities does
-                            // not heal in milliseconds: back off further.
-                            after.pause = after.pause.max(CONFLICT_PAUSE);
+                            // both sides; the same claimant conflicting
+                            // again does not heal in milliseconds: back off
+                            // further (woken early if another claimant
+                            // answers here).
+                            if after.in_a_row > 1 {
+                                after.pause = after.pause.max(CONFLICT_PAUSE);
+                            }
                             tracing::debug!(%address, %conflict, next_try_in = ?after.pause, "handshake refused: identity conflict");
-                        } else if let Some(suppressed) = warnings.admit(e.reason(), now) {
+                        } else if let Some(suppressed) = self
+                            .handshake_log
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .admit((address.clone(), e.reason()), now)
+                        {
                             tracing::warn!(
                                 %address,
                                 error = %e,
@@ -1074,9 +1238,17 @@ impl Decoder {
                             );
                         }
                         if current.is_none() {
+                            let wait = async {
+                                if conflicted {
+                                    self.until_another_claimant(&address, &claimant, after.pause)
+                                        .await
+                                } else {
+                                    tokio::time::sleep(after.pause).await
+                                }
+                            };
                             tokio::select! {
                                 _ = shutdown.cancelled() => break,
-                                _ = tokio::time::sleep(after.pause) => {}
+                                _ = wait => {}
                             }
                             continue;
                         }

@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use nixl_sys::cuda::{CudaError, DeviceMemory, VramRegistration};
 use nixl_sys::{Agent, AgentConfig, DramRegistration, NixlError, Runtime};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -40,6 +41,50 @@ use nixl_keepalive::EngineId;
 /// arriving: what arrived before the sweep is handled first, and a steady
 /// stream cannot hold sweeps off for long.
 const SWEEP_DRAIN_ROUNDS: usize = 16;
+
+/// Where a prefill's KV cache (and a decoder's landing slots) live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Memory {
+    /// Host memory, registered as NIXL `DRAM_SEG`.
+    #[default]
+    Dram,
+    /// GPU memory of CUDA device `device` (`cuMemAlloc`, through
+    /// [`nixl_sys::cuda`]), registered as `VRAM_SEG` under that device id.
+    Vram {
+        /// The CUDA device ordinal.
+        device: i32,
+    },
+}
+
+impl Memory {
+    /// `dram` or `vram`.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Memory::Dram => "dram",
+            Memory::Vram { .. } => "vram",
+        }
+    }
+}
+
+/// The byte the part of a rank's region past its blocks is set to (see
+/// [`PrefillConfig::region`]).
+pub const REGION_FILLER: u8 = 0x5a;
+
+/// Why a prefill did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// NIXL refused an agent, a registration or the metadata.
+    #[error(transparent)]
+    Nixl(#[from] NixlError),
+    /// GPU memory could not be had (no driver or GPU, out of memory).
+    #[error("GPU memory for rank {rank}: {source}")]
+    Cuda {
+        /// The rank.
+        rank: u16,
+        /// The driver's error.
+        source: CudaError,
+    },
+}
 
 /// How to start a prefill engine.
 #[derive(Clone, Debug)]
@@ -65,6 +110,13 @@ pub struct PrefillConfig {
     /// How long one side-channel connection may take, from accept to the
     /// reply written.
     pub connection_timeout: Duration,
+    /// Where the KV cache lives.
+    pub memory: Memory,
+    /// Bytes allocated and registered per rank; at least `blocks ×
+    /// block_size` (0: exactly that). The blocks are at its start, filled
+    /// with the pattern; the rest is set to [`REGION_FILLER`] (so it is
+    /// really there: resident, for DRAM).
+    pub region: usize,
 }
 
 impl PrefillConfig {
@@ -83,6 +135,8 @@ impl PrefillConfig {
             agent: AgentConfig::default(),
             max_connections: 64,
             connection_timeout: Duration::from_secs(2),
+            memory: Memory::Dram,
+            region: 0,
         }
     }
 }
@@ -110,7 +164,13 @@ pub fn agent_name(engine: &EngineId, rank: u16) -> String {
 
 struct Rank {
     agent: Agent,
-    _memory: DramRegistration,
+    _memory: RankMemory,
+}
+
+/// A rank's registered KV cache (deregistered, then freed, on drop).
+enum RankMemory {
+    Dram(#[allow(dead_code)] DramRegistration),
+    Vram(#[allow(dead_code)] VramRegistration),
 }
 
 /// Counters of what the prefill saw.
@@ -140,25 +200,53 @@ pub struct Prefill {
     leases: Mutex<Leases>,
     stats: PrefillStats,
     /// Lines about connections closed unanswered: one per client address
-    /// and reason per period.
-    drop_log: Mutex<LogLimiter<(std::net::IpAddr, &'static str)>>,
+    /// (host and port: two clients on one host are two peers) and reason
+    /// per period, within the process's log budget.
+    drop_log: Mutex<LogLimiter<(SocketAddr, &'static str)>>,
 }
 
 impl Prefill {
-    /// Creates the agents, registers and fills their memory.
-    pub fn start(rt: &'static Runtime, config: PrefillConfig) -> Result<Arc<Prefill>, NixlError> {
+    /// Creates the agents, allocates, fills and registers their memory
+    /// ([`PrefillConfig::memory`], [`PrefillConfig::region`]).
+    pub fn start(rt: &'static Runtime, config: PrefillConfig) -> Result<Arc<Prefill>, StartError> {
         let seed = pattern::seed(config.engine.as_str());
+        let bs = config.block_size;
+        let kv = config.blocks as usize * bs;
+        let region = config.region.max(kv);
         let mut ranks = Vec::with_capacity(config.ranks as usize);
         let mut infos = Vec::with_capacity(config.ranks as usize);
         for r in 0..config.ranks {
             let agent = Agent::new(rt, &agent_name(&config.engine, r), &config.agent)?;
-            let mut memory = agent.register_dram(config.blocks as usize * config.block_size)?;
-            for (b, chunk) in memory.bytes_mut().chunks_mut(config.block_size).enumerate() {
-                pattern::fill(chunk, seed, r, b as u32);
-            }
+            let (memory, base) = match config.memory {
+                Memory::Dram => {
+                    let mut memory = agent.register_dram(region)?;
+                    let bytes = memory.bytes_mut();
+                    for (b, chunk) in bytes[..kv].chunks_mut(bs).enumerate() {
+                        pattern::fill(chunk, seed, r, b as u32);
+                    }
+                    bytes[kv..].fill(REGION_FILLER);
+                    let base = memory.desc().addr;
+                    (RankMemory::Dram(memory), base)
+                }
+                Memory::Vram { device } => {
+                    let cuda = |source| StartError::Cuda { rank: r, source };
+                    let memory = DeviceMemory::alloc(device, region).map_err(cuda)?;
+                    let mut block = vec![0u8; bs];
+                    for b in 0..config.blocks {
+                        pattern::fill(&mut block, seed, r, b);
+                        memory.write(b as usize * bs, &block).map_err(cuda)?;
+                    }
+                    if region > kv {
+                        memory.fill(kv, region - kv, REGION_FILLER).map_err(cuda)?;
+                    }
+                    let memory = agent.register_vram(memory)?;
+                    let base = memory.desc().addr;
+                    (RankMemory::Vram(memory), base)
+                }
+            };
             infos.push(RankInfo {
                 agent: agent.name().to_string(),
-                base: memory.desc().addr,
+                base,
                 metadata: agent.local_metadata()?,
             });
             ranks.push(Rank {
@@ -444,7 +532,7 @@ impl Prefill {
             .drop_log
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .admit((peer.ip(), reason), now);
+            .admit((*peer, reason), now);
         if let Some(suppressed) = told {
             tracing::info!(%peer, reason, suppressed, "side-channel connection closed unanswered");
         }
@@ -480,7 +568,7 @@ impl Prefill {
             Err(wire::WireError::Timeout(_)) => return self.dropped(&peer, "timeout"),
             Err(e) => {
                 self.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
-                super::bad_frame("prefill", &peer.ip().to_string(), &e);
+                super::bad_frame("prefill", &peer.to_string(), &e);
                 return;
             }
         }
