@@ -1,7 +1,11 @@
 """What the binding costs, and what a busy GIL does to heartbeats.
 
-Run after building the package (scripts/test.sh, or `maturin develop
---release`): ``.venv/bin/python python/bench/bench_keepalive.py [--quick]``.
+Run after building the package with its benchmark hooks (they are not in
+the package users install)::
+
+    .venv/bin/maturin build --release --features bench --manifest-path python/Cargo.toml --out target/python-bench
+    .venv/bin/python -m pip install --no-deps --force-reinstall target/python-bench/nixl_keepalive-*.whl
+    .venv/bin/python python/bench/bench_keepalive.py [--quick]
 
 Three measurements, each with its baseline in the same run and process,
 the ratio printed, and PASS/MISS against its target (nothing asserts):
@@ -35,6 +39,12 @@ from collections import defaultdict
 
 import nixl_keepalive as nk
 from nixl_keepalive import _native
+
+if not hasattr(_native, "bench_read_guards"):
+    sys.exit(
+        "bench_keepalive.py: this nixl_keepalive was built without its benchmark hooks; "
+        "build it with `maturin build --release --features bench` (see this file's docstring)"
+    )
 
 QUICK = "--quick" in sys.argv
 

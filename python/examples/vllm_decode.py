@@ -22,8 +22,13 @@ place is marked ``# KEEPALIVE``:
    the request's lease added (the heartbeat renews it).
 4. ``get_finished`` (vLLM: ``_pop_done_transfers``): the raw transfer
    status (``xfer_status``, not ``check_xfer_state``'s ``"ERR"``) ends the
-   read; a read the service failed is abandoned; on completion the lease
-   is removed.
+   read; a read that timed out, or that the service failed, is *given up*
+   (``give_up(GiveUp.TIMED_OUT)`` / ``GiveUp.CANCELLED``): a timed-out read
+   is the runtime's own evidence that the prefill is hung, so a frozen
+   prefill is released with every default; its landing slot is retired
+   until the release says the transfer is provably over (with NIXL 1.5.1:
+   never, so the slot stays out of the free list for good, where a late
+   transfer may still write it). On completion the lease is removed.
 5. ``shutdown``: ``keepalive.close()`` drains and releases.
 
 Run it against a prefill::
@@ -51,9 +56,9 @@ import nixl_keepalive
 from nixl_keepalive import Keepalive, RegistrationRefused, pd, xfer_status
 
 try:  # NIXL's Python API: the `nixl` meta package, or the CUDA 12 wheel.
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # type: ignore
+    from nixl._api import nixl_agent  # type: ignore
 except ImportError:  # pragma: no cover - depends on what is installed
-    from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # type: ignore
+    from nixl_cu12 import nixl_agent  # type: ignore
 
 
 @dataclass
@@ -107,16 +112,14 @@ class NixlConnectorWorker:
         # vLLM makes its agent with NIXL's progress thread; that thread
         # busy-polls a core (NIXL's Python API sets no delay), so here the
         # worker progresses the agent itself every few ms. The keepalive
-        # calls the agent from its own threads: RW locking is required.
-        self.nixl_wrapper = nixl_agent(
-            f"decode-{self.engine_id}",
-            nixl_agent_config(
-                enable_prog_thread=False,
-                sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
-            ),
-        )
-        # KEEPALIVE 1: next to the agent (NIXL_KEEPALIVE_* or keywords).
-        self.keepalive = Keepalive(self.nixl_wrapper, **keepalive_config)
+        # calls the agent from its own threads: RW locking is required
+        # (nixl_keepalive.agent_config sets it).
+        conf = nixl_keepalive.agent_config(enable_prog_thread=False)
+        self.nixl_wrapper = nixl_agent(f"decode-{self.engine_id}", conf)
+        # KEEPALIVE 1: next to the agent (NIXL_KEEPALIVE_* or keywords),
+        # told how the agent was made (it refuses sync mode NONE) and who
+        # progresses it (this worker's loop: "caller").
+        self.keepalive = Keepalive(self.nixl_wrapper, agent_config=conf, progress="caller", **keepalive_config)
 
         self.block_size = block_size
         self.read_timeout = read_timeout
@@ -128,6 +131,11 @@ class NixlConnectorWorker:
             "NIXL_INIT_AGENT", [(base + i * block_size, block_size, 0) for i in range(slots)], "DRAM"
         )
         self._free_slots = list(range(slots))
+        # Slots of given-up reads: a late transfer may still write them.
+        # Back in the free list only when the release says "reusable";
+        # "retire" moves them to `retired_slots` for good.
+        self._given_up: Dict[int, nixl_keepalive.GivenUpRead] = {}
+        self.retired_slots: List[int] = []
         self._remote: Dict[str, RemoteEngine] = {}  # engine id -> engine
         self._by_address: Dict[str, str] = {}  # address -> engine id
         self._recving: Dict[str, Transfer] = {}
@@ -227,6 +235,14 @@ class NixlConnectorWorker:
         read = remote.engine.read()
         self.keepalive.add_leases(remote.engine, [request_id])
         with self._lock:
+            self._reclaim_slots()
+            if not self._free_slots:
+                read.close()
+                self.keepalive.remove_leases(remote.engine, [request_id])
+                raise RuntimeError(
+                    f"no free KV slot ({len(self._recving)} reading, {len(self._given_up)} given up and "
+                    f"waiting for their release, {len(self.retired_slots)} retired)"
+                )
             slot = self._free_slots.pop()
         try:
             handle = self.nixl_wrapper.make_prepped_xfer(
@@ -260,8 +276,11 @@ class NixlConnectorWorker:
             status = xfer_status(self.nixl_wrapper, t.handle)
             if status == 1 and not t.read.failed and time.monotonic() - t.started < self.read_timeout:
                 continue  # in progress
-            # KEEPALIVE 4: the raw status ends the read; a read the service
-            # failed (dead, stalled, gone) is abandoned; the lease goes.
+            # KEEPALIVE 4: the raw status ends the read; a read that timed
+            # out, or that the service failed (dead, stalled, gone), is
+            # given up as such, never counted as a completion; its slot
+            # waits for the release's verdict; the lease goes.
+            given: Optional[nixl_keepalive.GivenUpRead] = None
             if status == 1:
                 result = "abandoned" if t.read.failed else "timed_out"
                 try:
@@ -270,7 +289,8 @@ class NixlConnectorWorker:
                     detail = f"release_xfer_handle: {type(e).__name__}"
                 else:
                     detail = ""
-                t.read.close()
+                why = nixl_keepalive.GiveUp.CANCELLED if t.read.failed else nixl_keepalive.GiveUp.TIMED_OUT
+                given = t.read.give_up(why)
                 outcome = Outcome(t.request_id, t.remote.engine.id, result, None, detail)
             else:
                 t.read.finish(status)
@@ -287,9 +307,26 @@ class NixlConnectorWorker:
             self.keepalive.remove_leases(t.remote.engine, [t.request_id])
             with self._lock:
                 del self._recving[t.request_id]
-                self._free_slots.append(t.slot)
+                if given is None:
+                    self._free_slots.append(t.slot)
+                else:
+                    self._given_up[t.slot] = given
             done.append(outcome)
         return done
+
+    def _reclaim_slots(self) -> None:
+        """Given-up slots whose release has come back: reusable ones go
+        back to the free list, the rest are retired for good (with the lock
+        held)."""
+        for slot, given in list(self._given_up.items()):
+            verdict = given.try_destination()
+            if verdict is None:
+                continue  # the engine is not released yet: the transfer may still land
+            del self._given_up[slot]
+            if verdict == nixl_keepalive.Destination.REUSABLE:
+                self._free_slots.append(slot)
+            else:
+                self.retired_slots.append(slot)
 
     def _verify(self, t: Transfer) -> Optional[int]:
         start = t.slot * self.block_size
@@ -330,7 +367,8 @@ class NixlConnectorWorker:
                 self.nixl_wrapper.release_xfer_handle(t.handle)
             except Exception:  # noqa: BLE001
                 pass
-            t.read.close()
+            # Stopping is the runtime's own reason: not a completion.
+            self._given_up[t.slot] = t.read.give_up(nixl_keepalive.GiveUp.CANCELLED)
         self._recving.clear()
         left = self.keepalive.close()
         for registration in left["unreleased"]:

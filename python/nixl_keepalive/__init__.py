@@ -41,19 +41,40 @@ later, :func:`endpoint_close_mode` says ``unavailable`` and why, and
 from __future__ import annotations
 
 import atexit
+import difflib
+import enum
+import importlib
+import os
+import sys
+import threading
 import warnings
 import weakref
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
+
+if TYPE_CHECKING:  # typed dicts of the stubs (_native.pyi): no runtime cost
+    from ._native import Event, Snapshot  # noqa: F401
 
 from . import _native
 from ._native import (
+    BACKEND,
+    CANCELED,
+    IN_PROG,
+    INVALID_PARAM,
+    MISMATCH,
+    NO_TELEMETRY,
+    NOT_ALLOWED,
     NOT_FOUND,
+    NOT_POSTED,
+    NOT_SUPPORTED,
     REMOTE_DISCONNECT,
+    REPOST_ACTIVE,
     SUCCESS,
+    UNKNOWN,
     Config,
     ConfigError,
     Engine,
     Events,
+    GivenUpRead,
     Handshake,
     IdentityConflict,
     KeepaliveError,
@@ -61,6 +82,7 @@ from ._native import (
     ReadRefused,
     RegistrationRefused,
     ServiceStopped,
+    canonical_address,
     classify_exception,
     endpoint_close_mode,
     knobs,
@@ -71,29 +93,193 @@ from ._native import (
 
 __all__ = [
     "AsyncHandshake",
+    "BACKEND",
+    "CANCELED",
     "Config",
     "ConfigError",
+    "Destination",
     "Engine",
     "Events",
+    "GiveUp",
+    "GivenUpRead",
     "Handshake",
     "HandshakeScope",
+    "IN_PROG",
+    "INVALID_PARAM",
     "IdentityConflict",
     "Keepalive",
     "KeepaliveError",
+    "MISMATCH",
+    "NOT_ALLOWED",
     "NOT_FOUND",
+    "NOT_POSTED",
+    "NOT_SUPPORTED",
+    "NO_TELEMETRY",
     "REMOTE_DISCONNECT",
+    "REPOST_ACTIVE",
     "Read",
     "ReadRefused",
     "RegistrationRefused",
     "SUCCESS",
     "ServiceStopped",
+    "UNKNOWN",
+    "agent_config",
+    "canonical_address",
     "classify_exception",
     "endpoint_close_mode",
     "knobs",
+    "make_agent",
     "remove_remote_agent",
     "status_name",
     "xfer_status",
 ]
+
+
+class GiveUp(str, enum.Enum):
+    """Why a read was given up (:meth:`Read.give_up`); equal to its string."""
+
+    #: The runtime's read timeout passed: its own verdict that the engine
+    #: is hung (with no other read of it completing meanwhile, the engine
+    #: is marked stalled at once).
+    TIMED_OUT = "timed_out"
+    #: Aborted for the runtime's own reasons (the request was cancelled,
+    #: the decoder is stopping): no evidence about the engine.
+    CANCELLED = "cancelled"
+
+
+class Destination(str, enum.Enum):
+    """What may become of a given-up read's destination buffer
+    (:meth:`GivenUpRead.wait_destination`); equal to its string."""
+
+    #: The release ended every transfer to the engine: the buffer is yours.
+    REUSABLE = "reusable"
+    #: The release cannot prove the transfer is over (NIXL 1.5.1 always):
+    #: never reuse the buffer; keep it allocated while the agent lives.
+    RETIRE = "retire"
+
+
+#: The thread-sync modes that make a ``nixl_agent`` safe to call from the
+#: service's threads beside the decoder's own (NIXL's default, NONE, is a
+#: data race).
+_SAFE_SYNC_MODES = ("NIXL_THREAD_SYNC_RW", "NIXL_THREAD_SYNC_STRICT")
+
+#: The NIXL Python packages, in the order an agent config is made from.
+_NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+
+#: Where :func:`make_agent` records the config an agent was made with
+#: (``nixl_agent`` keeps no copy of it).
+_CONFIG_ATTR = "_nixl_keepalive_agent_config"
+
+
+def _nixl_api(agent: Any = None) -> Any:
+    """NIXL's ``_api`` module: the agent's own, else the first installed."""
+    if agent is not None:
+        module = sys.modules.get(type(agent).__module__)
+        if module is not None and hasattr(module, "nixl_agent_config"):
+            return module
+    for name in _NIXL_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(
+        "no NIXL Python API found: install nixl (or nixl-cu12 / nixl-cu13); tried " + ", ".join(_NIXL_MODULES)
+    )
+
+
+def agent_config(**kwargs: Any) -> Any:
+    """A ``nixl_agent_config`` fit for the service: NIXL's own keywords
+    (``backends``, ``num_threads``, ...), with ``sync_mode`` RW and the
+    progress thread on unless you say otherwise. Pass it to
+    ``nixl_agent(name, conf)`` and to ``Keepalive(agent, agent_config=conf)``."""
+    api = _nixl_api()
+    kwargs.setdefault("sync_mode", api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+    kwargs.setdefault("enable_prog_thread", True)
+    return api.nixl_agent_config(**kwargs)
+
+
+def make_agent(name: str, **kwargs: Any) -> Any:
+    """A ``nixl_agent`` made with :func:`agent_config` (same keywords), which
+    :class:`Keepalive` then knows to be safe with its threads and
+    progressed. Import this package before the first agent is made (see the
+    module's docs)."""
+    conf = agent_config(**kwargs)
+    agent = _nixl_api().nixl_agent(name, conf)
+    setattr(agent, _CONFIG_ATTR, conf)
+    return agent
+
+
+def _is_nixl_agent(agent: Any) -> bool:
+    return type(agent).__name__ == "nixl_agent" and hasattr(agent, "agent")
+
+
+def _check_agent(agent: Any, conf: Any, progress: str) -> str:
+    """Refuses an agent the service cannot share safely, warns where it
+    cannot tell; returns how heartbeats reach the wire: ``progress_thread``,
+    ``caller`` or ``unknown``."""
+    if progress not in ("thread", "caller"):
+        raise ValueError(
+            f"progress={progress!r} is not accepted: \"thread\" (the agent's progress thread "
+            "sends what the service posts) or \"caller\" (you call agent.get_new_notifs() or poll "
+            "transfers at least once per heartbeat interval)"
+        )
+    if conf is None:
+        conf = getattr(agent, _CONFIG_ATTR, None)
+    if conf is None:
+        if _is_nixl_agent(agent):
+            warnings.warn(
+                "nixl_keepalive: cannot check this nixl_agent's thread-sync mode or progress "
+                "thread (nixl_agent keeps no copy of its config). NIXL's default sync mode, NONE, "
+                "is a data race with the service's threads: make the agent with "
+                "nixl_keepalive.make_agent(name) or nixl_agent(name, nixl_keepalive.agent_config()), "
+                "and pass Keepalive(agent, agent_config=conf)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return "caller" if progress == "caller" else "unknown"
+    mode = getattr(conf, "sync_mode", None)
+    if mode is None:
+        # nixl_agent's own default: STRICT with the listener thread, else NONE.
+        mode_name = "NIXL_THREAD_SYNC_STRICT" if getattr(conf, "enable_listen", False) else "NIXL_THREAD_SYNC_NONE"
+    else:
+        mode_name = getattr(mode, "name", str(mode)).split(".")[-1]
+    if mode_name not in _SAFE_SYNC_MODES:
+        raise ConfigError(
+            f"the agent's thread-sync mode is {mode_name}: the service calls the agent from its own "
+            "threads, and NONE (NIXL's default) makes that a data race. Make the agent with "
+            "sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW (nixl_keepalive.agent_config() does) "
+            f"or STRICT; accepted: {', '.join(_SAFE_SYNC_MODES)}"
+        )
+    if getattr(conf, "enable_pthread", True):
+        return "progress_thread"
+    if progress != "caller":
+        raise ConfigError(
+            "the agent has no progress thread (enable_prog_thread=False): a heartbeat the service "
+            "posts reaches the wire only when someone progresses the agent, and nothing would. "
+            "Make the agent with enable_prog_thread=True, or pass Keepalive(..., progress=\"caller\") "
+            "and call agent.get_new_notifs() (or poll transfers) at least once per heartbeat interval"
+        )
+    return "caller"
+
+
+def _report_unknown_env() -> None:
+    """Warns about each ``NIXL_KEEPALIVE_*`` variable no knob reads (a typo
+    would otherwise leave its knob at the default, silently)."""
+    accepted = [k["variable"] for k in knobs()]
+    for var in _native.unknown_env_vars():
+        close = difflib.get_close_matches(var, accepted, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        warnings.warn(
+            f"nixl_keepalive: environment variable {var}={os.environ.get(var, '')!r} is not a "
+            f"knob and is ignored{hint}; the knobs are {', '.join(accepted)}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+#: One Keepalive per agent: id(agent) -> the live Keepalive (weakly).
+_by_agent: "dict[int, weakref.ref[Keepalive]]" = {}
+_by_agent_lock = threading.Lock()
 
 __version__ = _native.__version__
 
@@ -199,19 +385,56 @@ class Keepalive:
             arguments of :class:`Config`) over the ``NIXL_KEEPALIVE_*``
             environment variables. A refused value raises
             :class:`ConfigError` naming it, its value, why, and what is
-            accepted.
+            accepted; a ``NIXL_KEEPALIVE_*`` variable no knob reads is
+            warned about (with the closest knob's name).
+        agent_config: the ``nixl_agent_config`` the agent was made with
+            (not needed for agents from :func:`make_agent`). With it, an
+            agent in NIXL's default sync mode (NONE) is refused, and one
+            without a progress thread is refused unless ``progress`` is
+            ``"caller"``. Without it, a real ``nixl_agent`` gets a warning:
+            its sync mode cannot be read back.
+        progress: ``"thread"`` (the agent's progress thread puts posted
+            heartbeats on the wire) or ``"caller"`` (you progress the agent:
+            ``get_new_notifs()`` or transfer polls, at least once per
+            heartbeat interval).
+
+    One Keepalive per agent: a second one on an agent whose first is
+    still running raises :class:`KeepaliveError`.
 
     Use it as a context manager (``with Keepalive(agent) as ka``), or call
     :meth:`close`.
     """
 
-    def __init__(self, agent: Any, config: Optional[Config] = None, **knobs: Any) -> None:
+    def __init__(
+        self,
+        agent: Any,
+        config: Optional[Config] = None,
+        *,
+        agent_config: Any = None,
+        progress: str = "thread",
+        **knobs: Any,
+    ) -> None:
         if config is not None and knobs:
             raise TypeError("pass either a Config or keyword arguments, not both")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a nixl_keepalive.Config; got {type(config).__name__}")
+        self._delivery = _check_agent(agent, agent_config, progress)
         if config is None:
             config = Config(**knobs)
+        _report_unknown_env()
         self._config = config
-        self._service = _native.Service(agent, config)
+        self._closed: Optional[dict] = None
+        with _by_agent_lock:
+            held = _by_agent.get(id(agent))
+            other = held() if held is not None else None
+            if other is not None and other.agent is agent and not other.closed:
+                raise KeepaliveError(
+                    f"this agent ({getattr(agent, 'name', agent)!r}) already has a running Keepalive: "
+                    "one per agent (two would release each other's engines' state twice); share it, "
+                    "or close() the first"
+                )
+            self._service = _native.Service(agent, config)
+            _by_agent[id(agent)] = weakref.ref(self)
         closing = endpoint_close_mode()
         if closing["mode"] == "unavailable":
             warnings.warn(
@@ -220,7 +443,6 @@ class Keepalive:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self._closed: Optional[dict] = None
         _live.add(self)
 
     # -- connecting -------------------------------------------------------
@@ -244,8 +466,7 @@ class Keepalive:
         older registration of the id is released first, but only after
         this one's metadata was loaded. Prefer :meth:`handshake` for engine
         ids that may come back."""
-        names = [a.decode() if isinstance(a, bytes) else a for a in agents]
-        return self._service.register(engine_id, address, names, list(dlist_handles), incarnation)
+        return self._service.register(engine_id, address, agents, dlist_handles, incarnation)
 
     def engine(self, engine_id: str) -> Optional[Engine]:
         """The registered engine ``engine_id``, if any."""
@@ -255,12 +476,14 @@ class Keepalive:
 
     def add_leases(self, engine: EngineLike, requests: Iterable[str], renew_now: bool = False) -> None:
         """Renews these request ids (vLLM's lease heartbeat, ``HB:id,...``)
-        with every heartbeat to ``engine`` until removed."""
-        self._service.add_leases(engine, list(requests), renew_now)
+        with every heartbeat to ``engine`` until removed. ``requests`` is a
+        sequence of ids (a lone ``str`` is refused: it would lease each
+        character)."""
+        self._service.add_leases(engine, requests, renew_now)
 
     def remove_leases(self, engine: EngineLike, requests: Iterable[str]) -> None:
         """Stops renewing these request ids (on request completion)."""
-        self._service.remove_leases(engine, list(requests))
+        self._service.remove_leases(engine, requests)
 
     def renew_leases(self, engine: EngineLike) -> None:
         """A lease renewal to ``engine`` as soon as its rate cap allows."""
@@ -277,7 +500,7 @@ class Keepalive:
 
     # -- looking at it ------------------------------------------------------
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> "Snapshot":
         """The service's table as plain dicts: per engine its state, reads
         in flight, leases, last heartbeat and, in words, why it is kept or
         what its release waits for; and ``endpoints``: the close mode
@@ -285,12 +508,19 @@ class Keepalive:
         endpoints so far (``closed``, ``left_open``, ``none_closed``,
         ``not_observed``), and UCX's own count of the endpoints the agent
         holds now (``ucx_endpoints``: NIXL's loopback endpoint plus one per
-        connected remote agent; ``None`` without UCX's VFS)."""
-        return self._service.snapshot()
+        connected remote agent; ``None`` without UCX's VFS); and
+        ``heartbeat_delivery``: who puts posted heartbeats on the wire
+        (``progress_thread``, ``caller``, or ``unknown``: a heartbeat's
+        ``NIXL_SUCCESS`` says only that NIXL took it)."""
+        snap = self._service.snapshot()
+        snap["heartbeat_delivery"] = self._delivery
+        return snap
 
-    async def snapshot_async(self) -> dict:
+    async def snapshot_async(self) -> "Snapshot":
         """:meth:`snapshot` as an awaitable."""
-        return await self._service.snapshot_async()
+        snap = await self._service.snapshot_async()
+        snap["heartbeat_delivery"] = self._delivery
+        return snap
 
     def events(self) -> Events:
         """The service's events from now on (iterator, async iterator, or

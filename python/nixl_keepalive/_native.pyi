@@ -1,11 +1,171 @@
 """Type stubs of the native module (``python/src/*.rs``)."""
 
-from typing import Any, Awaitable, Iterator, AsyncIterator, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Iterator, AsyncIterator, Literal, Optional, Sequence, TypedDict, Union
 
 __version__: str
-REMOTE_DISCONNECT: int
-NOT_FOUND: int
+# Every nixl_status_t, in NIXL's C++ numbering.
+IN_PROG: int
 SUCCESS: int
+NOT_POSTED: int
+INVALID_PARAM: int
+BACKEND: int
+NOT_FOUND: int
+MISMATCH: int
+NOT_ALLOWED: int
+REPOST_ACTIVE: int
+UNKNOWN: int
+NOT_SUPPORTED: int
+REMOTE_DISCONNECT: int
+CANCELED: int
+NO_TELEMETRY: int
+
+EngineStateName = Literal["live", "unreachable", "replaced", "retiring", "stalled", "released"]
+DestinationName = Literal["reusable", "retire"]
+GiveUpName = Literal["timed_out", "cancelled"]
+
+class _EventBase(TypedDict, total=False):
+    registration: int
+    #: Set by the Python side's own collectors (tests), not by the service.
+    at: float
+
+class RegisteredEvent(_EventBase):
+    kind: Literal["registered"]
+    engine: str
+    address: str
+
+class UnreachableEvent(_EventBase):
+    kind: Literal["unreachable"]
+    engine: str
+    status: int
+    status_name: str
+    source: Literal["heartbeat", "transfer"]
+
+class ReplacedEvent(_EventBase):
+    kind: Literal["replaced"]
+    engine: str
+    old: str
+    new: str
+    address: str
+
+class RetiringEvent(_EventBase):
+    kind: Literal["retiring"]
+    engine: str
+    fail_reads: bool
+
+class StalledEvent(_EventBase):
+    kind: Literal["stalled"]
+    engine: str
+    reads_in_flight: int
+    stalled_for: float
+    failed: bool
+    given_up: int
+
+class ReadsFailedEvent(_EventBase):
+    kind: Literal["reads_failed"]
+    engine: str
+    count: int
+
+class TransientErrorEvent(_EventBase):
+    kind: Literal["transient_error"]
+    engine: str
+    status: int
+    status_name: str
+    source: Literal["heartbeat", "transfer"]
+
+class WaitedFor(TypedDict):
+    duration: float
+    reads_in_flight_at_mark: int
+    handshake: bool
+
+class ReleasedEvent(_EventBase):
+    kind: Literal["released"]
+    engine: str
+    reason: str
+    waited_for: WaitedFor
+    failed_steps: int
+    panicked: bool
+    endpoints_left_open: int
+
+class ConflictEvent(_EventBase, total=False):
+    kind: Literal["conflict"]
+    conflict: str
+    engine: str
+    agent: Optional[str]
+    holder: Optional[str]
+    message: str
+
+class TransportPanickedEvent(_EventBase):
+    kind: Literal["transport_panicked"]
+    engine: str
+    call: str
+    message: str
+
+class LaggedEvent(TypedDict):
+    kind: Literal["lagged"]
+    missed: int
+
+class OtherEvent(_EventBase):
+    """An event newer than this binding: ``message`` is the library's words."""
+
+    kind: Literal["other"]
+    message: str
+
+Event = Union[
+    RegisteredEvent,
+    UnreachableEvent,
+    ReplacedEvent,
+    RetiringEvent,
+    StalledEvent,
+    ReadsFailedEvent,
+    TransientErrorEvent,
+    ReleasedEvent,
+    ConflictEvent,
+    TransportPanickedEvent,
+    LaggedEvent,
+    OtherEvent,
+]
+
+class LastHeartbeat(TypedDict):
+    ago: float
+    status: int
+    status_name: str
+
+class EngineSnapshot(TypedDict):
+    engine: str
+    address: str
+    agents: list[str]
+    state: EngineStateName
+    reads_in_flight: int
+    leases: list[str]
+    last_heartbeat: Optional[LastHeartbeat]
+    next_heartbeat_in: Optional[float]
+    transient_errors: int
+    why: str
+
+class DetectionBound(TypedDict):
+    crashed: Optional[float]
+    silent: Optional[float]
+
+class EndpointsSnapshot(TypedDict, total=False):
+    mode: str
+    reason: Optional[str]
+    closed: int
+    left_open: int
+    none_closed: int
+    not_observed: int
+    ucx_endpoints: Optional[int]
+
+class Snapshot(TypedDict, total=False):
+    engines: list[EngineSnapshot]
+    handshakes_pending: dict[str, int]
+    waiting_for_reload: list[str]
+    silent_peer_note: str
+    limiter_keys: int
+    heartbeat_timers: int
+    detection_bound: Optional[DetectionBound]
+    endpoints: EndpointsSnapshot
+    #: Added by ``Keepalive.snapshot``: who puts posted heartbeats on the wire.
+    heartbeat_delivery: Literal["progress_thread", "caller", "unknown"]
 
 class KeepaliveError(Exception):
     """Base class of nixl_keepalive's errors."""
@@ -75,7 +235,7 @@ class Engine:
     @property
     def incarnation(self) -> Optional[int]: ...
     @property
-    def state(self) -> str:
+    def state(self) -> EngineStateName:
         """live, unreachable, replaced, retiring, stalled or released."""
     @property
     def is_live(self) -> bool: ...
@@ -88,6 +248,13 @@ class Engine:
         at once when the engine is not live."""
     def report_transfer(self, status: Status) -> None:
         """Reports how a transfer not tracked with :meth:`read` ended."""
+    def wait_released(self, timeout: Optional[float] = None) -> bool:
+        """Waits until this registration is released; ``False`` on timeout."""
+    def released(self) -> Awaitable[None]:
+        """Resolves once this registration is released."""
+    def on_released(self, callback: Callable[["Engine"], object]) -> None:
+        """Calls ``callback(engine)`` once, on the service's thread, when
+        released (at once if it already is)."""
 
 class Read:
     """One read in flight; leaving its ``with`` block ends it."""
@@ -101,10 +268,26 @@ class Read:
     def open(self) -> bool: ...
     def finish(self, status: Status) -> None:
         """Ends the read with the transfer's raw status (int), the NIXL
-        exception it raised, or ``"DONE"``."""
+        exception it raised, or ``"DONE"``. A refused status still ends
+        the read (then raises); ``"PROC"`` leaves it open."""
+    def give_up(self, why: GiveUpName) -> GivenUpRead:
+        """Ends the read as given up (``GiveUp.TIMED_OUT`` or
+        ``GiveUp.CANCELLED``); keep the buffer until the token says
+        ``"reusable"``."""
     def close(self) -> None: ...
     def __enter__(self) -> Read: ...
     def __exit__(self, *exc: object) -> bool: ...
+
+class GivenUpRead:
+    """The token of a given-up read's destination buffer."""
+
+    @property
+    def engine(self) -> str: ...
+    @property
+    def why(self) -> GiveUpName: ...
+    def try_destination(self) -> Optional[DestinationName]: ...
+    def wait_destination(self, timeout: Optional[float] = None) -> Optional[DestinationName]: ...
+    def destination(self) -> Awaitable[DestinationName]: ...
 
 class Handshake:
     """A handshake in progress with one prefill address."""
@@ -135,15 +318,15 @@ class Handshake:
 class Events:
     """The service's events as dicts (``kind``, ``engine``, ...)."""
 
-    def get(self, timeout: Optional[float] = None) -> Optional[dict[str, Any]]:
+    def get(self, timeout: Optional[float] = None) -> Optional[Event]:
         """The next event, or ``None`` after ``timeout`` seconds; raises
         :class:`ServiceStopped` once the service stopped and every event
         was read."""
-    def get_nowait(self) -> Optional[dict[str, Any]]: ...
-    def __iter__(self) -> Iterator[dict[str, Any]]: ...
-    def __next__(self) -> dict[str, Any]: ...
-    def __aiter__(self) -> AsyncIterator[dict[str, Any]]: ...
-    def __anext__(self) -> Awaitable[dict[str, Any]]: ...
+    def get_nowait(self) -> Optional[Event]: ...
+    def __iter__(self) -> Iterator[Event]: ...
+    def __next__(self) -> Event: ...
+    def __aiter__(self) -> AsyncIterator[Event]: ...
+    def __anext__(self) -> Awaitable[Event]: ...
 
 class Service:
     """The running service (wrapped by :class:`nixl_keepalive.Keepalive`)."""
@@ -169,8 +352,8 @@ class Service:
     def peer_gone(
         self, engine: Optional[Union[str, Engine]] = None, *, address: Optional[str] = None, mode: str = "drain"
     ) -> None: ...
-    def snapshot(self) -> dict[str, Any]: ...
-    def snapshot_async(self) -> Awaitable[dict[str, Any]]: ...
+    def snapshot(self) -> Snapshot: ...
+    def snapshot_async(self) -> Awaitable[Snapshot]: ...
     def events(self) -> Events: ...
     def close(self) -> dict[str, Any]: ...
     def close_async(self) -> Awaitable[dict[str, Any]]: ...
@@ -186,6 +369,13 @@ def classify_exception(exc: Union[BaseException, type]) -> Optional[int]:
 def xfer_status(agent: Any, handle: Any) -> int:
     """The raw status of a transfer (``agent.agent.getXferStatus``), where
     ``check_xfer_state`` collapses errors to ``"ERR"``."""
+
+def canonical_address(address: str) -> str:
+    """The canonical ``host:port`` the service compares (the Rust rule);
+    ``ValueError`` for anything else."""
+
+def unknown_env_vars() -> list[str]:
+    """``NIXL_KEEPALIVE_*`` variables set that no knob reads."""
 
 def knobs() -> list[dict[str, str]]:
     """Every knob: keyword, variable, default, syntax, meaning."""

@@ -119,9 +119,14 @@ impl Config {
     fn new(
         py: Python<'_>,
         env: bool,
-        seed: Option<u64>,
+        seed: Option<&Bound<'_, PyAny>>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Config> {
+        let seed = match seed {
+            None => None,
+            Some(s) if s.is_none() => None,
+            Some(s) => Some(seed_of(s)?),
+        };
         let mut given: BTreeMap<&'static str, (String, String)> = BTreeMap::new();
         if let Some(kwargs) = kwargs {
             for (key, value) in kwargs.iter() {
@@ -173,6 +178,8 @@ impl Config {
             match c.stall_action() {
                 StallAction::Fail => "fail",
                 StallAction::Report => "report",
+                // A newer action than this binding knows: its own name.
+                _ => "other",
             },
         )?;
         d.set_item("seed", c.seed())?;
@@ -182,6 +189,35 @@ impl Config {
     fn __repr__(&self) -> String {
         format!("Config({})", self.inner)
     }
+}
+
+/// The jitter's seed: a whole number 0 to 2^64 - 1 (a bool, a negative
+/// number or another type is a `ConfigError` naming it).
+fn seed_of(value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let refuse = || -> PyResult<u64> {
+        Err(errors::ConfigError::new_err(format!(
+            "seed={} is not accepted: a whole number 0 to {} (fixes the jitter's randomness), \
+             or None for a random one",
+            value.repr()?,
+            u64::MAX
+        )))
+    };
+    if value.is_instance_of::<pyo3::types::PyBool>()
+        || !value.is_instance_of::<pyo3::types::PyInt>()
+    {
+        return refuse();
+    }
+    match value.extract::<u64>() {
+        Ok(n) => Ok(n),
+        Err(_) => refuse(),
+    }
+}
+
+/// `NIXL_KEEPALIVE_*` variables set in the environment that no knob reads
+/// (most likely misspelt), as the Rust service logs them at start-up.
+#[pyfunction]
+pub(crate) fn unknown_env_vars() -> Vec<String> {
+    nixl_keepalive::Config::unknown_env_vars()
 }
 
 /// One `ConfigError` for every refused value.
@@ -213,6 +249,8 @@ fn config_error(
                 expected,
                 ..
             } => (value.clone(), reason.clone(), *expected),
+            // A refusal this binding does not know yet: its own words.
+            other => (String::new(), other.to_string(), ""),
         };
         let d = PyDict::new(py);
         let _ = d.set_item("variable", setting);

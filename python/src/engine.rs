@@ -16,13 +16,16 @@
 //! reads first, one atomic on any other), with the GIL held (no wait is
 //! involved).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use nixl_keepalive::{EngineRef, OwnedReadGuard};
+use nixl_keepalive::{Destination, EngineRef, GiveUp, OwnedReadGuard};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::errors;
+use crate::runtime;
 use crate::status::status_of;
 
 /// What the binding knows of a registration beyond the library's
@@ -122,6 +125,50 @@ impl Engine {
         }
     }
 
+    /// Waits (GIL released) until this registration has been released:
+    /// its NIXL state given back, the release call returned. `True` once
+    /// released, `False` after `timeout` seconds (`None`: no limit).
+    #[pyo3(signature = (timeout = None))]
+    fn wait_released(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let timeout = seconds(timeout, "timeout")?;
+        Ok(runtime::wait_for(py, self.inner.released(), timeout)?.is_some())
+    }
+
+    /// An awaitable that resolves once this registration has been
+    /// released. Cancelling it changes nothing.
+    fn released<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let released = self.inner.released();
+        runtime::for_async();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            released.await;
+            Ok(())
+        })
+    }
+
+    /// Calls `callback(engine)` once, on the service's thread (with the
+    /// GIL), when this registration has been released; at once if it
+    /// already has. Keep it short and leave the agent alone in it: the
+    /// decoder's own tables are best purged on its own thread (set a flag,
+    /// or put the engine on a queue). An exception it raises goes to
+    /// `sys.unraisablehook`.
+    fn on_released(slf: Py<Self>, py: Python<'_>, callback: Py<PyAny>) -> PyResult<()> {
+        if !callback.bind(py).is_callable() {
+            return Err(PyTypeError::new_err(
+                "on_released takes a callable (called with the Engine once it is released)",
+            ));
+        }
+        let released = slf.get().inner.released();
+        runtime::get().spawn(async move {
+            released.await;
+            Python::attach(|py| {
+                if let Err(e) = callback.call1(py, (slf,)) {
+                    e.write_unraisable(py, Some(&callback.into_bound(py)));
+                }
+            });
+        });
+        Ok(())
+    }
+
     /// Reports how a transfer from this registration ended, for
     /// transfers not tracked with `read()`: a raw `nixl_status_t` (int),
     /// a NIXL exception, or `"DONE"`. REMOTE_DISCONNECT (-10) marks the
@@ -186,12 +233,64 @@ impl Read {
     /// reaches the service before the read counts as ended, so a
     /// REMOTE_DISCONNECT marks the engine before it can be released. A
     /// second call does nothing.
+    ///
+    /// A status that is refused (`"ERR"`, a non-NIXL exception, a wrong
+    /// type) still ends the read, as a completion without a status, and
+    /// then raises, saying so: a read left open would hold the engine's
+    /// release until shutdown. `"PROC"` alone leaves it open (the
+    /// transfer is still running): finish it later, or `give_up`.
     fn finish(&self, status: &Bound<'_, PyAny>) -> PyResult<()> {
-        let status = status_of(status)?;
-        if let Some(guard) = self.take() {
-            guard.finish(status);
+        let py = status.py();
+        if let Ok(text) = status.cast::<pyo3::types::PyString>() {
+            if text.to_cow()?.as_ref() == "PROC" {
+                return Err(PyValueError::new_err(
+                    "status \"PROC\" means the transfer is still in progress: the read stays \
+                     open; finish it once the transfer has ended (DONE, or the raw error \
+                     status), or give_up(GiveUp.TIMED_OUT / GiveUp.CANCELLED) to stop waiting",
+                ));
+            }
         }
-        Ok(())
+        match status_of(status) {
+            Ok(status) => {
+                if let Some(guard) = self.take() {
+                    guard.finish(status);
+                }
+                Ok(())
+            }
+            Err(refused) => {
+                let ended = self.take().is_some();
+                let note = if ended {
+                    "the read has been ended (as a completion without a status)"
+                } else {
+                    "the read had already ended"
+                };
+                Err(PyErr::from_type(
+                    refused.get_type(py),
+                    format!("{}; {note}", refused.value(py)),
+                ))
+            }
+        }
+    }
+
+    /// Ends the read as given up: the runtime stopped waiting for a
+    /// transfer still in progress (its timeout passed: `"timed_out"`, or
+    /// the request was aborted: `"cancelled"`; `nixl_keepalive.GiveUp`).
+    /// Not a completion: a read given up as timed out, with no other read
+    /// of the engine completing meanwhile, marks the engine stalled (as if
+    /// the read-stall bound had passed). Returns a `GivenUpRead`: the
+    /// token of the read's destination buffer, which the transfer may
+    /// still write; reuse the buffer only once it says `"reusable"`, and
+    /// never when it says `"retire"`.
+    fn give_up(&self, why: &Bound<'_, PyAny>) -> PyResult<GivenUpRead> {
+        let why = give_up_of(why)?;
+        match self.take() {
+            Some(guard) => Ok(GivenUpRead {
+                inner: Arc::new(guard.give_up(why)),
+            }),
+            None => Err(PyValueError::new_err(
+                "this read has already ended (finish, close or give_up): nothing to give up",
+            )),
+        }
     }
 
     /// Ends the read without a status (as leaving the `with` block does).
@@ -214,6 +313,116 @@ impl Read {
             "Read(engine={:?}, open={})",
             self.engine.id().as_str(),
             self.open()
+        )
+    }
+}
+
+/// `timeout` in seconds as a `Duration` (`None`: no limit); a negative or
+/// non-number value is refused naming the argument.
+fn seconds(value: Option<f64>, name: &str) -> PyResult<Option<Duration>> {
+    match value {
+        None => Ok(None),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),
+        Some(t) if t == f64::INFINITY => Ok(None),
+        Some(t) => Err(PyValueError::new_err(format!(
+            "{name}={t} is not accepted: seconds >= 0, or None for no limit"
+        ))),
+    }
+}
+
+/// Why a read was given up, from `"timed_out"` or `"cancelled"` (the
+/// values of `nixl_keepalive.GiveUp`).
+fn give_up_of(why: &Bound<'_, PyAny>) -> PyResult<GiveUp> {
+    let accepted = "expected GiveUp.TIMED_OUT (\"timed_out\": the runtime's read timeout \
+                    passed) or GiveUp.CANCELLED (\"cancelled\": aborted for the runtime's own \
+                    reasons)";
+    let Ok(text) = why.extract::<String>() else {
+        return Err(PyTypeError::new_err(format!(
+            "give_up's why must be a string; {accepted}"
+        )));
+    };
+    match text.as_str() {
+        "timed_out" => Ok(GiveUp::TimedOut),
+        "cancelled" => Ok(GiveUp::Cancelled),
+        other => Err(PyValueError::new_err(format!(
+            "give_up: why {other:?} is not accepted; {accepted}"
+        ))),
+    }
+}
+
+fn destination_str(d: Destination) -> &'static str {
+    match d {
+        Destination::Reusable => "reusable",
+        Destination::Retire => "retire",
+        // Anything this binding does not know yet is not a proof that no
+        // byte can land: never reuse.
+        _ => "retire",
+    }
+}
+
+/// A read given up while its transfer was in progress (`Read.give_up`):
+/// the token of its destination buffer. Until it says `"reusable"`, the
+/// buffer belongs to the transfer, which may still write it; `"retire"`
+/// means never reuse it (keep it allocated for as long as the agent
+/// lives). It is decided once the engine's release has come back (a
+/// given-up read does not hold the release back); an engine still held
+/// when the service stops never decides: retire the buffer.
+#[pyclass(module = "nixl_keepalive._native", frozen)]
+pub(crate) struct GivenUpRead {
+    inner: Arc<nixl_keepalive::GivenUpRead>,
+}
+
+#[pymethods]
+impl GivenUpRead {
+    /// The engine id the read was from.
+    #[getter]
+    fn engine(&self) -> &str {
+        self.inner.engine().as_str()
+    }
+
+    /// Why it was given up: `"timed_out"` or `"cancelled"`.
+    #[getter]
+    fn why(&self) -> &'static str {
+        self.inner.why().as_str()
+    }
+
+    /// `"reusable"` or `"retire"` once the engine's release has come
+    /// back; `None` before (the buffer is not yours yet).
+    fn try_destination(&self) -> Option<&'static str> {
+        self.inner.try_destination().map(destination_str)
+    }
+
+    /// Waits (GIL released) for the release, then returns what may become
+    /// of the buffer (`"reusable"` or `"retire"`); `None` after `timeout`
+    /// seconds (`None`: no limit).
+    #[pyo3(signature = (timeout = None))]
+    fn wait_destination(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<&'static str>> {
+        let timeout = seconds(timeout, "timeout")?;
+        let inner = Arc::clone(&self.inner);
+        let got = runtime::wait_for(py, async move { inner.destination().await }, timeout)?;
+        Ok(got.map(destination_str))
+    }
+
+    /// An awaitable of `wait_destination`'s answer (no timeout: wrap it in
+    /// `asyncio.wait_for`).
+    fn destination<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let inner = Arc::clone(&self.inner);
+        runtime::for_async();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            Ok(destination_str(inner.destination().await))
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "GivenUpRead(engine={:?}, why={:?}, destination={:?})",
+            self.engine(),
+            self.why(),
+            self.try_destination()
         )
     }
 }

@@ -15,6 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use tokio_util::sync::CancellationToken;
 
+use crate::args;
 use crate::config::Config;
 use crate::engine::Engine;
 use crate::errors;
@@ -49,6 +50,35 @@ fn engine_id(engine: &Bound<'_, PyAny>) -> PyResult<EngineId> {
             "engine must be an engine id (str) or an Engine",
         )),
     }
+}
+
+/// `ServiceStopped`: the service is gone and the call did nothing.
+fn stopped() -> PyErr {
+    errors::ServiceStopped::new_err("the keepalive service has stopped; nothing was done")
+}
+
+/// `address` made the one canonical `host:port` the library compares
+/// (`PeerAddr::resolve`, the rule the Rust embedders and the CLI use: an
+/// IP literal as the standard library writes it, a name resolved to its
+/// one address); waits for a lookup with the GIL released. Refused with a
+/// `ValueError` naming the argument, the address and what is accepted.
+pub(crate) fn resolve(py: Python<'_>, argument: &str, address: &str) -> PyResult<PeerAddr> {
+    let owned = address.to_string();
+    match runtime::wait(py, async move { PeerAddr::resolve(&owned).await })? {
+        Ok(canonical) => Ok(canonical),
+        Err(e) => Err(PyValueError::new_err(format!(
+            "{argument}: {e} (accepted: host:port, with an IPv4 address in standard form, \
+             an IPv6 address in brackets, or a host name that resolves to one address)"
+        ))),
+    }
+}
+
+/// The canonical form of a prefill's side-channel address, as the service
+/// compares addresses (`localhost:5600` and `127.0.0.1:5600` are one);
+/// `ValueError` for anything that is not one `host:port`.
+#[pyfunction]
+pub(crate) fn canonical_address(py: Python<'_>, address: &str) -> PyResult<String> {
+    Ok(resolve(py, "address", address)?.as_str().to_string())
 }
 
 #[pymethods]
@@ -111,8 +141,9 @@ impl Service {
     }
 
     /// Starts a handshake with the prefill at `address` (`host:port`).
-    fn handshake(&self, address: String) -> Handshake {
-        protocol::start(&self.shared, address)
+    fn handshake(&self, py: Python<'_>, address: &str) -> PyResult<Handshake> {
+        let address = resolve(py, "handshake address", address)?;
+        Ok(protocol::start(&self.shared, address.as_str().to_string()))
     }
 
     /// Registers an engine without a handshake of its own (its metadata
@@ -124,10 +155,16 @@ impl Service {
         py: Python<'_>,
         engine_id: String,
         address: String,
-        agents: Vec<String>,
-        dlist_handles: Vec<Py<PyAny>>,
-        incarnation: Option<u64>,
+        agents: &Bound<'_, PyAny>,
+        dlist_handles: &Bound<'_, PyAny>,
+        incarnation: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Engine> {
+        let agents = args::agent_names(agents, "agents")?;
+        let dlist_handles = args::dlist_handles(dlist_handles, "dlist_handles")?;
+        let incarnation = args::incarnation(incarnation)?;
+        let address = resolve(py, "register address", &address)?
+            .as_str()
+            .to_string();
         let fut = protocol::register_direct(
             self.shared.clone(),
             engine_id,
@@ -153,9 +190,10 @@ impl Service {
     fn add_leases(
         &self,
         engine: &Bound<'_, PyAny>,
-        requests: Vec<String>,
+        requests: &Bound<'_, PyAny>,
         renew_now: bool,
     ) -> PyResult<()> {
+        let requests = args::request_ids(requests, "requests")?;
         self.shared
             .handle
             .add_leases(&engine_id(engine)?, requests, renew_now)
@@ -163,17 +201,24 @@ impl Service {
     }
 
     /// Stops renewing these lease request ids.
-    fn remove_leases(&self, engine: &Bound<'_, PyAny>, requests: Vec<String>) -> PyResult<()> {
+    fn remove_leases(
+        &self,
+        engine: &Bound<'_, PyAny>,
+        requests: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let requests = args::request_ids(requests, "requests")?;
         self.shared
             .handle
-            .remove_leases(&engine_id(engine)?, requests);
-        Ok(())
+            .remove_leases(&engine_id(engine)?, requests)
+            .map_err(|_| stopped())
     }
 
     /// A lease renewal to `engine` as soon as its rate cap allows.
     fn renew_leases(&self, engine: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.shared.handle.renew_leases(&engine_id(engine)?);
-        Ok(())
+        self.shared
+            .handle
+            .renew_leases(&engine_id(engine)?)
+            .map_err(|_| stopped())
     }
 
     /// The router or orchestrator says a peer is gone: by engine id or by
@@ -183,6 +228,7 @@ impl Service {
     #[pyo3(signature = (engine = None, *, address = None, mode = "drain"))]
     fn peer_gone(
         &self,
+        py: Python<'_>,
         engine: Option<&Bound<'_, PyAny>>,
         address: Option<String>,
         mode: &str,
@@ -198,15 +244,17 @@ impl Service {
         };
         let peer = match (engine, address) {
             (Some(e), None) => PeerRef::Engine(engine_id(e)?),
-            (None, Some(a)) => PeerRef::Address(PeerAddr::from(a)),
+            (None, Some(a)) => PeerRef::Address(resolve(py, "peer_gone address", &a)?),
             _ => {
                 return Err(PyTypeError::new_err(
                     "peer_gone takes exactly one of an engine (id or Engine) and address=",
                 ))
             }
         };
-        self.shared.handle.peer_gone(peer, mode);
-        Ok(())
+        self.shared
+            .handle
+            .peer_gone(peer, mode)
+            .map_err(|_| stopped())
     }
 
     /// The service's table as plain dicts.
@@ -340,6 +388,10 @@ impl Service {
                     d.set_item("target", "endpoints")?;
                     d.set_item("agent", agent.as_str())?;
                     d.set_item("close", close.as_str())?;
+                }
+                other => {
+                    d.set_item("target", "other")?;
+                    d.set_item("detail", format!("{other:?}"))?;
                 }
             }
             d.set_item("status", step.status.raw())?;

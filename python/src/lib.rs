@@ -15,6 +15,10 @@
 
 use pyo3::prelude::*;
 
+mod args;
+// The benchmark hooks are not the API: built only with `--features bench`
+// (python/bench/bench_keepalive.py says how).
+#[cfg(feature = "bench")]
 mod bench;
 mod config;
 mod endpoints;
@@ -26,6 +30,27 @@ mod runtime;
 mod shared;
 mod status;
 mod transport;
+
+/// The statuses the module exports as constants.
+const STATUSES: &[(&str, nixl_keepalive::NixlStatus)] = {
+    use nixl_keepalive::NixlStatus as S;
+    &[
+        ("IN_PROG", S::IN_PROG),
+        ("SUCCESS", S::SUCCESS),
+        ("NOT_POSTED", S::ERR_NOT_POSTED),
+        ("INVALID_PARAM", S::ERR_INVALID_PARAM),
+        ("BACKEND", S::ERR_BACKEND),
+        ("NOT_FOUND", S::ERR_NOT_FOUND),
+        ("MISMATCH", S::ERR_MISMATCH),
+        ("NOT_ALLOWED", S::ERR_NOT_ALLOWED),
+        ("REPOST_ACTIVE", S::ERR_REPOST_ACTIVE),
+        ("UNKNOWN", S::ERR_UNKNOWN),
+        ("NOT_SUPPORTED", S::ERR_NOT_SUPPORTED),
+        ("REMOTE_DISCONNECT", S::ERR_REMOTE_DISCONNECT),
+        ("CANCELED", S::ERR_CANCELED),
+        ("NO_TELEMETRY", S::ERR_NO_TELEMETRY),
+    ]
+};
 
 /// The extension module.
 #[pymodule]
@@ -40,21 +65,27 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<protocol::Handshake>()?;
     m.add_class::<engine::Engine>()?;
     m.add_class::<engine::Read>()?;
+    m.add_class::<engine::GivenUpRead>()?;
     errors::add(m)?;
     m.add_function(wrap_pyfunction!(status::status_name, m)?)?;
     m.add_function(wrap_pyfunction!(status::classify_exception, m)?)?;
     m.add_function(wrap_pyfunction!(status::xfer_status, m)?)?;
     m.add_function(wrap_pyfunction!(config::knobs, m)?)?;
+    m.add_function(wrap_pyfunction!(config::unknown_env_vars, m)?)?;
+    m.add_function(wrap_pyfunction!(keepalive::canonical_address, m)?)?;
     m.add_function(wrap_pyfunction!(endpoints::endpoint_close_mode, m)?)?;
     m.add_function(wrap_pyfunction!(endpoints::remove_remote_agent_py, m)?)?;
-    m.add_function(wrap_pyfunction!(bench::bench_read_guards, m)?)?;
-    m.add_function(wrap_pyfunction!(bench::bench_service_heartbeats, m)?)?;
-    m.add(
-        "REMOTE_DISCONNECT",
-        nixl_keepalive::NixlStatus::ERR_REMOTE_DISCONNECT.raw(),
-    )?;
-    m.add("NOT_FOUND", nixl_keepalive::NixlStatus::ERR_NOT_FOUND.raw())?;
-    m.add("SUCCESS", nixl_keepalive::NixlStatus::SUCCESS.raw())?;
+    #[cfg(feature = "bench")]
+    {
+        m.add_function(wrap_pyfunction!(bench::bench_read_guards, m)?)?;
+        m.add_function(wrap_pyfunction!(bench::bench_service_heartbeats, m)?)?;
+    }
+    // Every nixl_status_t by its short name (IN_PROG, SUCCESS,
+    // REMOTE_DISCONNECT, ...): the C++ numbering, whatever NIXL package
+    // the caller imported.
+    for (name, status) in STATUSES {
+        m.add(*name, status.raw())?;
+    }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -33,6 +33,7 @@ use pyo3::types::{PyDict, PyList, PyString};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
+use crate::args;
 use crate::engine::{Engine, Identity};
 use crate::errors;
 use crate::runtime;
@@ -285,6 +286,8 @@ fn refused_error(py: Python<'_>, refused: RegisterError<PyResources>) -> PyErr {
         RegisterError::Conflict { conflict, .. } => ("conflict", Some(conflict.clone())),
         RegisterError::ServiceGone { .. } => ("service_gone", None),
         RegisterError::Invalid { .. } => ("invalid", None),
+        // A refusal this binding does not know yet: its message says why.
+        _ => ("other", None),
     };
     // An agent another engine holds is not this registration's to
     // invalidate: giving it back must leave that one alone.
@@ -367,13 +370,13 @@ impl Handshake {
         &self,
         py: Python<'_>,
         engine_id: String,
-        agents: Vec<Bound<'_, PyAny>>,
-        incarnation: Option<u64>,
+        agents: &Bound<'_, PyAny>,
+        incarnation: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<Engine>> {
         let c = Claim {
             engine: EngineId::from(engine_id.as_str()),
-            agents: agent_names(&agents)?,
-            incarnation,
+            agents: args::agent_names(agents, "agents")?,
+            incarnation: args::incarnation(incarnation)?,
         };
         let handshake = take_open(&self.stage).map_err(to_pyerr)?;
         let fut = claim(self.shared.clone(), handshake, self.address.clone(), c);
@@ -389,13 +392,13 @@ impl Handshake {
         &self,
         py: Python<'py>,
         engine_id: String,
-        agents: Vec<Bound<'py, PyAny>>,
-        incarnation: Option<u64>,
+        agents: &Bound<'py, PyAny>,
+        incarnation: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let c = Claim {
             engine: EngineId::from(engine_id.as_str()),
-            agents: agent_names(&agents)?,
-            incarnation,
+            agents: args::agent_names(agents, "agents")?,
+            incarnation: args::incarnation(incarnation)?,
         };
         let handshake = take_open(&self.stage).map_err(to_pyerr)?;
         let fut = claim(self.shared.clone(), handshake, self.address.clone(), c);
@@ -415,7 +418,8 @@ impl Handshake {
     /// the engine, so do not release them yourself). Ends the handshake.
     /// Raises `RegistrationRefused` with the registration in it (give it
     /// back with `Keepalive.give_back`).
-    fn register(&self, py: Python<'_>, dlist_handles: Vec<Py<PyAny>>) -> PyResult<Engine> {
+    fn register(&self, py: Python<'_>, dlist_handles: &Bound<'_, PyAny>) -> PyResult<Engine> {
+        let dlist_handles = args::dlist_handles(dlist_handles, "dlist_handles")?;
         let (ready, c) = take_ready(&self.stage).map_err(to_pyerr)?;
         let fut = register(
             self.shared.clone(),
@@ -433,8 +437,9 @@ impl Handshake {
     fn register_async<'py>(
         &self,
         py: Python<'py>,
-        dlist_handles: Vec<Py<PyAny>>,
+        dlist_handles: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let dlist_handles = args::dlist_handles(dlist_handles, "dlist_handles")?;
         let (ready, c) = take_ready(&self.stage).map_err(to_pyerr)?;
         let fut = register(
             self.shared.clone(),
@@ -463,7 +468,7 @@ impl Handshake {
     /// belongs to another engine: then do not remove it (NIXL kept one
     /// entry for both loads).
     fn claim_agent(&self, py: Python<'_>, agent: Bound<'_, PyAny>) -> PyResult<()> {
-        let name = agent_names(std::slice::from_ref(&agent))?.remove(0);
+        let name = args::agent_name(&agent, "agent")?;
         let stage = self.stage.clone();
         // Taken from the stage for the question, and put back.
         let taken = {
@@ -566,21 +571,6 @@ fn settle_claim(stage: &Mutex<Stage>, out: PyResult<Outcome>) -> PyResult<Option
             Err(e)
         }
     }
-}
-
-/// Agent names as text (`add_remote_agent` returns bytes).
-fn agent_names(agents: &[Bound<'_, PyAny>]) -> PyResult<Vec<String>> {
-    agents
-        .iter()
-        .map(|a| match a.extract::<String>() {
-            Ok(s) => Ok(s),
-            Err(_) => {
-                let bytes: Vec<u8> = a.extract()?;
-                String::from_utf8(bytes)
-                    .map_err(|_| PyValueError::new_err("an agent name is not UTF-8"))
-            }
-        })
-        .collect()
 }
 
 /// The service's events, from when this was made: iterate (blocking, GIL
@@ -806,7 +796,7 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             d.set_item("panicked", *panicked)?;
             d.set_item("endpoints_left_open", *endpoints_left_open)?;
         }
-        Event::Conflict { conflict } => {
+        Event::Conflict { conflict, .. } => {
             d.set_item("kind", "conflict")?;
             for (name, value) in conflict_attrs(py, conflict) {
                 d.set_item(name, value)?;
@@ -823,6 +813,12 @@ pub(crate) fn event_dict<'py>(py: Python<'py>, event: &Event) -> PyResult<Bound<
             d.set_item("engine", engine.as_str())?;
             d.set_item("call", *call)?;
             d.set_item("message", message.as_str())?;
+        }
+        // An event this binding does not know yet (the library's `Event`
+        // grows): passed on, never dropped, with the library's own words.
+        other => {
+            d.set_item("kind", "other")?;
+            d.set_item("message", format!("{other:?}"))?;
         }
     }
     Ok(d)

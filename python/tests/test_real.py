@@ -198,6 +198,51 @@ def test_a_sigstopped_prefill_with_reads_in_flight_is_stalled_and_released(prefi
     read_verified(w, again, 0, 5)
 
 
+def test_the_example_releases_a_sigstopped_prefill_with_every_default_and_retires_its_slots(prefills, make_worker):
+    """Every default: the worker's 5 s read timeout is shorter than the
+    10 s read-stall bound, so the release rests on the timed-out reads
+    being given up as such (before, closing them counted as completions
+    and restarted the stall clock: never released)."""
+    w = make_worker()
+    assert w.keepalive.config.as_dict()["read_stall"] == 10.0 and w.read_timeout == 5.0
+    log = EventLog(w.keepalive)
+    frozen_p, healthy_p = prefills(), prefills()
+    frozen = w.add_remote_agent(frozen_p.address)
+    healthy = w.add_remote_agent(healthy_p.address)
+    read_verified(w, frozen)
+    stopped_at = frozen_p.signal(signal.SIGSTOP)
+    stuck = [w.read_blocks(frozen.id, 0, b) for b in (2, 3)]
+    stuck_slots = {w._recving[r].slot for r in stuck}
+    outcomes = {}
+
+    def released():
+        if w.reads_in_flight() < 3:
+            w.read_blocks(healthy.id, 0, 4)
+        for o in w.get_finished():
+            outcomes[o.request_id] = o
+        return log.find("released", engine=frozen.id)
+
+    got = wait_for("the frozen prefill released", released, w.read_timeout + 1.0 + MARGIN,
+                   seen=lambda: (log.all(), outcomes))
+    assert got["reason"] == "stalled", got
+    # The first to time out is given up as such and stalls the engine; the
+    # rest are then failed by the service (abandoned).
+    results = sorted(outcomes[r].result for r in stuck)
+    assert "timed_out" in results and set(results) <= {"timed_out", "abandoned"}, outcomes
+    stalled = log.find("stalled", engine=frozen.id)
+    assert stalled and stalled["given_up"] >= 1, log.all()
+    # The timed-out reads' slots never return to the free list (NIXL 1.5.1
+    # cannot prove a given-up READ over: it may still land).
+    wait_for("the given-up slots retired", lambda: stuck_slots <= set(w.retired_slots), MARGIN,
+             seen=lambda: (w.retired_slots, w._free_slots))
+    assert not stuck_slots & set(w._free_slots)
+    for _ in range(4):  # the healthy prefill is read on, from the other slots
+        read_verified(w, healthy, 0, 6)
+    report(f"SIGSTOP, every default: released {(got['at'] - stopped_at):.2f} s after the stop "
+           f"(read timeout {w.read_timeout:g} s), {len(w.retired_slots)} slots retired")
+    frozen_p.signal(signal.SIGCONT)
+
+
 def test_a_hundred_kill_restart_cycles_leak_no_metadata_threads_or_fds(prefills, make_worker, nixl_api):
     w = make_worker(interval=HEARTBEAT)
     log = EventLog(w.keepalive)
@@ -233,3 +278,27 @@ def test_a_hundred_kill_restart_cycles_leak_no_metadata_threads_or_fds(prefills,
         seen=lambda: (baseline, thread_count(), fd_count()))
     report(f"{cycles} kill/restart cycles in {took:.1f} s; threads {baseline[0]} -> {threads}, "
            f"fds {baseline[1]} -> {fds}; engines left {len(snap['engines'])}")
+
+
+def test_the_agents_sync_mode_is_checked_on_real_nixl_agents(nixl_api):
+    """On NIXL's own classes: an agent from make_agent (RW, progress thread)
+    is taken silently; one made with NIXL's defaults (sync mode NONE) is
+    refused when its config is shown, and warned about when it is not
+    (nixl_agent keeps no copy of its config)."""
+    import warnings
+
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+    safe = nk.make_agent("sync-check-safe")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nk.Keepalive(safe, interval="1s") as ka:
+            assert ka.snapshot()["heartbeat_delivery"] == "progress_thread"
+    default_conf = nixl_agent_config()
+    plain = nixl_agent("sync-check-default", default_conf)
+    with pytest.raises(nk.ConfigError, match="NIXL_THREAD_SYNC_NONE"):
+        nk.Keepalive(plain, agent_config=default_conf)
+    with pytest.warns(RuntimeWarning, match="cannot check this nixl_agent's thread-sync mode"):
+        ka = nk.Keepalive(plain, interval="1s")
+    ka.close()
+    del safe, plain
