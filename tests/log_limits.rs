@@ -37,8 +37,18 @@ impl Captured {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_broken_prefill_s_1235_transient_errors_in_16_s_make_one_line_per_period() {
+/// A service on the fake UCX, on the paused clock.
+struct World {
+    ucx: FakeUcx,
+    handle: nixl_keepalive::KeepaliveHandle<nixl_keepalive::fake::FakeResources>,
+    task: tokio::task::JoinHandle<nixl_keepalive::Stopped<nixl_keepalive::fake::FakeResources>>,
+    shutdown: CancellationToken,
+    events: tokio::sync::broadcast::Receiver<Event>,
+}
+
+/// The INFO log captured for this thread (while the guard lives), and a
+/// service with room for every event.
+fn captured_service(seed: u64) -> (Captured, tracing::subscriber::DefaultGuard, World) {
     let captured = Captured::default();
     let sink = captured.clone();
     let subscriber = tracing_subscriber::fmt()
@@ -46,17 +56,36 @@ async fn a_broken_prefill_s_1235_transient_errors_in_16_s_make_one_line_per_peri
         .with_ansi(false)
         .with_max_level(tracing::Level::INFO)
         .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-
+    let guard = tracing::subscriber::set_default(subscriber);
     let ucx = FakeUcx::new(FakeConfig::default());
     let shutdown = CancellationToken::new();
     let config = Config::builder()
         .event_capacity(4096)
-        .seed(4)
+        .seed(seed)
         .build()
         .unwrap();
     let (handle, task) = nixl_keepalive::spawn(Arc::new(ucx.clone()), config, shutdown.clone());
-    let mut events = handle.subscribe();
+    let events = handle.subscribe();
+    let world = World {
+        ucx,
+        handle,
+        task,
+        shutdown,
+        events,
+    };
+    (captured, guard, world)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_broken_prefill_s_1235_transient_errors_in_16_s_make_one_line_per_period() {
+    let (captured, _guard, w) = captured_service(4);
+    let World {
+        ucx,
+        handle,
+        task,
+        shutdown,
+        mut events,
+    } = w;
     let address = PeerAddr::new("10.0.0.1:5600");
     ucx.spawn_prefill(address.clone(), 1);
     let engine = ucx.connect(&handle, &address).await.expect("connects");
@@ -103,24 +132,14 @@ async fn a_broken_prefill_s_1235_transient_errors_in_16_s_make_one_line_per_peri
 /// counted and still an event, and the healthy engine is kept.
 #[tokio::test(start_paused = true)]
 async fn stale_incarnations_of_one_engine_are_one_warn_then_a_count_not_a_line_each() {
-    let captured = Captured::default();
-    let sink = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || sink.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-
-    let ucx = FakeUcx::new(FakeConfig::default());
-    let shutdown = CancellationToken::new();
-    let config = Config::builder()
-        .event_capacity(4096)
-        .seed(5)
-        .build()
-        .unwrap();
-    let (handle, task) = nixl_keepalive::spawn(Arc::new(ucx.clone()), config, shutdown.clone());
-    let mut events = handle.subscribe();
+    let (captured, _guard, w) = captured_service(5);
+    let World {
+        ucx,
+        handle,
+        task,
+        shutdown,
+        mut events,
+    } = w;
     let address = PeerAddr::new("10.0.0.2:5600");
     ucx.spawn_prefill(address.clone(), 1);
     let engine = ucx.connect(&handle, &address).await.expect("connects");

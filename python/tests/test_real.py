@@ -161,30 +161,44 @@ def test_a_restart_with_the_same_id_is_released_before_it_is_loaded_again(prefil
 READ_STALL = 1.0
 
 
+class Frozen:
+    """A worker reading from two prefills, one of them SIGSTOPped with two
+    reads in flight; :meth:`until_released` keeps the healthy one read
+    meanwhile (the stall check needs it: a whole decoder that stopped
+    reading is not a hung peer) and collects every outcome."""
+
+    def __init__(self, prefills, w, healthy_reads: int) -> None:
+        self.w = w
+        self.log = EventLog(w.keepalive)
+        self.frozen_p, healthy_p = prefills(), prefills()
+        self.frozen = w.add_remote_agent(self.frozen_p.address)
+        self.healthy = w.add_remote_agent(healthy_p.address)
+        read_verified(w, self.frozen)
+        self.stopped_at = self.frozen_p.signal(signal.SIGSTOP)
+        self.stuck = [w.read_blocks(self.frozen.id, 0, b) for b in (2, 3)]
+        self.outcomes = {}
+        self._in_flight = 2 + healthy_reads
+
+    def until_released(self, within: float) -> dict:
+        def released():
+            if self.w.reads_in_flight() < self._in_flight:
+                self.w.read_blocks(self.healthy.id, 0, 4)
+            for o in self.w.get_finished():
+                self.outcomes[o.request_id] = o
+            return self.log.find("released", engine=self.frozen.id)
+
+        return wait_for("the frozen prefill released", released, within,
+                        seen=lambda: (self.log.all(), self.outcomes))
+
+
 def test_a_sigstopped_prefill_with_reads_in_flight_is_stalled_and_released(prefills, make_worker):
     w = make_worker(interval=HEARTBEAT, read_stall=f"{READ_STALL:g}s", read_timeout=30.0)
-    log = EventLog(w.keepalive)
-    frozen_p, healthy_p = prefills(), prefills()
-    frozen = w.add_remote_agent(frozen_p.address)
-    healthy = w.add_remote_agent(healthy_p.address)
-    read_verified(w, frozen)
-    stopped_at = frozen_p.signal(signal.SIGSTOP)
-    stuck = [w.read_blocks(frozen.id, 0, b) for b in (2, 3)]
-    outcomes = {}
-
-    def stalled_and_released():
-        # The decoder's other reads go on meanwhile (the stall check needs
-        # them: a whole decoder that stopped reading is not a hung peer).
-        if w.reads_in_flight() < 4:
-            w.read_blocks(healthy.id, 0, 4)
-        for o in w.get_finished():
-            outcomes[o.request_id] = o
-        return log.find("released", engine=frozen.id)
-
+    f = Frozen(prefills, w, healthy_reads=2)
+    log, frozen, healthy, frozen_p = f.log, f.frozen, f.healthy, f.frozen_p
+    stopped_at, stuck, outcomes = f.stopped_at, f.stuck, f.outcomes
     # The stall bound: 1.25 read-stall bounds plus a second of slack (the
     # frozen bound the library documents), then released at once.
-    released = wait_for("the frozen prefill released", stalled_and_released, 1.25 * READ_STALL + 1.0 + MARGIN,
-                        seen=lambda: (log.all(), outcomes))
+    released = f.until_released(1.25 * READ_STALL + 1.0 + MARGIN)
     stalled = log.find("stalled", engine=frozen.id)
     assert stalled and stalled["failed"] and stalled["reads_in_flight"] == 2, log.all()
     assert released["reason"] == "stalled"
@@ -205,25 +219,11 @@ def test_the_example_releases_a_sigstopped_prefill_with_every_default_and_retire
     and restarted the stall clock: never released)."""
     w = make_worker()
     assert w.keepalive.config.as_dict()["read_stall"] == 10.0 and w.read_timeout == 5.0
-    log = EventLog(w.keepalive)
-    frozen_p, healthy_p = prefills(), prefills()
-    frozen = w.add_remote_agent(frozen_p.address)
-    healthy = w.add_remote_agent(healthy_p.address)
-    read_verified(w, frozen)
-    stopped_at = frozen_p.signal(signal.SIGSTOP)
-    stuck = [w.read_blocks(frozen.id, 0, b) for b in (2, 3)]
+    f = Frozen(prefills, w, healthy_reads=1)
+    log, frozen, healthy, frozen_p = f.log, f.frozen, f.healthy, f.frozen_p
+    stopped_at, stuck, outcomes = f.stopped_at, f.stuck, f.outcomes
     stuck_slots = {w._recving[r].slot for r in stuck}
-    outcomes = {}
-
-    def released():
-        if w.reads_in_flight() < 3:
-            w.read_blocks(healthy.id, 0, 4)
-        for o in w.get_finished():
-            outcomes[o.request_id] = o
-        return log.find("released", engine=frozen.id)
-
-    got = wait_for("the frozen prefill released", released, w.read_timeout + 1.0 + MARGIN,
-                   seen=lambda: (log.all(), outcomes))
+    got = f.until_released(w.read_timeout + 1.0 + MARGIN)
     assert got["reason"] == "stalled", got
     # The first to time out is given up as such and stalls the engine; the
     # rest are then failed by the service (abandoned).
