@@ -236,7 +236,10 @@ class Engine:
     def incarnation(self) -> Optional[int]: ...
     @property
     def state(self) -> EngineStateName:
-        """live, unreachable, replaced, retiring, stalled or released."""
+        """live, unreachable, replaced, retiring, stalled or released.
+        ``released`` is set when the release begins; that its NIXL calls
+        have returned is what :meth:`wait_released` / :meth:`released`
+        say."""
     @property
     def is_live(self) -> bool: ...
     @property
