@@ -550,7 +550,7 @@ impl Agent {
         // (its TCP transport connects when the endpoint is created): looked
         // for only where invalidations force the close, whose leftovers
         // they are.
-        let recording = rt.endpoint_close_mode().is_force();
+        let recording = rt.endpoint_close_mode().is_force() && sockets::shutdown_opted_in();
         let work = recording.then(|| self.inner.socket_work());
         let before = recording.then(Look::now);
         // Safety: live agent.

@@ -45,6 +45,23 @@
 //! agent being released.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::OnceLock;
+
+/// The variable that turns the socket shutdown at release on:
+/// `NIXL_SYS_SHUT_SOCKETS=1`. Off by default: shutting a connection down
+/// while the peer still has a transfer to us in flight (a READ given up
+/// at a frozen prefill, then released) makes UCX in the *peer* abort when
+/// it resumes (`ucp_request.inl: Fatal: unexpected error: Endpoint
+/// timeout`, measured with `cli/tests/real_buffer.rs` over TCP): a
+/// release must never harm a live peer, so this waits for a rule that
+/// shuts down only connections with nothing in flight.
+pub(crate) const SHUT_SOCKETS_ENV: &str = "NIXL_SYS_SHUT_SOCKETS";
+
+/// Whether the socket shutdown at release is opted in (read once).
+pub(crate) fn shutdown_opted_in() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var(SHUT_SOCKETS_ENV).is_ok_and(|v| v == "1"))
+}
 use std::mem::MaybeUninit;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::RawFd;
