@@ -674,3 +674,48 @@ def test_every_status_has_a_constant():
         value = getattr(nk, name)
         assert nk.status_name(value) == f"NIXL_ERR_{name}", name
     assert nk.status_name(nk.IN_PROG) == "NIXL_IN_PROG"
+
+
+def _stub_event_kinds():
+    """Each event TypedDict of the stubs: kind -> the keys it declares
+    (its own and its bases')."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(nk.__file__).parent / "_native.pyi").read_text())
+    classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
+
+    def keys(name):
+        c = classes[name]
+        own = {s.target.id: s.annotation for s in c.body if isinstance(s, ast.AnnAssign)}
+        for base in c.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                own = {**keys(base.id), **own}
+        return own
+
+    kinds = {}
+    for name in classes:
+        ann = keys(name).get("kind") if name in classes else None
+        if isinstance(ann, ast.Subscript) and getattr(ann.value, "id", "") == "Literal":
+            kinds[ann.slice.value] = set(keys(name))
+    return kinds
+
+
+def test_the_events_are_typed_in_the_stubs_with_every_key_they_carry(ka, agent):
+    """Every event the service sent here has a TypedDict in the stubs with
+    its kind, declaring every key it carries (the stubs typed them as
+    plain dicts before)."""
+    kinds = _stub_event_kinds()
+    log = EventLog(ka)
+    engine = connect(ka)
+    agent.fail["e1-rank0"] = nixlBackendError
+    log.wait("transient_error", 5, engine="e1")
+    r = engine.read()
+    r.give_up(nk.GiveUp.TIMED_OUT)
+    log.wait("released", 5, engine="e1")
+    seen = log.all()
+    assert {e["kind"] for e in seen} >= {"registered", "transient_error", "stalled", "released"}
+    for e in seen:
+        assert e["kind"] in kinds, f"no TypedDict for {e['kind']!r} in _native.pyi"
+        undeclared = set(e) - kinds[e["kind"]] - {"at"}
+        assert not undeclared, f"{e['kind']}: keys not in the stubs: {undeclared}"
