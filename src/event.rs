@@ -337,6 +337,12 @@ impl Event {
                 registration,
                 status,
                 source,
+            }
+            | Event::TransientError {
+                engine,
+                registration,
+                status,
+                source,
             } => {
                 f("engine", Name(engine.as_str()))?;
                 f("registration", id(registration))?;
@@ -386,17 +392,6 @@ impl Event {
                 f("engine", Name(engine.as_str()))?;
                 f("registration", id(registration))?;
                 f("count", Number(*count))
-            }
-            Event::TransientError {
-                engine,
-                registration,
-                status,
-                source,
-            } => {
-                f("engine", Name(engine.as_str()))?;
-                f("registration", id(registration))?;
-                f("status", Status(*status))?;
-                f("source", Word(source.as_str()))
             }
             Event::Released {
                 engine,

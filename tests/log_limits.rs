@@ -39,16 +39,24 @@ impl Captured {
 
 /// A service on the fake UCX, on the paused clock.
 struct World {
-    ucx: FakeUcx,
     handle: nixl_keepalive::KeepaliveHandle<nixl_keepalive::fake::FakeResources>,
     task: tokio::task::JoinHandle<nixl_keepalive::Stopped<nixl_keepalive::fake::FakeResources>>,
     shutdown: CancellationToken,
     events: tokio::sync::broadcast::Receiver<Event>,
 }
 
-/// The INFO log captured for this thread (while the guard lives), and a
-/// service with room for every event.
-fn captured_service(seed: u64) -> (Captured, tracing::subscriber::DefaultGuard, World) {
+/// The INFO log captured for this thread (while the guard lives), a
+/// service with room for every event, and a one-rank prefill at
+/// `address` connected to it.
+async fn captured_service(
+    seed: u64,
+    address: &PeerAddr,
+) -> (
+    Captured,
+    tracing::subscriber::DefaultGuard,
+    World,
+    nixl_keepalive::EngineRef,
+) {
     let captured = Captured::default();
     let sink = captured.clone();
     let subscriber = tracing_subscriber::fmt()
@@ -66,29 +74,27 @@ fn captured_service(seed: u64) -> (Captured, tracing::subscriber::DefaultGuard, 
         .unwrap();
     let (handle, task) = nixl_keepalive::spawn(Arc::new(ucx.clone()), config, shutdown.clone());
     let events = handle.subscribe();
+    ucx.spawn_prefill(address.clone(), 1);
+    let engine = ucx.connect(&handle, address).await.expect("connects");
     let world = World {
-        ucx,
         handle,
         task,
         shutdown,
         events,
     };
-    (captured, guard, world)
+    (captured, guard, world, engine)
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_broken_prefill_s_1235_transient_errors_in_16_s_make_one_line_per_period() {
-    let (captured, _guard, w) = captured_service(4);
+    let address = PeerAddr::new("10.0.0.1:5600");
+    let (captured, _guard, w, engine) = captured_service(4, &address).await;
     let World {
-        ucx,
         handle,
         task,
         shutdown,
         mut events,
     } = w;
-    let address = PeerAddr::new("10.0.0.1:5600");
-    ucx.spawn_prefill(address.clone(), 1);
-    let engine = ucx.connect(&handle, &address).await.expect("connects");
 
     let errors = 1235u32;
     let span = Duration::from_secs(16);
@@ -132,17 +138,14 @@ async fn a_broken_prefill_s_1235_transient_errors_in_16_s_make_one_line_per_peri
 /// counted and still an event, and the healthy engine is kept.
 #[tokio::test(start_paused = true)]
 async fn stale_incarnations_of_one_engine_are_one_warn_then_a_count_not_a_line_each() {
-    let (captured, _guard, w) = captured_service(5);
+    let address = PeerAddr::new("10.0.0.2:5600");
+    let (captured, _guard, w, engine) = captured_service(5, &address).await;
     let World {
-        ucx,
         handle,
         task,
         shutdown,
         mut events,
     } = w;
-    let address = PeerAddr::new("10.0.0.2:5600");
-    ucx.spawn_prefill(address.clone(), 1);
-    let engine = ucx.connect(&handle, &address).await.expect("connects");
     let stale = 300u64;
     for k in 0..stale {
         handle

@@ -653,6 +653,62 @@ impl World {
         connected
     }
 
+    /// Three leased prefills kept registered, announced and connected;
+    /// then the third freezes (UCX reports nothing) and stops renewing:
+    /// it cannot register again after a store reset.
+    async fn three_kept_prefills_the_third_frozen(
+        &mut self,
+    ) -> (
+        Vec<EngineId>,
+        Vec<CancellationToken>,
+        Vec<(Member, EngineRef)>,
+    ) {
+        let mut prefills = Vec::new();
+        let mut keepers = Vec::new();
+        for i in 1..=3 {
+            let (p, lease) = self.start_leased_prefill(&addr(i), 1);
+            let stop = CancellationToken::new();
+            self.keep_registered(&p, &addr(i), lease, stop.clone());
+            keepers.push(stop);
+            prefills.push(p);
+        }
+        let mut engines = Vec::new();
+        for _ in 0..3 {
+            engines.push(self.joined().await);
+        }
+        self.ucx.freeze(&prefills[2]);
+        keepers[2].cancel();
+        (prefills, keepers, engines)
+    }
+
+    /// After a store reset at `since`: the frozen third prefill, and only
+    /// it, is retired once the grace period has run and released; the
+    /// others stay live.
+    async fn only_the_frozen_one_leaves_after_the_grace(
+        &mut self,
+        prefills: &[EngineId],
+        engines: &[(Member, EngineRef)],
+        since: tokio::time::Instant,
+    ) {
+        let left = self.left(1).await;
+        assert_eq!(
+            left,
+            vec![(prefills[2].clone(), RetireWhy::MissingAfterReset)]
+        );
+        assert!(since.elapsed() >= TTL);
+        assert_eq!(self.released(&prefills[2]).await, ReleaseReason::PeerGone);
+        tokio::time::sleep(TTL * 3).await;
+        assert!(self.releases_so_far().is_empty());
+        for (m, e) in engines {
+            let want = if m.engine() == prefills[2] {
+                EngineState::Released
+            } else {
+                EngineState::Live
+            };
+            assert_eq!(e.state(), want, "{}", m.engine_id);
+        }
+    }
+
     /// The `Left` updates among the next `n` updates that are not
     /// `Released`.
     async fn left(&mut self, n: usize) -> Vec<(EngineId, RetireWhy)> {
@@ -798,22 +854,7 @@ async fn a_revoked_lease_holding_several_keys_retires_every_engine_on_it_and_no_
 async fn a_wiped_store_retires_nothing_during_the_grace_period_and_then_only_what_did_not_register_again(
 ) {
     let mut w = world(GoneMode::Fail);
-    let mut prefills = Vec::new();
-    let mut keepers = Vec::new();
-    for i in 1..=3 {
-        let (p, lease) = w.start_leased_prefill(&addr(i), 1);
-        let stop = CancellationToken::new();
-        w.keep_registered(&p, &addr(i), lease, stop.clone());
-        keepers.push(stop);
-        prefills.push(p);
-    }
-    let mut engines = Vec::new();
-    for _ in 0..3 {
-        engines.push(w.joined().await);
-    }
-    // p3 freezes: it cannot register again (UCX reports nothing).
-    w.ucx.freeze(&prefills[2]);
-    keepers[2].cancel();
+    let (prefills, keepers, engines) = w.three_kept_prefills_the_third_frozen().await;
 
     // etcd restarted with an empty data directory.
     w.store.outage("etcd: connection refused");
@@ -842,23 +883,8 @@ async fn a_wiped_store_retires_nothing_during_the_grace_period_and_then_only_wha
     );
     assert!(w.store.contains(&key(&prefills[0])) && w.store.contains(&key(&prefills[1])));
     // Then only p3, which never came back.
-    let left = w.left(1).await;
-    assert_eq!(
-        left,
-        vec![(prefills[2].clone(), RetireWhy::MissingAfterReset)]
-    );
-    assert!(restored_at.elapsed() >= TTL);
-    assert_eq!(w.released(&prefills[2]).await, ReleaseReason::PeerGone);
-    tokio::time::sleep(TTL * 3).await;
-    assert!(w.releases_so_far().is_empty());
-    for (m, e) in &engines {
-        let want = if m.engine() == prefills[2] {
-            EngineState::Released
-        } else {
-            EngineState::Live
-        };
-        assert_eq!(e.state(), want, "{}", m.engine_id);
-    }
+    w.only_the_frozen_one_leaves_after_the_grace(&prefills, &engines, restored_at)
+        .await;
     for k in keepers {
         k.cancel();
     }
@@ -873,22 +899,7 @@ async fn a_store_wiped_with_its_cluster_id_kept_and_its_revision_passed_releases
     // the last one the decoder saw. Before, that list was taken as the
     // truth: every prefill retired (`missing_from_list`) and released.
     let mut w = world(GoneMode::Fail);
-    let mut prefills = Vec::new();
-    let mut keepers = Vec::new();
-    for i in 1..=3 {
-        let (p, lease) = w.start_leased_prefill(&addr(i), 1);
-        let stop = CancellationToken::new();
-        w.keep_registered(&p, &addr(i), lease, stop.clone());
-        keepers.push(stop);
-        prefills.push(p);
-    }
-    let mut engines = Vec::new();
-    for _ in 0..3 {
-        engines.push(w.joined().await);
-    }
-    // p3 freezes: it cannot register again.
-    w.ucx.freeze(&prefills[2]);
-    keepers[2].cancel();
+    let (prefills, keepers, engines) = w.three_kept_prefills_the_third_frozen().await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     w.store.wipe_keeping_cluster_id(10_000);
     match w.update().await {
@@ -901,23 +912,8 @@ async fn a_store_wiped_with_its_cluster_id_kept_and_its_revision_passed_releases
     tokio::time::sleep(TTL - Duration::from_millis(10)).await;
     assert!(w.releases_so_far().is_empty(), "nothing during the grace");
     assert!(w.store.contains(&key(&prefills[0])) && w.store.contains(&key(&prefills[1])));
-    let left = w.left(1).await;
-    assert_eq!(
-        left,
-        vec![(prefills[2].clone(), RetireWhy::MissingAfterReset)]
-    );
-    assert!(reset_at.elapsed() >= TTL);
-    assert_eq!(w.released(&prefills[2]).await, ReleaseReason::PeerGone);
-    tokio::time::sleep(TTL * 3).await;
-    assert!(w.releases_so_far().is_empty());
-    for (m, e) in &engines {
-        let want = if m.engine() == prefills[2] {
-            EngineState::Released
-        } else {
-            EngineState::Live
-        };
-        assert_eq!(e.state(), want, "{}", m.engine_id);
-    }
+    w.only_the_frozen_one_leaves_after_the_grace(&prefills, &engines, reset_at)
+        .await;
     for k in keepers {
         k.cancel();
     }

@@ -45,7 +45,6 @@ import difflib
 import enum
 import importlib
 import os
-import sys
 import threading
 import warnings
 import weakref
@@ -171,12 +170,8 @@ _NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 _CONFIG_ATTR = "_nixl_keepalive_agent_config"
 
 
-def _nixl_api(agent: Any = None) -> Any:
-    """NIXL's ``_api`` module: the agent's own, else the first installed."""
-    if agent is not None:
-        module = sys.modules.get(type(agent).__module__)
-        if module is not None and hasattr(module, "nixl_agent_config"):
-            return module
+def _nixl_api() -> Any:
+    """NIXL's ``_api`` module: the first installed of :data:`_NIXL_MODULES`."""
     for name in _NIXL_MODULES:
         try:
             return importlib.import_module(name)
