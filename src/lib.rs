@@ -182,6 +182,6 @@ pub use text::NameError;
 pub use nixl_sys::NixlStatus;
 pub use transport::{
     AgentName, EndpointClose, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, ResolveError,
-    Transport, TransportError,
+    Transfers, Transport, TransportError,
 };
 pub use ucx_sys::UcsStatus;

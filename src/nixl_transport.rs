@@ -36,11 +36,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use nixl_sys::{Agent, DlistHandle, EndpointCloses, NixlError, NixlStatus};
+use nixl_sys::{Agent, Connections, DlistHandle, EndpointCloses, NixlError, NixlStatus};
 
 use crate::telemetry;
 use crate::transport::{
-    AgentName, EndpointClose, EngineId, ReleaseStep, ReleaseTarget, Transport, TransportError,
+    AgentName, EndpointClose, EngineId, ReleaseStep, ReleaseTarget, Transfers, Transport,
+    TransportError,
 };
 
 /// The prepped remote dlist handles of one engine registration, one per
@@ -230,6 +231,24 @@ impl Transport for NixlTransport {
         agents: &[AgentName],
         resources: RemoteDlists,
     ) -> Vec<ReleaseStep> {
+        self.release_with(engine, agents, resources, Transfers::MayBeRunning)
+    }
+
+    /// With [`Transfers::Ended`] the agents' TCP connections are shut down
+    /// after their invalidation ([`Connections::Shut`]), so a released live
+    /// peer's descriptors go at once instead of at its next UCX keepalive
+    /// round; otherwise they are left to UCX ([`Connections::Keep`]).
+    fn release_with(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: RemoteDlists,
+        transfers: Transfers,
+    ) -> Vec<ReleaseStep> {
+        let connections = match transfers {
+            Transfers::Ended => Connections::Shut,
+            _ => Connections::Keep,
+        };
         let mut steps = Vec::with_capacity(resources.len() + agents.len());
         match resources.take() {
             Some(handles) => {
@@ -251,7 +270,10 @@ impl Transport for NixlTransport {
             }
         }
         for agent in agents {
-            match self.agent.invalidate_remote_metadata(agent.as_str()) {
+            match self
+                .agent
+                .invalidate_remote_metadata_with(agent.as_str(), connections)
+            {
                 Ok(closes) => {
                     let close = EndpointClose::from(closes);
                     telemetry::release_endpoints(&close);
@@ -280,7 +302,7 @@ impl Transport for NixlTransport {
         if let Some(open) = open {
             telemetry::ucx_endpoints(open);
         }
-        tracing::debug!(%engine, ?steps, ucx_endpoints = ?open, "NIXL state released");
+        tracing::debug!(%engine, ?steps, ucx_endpoints = ?open, transfers = transfers.as_str(), "NIXL state released");
         steps
     }
 }

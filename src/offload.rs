@@ -841,9 +841,11 @@ impl<T: Transport> Shared<T> {
                 engine,
                 agents,
                 resources,
+                transfers,
             } => {
                 let steps = catch_unwind(AssertUnwindSafe(|| {
-                    self.transport.release(&engine, &agents, resources)
+                    self.transport
+                        .release_with(&engine, &agents, resources, transfers)
                 }))
                 .map_err(|payload| Panicked::from_payload(&*payload));
                 CallOutcome::Release { serial, steps }
@@ -912,6 +914,7 @@ mod tests {
             engine: EngineId::new(format!("e-{serial}")),
             agents: Arc::from(vec![AgentName::new(format!("a-{serial}"))]),
             resources: (),
+            transfers: crate::transport::Transfers::Ended,
         }
     }
 

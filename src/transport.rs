@@ -233,6 +233,39 @@ impl TransportError {
     }
 }
 
+/// What the service knows, when it releases an engine, of the transfers
+/// that ran with it: whether the peer may still be sending to this
+/// process. It decides whether the release may cut the engine's
+/// connections ([`Transport::release_with`]).
+///
+/// A read given up at a frozen prefill is still on the prefill's side: when
+/// the prefill resumes, its UCX sends the data. Measured with NIXL 1.5.1
+/// over TCP: shutting the connection down under that send made UCX in the
+/// prefill abort the whole process (`Fatal: unexpected error: Endpoint
+/// timeout`, `cli/tests/real_buffer.rs`). A release must never harm a
+/// live peer, so only an engine whose every transfer ended here with
+/// `SUCCESS` has its connections cut.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Transfers {
+    /// Every transfer of the registration ended on this side with
+    /// `SUCCESS` (or none ran): nothing of them is still on its way.
+    Ended,
+    /// A transfer was given up, or ended with an error status: the peer
+    /// may still be sending for it.
+    MayBeRunning,
+}
+
+impl Transfers {
+    /// `ended` or `may_be_running`, for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transfers::Ended => "ended",
+            Transfers::MayBeRunning => "may_be_running",
+        }
+    }
+}
+
 /// One step of a release and what NIXL said to it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReleaseStep {
@@ -361,6 +394,24 @@ pub trait Transport: Send + Sync + 'static {
         agents: &[AgentName],
         resources: Self::Resources,
     ) -> Vec<ReleaseStep>;
+
+    /// [`Transport::release`], told what the service knows of the engine's
+    /// transfers: the service calls this one. With
+    /// [`Transfers::Ended`] a transport may cut the engine's connections
+    /// at once (the NIXL transport shuts down the TCP connections UCX
+    /// keeps for a released peer until the peer's keepalive round); with
+    /// [`Transfers::MayBeRunning`] it must leave them to UCX. The default
+    /// ignores `transfers`.
+    fn release_with(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: Self::Resources,
+        transfers: Transfers,
+    ) -> Vec<ReleaseStep> {
+        let _ = transfers;
+        self.release(engine, agents, resources)
+    }
 
     /// Whether [`Transport::release`] ends every transfer still running to
     /// the engine (it closes the engine's endpoints, so no byte of a

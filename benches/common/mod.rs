@@ -111,6 +111,16 @@ impl<T: Transport> Transport for Lateness<T> {
     ) -> Vec<ReleaseStep> {
         self.inner.release(engine, agents, resources)
     }
+
+    fn release_with(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: T::Resources,
+        transfers: nixl_keepalive::Transfers,
+    ) -> Vec<ReleaseStep> {
+        self.inner.release_with(engine, agents, resources, transfers)
+    }
 }
 
 /// p50, p99, max of `samples` (sorted in place); zeros when empty.

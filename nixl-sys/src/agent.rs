@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use crate::endpoints::{EndpointCloses, UcxEndpoints};
 use crate::error::{check, check_agent_name, NixlError, WithDetail};
 use crate::runtime::{CapiAgentConfig, Raw, Runtime};
-use crate::sockets::{self, Look, Recorded};
+use crate::sockets::{self, Connections, Look, Recorded};
 use crate::status::NixlStatus;
 
 type P = *mut c_void;
@@ -320,22 +320,37 @@ impl AgentInner {
     /// themselves (pull mode): one that did would reach it the same way,
     /// and its connection would be cut when the last agent on its host is
     /// released here.
-    fn shut_recorded(&self, remote: &[u8]) -> (u32, u32) {
+    fn shut_recorded(&self, remote: &[u8], connections: Connections) -> (u32, u32) {
         let _work = self.socket_work();
-        let (agent, last_on_host) = {
+        let ports = self.ucx_ports.get().cloned().unwrap_or_default();
+        let (agent, last_on_host, spared) = {
             let mut recorded = self.recorded();
             let agent = recorded.take(remote);
+            if connections == Connections::Keep {
+                // Its peer may still send over a connection it opened to
+                // us: every such connection open now is spared from later
+                // releases (from any host, when the load saw no host).
+                let look = Look::now();
+                let accepted = if agent.peers.is_empty() {
+                    look.accepted_on(&ports)
+                } else {
+                    look.accepted_from(&ports, &agent.peers)
+                };
+                recorded.spare(&look, accepted);
+                return (0, 0);
+            }
             let shared = recorded.shares_a_host(&agent.peers);
-            (agent, !shared)
+            (agent, !shared, recorded.spared().clone())
         };
         if agent.inodes.is_empty() {
             return (0, 0);
         }
         let started = Instant::now();
-        let ports = self.ucx_ports.get().cloned().unwrap_or_default();
         let accepted = |look: &Look| -> Vec<u64> {
             if last_on_host {
-                look.accepted_from(&ports, &agent.peers)
+                let mut found = look.accepted_from(&ports, &agent.peers);
+                found.retain(|inode| !spared.contains(inode));
+                found
             } else {
                 Vec::new()
             }
@@ -550,7 +565,7 @@ impl Agent {
         // (its TCP transport connects when the endpoint is created): looked
         // for only where invalidations force the close, whose leftovers
         // they are.
-        let recording = rt.endpoint_close_mode().is_force() && sockets::shutdown_opted_in();
+        let recording = rt.endpoint_close_mode().is_force() && sockets::shutdown_on();
         let work = recording.then(|| self.inner.socket_work());
         let before = recording.then(Look::now);
         // Safety: live agent.
@@ -571,7 +586,8 @@ impl Agent {
                     let _ = rt
                         .ep_close()
                         .forcing(|| unsafe { rt.invalidate_remote_md(self.inner.capi, &name) });
-                    self.inner.shut_recorded(&name);
+                    // Just loaded, never used: nothing can be in flight.
+                    self.inner.shut_recorded(&name, Connections::Shut);
                 }
                 Err(NixlError::agent_name("loadRemoteMD", &name, problem))
             }
@@ -585,6 +601,18 @@ impl Agent {
     /// peer or dead. Returns what the closes did. `NOT_FOUND` for an agent
     /// this one does not know (already invalidated, or dropped by NIXL):
     /// for a release, treat that as done.
+    ///
+    /// The TCP connections UCX keeps for the agent are left to UCX
+    /// ([`Connections::Keep`]): this call cannot know whether a transfer
+    /// with the agent may still be running at the peer. A caller that
+    /// knows every transfer ended uses
+    /// [`Agent::invalidate_remote_metadata_with`] and [`Connections::Shut`].
+    pub fn invalidate_remote_metadata(&self, remote: &str) -> Result<EndpointCloses, NixlError> {
+        self.invalidate_remote_metadata_with(remote, Connections::Keep)
+    }
+
+    /// [`Agent::invalidate_remote_metadata`], then what `connections` says
+    /// to the agent's TCP connections.
     ///
     /// The forced close does not take down a TCP connection UCX shares
     /// between both directions: UCX keeps it to receive until the peer
@@ -600,8 +628,15 @@ impl Agent {
     /// descriptors. The peer reads end-of-file and closes its end at once,
     /// whatever its keepalive period. Nothing is shut down when the
     /// invalidation failed (other than `NOT_FOUND`): the agent may still be
-    /// loaded. See `docs/design/releases-and-sockets.md`.
-    pub fn invalidate_remote_metadata(&self, remote: &str) -> Result<EndpointCloses, NixlError> {
+    /// loaded. With [`Connections::Keep`] nothing is shut down, and the
+    /// connections the peer opened to this process are spared by later
+    /// releases. Off for the whole process with `NIXL_SYS_SHUT_SOCKETS=0`.
+    /// See `docs/design/releases-and-sockets.md`.
+    pub fn invalidate_remote_metadata_with(
+        &self,
+        remote: &str,
+        connections: Connections,
+    ) -> Result<EndpointCloses, NixlError> {
         remote_name("invalidateRemoteMD", remote)?;
         let rt = self.inner.rt;
         // Safety: live agent.
@@ -616,7 +651,7 @@ impl Agent {
             Err(e) => e.status == NixlStatus::ERR_NOT_FOUND,
         };
         if gone {
-            let (shut, pending) = self.inner.shut_recorded(remote.as_bytes());
+            let (shut, pending) = self.inner.shut_recorded(remote.as_bytes(), connections);
             closes.connections_shut = shut;
             closes.connections_pending = pending;
         }

@@ -63,4 +63,5 @@ pub use endpoints::{
 };
 pub use error::{check_agent_name, AgentNameProblem, LoadError, NixlError, Refusal, StatusSource};
 pub use runtime::{ApiKind, Runtime, DEFAULT_RUNTIME_DIR, PREFIX_ENV};
+pub use sockets::Connections;
 pub use status::NixlStatus;

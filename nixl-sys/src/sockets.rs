@@ -47,21 +47,43 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::OnceLock;
 
-/// The variable that turns the socket shutdown at release on:
-/// `NIXL_SYS_SHUT_SOCKETS=1`. Off by default: shutting a connection down
-/// while the peer still has a transfer to us in flight (a READ given up
-/// at a frozen prefill, then released) makes UCX in the *peer* abort when
-/// it resumes (`ucp_request.inl: Fatal: unexpected error: Endpoint
-/// timeout`, measured with `cli/tests/real_buffer.rs` over TCP): a
-/// release must never harm a live peer, so this waits for a rule that
-/// shuts down only connections with nothing in flight.
+/// The variable that turns the socket shutdown at release off:
+/// `NIXL_SYS_SHUT_SOCKETS=0` (on otherwise). An operator's way back to
+/// UCX's own behaviour (connections closed at the peer's keepalive round)
+/// should the shutdown ever misbehave; it also stops the looks at
+/// `/proc/self/fd` around each load.
 pub(crate) const SHUT_SOCKETS_ENV: &str = "NIXL_SYS_SHUT_SOCKETS";
 
-/// Whether the socket shutdown at release is opted in (read once).
-pub(crate) fn shutdown_opted_in() -> bool {
+/// Whether the sockets of loads are recorded and shut at release (read
+/// once): on unless `NIXL_SYS_SHUT_SOCKETS=0`.
+pub(crate) fn shutdown_on() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var(SHUT_SOCKETS_ENV).is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var(SHUT_SOCKETS_ENV).map_or(true, |v| v != "0"))
 }
+
+/// What an invalidation does to the TCP connections UCX keeps for the
+/// remote agent ([`crate::Agent::invalidate_remote_metadata_with`]).
+///
+/// Only the caller knows whether a transfer with the agent may still be
+/// running at the peer: a READ given up at a frozen peer is still on the
+/// peer's side, and when the peer resumes its UCX sends the data. Measured
+/// with NIXL 1.5.1 over TCP: a connection shut down under that send made
+/// UCX in the *peer* abort the whole process (`ucp_request.inl: Fatal:
+/// unexpected error: Endpoint timeout`). So shutting down is the caller's
+/// explicit word that nothing is in flight, and the default keeps them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Connections {
+    /// Leave them to UCX: they close at the peer's next keepalive round
+    /// (20 s by default; never with the peer's keepalive off). Every
+    /// connection the peer opened to this process that is open now is
+    /// spared by later releases too (the peer's late send may use it).
+    Keep,
+    /// Every transfer with the agent ended on this side: shut them down at
+    /// once (see the module's documentation).
+    Shut,
+}
+
 use std::mem::MaybeUninit;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::RawFd;
@@ -226,13 +248,23 @@ impl Look {
     /// except those whose other end is a socket of this process (UCX's
     /// connection from a worker to itself).
     pub(crate) fn accepted_from(&self, ports: &HashSet<u16>, peers: &HashSet<IpAddr>) -> Vec<u64> {
+        self.accepted_where(ports, |ip| peers.contains(&ip))
+    }
+
+    /// The connections accepted on one of `ports` from any host, except
+    /// UCX's connection from a worker to itself.
+    pub(crate) fn accepted_on(&self, ports: &HashSet<u16>) -> Vec<u64> {
+        self.accepted_where(ports, |_| true)
+    }
+
+    fn accepted_where(&self, ports: &HashSet<u16>, host: impl Fn(IpAddr) -> bool) -> Vec<u64> {
         let own: HashSet<(IpAddr, u16)> = self.streams.iter().filter_map(|s| s.local).collect();
         self.streams
             .iter()
             .filter(|s| {
                 s.local.is_some_and(|(_, port)| ports.contains(&port))
                     && s.peer
-                        .is_some_and(|peer| peers.contains(&peer.0) && !own.contains(&peer))
+                        .is_some_and(|peer| host(peer.0) && !own.contains(&peer))
             })
             .map(|s| s.socket.inode)
             .collect()
@@ -298,6 +330,12 @@ pub(crate) struct AgentSockets {
 #[derive(Debug, Default)]
 pub(crate) struct Recorded {
     by_agent: HashMap<Vec<u8>, AgentSockets>,
+    /// Connections accepted from the hosts of an agent released with its
+    /// connections kept ([`Connections::Keep`]), open at that release: a
+    /// later release never shuts them down (the kept agent's peer may
+    /// still send over one of them). Pruned to those still open at each
+    /// release.
+    spared: HashSet<u64>,
 }
 
 impl Recorded {
@@ -316,6 +354,19 @@ impl Recorded {
     /// Forgets `agent`'s sockets and returns them.
     pub(crate) fn take(&mut self, agent: &[u8]) -> AgentSockets {
         self.by_agent.remove(agent).unwrap_or_default()
+    }
+
+    /// Spares `accepted` from later releases, and forgets the spared
+    /// connections `look` no longer shows open.
+    pub(crate) fn spare(&mut self, look: &Look, accepted: Vec<u64>) {
+        let open = look.inodes();
+        self.spared.retain(|inode| open.contains(inode));
+        self.spared.extend(accepted);
+    }
+
+    /// The connections no release may shut down.
+    pub(crate) fn spared(&self) -> &HashSet<u64> {
+        &self.spared
     }
 
     /// Whether an agent still recorded has its UCX on one of `hosts`.

@@ -5,7 +5,7 @@ use super::key::PeerKey;
 use crate::registration::RegistrationId;
 use std::sync::Arc;
 
-use crate::transport::{AgentName, EngineId, ReleaseStep, TransportError};
+use crate::transport::{AgentName, EngineId, ReleaseStep, Transfers, TransportError};
 
 /// A transport call the core wants made. The driver runs it on a blocking
 /// worker (it is blocking FFI that may never return) and hands the
@@ -27,6 +27,8 @@ pub(crate) enum Call<R> {
         engine: EngineId,
         agents: Arc<[AgentName]>,
         resources: R,
+        /// Whether the release may cut the engine's connections.
+        transfers: Transfers,
     },
 }
 

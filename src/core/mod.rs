@@ -447,6 +447,7 @@ impl<R> Core<R> {
             } => self.register(now, request, ticket, registration, cell),
             Input::Read(Wake::Drained(serial)) => self.try_release(now, serial),
             Input::Read(Wake::TransferResult(serial, status)) => {
+                self.transfer_may_be_running(serial);
                 self.on_status(now, serial, Source::Transfer, None, status)
             }
             Input::Read(Wake::GivenUp {
@@ -454,7 +455,10 @@ impl<R> Core<R> {
                 why,
                 unanswered,
                 done,
-            }) => self.read_given_up(now, serial, why, unanswered, done),
+            }) => {
+                self.transfer_may_be_running(serial);
+                self.read_given_up(now, serial, why, unanswered, done)
+            }
             Input::AddLeases {
                 engine,
                 requests,

@@ -13,7 +13,7 @@ use super::TicketId;
 use crate::event::ReleaseReason;
 use crate::registration::Incarnation;
 use crate::registration::RegistrationId;
-use crate::transport::{AgentName, EngineId, PeerAddr};
+use crate::transport::{AgentName, EngineId, PeerAddr, Transfers};
 use crate::NixlStatus;
 
 /// Why a registration was marked, and what its release has waited for.
@@ -126,6 +126,11 @@ pub(super) struct Peer<R> {
     pub(super) renewal_wanted: bool,
     pub(super) last_heartbeat: Option<(Instant, NixlStatus)>,
     pub(super) transient_errors: u64,
+    /// Whether every transfer of the registration ended here with
+    /// `SUCCESS`: a read given up, or one that ended with an error, may
+    /// still be running at the peer, and its release must then leave the
+    /// connections to UCX ([`crate::transport::Transfers`]).
+    pub(super) transfers: Transfers,
     pub(super) progress: Progress,
     /// The rate cap's state for this registration (its limiter key).
     pub(super) rate: super::rate::RateState,
@@ -217,6 +222,7 @@ impl<R> Peer<R> {
             renewal_wanted: false,
             last_heartbeat: None,
             transient_errors: 0,
+            transfers: Transfers::Ended,
             rate: Default::default(),
         }
     }

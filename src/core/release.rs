@@ -13,7 +13,7 @@ use crate::error::ClaimRefused;
 use crate::event::{Event, ReleaseReason, WaitedFor};
 use crate::registration::{Registration, RegistrationId};
 use crate::state::EngineState;
-use crate::transport::{EngineId, ReleaseStep};
+use crate::transport::{EngineId, ReleaseStep, Transfers};
 use crate::NixlStatus;
 use std::sync::Arc;
 
@@ -100,6 +100,17 @@ impl<R> Core<R> {
         }
     }
 
+    /// A read of the registration was given up, or ended with an error:
+    /// its transfer may still be running at the peer, so the release will
+    /// leave the engine's connections to UCX ([`Transfers`]). Kept for the
+    /// registration's life: the core cannot see when the peer's side of a
+    /// given-up transfer ends.
+    pub(super) fn transfer_may_be_running(&mut self, serial: RegistrationId) {
+        if let Some(peer) = self.peers.get_mut(&serial) {
+            peer.transfers = Transfers::MayBeRunning;
+        }
+    }
+
     /// Releases a marked registration if no read is in flight and no
     /// handshake holds it back. Decided here; the transport is called by
     /// the driver after.
@@ -143,6 +154,7 @@ impl<R> Core<R> {
         tracing::debug!(%engine, ?waited, "releasing");
         let resources = peer.resources.take().expect("checked above");
         let agents = peer.agents.clone();
+        let transfers = peer.transfers;
         peer.rate.forget(); // its limiter key forgotten
         self.releases_in_flight += 1;
         self.calls.push(Call::Release {
@@ -150,6 +162,7 @@ impl<R> Core<R> {
             engine,
             agents,
             resources,
+            transfers,
         });
     }
 

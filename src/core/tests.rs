@@ -16,7 +16,7 @@ use crate::event::{Event, ReleaseReason, Source};
 use crate::give_up::GiveUp;
 use crate::registration::{Departure, Incarnation};
 use crate::state::EngineState;
-use crate::transport::{ReleaseStep, ReleaseTarget, TransportError};
+use crate::transport::{ReleaseStep, ReleaseTarget, Transfers, TransportError};
 use crate::NixlStatus;
 
 type Res = u32;
@@ -33,6 +33,9 @@ struct Harness {
     calls: Vec<Call<Res>>,
     /// What the core counted, in order (the driver records these).
     counts: Vec<Count>,
+    /// What each release completed by [`Harness::complete`] said of the
+    /// engine's transfers, in order.
+    release_transfers: Vec<(Res, Transfers)>,
     next: u64,
 }
 
@@ -56,6 +59,7 @@ fn harness_with(config: Config) -> Harness {
         actions: Vec::new(),
         calls: Vec::new(),
         counts: Vec::new(),
+        release_transfers: Vec::new(),
         next: 0,
     }
 }
@@ -292,9 +296,13 @@ impl Harness {
                     }));
                 }
                 Call::Release {
-                    serial, resources, ..
+                    serial,
+                    resources,
+                    transfers,
+                    ..
                 } => {
                     released.push(resources);
+                    self.release_transfers.push((resources, transfers));
                     self.input(Input::CallDone(CallOutcome::Release {
                         serial,
                         steps: Ok(vec![ReleaseStep {
@@ -784,6 +792,76 @@ fn peer_gone_drains_reads_or_fails_them_and_ignores_unknown_peers() {
         .filter(|e| matches!(e, Event::Retiring { .. }))
         .count();
     assert_eq!(retiring, 2, "one event per engine");
+}
+
+#[test]
+fn a_release_may_cut_connections_only_when_every_transfer_ended_here_with_success() {
+    let mut h = harness();
+    let settled = h.live("settled", at(1), 1);
+    let given_up = h.live("given-up", at(2), 2);
+    let failed = h.live("failed", at(3), 3);
+    let idle = h.live("idle", at(4), 4);
+    // settled: two reads, both ended with SUCCESS.
+    for _ in 0..2 {
+        settled.begin_read().unwrap();
+        h.end_read(&settled);
+    }
+    // given-up: one completes, the next is given up (the peer may still
+    // be sending it), answered or not.
+    given_up.begin_read().unwrap();
+    h.end_read(&given_up);
+    let begun = given_up.begin_read().unwrap();
+    h.give_up(&given_up, GiveUp::Cancelled, begun);
+    // failed: a read that ended with an error that is not a disconnect
+    // (the engine stays live).
+    failed.begin_read().unwrap();
+    h.transfer(&failed, NixlStatus::ERR_BACKEND);
+    h.end_read(&failed);
+    assert_eq!(failed.state(), EngineState::Live);
+    for engine in ["settled", "given-up", "failed", "idle"] {
+        h.input(Input::PeerGone {
+            peer: PeerRef::Engine(id(engine)),
+            mode: GoneMode::Drain,
+        });
+    }
+    let _ = h.released();
+    let mut said = std::mem::take(&mut h.release_transfers);
+    said.sort_by_key(|(r, _)| *r);
+    assert_eq!(
+        said,
+        vec![
+            (1, Transfers::Ended),
+            (2, Transfers::MayBeRunning),
+            (3, Transfers::MayBeRunning),
+            (4, Transfers::Ended),
+        ]
+    );
+    // A new registration of an id starts with nothing given up.
+    let again = h.live("given-up", at(2), 5);
+    again.begin_read().unwrap();
+    h.end_read(&again);
+    h.input(Input::PeerGone {
+        peer: PeerRef::Engine(id("given-up")),
+        mode: GoneMode::Drain,
+    });
+    let _ = h.released();
+    assert_eq!(h.release_transfers, vec![(5, Transfers::Ended)]);
+    drop((settled, given_up, failed, idle));
+}
+
+#[test]
+fn a_read_given_up_after_the_mark_still_keeps_the_connections() {
+    let mut h = harness();
+    let cell = h.live("a", at(1), 1);
+    let begun = cell.begin_read().unwrap();
+    h.input(Input::PeerGone {
+        peer: PeerRef::Engine(id("a")),
+        mode: GoneMode::Drain,
+    });
+    assert!(h.released().is_empty(), "a read in flight holds the release");
+    h.give_up(&cell, GiveUp::TimedOut, begun);
+    assert_eq!(h.released(), vec![1]);
+    assert_eq!(h.release_transfers, vec![(1, Transfers::MayBeRunning)]);
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{FakeResources, FakeUcx};
-use crate::{AgentName, EngineId, ReleaseStep, Transport, TransportError};
+use crate::{AgentName, EngineId, ReleaseStep, Transfers, Transport, TransportError};
 
 /// Where a violation found by the audit goes (a test's list, the demo's
 /// timeline).
@@ -76,6 +76,16 @@ impl Transport for AuditedUcx {
         agents: &[AgentName],
         resources: FakeResources,
     ) -> Vec<ReleaseStep> {
+        self.release_with(engine, agents, resources, Transfers::MayBeRunning)
+    }
+
+    fn release_with(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: FakeResources,
+        transfers: Transfers,
+    ) -> Vec<ReleaseStep> {
         self.releases.fetch_add(1, Ordering::Relaxed);
         let tracked = {
             let mut reads = self.lock();
@@ -93,7 +103,7 @@ impl Transport for AuditedUcx {
                 "{engine} released twice, or resources the runtime never tracked"
             )),
         }
-        self.ucx.release(engine, agents, resources)
+        self.ucx.release_with(engine, agents, resources, transfers)
     }
 }
 

@@ -146,7 +146,7 @@ use world::{Gone, HandleSlot, LoadedAgent, NotifyBlock, ProcessId, Silence, Worl
 
 use crate::{
     AgentName, EndpointClose, EngineId, NixlStatus, PeerAddr, ReleaseStep, ReleaseTarget,
-    Transport, TransportError, UcsStatus,
+    Transfers, Transport, TransportError, UcsStatus,
 };
 
 /// How the simulated UCX behaves.
@@ -954,6 +954,16 @@ impl Transport for FakeUcx {
         agents: &[AgentName],
         resources: FakeResources,
     ) -> Vec<ReleaseStep> {
+        self.release_with(engine, agents, resources, Transfers::MayBeRunning)
+    }
+
+    fn release_with(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: FakeResources,
+        transfers: Transfers,
+    ) -> Vec<ReleaseStep> {
         let now = Instant::now();
         let mut world = self.lock();
         let mut steps = Vec::with_capacity(resources.handles.len() + agents.len());
@@ -1006,6 +1016,17 @@ impl Transport for FakeUcx {
                 ucs: None,
                 status,
             });
+            if status.is_ok() && transfers == Transfers::Ended {
+                world.record(FakeCall {
+                    at: now,
+                    op: FakeOp::ShutConnections,
+                    engine: Some(engine.clone()),
+                    agent: Some(agent.clone()),
+                    message: Vec::new(),
+                    ucs: None,
+                    status,
+                });
+            }
             steps.push(ReleaseStep {
                 target: ReleaseTarget::RemoteMetadata(agent.clone()),
                 status,

@@ -23,6 +23,10 @@ pub enum FakeOp {
     ReleaseDlist,
     /// `invalidateRemoteMD` for one remote agent ([`crate::Transport::release`]).
     InvalidateRemoteMd,
+    /// The connections to one remote agent cut right after its
+    /// invalidation, as the NIXL transport does when the service says
+    /// every transfer with the engine ended ([`crate::Transfers::Ended`]).
+    ShutConnections,
 }
 
 /// One recorded call.
