@@ -119,7 +119,8 @@ impl<T: Transport> Transport for Lateness<T> {
         resources: T::Resources,
         transfers: nixl_keepalive::Transfers,
     ) -> Vec<ReleaseStep> {
-        self.inner.release_with(engine, agents, resources, transfers)
+        self.inner
+            .release_with(engine, agents, resources, transfers)
     }
 }
 

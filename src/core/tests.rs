@@ -858,7 +858,10 @@ fn a_read_given_up_after_the_mark_still_keeps_the_connections() {
         peer: PeerRef::Engine(id("a")),
         mode: GoneMode::Drain,
     });
-    assert!(h.released().is_empty(), "a read in flight holds the release");
+    assert!(
+        h.released().is_empty(),
+        "a read in flight holds the release"
+    );
     h.give_up(&cell, GiveUp::TimedOut, begun);
     assert_eq!(h.released(), vec![1]);
     assert_eq!(h.release_transfers, vec![(1, Transfers::MayBeRunning)]);
