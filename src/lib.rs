@@ -147,6 +147,7 @@ pub mod nixl_transport;
 mod offload;
 mod registration;
 mod service;
+mod shrink;
 mod snapshot;
 mod state;
 mod telemetry;

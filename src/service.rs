@@ -339,6 +339,7 @@ impl<T: Transport> Keepalive<T> {
                         .is_some_and(|e| e.cell.serial() == serial)
                     {
                         directory.remove(&engine);
+                        crate::shrink::after_removal(&mut *directory);
                     }
                 }
                 Action::FailReads { cell } => cell.fail_reads(),

@@ -7,8 +7,9 @@
 //! kept in a `HashMap<key, value>`. Memory is the heap each gives back
 //! when dropped (the system allocator counted by `stats_alloc`): what the
 //! membership holds with its members (its connection to etcd included),
-//! and what the map holds. Prints the ratios and PASS/MISS; never asserts
-//! on time.
+//! and what the map holds; and what the membership still holds once every
+//! member left, against what it held with them. Prints the ratios and
+//! PASS/MISS; never asserts on time.
 //!
 //! Needs the `etcd` binary (`bash scripts/install-etcd.sh`); without it,
 //! prints SKIPPED (fails with NIXL_KEEPALIVE_REQUIRE_REAL=1).
@@ -181,7 +182,14 @@ async fn run(etcd: &etcd::EtcdServer, n: usize) {
         }
     }
     let our_watch = started.elapsed();
-    membership.stop().await;
+    // What the membership still holds once every member left (issue 30,
+    // item 10d: its tables kept room for all of them), measured as the
+    // heap it gives back when it stops, against an empty membership's.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after_left_bytes = given_back_at_stop(membership).await;
+    let empty = start_membership(&url, &handle, 0).await.0;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let empty_bytes = given_back_at_stop(empty).await;
 
     // Memory: what the membership holds with n members, measured as the
     // heap it gives back when it stops (so one-off allocations elsewhere in
@@ -189,10 +197,7 @@ async fn run(etcd: &etcd::EtcdServer, n: usize) {
     put_all(&mut client, &records(n)).await;
     let (membership, _) = start_membership(&url, &handle, n).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let region = Region::new(HEAP);
-    membership.stop().await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let ours_bytes = -held(&region) as f64 / n as f64;
+    let ours_bytes = given_back_at_stop(membership).await as f64 / n as f64;
     shutdown.cancel();
 
     let list_ratio = our_list.as_secs_f64() / raw_list.as_secs_f64();
@@ -218,6 +223,23 @@ async fn run(etcd: &etcd::EtcdServer, n: usize) {
         "  memory: {ours_bytes:.0} B/member held by the membership   baseline raw records in a HashMap {raw_bytes:.0} B/member   ratio {mem_ratio:.2}x   target <= 1 KiB: {}",
         verdict(ours_bytes <= 1024.0)
     );
+    let with_n = ours_bytes * n as f64;
+    println!(
+        "  after:  {:.0} KiB held by the membership once all {n} left (an empty one: {:.0} KiB)   baseline what it holds with {n} members {:.0} KiB   ratio {:.3}x   target <= 0.1x: {}",
+        after_left_bytes as f64 / 1024.0,
+        empty_bytes as f64 / 1024.0,
+        with_n / 1024.0,
+        after_left_bytes as f64 / with_n,
+        verdict((after_left_bytes as f64) <= 0.1 * with_n)
+    );
+}
+
+/// Stops `membership`; the heap that gave back (bytes).
+async fn given_back_at_stop(membership: Membership) -> isize {
+    let region = Region::new(HEAP);
+    membership.stop().await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    -held(&region)
 }
 
 /// A running etcd source and membership driver.

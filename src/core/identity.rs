@@ -437,6 +437,14 @@ impl<R> Core<R> {
         {
             self.try_release(now, serial);
         }
+        // A burst of handshakes (10,000 members joining) leaves these
+        // tables sized for the burst; they give their buckets back.
+        crate::shrink::after_removal(&mut self.tickets);
+        crate::shrink::after_removal(&mut self.handshakes);
+        crate::shrink::after_removal(&mut self.held_by_handshake);
+        crate::shrink::after_removal(&mut self.loads);
+        crate::shrink::after_removal(&mut self.waiting);
+        crate::shrink::after_removal(&mut self.agents);
     }
 
     /// Something changed for `engine` (a load ended, a registration was
@@ -693,9 +701,9 @@ impl<R> Core<R> {
         }
         // After mass departures (10,000 members that left) the tables give
         // their buckets back.
-        super::shrink::after_removal(&mut self.agents);
-        super::shrink::after_removal(&mut self.by_addr);
-        super::shrink::after_removal(&mut self.by_id);
+        crate::shrink::after_removal(&mut self.agents);
+        crate::shrink::after_removal(&mut self.by_addr);
+        crate::shrink::after_removal(&mut self.by_id);
     }
 
     // ----- retirement by others -----

@@ -49,7 +49,6 @@ mod rate;
 mod release;
 mod report;
 mod schedule;
-mod shrink;
 mod stall;
 mod status;
 #[cfg(test)]
@@ -278,6 +277,24 @@ pub(crate) struct Core<R> {
 }
 
 impl<R> Core<R> {
+    /// The slots each per-engine and per-handshake table holds (its
+    /// capacity), by name: what the tables keep after departures.
+    #[cfg(test)]
+    pub(crate) fn footprint(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("peers", self.peers.capacity()),
+            ("peers.index", self.peers.index_capacity()),
+            ("by_id", self.by_id.capacity()),
+            ("by_addr", self.by_addr.capacity()),
+            ("agents", self.agents.capacity()),
+            ("tickets", self.tickets.capacity()),
+            ("handshakes", self.handshakes.capacity()),
+            ("held_by_handshake", self.held_by_handshake.capacity()),
+            ("loads", self.loads.capacity()),
+            ("waiting", self.waiting.capacity()),
+        ]
+    }
+
     /// A core with `config`, its clock starting at `now`, drawing jitter
     /// from `rng`.
     pub(crate) fn new(config: Config, now: Instant, rng: StdRng) -> Self {

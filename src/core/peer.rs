@@ -279,6 +279,16 @@ impl<R> PeerTable<R> {
         Some(&mut self.records[slot].1)
     }
 
+    #[cfg(test)]
+    pub(super) fn capacity(&self) -> usize {
+        self.records.capacity()
+    }
+
+    #[cfg(test)]
+    pub(super) fn index_capacity(&self) -> usize {
+        self.index.capacity()
+    }
+
     pub(super) fn contains_key(&self, serial: &RegistrationId) -> bool {
         self.index.contains_key(serial)
     }
@@ -332,11 +342,12 @@ impl<R> PeerTable<R> {
 
     pub(super) fn remove(&mut self, serial: &RegistrationId) -> Option<Peer<R>> {
         let slot = self.index.remove(serial)?;
-        // The index gives its buckets back after mass departures. The
-        // records' slab cannot move records (timers and calls name their
-        // slots) and keeps its slots; freed ones are reused first.
-        super::shrink::after_removal(&mut self.index);
-        Some(self.records.remove(slot).1)
+        // After mass departures the index gives its buckets back and the
+        // slab its vacant tail.
+        crate::shrink::after_removal(&mut self.index);
+        let (_, peer) = self.records.remove(slot);
+        crate::shrink::after_slab_removal(&mut self.records, slot);
+        Some(peer)
     }
 
     pub(super) fn keys(&self) -> impl Iterator<Item = &RegistrationId> + '_ {

@@ -850,6 +850,47 @@ fn a_release_may_cut_connections_only_when_every_transfer_ended_here_with_succes
 }
 
 #[test]
+fn ten_thousand_engines_that_left_give_their_tables_back() {
+    // Issue 30, item 10d: after 10,000 members joined and left, the core's
+    // tables still had room for 10,000.
+    let mut h = harness();
+    let address = |n: u32| {
+        PeerAddr::new(format!(
+            "10.{}.{}.{}:5600",
+            n >> 16,
+            (n >> 8) & 255,
+            n & 255
+        ))
+    };
+    let mut cells = Vec::new();
+    for n in 0..10_000u32 {
+        cells.push(h.connect(&format!("e{n}"), address(n), n));
+        h.take();
+    }
+    let full = h.core.footprint();
+    assert!(full.iter().any(|&(_, c)| c >= 10_000), "{full:?}");
+    // All leave but the first three.
+    for n in 3..10_000u32 {
+        h.input(Input::PeerGone {
+            peer: PeerRef::Engine(id(&format!("e{n}"))),
+            mode: GoneMode::Drain,
+        });
+    }
+    assert_eq!(h.released().len(), 9_997);
+    for (table, slots) in h.core.footprint() {
+        assert!(
+            slots <= 256,
+            "{table} keeps {slots} slots for 3 engines (full: {full:?})"
+        );
+    }
+    // The three that stayed are whole.
+    for cell in &cells[..3] {
+        assert!(h.core.peers.contains_key(&cell.serial()));
+        assert_eq!(cell.state(), EngineState::Live);
+    }
+}
+
+#[test]
 fn a_read_given_up_after_the_mark_still_keeps_the_connections() {
     let mut h = harness();
     let cell = h.live("a", at(1), 1);

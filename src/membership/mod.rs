@@ -697,6 +697,8 @@ impl Reconciler {
             *n -= 1;
             if *n == 0 {
                 self.identities.remove(&k);
+                // After mass departures the table gives its buckets back.
+                crate::shrink::after_removal(&mut self.identities);
             }
         }
     }
@@ -1002,7 +1004,9 @@ async fn drive<S: MembershipSource, R: Send + 'static>(
             e = events.recv() => {
                 match e {
                     Ok(Event::Released { engine, reason, .. }) => {
-                        if let Some(seen) = pending.remove(&engine) {
+                        let seen = pending.remove(&engine);
+                        crate::shrink::after_removal(&mut pending);
+                        if let Some(seen) = seen {
                             let after = seen.elapsed();
                             metrics::histogram!(metric::DELETION_TO_RELEASE).record(after.as_secs_f64());
                             let _ = updates.send(MembershipUpdate::Released { engine, after, reason });
@@ -1013,6 +1017,7 @@ async fn drive<S: MembershipSource, R: Send + 'static>(
                         tracing::warn!(missed = n, "membership: service events missed; deletion-to-release times may be lost");
                         // Forget entries whose engine is gone already.
                         pending.retain(|e, _| handle.engine(e).is_some());
+                        crate::shrink::after_removal(&mut pending);
                     }
                     Err(broadcast::error::RecvError::Closed) => break,
                 }
@@ -1095,9 +1100,12 @@ impl Resolved {
     }
 
     fn departed(&mut self, member: &Member) -> PeerAddr {
-        self.0
+        let address = self
+            .0
             .remove(&(member.engine_id.clone(), member.address.clone()))
-            .unwrap_or_else(|| member.peer_addr())
+            .unwrap_or_else(|| member.peer_addr());
+        crate::shrink::after_removal(&mut self.0);
+        address
     }
 }
 
@@ -1195,5 +1203,44 @@ fn refused(
             error,
             unreported,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ten_thousand_members_that_left_give_the_identity_table_back() {
+        // Issue 30, item 10d.
+        let mut r = Reconciler::new();
+        let key = |n: u32| format!("{DEFAULT_PREFIX}e{n}");
+        for n in 0..10_000u32 {
+            let value = Member::new(
+                format!("e{n}"),
+                format!("10.0.{}.{}:5600", n >> 8, n & 255),
+                1,
+            );
+            r.apply(SourceEvent::Put {
+                key: key(n),
+                value: value.to_json().into_bytes(),
+                revision: i64::from(n) + 1,
+            });
+        }
+        let full = r.identities.capacity();
+        assert!(full >= 10_000);
+        for n in 3..10_000u32 {
+            r.apply(SourceEvent::Deleted {
+                key: key(n),
+                revision: 20_000 + i64::from(n),
+            });
+        }
+        assert_eq!(r.members().len(), 3);
+        assert_eq!(r.identities.len(), 3);
+        assert!(
+            r.identities.capacity() <= 256,
+            "{} slots for 3 members (was {full})",
+            r.identities.capacity()
+        );
     }
 }

@@ -9,6 +9,7 @@
 //! call at one size.
 
 use std::collections::HashMap;
+
 use std::hash::{BuildHasher, Hash};
 
 /// Tables this small are never shrunk: their slack is a few KiB, and a
@@ -19,15 +20,71 @@ const KEEP: usize = 64;
 const SPARSE: usize = 4;
 
 /// Call after removing from `map`: shrinks it when it has become sparse.
-pub(super) fn after_removal<K: Eq + Hash, V, S: BuildHasher>(map: &mut HashMap<K, V, S>) {
+pub(crate) fn after_removal<K: Eq + Hash, V, S: BuildHasher>(map: &mut HashMap<K, V, S>) {
     if map.capacity() > KEEP && map.len().saturating_mul(SPARSE) < map.capacity() {
         map.shrink_to(map.len().saturating_mul(2).max(KEEP));
+    }
+}
+
+/// Call after removing `removed` from `slab`: gives its vacant tail back
+/// when it has become sparse.
+///
+/// A slab cannot move its records (timers and calls name their slots, and
+/// a stale key finds no record past the end), so what it can give back is
+/// the run of vacant slots above its highest record
+/// ([`slab::Slab::shrink_to_fit`]); freed slots below stay, and are reused
+/// first. The trim rebuilds the slab's free list (a walk over its slots),
+/// so it runs only when the removed record was the highest: while the slab
+/// is sparse that happens at most once per record still held.
+pub(crate) fn after_slab_removal<T>(slab: &mut slab::Slab<T>, removed: usize) {
+    if slab.capacity() > KEEP
+        && slab.len().saturating_mul(SPARSE) < slab.capacity()
+        && slab.iter().next_back().is_none_or(|(top, _)| top < removed)
+    {
+        slab.shrink_to_fit();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slab_gives_its_vacant_tail_back_and_keeps_every_key_it_holds() {
+        let mut slab = slab::Slab::new();
+        let keys: Vec<usize> = (0..10_000u64).map(|v| slab.insert(v)).collect();
+        let full = slab.capacity();
+        // The first ten and one in the middle stay.
+        for &k in &keys[10..] {
+            if k != 5_000 {
+                slab.remove(k);
+                after_slab_removal(&mut slab, k);
+            }
+        }
+        assert_eq!(slab.len(), 11);
+        // Above the highest record (5,000) everything went back.
+        assert!(
+            slab.capacity() < 5_100,
+            "capacity {} (was {full})",
+            slab.capacity()
+        );
+        assert!((0..10).all(|k| slab[k] == k as u64));
+        assert_eq!(slab[5_000], 5_000);
+        // Its last record gone, the rest of the tail goes back too, and
+        // new records take the low slots.
+        slab.remove(5_000);
+        after_slab_removal(&mut slab, 5_000);
+        assert!(slab.capacity() < 16, "capacity {}", slab.capacity());
+        assert_eq!(slab.insert(1), 10);
+        // A removal below the highest record trims nothing.
+        let mut slab: slab::Slab<u64> = (0..1_000u64).map(|v| (v as usize, v)).collect();
+        for k in 0..990 {
+            slab.remove(k);
+            after_slab_removal(&mut slab, k);
+        }
+        assert!(slab.capacity() >= 1_000);
+        assert!((990..1_000).all(|k| slab[k] == k as u64));
+    }
 
     #[test]
     fn a_table_that_lost_most_of_ten_thousand_entries_gives_its_capacity_back() {
