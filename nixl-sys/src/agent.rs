@@ -178,11 +178,14 @@ const SHUT_SOCKETS_PATIENCE: Duration = Duration::from_millis(200);
 /// ms for this project's `prefill`).
 const RECONNECT_WATCH: Duration = Duration::from_millis(30);
 
-// Safety: the agent was created with a locking thread-sync mode (RW or
-// STRICT; `ThreadSync` has no NONE), so NIXL serialises concurrent calls
-// itself. The handle is only a pointer to NIXL's heap object.
+// SAFETY: the only non-thread-safe field is `capi`, a pointer to NIXL's
+// heap-allocated agent handle, which is tied to no thread. The agent was
+// created with a locking thread-sync mode (RW or STRICT; `ThreadSync` has no
+// NONE), so NIXL serialises calls made from any thread itself; the rest of
+// the state is behind `Mutex`es and a `OnceLock`.
 unsafe impl Send for AgentInner {}
-// Safety: as above.
+// SAFETY: as for `Send`: concurrent `&self` calls into the agent are
+// serialised by NIXL's own lock (RW or STRICT mode).
 unsafe impl Sync for AgentInner {}
 
 impl Drop for AgentInner {
@@ -199,8 +202,10 @@ impl Drop for AgentInner {
         // decoder's teardown). A failure here has nobody left to tell: the
         // agent is destroyed next either way.
         let _ = self.take_notifs();
-        // Safety: every handle made by this agent holds an Arc to it, so
-        // this is the last use of the agent handle.
+        // SAFETY: `self.capi` is the live handle `Agent::new` created;
+        // every registration, dlist handle and request made by this agent
+        // holds an `Arc` to it, so none is left and this is the last use
+        // of the handle, destroyed once.
         unsafe { (self.rt.capi().destroy_agent)(self.capi) };
     }
 }
@@ -213,15 +218,17 @@ impl AgentInner {
         let rt = self.rt;
         let c = rt.capi();
         let mut map: P = std::ptr::null_mut();
-        // Safety: out-pointer valid.
+        // SAFETY: `map` is a valid out-pointer; the new map is owned by
+        // `guard` below, which destroys it once.
         let st = unsafe { (c.create_notif_map)(&mut map) };
         op("createNotifMap", rt.capi_status(st))?;
         let guard = CapiGuard {
             p: map,
             destroy: c.destroy_notif_map,
         };
-        // Safety: live agent (this is a method of it, or its drop before
-        // destroy) and map (guard).
+        // SAFETY: `self.capi` is live (this is a method of the agent, or
+        // its drop before the destroy), `guard.p` a live notification map,
+        // and a null opt-args handle is allowed (no options).
         let st = unsafe { (c.get_notifs)(self.capi, guard.p, std::ptr::null_mut()) };
         op("getNotifs", rt.capi_status(st))?;
         Ok(guard)
@@ -233,8 +240,13 @@ impl AgentInner {
         let c = rt.capi();
         let guard = self.take_notifs()?;
         let mut out = Vec::new();
-        // Safety: the strings and bytes read below live in the map, which
-        // outlives this block (guard).
+        // SAFETY: `guard.p` is a live map for the whole block (the guard
+        // drops after it), and only valid out-pointers are passed. On
+        // success `agent` is a non-null pointer to a key string of the map
+        // (NUL-terminated), and `data` points to `len` bytes of a message
+        // in it; both stay valid while the map is neither changed nor
+        // destroyed, which nothing does before they are copied out. `data`
+        // is read only when `len > 0`.
         unsafe {
             let mut n = 0usize;
             op(
@@ -439,7 +451,9 @@ impl Agent {
         };
         let c = rt.capi();
         let mut agent: P = std::ptr::null_mut();
-        // Safety: valid NUL-terminated name, config and out-pointer.
+        // SAFETY: `cname` is NUL-terminated and `cfg` a `#[repr(C)]`
+        // `nixl_capi_agent_config_t`, both outliving the call (NIXL copies
+        // them); `agent` is a valid out-pointer for the new handle.
         let st = unsafe { (c.create_configured_agent)(cname.as_ptr(), &cfg, &mut agent) };
         op("createAgent", rt.capi_status(st)).detail(|| format!("agent {name}"))?;
         // From here `inner`'s Drop destroys the agent on any error.
@@ -456,15 +470,19 @@ impl Agent {
         let ucx = c"UCX";
         let mut mems: P = std::ptr::null_mut();
         let mut params: P = std::ptr::null_mut();
-        // Safety: live agent; out-pointers valid.
+        // SAFETY: `agent` is the handle just created (owned by `inner`,
+        // destroyed only when it drops); `ucx` is NUL-terminated; `mems`
+        // and `params` are valid out-pointers.
         let st = unsafe { (c.get_plugin_params)(agent, ucx.as_ptr(), &mut mems, &mut params) };
         op("getPluginParams", rt.capi_status(st)).detail(|| "UCX plugin".into())?;
         let mut backend: P = std::ptr::null_mut();
         let listening_before = Look::now();
-        // Safety: live agent and params; the params and mem list are ours to
-        // destroy once the backend is created. The C API backend handle is a
-        // thin wrapper around the agent-owned backend, so destroying it
-        // leaves the backend in place.
+        // SAFETY: `agent` is live and `params`/`mems` are the live lists
+        // `get_plugin_params` returned (it succeeded); `backend` is a valid
+        // out-pointer. The lists are ours, destroyed once each after
+        // `create_backend` has read them. The backend handle is only a
+        // `new`'d wrapper around the agent-owned `nixlBackendH*`, so
+        // destroying it (once, when non-null) leaves the backend in place.
         let st = unsafe {
             let st = (c.create_backend)(agent, ucx.as_ptr(), params, &mut backend);
             (c.destroy_params)(params);
@@ -514,15 +532,23 @@ impl Agent {
             reg_dlist: std::ptr::null_mut(),
             registered: false,
         };
-        // Safety: out-pointer valid; a nixl_capi_mem_type_t value.
+        // SAFETY: `reg.reg_dlist` is a valid out-pointer and `mem.capi()` a
+        // valid `nixl_capi_mem_type_t` (DRAM 0 or VRAM 1); the new list is
+        // destroyed once, by `Registered`'s drop.
         let st = unsafe { (c.create_reg_dlist)(mem.capi(), &mut reg.reg_dlist) };
         op("registerMem", rt.capi_status(st))?;
-        // Safety: live reg dlist; the caller owns the range.
+        // SAFETY: `reg.reg_dlist` is the live list created above; a null
+        // metadata pointer with length 0 is allowed. NIXL only records the
+        // range here; the memory itself is reached by later transfers,
+        // which is why the caller (`register_vram`) keeps it alive longer
+        // than the returned `Registered`.
         let st = unsafe {
             (c.reg_dlist_add_desc)(reg.reg_dlist, addr, len, dev_id, std::ptr::null(), 0)
         };
         op("registerMem", rt.capi_status(st))?;
-        // Safety: live agent and reg dlist.
+        // SAFETY: `reg.agent.capi` is this live agent's handle and
+        // `reg.reg_dlist` the live list above; a null opt-args handle is
+        // allowed (no options).
         let st = unsafe { (c.register_mem)(reg.agent.capi, reg.reg_dlist, std::ptr::null_mut()) };
         op("registerMem", rt.capi_status(st))
             .detail(|| format!("{mem:?}, {len} bytes, device {dev_id}"))?;
@@ -535,8 +561,11 @@ impl Agent {
         let rt = self.inner.rt;
         let mut data: P = std::ptr::null_mut();
         let mut len = 0usize;
-        // Safety: live agent; on success NIXL mallocs `len` bytes at `data`,
-        // copied out and freed below.
+        // SAFETY: `self.inner.capi` is this live agent's handle; `data` and
+        // `len` are valid out-pointers. On success the C API has set `data`
+        // to a non-null malloc'd copy of the metadata, `len` bytes long (it
+        // fails rather than return null); it is copied out, then freed once
+        // with `rt.free`, and not used after.
         unsafe {
             let st = (rt.capi().get_local_md)(self.inner.capi, &mut data, &mut len);
             op("getLocalMD", rt.capi_status(st))?;
@@ -568,7 +597,8 @@ impl Agent {
         let recording = rt.endpoint_close_mode().is_force() && sockets::shutdown_on();
         let work = recording.then(|| self.inner.socket_work());
         let before = recording.then(Look::now);
-        // Safety: live agent.
+        // SAFETY: `self.inner.capi` is this agent's handle, live while
+        // `self.inner` is, and created by `rt`.
         let (raw, name) = unsafe { rt.load_remote_md(self.inner.capi, metadata) };
         op("loadRemoteMD", raw)?;
         let name = name.unwrap_or_default();
@@ -581,11 +611,13 @@ impl Agent {
             Ok(n) => Ok(n.to_owned()),
             Err(problem) => {
                 if rt.names_have_length() {
-                    // Safety: live agent. The shim passes the name with its
-                    // length, so this reaches exactly the agent just loaded.
-                    let _ = rt
-                        .ep_close()
-                        .forcing(|| unsafe { rt.invalidate_remote_md(self.inner.capi, &name) });
+                    // The shim passes the name with its length, so this
+                    // reaches exactly the agent just loaded.
+                    let _ = rt.ep_close().forcing(
+                        // SAFETY: `self.inner.capi` is this agent's live
+                        // handle, created by `rt`; the closure runs at once.
+                        || unsafe { rt.invalidate_remote_md(self.inner.capi, &name) },
+                    );
                     // Just loaded, never used: nothing can be in flight.
                     self.inner.shut_recorded(&name, Connections::Shut);
                 }
@@ -639,10 +671,11 @@ impl Agent {
     ) -> Result<EndpointCloses, NixlError> {
         remote_name("invalidateRemoteMD", remote)?;
         let rt = self.inner.rt;
-        // Safety: live agent.
-        let (raw, mut closes) = rt
-            .ep_close()
-            .forcing(|| unsafe { rt.invalidate_remote_md(self.inner.capi, remote.as_bytes()) });
+        let (raw, mut closes) = rt.ep_close().forcing(
+            // SAFETY: `self.inner.capi` is this agent's live handle, created
+            // by `rt`; the closure runs at once, while `self` is borrowed.
+            || unsafe { rt.invalidate_remote_md(self.inner.capi, remote.as_bytes()) },
+        );
         let result = op("invalidateRemoteMD", raw).detail(|| format!("agent {remote}"));
         // Invalidated, or unknown to NIXL (dropped by it already): the
         // agent is not loaded, its connections have no owner left.
@@ -675,7 +708,8 @@ impl Agent {
     /// As [`Agent::gen_notif`], returning the raw success status too.
     pub fn gen_notif_status(&self, remote: &str, message: &[u8]) -> Result<NixlStatus, NixlError> {
         remote_name("genNotif", remote)?;
-        // Safety: live agent.
+        // SAFETY: `self.inner.capi` is this agent's live handle, created by
+        // `self.inner.rt`.
         let raw = unsafe {
             self.inner
                 .rt
@@ -748,7 +782,8 @@ impl Agent {
         let rt = self.inner.rt;
         let c = rt.capi();
         let mut dl: P = std::ptr::null_mut();
-        // Safety: out-pointer valid; a nixl_capi_mem_type_t value.
+        // SAFETY: `dl` is a valid out-pointer and `mem.capi()` a valid
+        // `nixl_capi_mem_type_t`; the new list is owned by `guard` below.
         let st = unsafe { (c.create_xfer_dlist)(mem.capi(), &mut dl) };
         op("prepXferDlist", rt.capi_status(st))?;
         let guard = CapiGuard {
@@ -756,12 +791,15 @@ impl Agent {
             destroy: c.destroy_xfer_dlist,
         };
         for d in descs {
-            // Safety: live dlist.
+            // SAFETY: `guard.p` is the live xfer dlist created above; the
+            // descriptor is passed by value (NIXL only records the range).
             let st = unsafe { (c.xfer_dlist_add_desc)(guard.p, d.addr as usize, d.len, d.dev_id) };
             op("prepXferDlist", rt.capi_status(st))?;
         }
-        // Safety: live agent and dlist; NIXL copies the descriptors, so the
-        // dlist may go when this returns.
+        // SAFETY: `self.inner.capi` is this agent's live handle, created by
+        // `rt`, and `guard.p` a live xfer dlist of `rt` for the whole call.
+        // NIXL copies the descriptors, so the dlist may go when this
+        // returns.
         let (raw, handle) =
             unsafe { rt.prep_dlist(self.inner.capi, remote.map(str::as_bytes), guard.p) };
         op("prepXferDlist", raw).detail(|| match remote {
@@ -794,7 +832,10 @@ impl Agent {
         let mut opt: Option<CapiGuard> = None;
         if let Some(msg) = notif {
             let mut p: P = std::ptr::null_mut();
-            // Safety: out-pointer valid; then a live opt-args handle.
+            // SAFETY: `p` is a valid out-pointer; once created, the opt-args
+            // handle is owned by `g` (destroyed once, on drop) and live for
+            // the two setters. `msg` is valid for `msg.len()` bytes during
+            // the call; NIXL copies it into its `std::string`.
             unsafe {
                 op("makeXferReq", rt.capi_status((c.create_opt_args)(&mut p)))?;
                 let g = CapiGuard {
@@ -817,8 +858,15 @@ impl Agent {
             }
         }
         let opt_ptr = opt.as_ref().map_or(std::ptr::null_mut(), |g| g.p);
-        // Safety: live agent; both dlist handles are live (held by Arcs) and
-        // made by this agent; the index slices outlive the call.
+        // SAFETY: `self.inner.capi` is this agent's live handle. Both dlist
+        // handles are live and unreleased for the request's whole life: it
+        // keeps their `Arc`s, and a `DlistInner` releases its handle only
+        // when the last one drops. `opt_ptr` is null or the live opt-args
+        // handle kept in the request (`_opt`), so it outlives it. The index
+        // slices are valid for the call. Not checked here: that both dlists
+        // were prepared by this agent rather than by another agent of the
+        // process (NIXL then uses the backend they share, or refuses
+        // them).
         let (raw, req) = unsafe {
             rt.make_xfer_req(
                 self.inner.capi,
@@ -855,15 +903,21 @@ struct CapiGuard {
 
 impl Drop for CapiGuard {
     fn drop(&mut self) {
-        // Safety: `p` is a live object of the kind `destroy` expects, used
-        // by no one after this.
+        // SAFETY: every `CapiGuard` is built right after a successful
+        // `create_*` call with the matching `destroy_*` (notif map, xfer
+        // dlist, opt args), so `p` is a live object of the kind `destroy`
+        // expects; the guard owns it alone, and this drop is its last use.
         unsafe { (self.destroy)(self.p) };
     }
 }
 
-// Safety: opt-args objects are plain data owned by one XferRequest.
+// SAFETY: the guarded objects (opt args, xfer dlists, notification maps) are
+// plain heap data of the C API, tied to no thread, and owned by the guard
+// alone; destroying one from another thread is fine.
 unsafe impl Send for CapiGuard {}
-// Safety: never accessed through a shared reference after creation.
+// SAFETY: a `&CapiGuard` gives only the pointer's value: no `&self` method
+// calls into NIXL (the object is read by NIXL only in calls made by its
+// owner, and destroyed through `&mut self` in `drop`).
 unsafe impl Sync for CapiGuard {}
 
 /// DRAM owned by this crate and registered with an agent. Deregistered,
@@ -875,9 +929,12 @@ pub struct DramRegistration {
     len: usize,
 }
 
-// Safety: owns its allocation; NIXL calls go through a locking agent.
+// SAFETY: the registration owns its heap allocation (`ptr`, `len`) alone and
+// the reg dlist is plain C API data; its NIXL calls go through a locking
+// agent, so none is tied to the creating thread.
 unsafe impl Send for DramRegistration {}
-// Safety: shared access only reads (see `bytes`).
+// SAFETY: `&self` methods only read: the fields, and the bytes (`bytes`);
+// writing the bytes takes `&mut self` (`bytes_mut`).
 unsafe impl Sync for DramRegistration {}
 
 impl DramRegistration {
@@ -893,18 +950,25 @@ impl DramRegistration {
             ptr,
             len,
         };
-        // Safety: out-pointer valid; DRAM = 0.
+        // SAFETY: `reg.reg_dlist` is a valid out-pointer and 0 is
+        // `NIXL_CAPI_DRAM_SEG`; the list is destroyed once (here on a
+        // failed registration, else in `drop`).
         let st = unsafe { (c.create_reg_dlist)(0, &mut reg.reg_dlist) };
         op("registerMem", rt.capi_status(st))?;
-        // Safety: live reg dlist; the range is our allocation.
+        // SAFETY: `reg.reg_dlist` is the live list created above; the range
+        // is our own allocation of `len` bytes, freed only after it is
+        // deregistered (`drop`); null metadata with length 0 is allowed.
         let st = unsafe {
             (c.reg_dlist_add_desc)(reg.reg_dlist, ptr as usize, len, 0, std::ptr::null(), 0)
         };
         op("registerMem", rt.capi_status(st))?;
-        // Safety: live agent and reg dlist.
+        // SAFETY: `reg.agent.capi` is the live agent's handle and
+        // `reg.reg_dlist` the live list above; null opt args are allowed.
         let st = unsafe { (c.register_mem)(reg.agent.capi, reg.reg_dlist, std::ptr::null_mut()) };
         if let Err(e) = op("registerMem", rt.capi_status(st)) {
-            // Safety: not registered: only the dlist needs destroying.
+            // SAFETY: the registration failed, so only the live list needs
+            // destroying; it is nulled below so `drop` does not touch it
+            // again.
             unsafe { (c.destroy_reg_dlist)(reg.reg_dlist) };
             reg.reg_dlist = std::ptr::null_mut();
             return Err(e);
@@ -947,13 +1011,18 @@ impl DramRegistration {
     /// The bytes. A transfer that writes this memory (a READ into it)
     /// changes them underneath: read only after such a transfer completed.
     pub fn bytes(&self) -> &[u8] {
-        // Safety: our allocation of `len` bytes, alive until drop.
+        // SAFETY: `ptr` is our boxed slice of `len` initialised (zeroed)
+        // bytes, freed only in `drop`; no `&mut` to it coexists (`bytes_mut`
+        // takes `&mut self`). NIXL writes it only during a READ into it,
+        // which the caller must let complete first (see above): not
+        // enforced by the types.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
     /// The bytes, to fill before peers read them.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        // Safety: as `bytes`, and `&mut self` excludes other local access.
+        // SAFETY: as in `bytes`; `&mut self` excludes every other Rust
+        // reference to the bytes for the borrow's life.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
@@ -962,14 +1031,17 @@ impl Drop for DramRegistration {
     fn drop(&mut self) {
         let c = self.agent.rt.capi();
         if !self.reg_dlist.is_null() {
-            // Safety: registered with this live agent; after deregistration
-            // NIXL no longer touches the memory.
+            // SAFETY: a non-null `reg_dlist` was registered with this agent,
+            // which is live (held by `self.agent`); it is deregistered and
+            // destroyed once, here. After deregistration NIXL no longer
+            // touches the memory freed below.
             unsafe {
                 (c.deregister_mem)(self.agent.capi, self.reg_dlist, std::ptr::null_mut());
                 (c.destroy_reg_dlist)(self.reg_dlist);
             }
         }
-        // Safety: allocated in `new` as a boxed slice of `len` bytes.
+        // SAFETY: `ptr`/`len` are the boxed slice leaked in `new`, turned
+        // back into its `Box` once, here, after NIXL stopped using it.
         drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
     }
 }
@@ -982,9 +1054,11 @@ pub(crate) struct Registered {
     registered: bool,
 }
 
-// Safety: the reg dlist is only touched on drop, through the locking agent.
+// SAFETY: the reg dlist is plain C API data, tied to no thread, and only
+// touched on drop, through the locking agent.
 unsafe impl Send for Registered {}
-// Safety: no access through a shared reference.
+// SAFETY: no `&self` method touches the reg dlist (`agent_name` reads the
+// agent's name only).
 unsafe impl Sync for Registered {}
 
 impl Registered {
@@ -1000,8 +1074,10 @@ impl Drop for Registered {
             return;
         }
         let c = self.agent.rt.capi();
-        // Safety: made by this agent; after deregistration NIXL no longer
-        // touches the memory; the dlist is destroyed once.
+        // SAFETY: `reg_dlist` is the live list `register_region` made with
+        // this agent, which is live (held by `self.agent`); it is
+        // deregistered only if it was registered, and destroyed once, here.
+        // After deregistration NIXL no longer touches the memory.
         unsafe {
             if self.registered {
                 (c.deregister_mem)(self.agent.capi, self.reg_dlist, std::ptr::null_mut());
@@ -1018,9 +1094,11 @@ struct DlistInner {
     released: std::sync::atomic::AtomicBool,
 }
 
-// Safety: a NIXL handle used only through the locking agent.
+// SAFETY: `raw` is a NIXL dlist handle tied to no thread, used only in calls
+// to its (locking) agent.
 unsafe impl Send for DlistInner {}
-// Safety: as above; release is guarded by `released`.
+// SAFETY: the only `&self` use of `raw` is `release`, which the `released`
+// flag (an atomic swap) lets run once, whichever thread gets there first.
 unsafe impl Sync for DlistInner {}
 
 impl DlistInner {
@@ -1031,7 +1109,9 @@ impl DlistInner {
         {
             return Ok(());
         }
-        // Safety: prepared by this agent and not yet released (flag above).
+        // SAFETY: `self.raw` was prepared by `self.agent` (live: held by the
+        // `Arc`) and is released once: the swap above lets only the first
+        // caller through.
         let raw = unsafe { self.agent.rt.release_dlist(self.agent.capi, self.raw) };
         op("releasedDlistH", raw).map(|_| ())
     }
@@ -1076,24 +1156,27 @@ pub struct XferRequest {
     released: bool,
 }
 
-// Safety: a NIXL handle used through the locking agent; `&mut self`
-// methods keep one thread per request at a time.
+// SAFETY: `raw` is a NIXL request handle tied to no thread, used only in
+// calls to its (locking) agent; the `&mut self` methods keep one thread per
+// request at a time.
 unsafe impl Send for XferRequest {}
-// Safety: no `&self` method touches NIXL.
+// SAFETY: no `&self` method touches NIXL: posting, checking and releasing
+// all take `&mut self` or `self`.
 unsafe impl Sync for XferRequest {}
 
 impl XferRequest {
     /// Posts the transfer. `Done` if it completed at once.
     pub fn post(&mut self) -> Result<XferState, NixlError> {
-        // Safety: live request of this agent (not released: `release`
-        // consumes self).
+        // SAFETY: `self.raw` is the live request `create_read` made with
+        // `self.agent` (live: held by the `Arc`), not released: the release
+        // sets `released` and only runs in `release(self)` or on drop.
         let raw = unsafe { self.agent.rt.post_xfer_req(self.agent.capi, self.raw) };
         op("postXferReq", raw).map(XferState::from_ok)
     }
 
     /// Checks the transfer (also progresses the UCX worker).
     pub fn status(&mut self) -> Result<XferState, NixlError> {
-        // Safety: as `post`.
+        // SAFETY: as in `post`.
         let raw = unsafe { self.agent.rt.get_xfer_status(self.agent.capi, self.raw) };
         op("getXferStatus", raw).map(XferState::from_ok)
     }
@@ -1109,7 +1192,9 @@ impl XferRequest {
             return Ok(());
         }
         self.released = true;
-        // Safety: live request of this agent, released once (flag above).
+        // SAFETY: `self.raw` is the live request `create_read` made with
+        // `self.agent` (held by the `Arc`); the flag above makes this the
+        // one release, and nothing uses `raw` after it.
         let raw = unsafe { self.agent.rt.release_xfer_req(self.agent.capi, self.raw) };
         op("releaseXferReq", raw).map(|_| ())
     }

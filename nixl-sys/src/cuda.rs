@@ -144,8 +144,9 @@ impl Cuda {
     }
 
     fn load() -> Result<Cuda, CudaError> {
-        // Safety: loading the driver runs its initialisers; it is the
-        // library this module exists to use.
+        // SAFETY: loading the driver runs its initialisers; it is the
+        // library this module exists to use, and it is never unloaded (the
+        // `Library` lives in the static `Cuda`).
         let lib = unsafe { Library::open(Some(LIBCUDA), RTLD_NOW | RTLD_LOCAL) }.map_err(|e| {
             CudaError::Load {
                 message: e.to_string(),
@@ -153,8 +154,13 @@ impl Cuda {
         })?;
         macro_rules! sym {
             ($name:expr) => {{
-                // Safety: each field's type is the driver API's documented
-                // signature for that symbol.
+                // SAFETY: each `Fns` field's type is the driver API's
+                // documented signature for that symbol (cuda.h, the `_v2`
+                // entry points where the API has them). The function
+                // pointer copied out outlives the `Symbol` borrow: sound
+                // because `lib` moves into the `Cuda`, which lives in a
+                // static and never unloads it (on an error return nothing
+                // keeps the pointers).
                 match unsafe { lib.get(concat!($name, "\0").as_bytes()) } {
                     Ok(s) => *s,
                     Err(_) => {
@@ -186,9 +192,11 @@ impl Cuda {
             contexts: Mutex::default(),
             _lib: lib,
         };
-        // Safety: plain driver calls with valid out-pointers.
+        // SAFETY: `cuInit` takes only its flags argument, which must be 0.
         cuda.check("cuInit", String::new(), unsafe { (cuda.fns.init)(0) })?;
         let mut n: c_int = 0;
+        // SAFETY: the driver is initialised (above); `n` is a valid
+        // out-pointer for the count.
         cuda.check("cuDeviceGetCount", String::new(), unsafe {
             (cuda.fns.device_get_count)(&mut n)
         })?;
@@ -206,7 +214,9 @@ impl Cuda {
             return Ok(());
         }
         let mut p: *const c_char = std::ptr::null();
-        // Safety: valid out-pointer; the driver returns a static string.
+        // SAFETY: `p` is a valid out-pointer; on success the driver sets it
+        // to a static NUL-terminated string (checked non-null before it is
+        // read), copied out at once.
         let name = unsafe {
             if (self.fns.get_error_name)(code, &mut p) == CUDA_SUCCESS && !p.is_null() {
                 Some(CStr::from_ptr(p).to_string_lossy().into_owned())
@@ -238,12 +248,15 @@ impl Cuda {
                 None => {
                     let mut dev: CuDevice = 0;
                     let detail = || format!("device {device}");
-                    // Safety: valid out-pointers; `device` is in range.
+                    // SAFETY: `dev` is a valid out-pointer; `device` is in
+                    // `0..self.devices` (checked above), the ordinals the
+                    // initialised driver counted.
                     self.check("cuDeviceGet", detail(), unsafe {
                         (self.fns.device_get)(&mut dev, device)
                     })?;
                     let mut ctx: CuContext = std::ptr::null_mut();
-                    // Safety: as above.
+                    // SAFETY: `ctx` is a valid out-pointer and `dev` the
+                    // device `cuDeviceGet` just returned.
                     self.check("cuDevicePrimaryCtxRetain", detail(), unsafe {
                         (self.fns.primary_ctx_retain)(&mut ctx, dev)
                     })?;
@@ -252,7 +265,8 @@ impl Cuda {
                 }
             }
         };
-        // Safety: a retained (never released) primary context.
+        // SAFETY: `ctx` is a primary context retained above (or earlier, in
+        // `contexts`) and never released, so it is still valid.
         self.check("cuCtxSetCurrent", format!("device {device}"), unsafe {
             (self.fns.ctx_set_current)(ctx)
         })
@@ -264,7 +278,8 @@ impl Cuda {
     pub fn mem_info(&self, device: i32) -> Result<MemInfo, CudaError> {
         self.enter(device)?;
         let (mut free, mut total) = (0usize, 0usize);
-        // Safety: valid out-pointers; a context is current.
+        // SAFETY: `free` and `total` are valid out-pointers; `enter` made
+        // the device's primary context current on this thread.
         self.check("cuMemGetInfo_v2", format!("device {device}"), unsafe {
             (self.fns.mem_get_info)(&mut free, &mut total)
         })?;
@@ -301,10 +316,12 @@ impl DeviceMemory {
         cuda.enter(device)?;
         let len = len.max(1);
         let mut ptr: CuDevicePtr = 0;
-        // Safety: valid out-pointer; a context is current.
         cuda.check(
             "cuMemAlloc_v2",
             format!("device {device}, {len} bytes"),
+            // SAFETY: `ptr` is a valid out-pointer and `len` is at least 1;
+            // `enter` made the device's primary context current on this
+            // thread. The allocation is freed once, by `drop`.
             unsafe { (cuda.fns.mem_alloc)(&mut ptr, len) },
         )?;
         Ok(DeviceMemory {
@@ -350,11 +367,13 @@ impl DeviceMemory {
         let at = self.range(offset, len)?;
         self.cuda.enter(self.device)?;
         let detail = || format!("device {}, {len} bytes at +{offset}", self.device);
-        // Safety: the range is inside our allocation; a context is current.
+        // SAFETY: `at..at + len` is inside our live allocation (`range`);
+        // `enter` made its device's primary context current.
         self.cuda.check("cuMemsetD8_v2", detail(), unsafe {
             (self.cuda.fns.memset_d8)(at, byte, len)
         })?;
-        // Safety: a context is current.
+        // SAFETY: `enter` made the device's primary context current; the
+        // call takes no pointers.
         self.cuda.check("cuCtxSynchronize", detail(), unsafe {
             (self.cuda.fns.ctx_synchronize)()
         })
@@ -364,11 +383,12 @@ impl DeviceMemory {
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), CudaError> {
         let at = self.range(offset, src.len())?;
         self.cuda.enter(self.device)?;
-        // Safety: the range is inside our allocation, `src` is valid for
-        // its length; a context is current.
         self.cuda.check(
             "cuMemcpyHtoD_v2",
             format!("device {}, {} bytes at +{offset}", self.device, src.len()),
+            // SAFETY: `at..at + src.len()` is inside our live allocation
+            // (`range`); `src` is valid for reads of its length during the
+            // (synchronous) copy; `enter` made the context current.
             unsafe { (self.cuda.fns.memcpy_htod)(at, src.as_ptr().cast(), src.len()) },
         )
     }
@@ -379,11 +399,13 @@ impl DeviceMemory {
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), CudaError> {
         let at = self.range(offset, dst.len())?;
         self.cuda.enter(self.device)?;
-        // Safety: the range is inside our allocation, `dst` is valid for
-        // writes of its length; a context is current.
         self.cuda.check(
             "cuMemcpyDtoH_v2",
             format!("device {}, {} bytes at +{offset}", self.device, dst.len()),
+            // SAFETY: `at..at + dst.len()` is inside our live allocation
+            // (`range`); `dst` is an exclusive borrow, valid for writes of
+            // its length during the (synchronous) copy; `enter` made the
+            // context current.
             unsafe { (self.cuda.fns.memcpy_dtoh)(dst.as_mut_ptr().cast(), at, dst.len()) },
         )
     }
@@ -392,7 +414,10 @@ impl DeviceMemory {
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
         if self.cuda.enter(self.device).is_ok() {
-            // Safety: allocated by `alloc` and freed once, here.
+            // SAFETY: `self.ptr` was allocated by `alloc` in this device's
+            // primary context (current again, via `enter`) and is freed
+            // once, here. A `VramRegistration` drops its NIXL registration
+            // before this memory (field order).
             unsafe { (self.cuda.fns.mem_free)(self.ptr) };
         }
     }

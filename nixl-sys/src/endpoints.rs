@@ -244,8 +244,11 @@ impl EpClose {
                     return m.clone();
                 }
                 let file = CString::new(UCX_PLUGIN_FILE).expect("no NUL");
-                // Safety: reads the loaded plugin's relocations through
-                // dl_iterate_phdr; the name is a valid C string.
+                // SAFETY: `i.bound` is the interposer's `nks_ep_close_bound`
+                // (`int (const char *)`), kept loaded by `i._lib` in the
+                // process's static state; `file` is NUL-terminated and
+                // outlives the call, which only reads the loader's list
+                // (dl_iterate_phdr) and the plugin's relocations.
                 let bound = unsafe { (i.bound)(file.as_ptr()) };
                 let mode = match bound {
                     1 => EndpointCloseMode::Force,
@@ -281,8 +284,12 @@ impl EpClose {
             fn end(&mut self) -> RawCloses {
                 let mut raw = RawCloses::default();
                 if std::mem::take(&mut self.open) {
-                    // Safety: closes the scope this guard opened, on this
-                    // thread.
+                    // SAFETY: `end` is `nks_ep_close_scope_end`, kept loaded
+                    // with the interposer; `raw` is a valid `#[repr(C)]`
+                    // mirror of `struct nks_ep_closes` (four `uint32_t`) for
+                    // it to write. `open` was set, so this closes the scope
+                    // this guard opened, on this thread (the guard never
+                    // leaves `forcing`).
                     unsafe { (self.interposer.end)(&mut raw) };
                 }
                 raw
@@ -293,7 +300,9 @@ impl EpClose {
                 self.end();
             }
         }
-        // Safety: opens a scope on this thread, closed by `Scope`.
+        // SAFETY: `begin` is `nks_ep_close_scope_begin` (`void (void)`),
+        // kept loaded with the interposer; it only bumps a thread-local
+        // depth, and the `Scope` below closes it, also on unwind.
         unsafe { (i.begin)() };
         let mut scope = Scope {
             interposer: i,
@@ -384,7 +393,10 @@ impl EndpointCloser {
 /// Whether NIXL's UCX plugin is in the process already (then it is bound).
 fn plugin_already_loaded() -> bool {
     let name = CString::new(UCX_PLUGIN_FILE).expect("no NUL");
-    // Safety: RTLD_NOLOAD only looks the object up; the handle is closed.
+    // SAFETY: `name` is NUL-terminated and outlives the calls. With
+    // RTLD_NOLOAD dlopen loads nothing (no initialiser runs): it returns a
+    // handle only to an object already loaded, whose reference count it
+    // took, and the one dlclose gives that back without unloading it.
     unsafe {
         let h = libc::dlopen(name.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY);
         if h.is_null() {
@@ -398,8 +410,8 @@ fn plugin_already_loaded() -> bool {
 
 fn load_interposer() -> Result<Interposer, String> {
     let name = c"nixl-sys-ep-close";
-    // Safety: a fresh anonymous file owned by this function until the
-    // dlopen below has mapped it.
+    // SAFETY: `name` is NUL-terminated; memfd_create touches no other memory.
+    // The new descriptor (checked below) is owned by this function alone.
     let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
         return Err(format!(
@@ -407,18 +419,24 @@ fn load_interposer() -> Result<Interposer, String> {
             std::io::Error::last_os_error()
         ));
     }
-    // Safety: `fd` is ours; File closes it on drop.
+    // SAFETY: `fd` is the open descriptor just created, owned by nothing
+    // else; the `File` takes it over and closes it once, on drop.
     let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
     std::io::Write::write_all(&mut file, EP_CLOSE_SO)
         .map_err(|e| format!("writing the interposer to a memfd failed: {e}"))?;
     let path = format!("/proc/self/fd/{fd}");
-    // Safety: our own object, built from shim/ep_close.c; its only
-    // initialisers are static data. RTLD_GLOBAL puts its ucp_ep_close_nbx
-    // ahead of UCX's for objects loaded later (NIXL's plugin).
+    // SAFETY: our own object, built from shim/ep_close.c by build.rs; it has
+    // no constructors, only static data (a mutex initialiser). RTLD_GLOBAL
+    // puts its ucp_ep_close_nbx ahead of UCX's for objects loaded later
+    // (NIXL's plugin). The `Library` is kept in the `Interposer`, which
+    // lives in a static: the object is never unloaded.
     let lib = unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) }
         .map_err(|e| format!("loading the interposer failed: {e}"))?;
     drop(file);
-    // Safety: the symbols' types are those of shim/ep_close.c.
+    // SAFETY: the three symbols' types are those shim/ep_close.c defines
+    // (`void (void)`, `void (struct nks_ep_closes *)`, `int (const char *)`).
+    // The function pointers copied out stay valid because `lib` moves into
+    // the same `Interposer`, which is never dropped (static state).
     unsafe {
         let begin = *lib
             .get::<unsafe extern "C" fn()>(b"nks_ep_close_scope_begin\0")
@@ -457,10 +475,14 @@ extern "C" {
 }
 
 extern "C" fn push_name(name: *const c_char, arg: *mut c_void) {
-    // Safety: `arg` is the `Vec<String>` passed by `vfs_list`; `name` a C
-    // string valid during the callback.
+    // SAFETY: `arg` is the `&mut Vec<String>` that `vfs_list` or `vfs_read`
+    // passed; the shim calls this callback only synchronously, during that
+    // call, when no other reference to the vector is in use.
     let v = unsafe { &mut *(arg as *mut Vec<String>) };
     v.push(
+        // SAFETY: UCX (through the shim) passes a NUL-terminated name, or
+        // the text of a VFS file, valid for the callback's duration; it is
+        // copied out at once.
         unsafe { CStr::from_ptr(name) }
             .to_string_lossy()
             .into_owned(),
@@ -470,7 +492,10 @@ extern "C" fn push_name(name: *const c_char, arg: *mut c_void) {
 fn vfs_list(path: &str) -> Option<Vec<String>> {
     let p = CString::new(path).ok()?;
     let mut out: Vec<String> = Vec::new();
-    // Safety: valid C string; the callback only pushes into `out`.
+    // SAFETY: `p` is NUL-terminated and outlives the call; `push_name` has
+    // the `void (*)(const char *, void *)` type the shim takes, and `arg`
+    // is `out`, exclusively borrowed for the call, the only thing the
+    // callback touches (it is called only during the call).
     let st =
         unsafe { nks_ucx_vfs_list(p.as_ptr(), push_name, (&mut out as *mut Vec<String>).cast()) };
     (st == 0).then_some(out)
@@ -479,7 +504,9 @@ fn vfs_list(path: &str) -> Option<Vec<String>> {
 fn vfs_read(path: &str) -> Option<String> {
     let p = CString::new(path).ok()?;
     let mut out: Vec<String> = Vec::new();
-    // Safety: as in `vfs_list`.
+    // SAFETY: as in `vfs_list`: `p` is NUL-terminated, `push_name` has the
+    // callback type the shim takes, and `arg` is `out`, exclusively
+    // borrowed for the call.
     let st =
         unsafe { nks_ucx_vfs_read(p.as_ptr(), push_name, (&mut out as *mut Vec<String>).cast()) };
     (st == 0).then(|| out.concat().trim_end().to_string())

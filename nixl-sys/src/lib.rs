@@ -41,6 +41,8 @@
 //! NIXL on its own, use [`ProgressThread::Polling`] with a delay of about
 //! 1 ms.
 
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
 mod agent;
 pub mod cuda;
 pub mod endpoints;

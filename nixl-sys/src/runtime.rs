@@ -116,9 +116,12 @@ pub(crate) struct Capi {
 /// never unloaded.
 #[derive(Clone, Copy)]
 pub(crate) struct Member(*const c_void);
-// Safety: a code address; sharing it between threads shares nothing mutable.
+// SAFETY: a `Member` is only a code address in libnixl, which stays loaded
+// for the life of the process; it is never read or written through, only
+// handed to the shim to call, so moving it to another thread moves no data.
 unsafe impl Send for Member {}
-// Safety: as above.
+// SAFETY: as for `Send`: a shared `&Member` only gives out the same
+// immutable address.
 unsafe impl Sync for Member {}
 
 /// The C++ members reached through the shim on a collapsed-C-API runtime.
@@ -297,8 +300,10 @@ impl Runtime {
         let nixl_path = lib_dir.join("libnixl.so");
         let capi_path = lib_dir.join("libnixl_capi.so");
         let open = |path: &Path| {
-            // Safety: loading NIXL runs its (and UCX's) initialisers; those are
-            // the libraries this crate exists to use, loaded by absolute path.
+            // SAFETY: loading NIXL runs its (and UCX's) initialisers; those are
+            // the libraries this crate exists to use, loaded by absolute path
+            // from the runtime folder found above, and never unloaded (the
+            // `Library`s live in the static `Runtime`).
             unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }.map_err(|e| {
                 LoadError::Open {
                     path: path.to_path_buf(),
@@ -311,8 +316,12 @@ impl Runtime {
 
         macro_rules! sym {
             ($lib:expr, $path:expr, $name:expr) => {{
-                // Safety: the symbol's type is declared in `Capi` from the C
-                // API's documented signature.
+                // SAFETY: the symbol's type is the `Capi` field it is stored
+                // in, declared from the C API's signature (nixl_capi.h). The
+                // function pointer copied out of the `Symbol` outlives the
+                // borrow of `$lib`: sound because the library is moved into
+                // the `Runtime`, which lives in a static and never unloads
+                // it (on an error return nothing keeps the pointers).
                 match unsafe { $lib.get(concat!($name, "\0").as_bytes()) } {
                     Ok(s) => *s,
                     Err(_) => {
@@ -372,15 +381,18 @@ impl Runtime {
             notif_map_get_notif: sym!(libcapi, capi_path, "nixl_capi_notif_map_get_notif"),
         };
 
-        // Safety: only probing for presence; the symbol is never called here.
+        // SAFETY: only probes whether the symbol exists; the address is typed
+        // as a plain data pointer and neither called nor dereferenced.
         let has_v1 = unsafe { libcapi.get::<*const c_void>(b"nixl_capi_get_version\0") }.is_ok();
         let flavor = if has_v1 {
             Flavor::V1
         } else {
             let member = |name: &str| -> Result<Member, LoadError> {
                 let cname = format!("{name}\0");
-                // Safety: only the address is taken; it is called through the
-                // shim with the signature documented next to each name.
+                // SAFETY: only the address is taken (as a data pointer, never
+                // dereferenced here); it is called later through the shim,
+                // with the C++ signature the shim declares for each mangled
+                // name, while `libnixl` stays loaded in the `Runtime`.
                 match unsafe { libnixl.get::<*const c_void>(cname.as_bytes()) } {
                     Ok(s) => Ok(Member(s.into_raw() as *const c_void)),
                     Err(_) => Err(LoadError::MissingSymbol {
@@ -411,7 +423,7 @@ impl Runtime {
             _libnixl: libnixl,
             _libcapi: libcapi,
         };
-        runtime.verify_layout_at(0)?;
+        runtime.verify_layout(LayoutProbe::Own)?;
         Ok(runtime)
     }
 
@@ -423,10 +435,14 @@ impl Runtime {
     /// be the same bytes. On any difference (or a pointer that is not into
     /// writable memory) the runtime is refused, never used half-right.
     ///
-    /// `word` is which pointer-sized word of the handle is taken for the
-    /// object: 0, the layout the shim relies on (another value exists only
-    /// to prove, in a test, that a wrong layout is refused).
-    fn verify_layout_at(&self, word: usize) -> Result<(), LoadError> {
+    /// `object` says whose handle the C++ member is read from:
+    /// [`LayoutProbe::Own`], the probe agent's own (the layout the shim
+    /// relies on). [`LayoutProbe::Another`] exists only to prove, in a
+    /// test, that a wrong object is refused: it reads the member of a
+    /// second, equally live probe agent, whose metadata names another
+    /// agent. (An earlier form of the test read the handle's second word,
+    /// past its 8-byte allocation.)
+    fn verify_layout(&self, object: LayoutProbe) -> Result<(), LoadError> {
         let Flavor::Collapsed(members) = &self.flavor else {
             return Ok(());
         };
@@ -434,8 +450,107 @@ impl Runtime {
             path: self.lib_dir.join("libnixl_capi.so"),
             why,
         };
-        let name = std::ffi::CString::new(format!("nixl-sys-layout-probe-{}", std::process::id()))
-            .expect("no NUL");
+        let agent = self.probe_agent("", &mismatch)?;
+        let other = match object {
+            LayoutProbe::Own => None,
+            LayoutProbe::Another => match self.probe_agent("-other", &mismatch) {
+                Ok(other) => Some(other),
+                Err(e) => {
+                    // SAFETY: `agent` is the probe agent just created; nothing
+                    // else holds it, and it is destroyed once, here.
+                    unsafe { (self.capi.destroy_agent)(agent) };
+                    return Err(e);
+                }
+            },
+        };
+        let result = (|| {
+            let mut data: P = std::ptr::null_mut();
+            let mut len = 0usize;
+            // SAFETY: `agent` is the live probe agent; `data` and `len` are
+            // valid out-pointers. On success the C API has set `data` to a
+            // non-null malloc'd copy of the metadata, `len` bytes long (it
+            // fails rather than return null), which is copied out, then
+            // freed once with `nks_free` (the same libc `free`).
+            let via_capi = unsafe {
+                let st = (self.capi.get_local_md)(agent, &mut data, &mut len);
+                if st != 0 {
+                    return Err(mismatch(format!(
+                        "getLocalMD through the C API failed ({st})"
+                    )));
+                }
+                let v = std::slice::from_raw_parts(data as *const u8, len).to_vec();
+                nks_free(data);
+                v
+            };
+            let handle = other.unwrap_or(agent);
+            // SAFETY: `handle` is a live probe agent (destroyed only after
+            // this closure) allocated by the C API with `new`, so it is
+            // aligned for a pointer, and its first word (in bounds: the
+            // 1.5.1 handle is one pointer, `operator new(8)`) is the member
+            // this check is about.
+            let inner = unsafe { *(handle as *const P) };
+            if !points_into_writable_memory(inner) {
+                return Err(mismatch(format!(
+                    "the agent handle's first member ({inner:p}) does not point into writable memory"
+                )));
+            }
+            let mut out: *mut c_char = std::ptr::null_mut();
+            let mut out_len = 0usize;
+            // SAFETY: `members.get_local_md` is `nixlAgent::getLocalMD` in
+            // the loaded libnixl, the signature the shim casts it to; `out`
+            // and `out_len` are valid out-pointers. `inner` points into
+            // writable memory (checked above) and, with the layout the shim
+            // expects (as in 1.5.1), is a live probe agent's `nixlAgent`.
+            // This call is the check of that layout: with another one the
+            // member would run on whatever `inner` points at, which the
+            // writable-memory check narrows but cannot rule out.
+            let st =
+                unsafe { nks_get_local_md(members.get_local_md.0, inner, &mut out, &mut out_len) };
+            if st != 0 {
+                return Err(mismatch(format!(
+                    "nixlAgent::getLocalMD through the handle's first member answered {st}"
+                )));
+            }
+            // SAFETY: the call succeeded (`st == 0`), so the shim set `out`
+            // to a non-null malloc'd block of `out_len + 1` bytes (it throws,
+            // hence fails, rather than return null); it is copied out, then
+            // freed once with `nks_free`, its own `free`.
+            let via_cpp = unsafe {
+                let v = std::slice::from_raw_parts(out as *const u8, out_len).to_vec();
+                nks_free(out.cast());
+                v
+            };
+            if via_capi.is_empty() || via_capi != via_cpp {
+                return Err(mismatch(format!(
+                    "the agent's metadata differs between the C API ({} bytes) and the C++ member on the handle's first member ({} bytes)",
+                    via_capi.len(),
+                    via_cpp.len()
+                )));
+            }
+            Ok(())
+        })();
+        for probe in std::iter::once(agent).chain(other) {
+            // SAFETY: each is a probe agent created above (non-null, status
+            // 0); nothing else holds it, and it is destroyed once, here,
+            // after the closure's last use of it and of `inner`.
+            unsafe { (self.capi.destroy_agent)(probe) };
+        }
+        result
+    }
+
+    /// A throwaway agent with a UCX backend (NIXL describes an agent only
+    /// once it has one), named for this process and `suffix`; the caller
+    /// destroys it once with `destroy_agent`.
+    fn probe_agent(
+        &self,
+        suffix: &str,
+        mismatch: &dyn Fn(String) -> LoadError,
+    ) -> Result<P, LoadError> {
+        let name = std::ffi::CString::new(format!(
+            "nixl-sys-layout-probe-{}{suffix}",
+            std::process::id()
+        ))
+        .expect("no NUL");
         let cfg = CapiAgentConfig {
             enable_prog_thread: false,
             enable_listen_thread: false,
@@ -447,23 +562,28 @@ impl Runtime {
             capture_telemetry: false,
         };
         let mut agent: P = std::ptr::null_mut();
-        // Safety: valid NUL-terminated name, config and out-pointer.
+        // SAFETY: `name` is a NUL-terminated string and `cfg` a `#[repr(C)]`
+        // `nixl_capi_agent_config_t`, both outliving the call (NIXL copies
+        // them); `agent` is a valid out-pointer for the new handle.
         let st = unsafe { (self.capi.create_configured_agent)(name.as_ptr(), &cfg, &mut agent) };
         if st != 0 || agent.is_null() {
             return Err(mismatch(format!(
                 "the probe agent could not be created (C API status {st})"
             )));
         }
-        let result = (|| {
-            // NIXL describes an agent only once it has a backend: the UCX
-            // one, as every agent of this crate has.
+        let backend_made = (|| {
             let ucx = c"UCX";
             let mut mems: P = std::ptr::null_mut();
             let mut params: P = std::ptr::null_mut();
             let mut backend: P = std::ptr::null_mut();
-            // Safety: live agent; out-pointers valid; params and mem list
-            // destroyed once the backend exists; the C API backend handle
-            // is a wrapper, destroying it leaves the backend to the agent.
+            // SAFETY: `agent` is the live probe agent (destroyed only below,
+            // or by the caller); `ucx` is NUL-terminated; `mems`, `params` and
+            // `backend` are valid out-pointers. `params` and `mems` are the
+            // C API's own allocations, destroyed once each after
+            // `create_backend` has read them; the backend handle is only a
+            // `new`'d wrapper around the agent-owned `nixlBackendH*`, so
+            // destroying it (once, when non-null) leaves the backend to the
+            // agent.
             unsafe {
                 let st = (self.capi.get_plugin_params)(agent, ucx.as_ptr(), &mut mems, &mut params);
                 if st != 0 {
@@ -479,59 +599,26 @@ impl Runtime {
                     return Err(mismatch(format!("the probe's UCX backend: {st}")));
                 }
             }
-            let mut data: P = std::ptr::null_mut();
-            let mut len = 0usize;
-            // Safety: live agent; NIXL mallocs `len` bytes at `data`.
-            let via_capi = unsafe {
-                let st = (self.capi.get_local_md)(agent, &mut data, &mut len);
-                if st != 0 {
-                    return Err(mismatch(format!(
-                        "getLocalMD through the C API failed ({st})"
-                    )));
-                }
-                let v = std::slice::from_raw_parts(data as *const u8, len).to_vec();
-                nks_free(data);
-                v
-            };
-            // Safety: reading a pointer-sized word of the handle; the handle
-            // is a live allocation of at least two words (the 1.5.x agent
-            // handle holds its nixlAgent pointer and more).
-            let inner = unsafe { *(agent as *const P).add(word) };
-            if !points_into_writable_memory(inner) {
-                return Err(mismatch(format!(
-                    "the agent handle's first member ({inner:p}) does not point into writable memory"
-                )));
-            }
-            let mut out: *mut c_char = std::ptr::null_mut();
-            let mut out_len = 0usize;
-            // Safety: `inner` points into the heap; if the layout is the
-            // one the shim expects it is the agent's nixlAgent.
-            let st =
-                unsafe { nks_get_local_md(members.get_local_md.0, inner, &mut out, &mut out_len) };
-            if st != 0 {
-                return Err(mismatch(format!(
-                    "nixlAgent::getLocalMD through the handle's first member answered {st}"
-                )));
-            }
-            // Safety: the shim malloc'd `out_len` bytes at `out`.
-            let via_cpp = unsafe {
-                let v = std::slice::from_raw_parts(out as *const u8, out_len).to_vec();
-                nks_free(out.cast());
-                v
-            };
-            if via_capi.is_empty() || via_capi != via_cpp {
-                return Err(mismatch(format!(
-                    "the agent's metadata differs between the C API ({} bytes) and the C++ member on the handle's first member ({} bytes)",
-                    via_capi.len(),
-                    via_cpp.len()
-                )));
-            }
             Ok(())
         })();
-        // Safety: the probe agent is ours; nothing else holds it.
-        unsafe { (self.capi.destroy_agent)(agent) };
-        result
+        if let Err(e) = backend_made {
+            // SAFETY: `agent` was created above (non-null, status 0);
+            // nothing else holds it, and it is destroyed once, here.
+            unsafe { (self.capi.destroy_agent)(agent) };
+            return Err(e);
+        }
+        Ok(agent)
     }
+}
+
+/// Whose handle [`Runtime::verify_layout`] reads the C++ member from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LayoutProbe {
+    /// The probe agent's own: the check at load.
+    Own,
+    /// A second probe agent's: a wrong object, for the test.
+    #[cfg_attr(not(test), allow(dead_code))]
+    Another,
 }
 
 /// Whether `p` lies in a mapping of this process that is readable and
@@ -592,9 +679,16 @@ fn find_lib_dir(location: &Path) -> Result<PathBuf, Vec<PathBuf>> {
 /// Reads the first member of a C API handle: the C++ object pointer
 /// (`nixl_capi_agent_s { nixlAgent* inner; }` and its siblings).
 ///
-/// Safety: `h` must be a live C API handle whose first member is a pointer.
+/// # Safety
+///
+/// `h` must be a live (not yet destroyed) C API handle whose first member
+/// is a pointer: an agent or xfer dlist handle of a 1.5.x runtime, the
+/// layout [`Runtime::verify_layout`] checked when the runtime loaded.
 unsafe fn first_member(h: P) -> P {
-    *(h as *const P)
+    // SAFETY: per the contract, `h` is a live handle that the C API made
+    // with `new` (so it is aligned for a pointer) and that starts with a
+    // pointer member: reading one pointer-sized word at `h` is in bounds.
+    unsafe { *(h as *const P) }
 }
 
 pub(crate) type Raw = (NixlStatus, StatusSource);
@@ -624,52 +718,89 @@ impl Runtime {
 
     /// Frees memory the C API or the shim allocated with malloc.
     ///
-    /// Safety: `p` is null or came from malloc in NIXL or the shim.
+    /// # Safety
+    ///
+    /// `p` must be null or a pointer that NIXL's C API or the shim returned
+    /// from `malloc` (metadata blobs, copied names), not freed yet; nothing
+    /// may use it after this call.
     pub(crate) unsafe fn free(&self, p: *mut c_void) {
-        nks_free(p)
+        // SAFETY: `nks_free` is `std::free`; the caller guarantees `p` is
+        // null or a live malloc'd block freed only here. NIXL and the shim
+        // share the process's one C allocator (both link the system libc).
+        unsafe { nks_free(p) }
     }
 
-    /// Safety: `agent` is a live C API agent handle.
+    /// # Safety
+    ///
+    /// `agent` must be a live C API agent handle of this runtime (created
+    /// by `create_configured_agent`, not destroyed yet).
     pub(crate) unsafe fn gen_notif(&self, agent: P, remote: &[u8], msg: &[u8]) -> Raw {
         match &self.flavor {
-            Flavor::Collapsed(m) => cpp(nks_gen_notif(
-                m.gen_notif.0,
-                first_member(agent),
-                remote.as_ptr().cast(),
-                remote.len(),
-                msg.as_ptr().cast(),
-                msg.len(),
-                std::ptr::null(),
-            )),
+            // SAFETY: `agent` is live (caller), so its first member is its
+            // `nixlAgent*` (layout checked at load). `m.gen_notif` is the
+            // address of `nixlAgent::genNotif` in libnixl, which `self`
+            // keeps loaded, and the shim calls it with that member's
+            // signature. `remote` and `msg` are valid for their lengths for
+            // the call; the shim copies them into `std::string`s first. A
+            // null opt-args pointer is NIXL's default (no options). The
+            // shim catches every C++ exception.
+            Flavor::Collapsed(m) => cpp(unsafe {
+                nks_gen_notif(
+                    m.gen_notif.0,
+                    first_member(agent),
+                    remote.as_ptr().cast(),
+                    remote.len(),
+                    msg.as_ptr().cast(),
+                    msg.len(),
+                    std::ptr::null(),
+                )
+            }),
             Flavor::V1 => {
                 let Ok(r) = std::ffi::CString::new(remote) else {
                     return (NixlStatus::ERR_INVALID_PARAM, StatusSource::Crate);
                 };
-                self.capi_status((self.capi.gen_notif)(
-                    agent,
-                    r.as_ptr(),
-                    msg.as_ptr().cast(),
-                    msg.len(),
-                    std::ptr::null_mut(),
-                ))
+                // SAFETY: `agent` is a live C API agent handle (caller); `r`
+                // is NUL-terminated and outlives the call; `msg` is valid
+                // for `msg.len()` bytes, which NIXL copies; a null opt-args
+                // handle is allowed by the C API (no options).
+                self.capi_status(unsafe {
+                    (self.capi.gen_notif)(
+                        agent,
+                        r.as_ptr(),
+                        msg.as_ptr().cast(),
+                        msg.len(),
+                        std::ptr::null_mut(),
+                    )
+                })
             }
         }
     }
 
-    /// Safety: `agent` is a live C API agent handle.
+    /// # Safety
+    ///
+    /// `agent` must be a live C API agent handle of this runtime.
     pub(crate) unsafe fn invalidate_remote_md(&self, agent: P, remote: &[u8]) -> Raw {
         match &self.flavor {
-            Flavor::Collapsed(m) => cpp(nks_invalidate_remote_md(
-                m.invalidate_remote_md.0,
-                first_member(agent),
-                remote.as_ptr().cast(),
-                remote.len(),
-            )),
+            // SAFETY: `agent` is live (caller), its first member is its
+            // `nixlAgent*` (layout checked at load); `m.invalidate_remote_md`
+            // is `nixlAgent::invalidateRemoteMD` in the loaded libnixl, the
+            // signature the shim casts it to. `remote` is valid for its
+            // length; the shim copies it into a `std::string`.
+            Flavor::Collapsed(m) => cpp(unsafe {
+                nks_invalidate_remote_md(
+                    m.invalidate_remote_md.0,
+                    first_member(agent),
+                    remote.as_ptr().cast(),
+                    remote.len(),
+                )
+            }),
             Flavor::V1 => {
                 let Ok(r) = std::ffi::CString::new(remote) else {
                     return (NixlStatus::ERR_INVALID_PARAM, StatusSource::Crate);
                 };
-                self.capi_status((self.capi.invalidate_remote_md)(agent, r.as_ptr()))
+                // SAFETY: `agent` is a live C API agent handle (caller); `r`
+                // is a NUL-terminated string that outlives the call.
+                self.capi_status(unsafe { (self.capi.invalidate_remote_md)(agent, r.as_ptr()) })
             }
         }
     }
@@ -679,40 +810,60 @@ impl Runtime {
     /// kept, so the caller can refuse it); with the V1 C API, which hands
     /// back only a C string, up to its first NUL.
     ///
-    /// Safety: `agent` is a live C API agent handle.
+    /// # Safety
+    ///
+    /// `agent` must be a live C API agent handle of this runtime.
     pub(crate) unsafe fn load_remote_md(&self, agent: P, md: &[u8]) -> (Raw, Option<Vec<u8>>) {
         let mut name: *mut c_char = std::ptr::null_mut();
         let mut len = None;
         let raw = match &self.flavor {
             Flavor::Collapsed(m) => {
                 let mut n = 0usize;
-                let raw = cpp(nks_load_remote_md(
-                    m.load_remote_md.0,
-                    first_member(agent),
-                    md.as_ptr().cast(),
-                    md.len(),
-                    &mut name,
-                    &mut n,
-                ));
+                // SAFETY: `agent` is live (caller), its first member is its
+                // `nixlAgent*` (layout checked at load); `m.load_remote_md`
+                // is `nixlAgent::loadRemoteMD` in the loaded libnixl. `md`
+                // is valid for its length (copied into a `std::string` by
+                // the shim); `name` and `n` are valid out-pointers, which
+                // the shim sets to null/0 first and, on success, to a
+                // malloc'd copy of the name and its length.
+                let raw = cpp(unsafe {
+                    nks_load_remote_md(
+                        m.load_remote_md.0,
+                        first_member(agent),
+                        md.as_ptr().cast(),
+                        md.len(),
+                        &mut name,
+                        &mut n,
+                    )
+                });
                 len = Some(n);
                 raw
             }
-            Flavor::V1 => self.capi_status((self.capi.load_remote_md)(
-                agent,
-                md.as_ptr().cast(),
-                md.len(),
-                &mut name,
-            )),
+            // SAFETY: `agent` is a live C API agent handle (caller); `md` is
+            // valid for `md.len()` bytes, which NIXL copies; `name` is a
+            // valid out-pointer that the C API sets to a malloc'd
+            // (`strdup`) C string on success and leaves null otherwise.
+            Flavor::V1 => self.capi_status(unsafe {
+                (self.capi.load_remote_md)(agent, md.as_ptr().cast(), md.len(), &mut name)
+            }),
         };
         let out = if name.is_null() {
             None
         } else {
             let bytes = match len {
                 // The shim's copy holds `n` bytes plus a terminator.
-                Some(n) => std::slice::from_raw_parts(name.cast::<u8>(), n).to_vec(),
-                None => CStr::from_ptr(name).to_bytes().to_vec(),
+                // SAFETY: non-null, so the shim's load succeeded and `name`
+                // is its malloc'd block of `n + 1` bytes, not freed until
+                // below; the bytes are copied out before that.
+                Some(n) => unsafe { std::slice::from_raw_parts(name.cast::<u8>(), n) }.to_vec(),
+                // SAFETY: non-null, so the C API's load succeeded and `name`
+                // is the NUL-terminated string it `strdup`ed, alive until
+                // freed below; the bytes are copied out before that.
+                None => unsafe { CStr::from_ptr(name) }.to_bytes().to_vec(),
             };
-            self.free(name.cast());
+            // SAFETY: `name` is the malloc'd block the shim or the C API
+            // handed us (above); nothing refers to it after this.
+            unsafe { self.free(name.cast()) };
             Some(bytes)
         };
         (raw, out)
@@ -727,7 +878,10 @@ impl Runtime {
     /// Prepares a dlist handle over `xfer_dlist` (a C API xfer dlist).
     /// `remote` is `None` for the local side.
     ///
-    /// Safety: `agent` and `xfer_dlist` are live C API handles.
+    /// # Safety
+    ///
+    /// `agent` must be a live C API agent handle and `xfer_dlist` a live C
+    /// API xfer dlist handle, both of this runtime.
     pub(crate) unsafe fn prep_dlist(
         &self,
         agent: P,
@@ -736,55 +890,90 @@ impl Runtime {
     ) -> (Raw, P) {
         let mut out: P = std::ptr::null_mut();
         let raw = match (&self.flavor, remote) {
-            (Flavor::Collapsed(m), None) => cpp(nks_prep_local_dlist(
-                m.prep_local_dlist.0,
-                first_member(agent),
-                first_member(xfer_dlist),
-                &mut out,
-                std::ptr::null(),
-            )),
-            (Flavor::Collapsed(m), Some(r)) => cpp(nks_prep_remote_dlist(
-                m.prep_remote_dlist.0,
-                first_member(agent),
-                r.as_ptr().cast(),
-                r.len(),
-                first_member(xfer_dlist),
-                &mut out,
-                std::ptr::null(),
-            )),
+            // SAFETY: `agent` and `xfer_dlist` are live handles (caller);
+            // their first members are the `nixlAgent*` and the
+            // `nixl_xfer_dlist_t*` the shim expects (agent layout checked at
+            // load; `nixl_capi_xfer_dlist_s { nixl_xfer_dlist_t* dlist; }`).
+            // `m.prep_local_dlist` is the matching `nixlAgent::prepXferDlist`
+            // overload in the loaded libnixl; `out` is a valid out-pointer;
+            // null opt-args is NIXL's default.
+            (Flavor::Collapsed(m), None) => cpp(unsafe {
+                nks_prep_local_dlist(
+                    m.prep_local_dlist.0,
+                    first_member(agent),
+                    first_member(xfer_dlist),
+                    &mut out,
+                    std::ptr::null(),
+                )
+            }),
+            // SAFETY: as for the local side; `r` is valid for its length and
+            // copied into a `std::string` by the shim; `m.prep_remote_dlist`
+            // is the remote-agent overload of `prepXferDlist`.
+            (Flavor::Collapsed(m), Some(r)) => cpp(unsafe {
+                nks_prep_remote_dlist(
+                    m.prep_remote_dlist.0,
+                    first_member(agent),
+                    r.as_ptr().cast(),
+                    r.len(),
+                    first_member(xfer_dlist),
+                    &mut out,
+                    std::ptr::null(),
+                )
+            }),
             (Flavor::V1, r) => {
                 // The local side is named by NIXL's NIXL_INIT_AGENT (""),
                 // as in the C API's own bindings.
                 let Ok(name) = std::ffi::CString::new(r.unwrap_or(b"")) else {
                     return ((NixlStatus::ERR_INVALID_PARAM, StatusSource::Crate), out);
                 };
-                self.capi_status((self.capi.prep_xfer_dlist)(
-                    agent,
-                    name.as_ptr(),
-                    xfer_dlist,
-                    &mut out,
-                    std::ptr::null_mut(),
-                ))
+                // SAFETY: `agent` and `xfer_dlist` are live C API handles
+                // (caller); `name` is NUL-terminated and outlives the call;
+                // `out` is a valid out-pointer; a null opt-args handle is
+                // allowed (no options).
+                self.capi_status(unsafe {
+                    (self.capi.prep_xfer_dlist)(
+                        agent,
+                        name.as_ptr(),
+                        xfer_dlist,
+                        &mut out,
+                        std::ptr::null_mut(),
+                    )
+                })
             }
         };
         (raw, out)
     }
 
-    /// Safety: `agent` is live and `dlist` came from [`Self::prep_dlist`]
-    /// on it and was not released.
+    /// # Safety
+    ///
+    /// `agent` must be a live C API agent handle, and `dlist` a handle that
+    /// [`Self::prep_dlist`] returned for it and that was not released yet;
+    /// `dlist` must not be used after this call.
     pub(crate) unsafe fn release_dlist(&self, agent: P, dlist: P) -> Raw {
         match &self.flavor {
-            Flavor::Collapsed(m) => cpp(nks_release_dlist_handle(
-                m.released_dlist_h.0,
-                first_member(agent),
-                dlist,
-            )),
-            Flavor::V1 => self.capi_status((self.capi.release_xfer_dlist_handle)(agent, dlist)),
+            // SAFETY: `agent` is live (caller), its first member is its
+            // `nixlAgent*` (layout checked at load); `dlist` is the
+            // `nixlDlistH*` the shim's `prepXferDlist` returned for this
+            // agent, not yet released (caller); `m.released_dlist_h` is
+            // `nixlAgent::releasedDlistH` in the loaded libnixl.
+            Flavor::Collapsed(m) => cpp(unsafe {
+                nks_release_dlist_handle(m.released_dlist_h.0, first_member(agent), dlist)
+            }),
+            Flavor::V1 => {
+                // SAFETY: `agent` is a live C API agent handle and `dlist` the
+                // C API dlist handle `prep_xfer_dlist` returned for it, not yet
+                // released (caller).
+                self.capi_status(unsafe { (self.capi.release_xfer_dlist_handle)(agent, dlist) })
+            }
         }
     }
 
-    /// Safety: `agent` live; `local`/`remote` from [`Self::prep_dlist`];
-    /// `opt_args` null or a live C API opt-args handle.
+    /// # Safety
+    ///
+    /// `agent` must be a live C API agent handle; `local` and `remote`
+    /// handles that [`Self::prep_dlist`] returned for it and that stay
+    /// unreleased while the request exists; `opt_args` null or a live C API
+    /// opt-args handle that outlives the request.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn make_xfer_req(
         &self,
@@ -800,75 +989,119 @@ impl Runtime {
         let raw = match &self.flavor {
             // nixl_capi_opt_args_s holds the nixlAgentOptionalArgs by value
             // as its first member, so the handle address is the object's.
-            Flavor::Collapsed(m) => cpp(nks_make_xfer_req(
-                m.make_xfer_req.0,
-                first_member(agent),
-                op,
-                local,
-                local_idx.as_ptr(),
-                local_idx.len(),
-                remote,
-                remote_idx.as_ptr(),
-                remote_idx.len(),
-                &mut out,
-                opt_args,
-            )),
-            Flavor::V1 => self.capi_status((self.capi.make_xfer_req)(
-                agent,
-                op,
-                local,
-                local_idx.as_ptr(),
-                local_idx.len(),
-                remote,
-                remote_idx.as_ptr(),
-                remote_idx.len(),
-                &mut out,
-                opt_args,
-            )),
+            // SAFETY: `agent` is live (caller), its first member is its
+            // `nixlAgent*` (layout checked at load); `local` and `remote`
+            // are live `nixlDlistH*`s the shim prepared for this agent, and
+            // `opt_args` null or a live opt-args handle, i.e. a
+            // `nixlAgentOptionalArgs*` (caller). The index slices are valid
+            // for their lengths (the shim copies them into vectors); `out`
+            // is a valid out-pointer; `m.make_xfer_req` is
+            // `nixlAgent::makeXferReq` in the loaded libnixl.
+            Flavor::Collapsed(m) => cpp(unsafe {
+                nks_make_xfer_req(
+                    m.make_xfer_req.0,
+                    first_member(agent),
+                    op,
+                    local,
+                    local_idx.as_ptr(),
+                    local_idx.len(),
+                    remote,
+                    remote_idx.as_ptr(),
+                    remote_idx.len(),
+                    &mut out,
+                    opt_args,
+                )
+            }),
+            // SAFETY: `agent`, `local`, `remote` and (when not null)
+            // `opt_args` are live C API handles of this agent (caller); the
+            // index slices are valid for their lengths during the call;
+            // `out` is a valid out-pointer.
+            Flavor::V1 => self.capi_status(unsafe {
+                (self.capi.make_xfer_req)(
+                    agent,
+                    op,
+                    local,
+                    local_idx.as_ptr(),
+                    local_idx.len(),
+                    remote,
+                    remote_idx.as_ptr(),
+                    remote_idx.len(),
+                    &mut out,
+                    opt_args,
+                )
+            }),
         };
         (raw, out)
     }
 
-    /// Safety: `agent` live; `req` from [`Self::make_xfer_req`], not released.
+    /// # Safety
+    ///
+    /// `agent` must be a live C API agent handle, and `req` a request that
+    /// [`Self::make_xfer_req`] returned for it and that was not released.
     pub(crate) unsafe fn post_xfer_req(&self, agent: P, req: P) -> Raw {
         match &self.flavor {
-            Flavor::Collapsed(m) => cpp(nks_post_xfer_req(
-                m.post_xfer_req.0,
-                first_member(agent),
-                req,
-                std::ptr::null(),
-            )),
-            Flavor::V1 => {
-                self.capi_status((self.capi.post_xfer_req)(agent, req, std::ptr::null_mut()))
-            }
+            // SAFETY: `agent` is live (caller), its first member is its
+            // `nixlAgent*` (layout checked at load); `req` is a live
+            // `nixlXferReqH*` of this agent (caller); null opt-args is
+            // NIXL's default; `m.post_xfer_req` is `nixlAgent::postXferReq`
+            // in the loaded libnixl.
+            Flavor::Collapsed(m) => cpp(unsafe {
+                nks_post_xfer_req(
+                    m.post_xfer_req.0,
+                    first_member(agent),
+                    req,
+                    std::ptr::null(),
+                )
+            }),
+            // SAFETY: `agent` and `req` are live C API handles, `req` made by
+            // `agent` (caller); a null opt-args handle is allowed.
+            Flavor::V1 => self.capi_status(unsafe {
+                (self.capi.post_xfer_req)(agent, req, std::ptr::null_mut())
+            }),
         }
     }
 
-    /// Safety: as [`Self::post_xfer_req`].
+    /// # Safety
+    ///
+    /// As [`Self::post_xfer_req`].
     pub(crate) unsafe fn get_xfer_status(&self, agent: P, req: P) -> Raw {
         match &self.flavor {
-            Flavor::Collapsed(m) => cpp(nks_get_xfer_status(
-                m.get_xfer_status.0,
-                first_member(agent),
-                req,
-            )),
-            Flavor::V1 => self.capi_status((self.capi.get_xfer_status)(agent, req)),
+            Flavor::Collapsed(m) => {
+                // SAFETY: `agent` is live (caller), its first member is its
+                // `nixlAgent*` (layout checked at load); `req` is a live
+                // `nixlXferReqH*` of this agent (caller); `m.get_xfer_status`
+                // is `nixlAgent::getXferStatus` in the loaded libnixl.
+                cpp(unsafe { nks_get_xfer_status(m.get_xfer_status.0, first_member(agent), req) })
+            }
+            // SAFETY: `agent` and `req` are live C API handles, `req` made by
+            // `agent` (caller).
+            Flavor::V1 => self.capi_status(unsafe { (self.capi.get_xfer_status)(agent, req) }),
         }
     }
 
-    /// Safety: as [`Self::post_xfer_req`]; `req` must not be used after a
-    /// successful release.
+    /// # Safety
+    ///
+    /// As [`Self::post_xfer_req`]; `req` must not be used after this call
+    /// (released once: NIXL frees it on success).
     pub(crate) unsafe fn release_xfer_req(&self, agent: P, req: P) -> Raw {
         match &self.flavor {
-            Flavor::Collapsed(m) => cpp(nks_release_xfer_req(
-                m.release_xfer_req.0,
-                first_member(agent),
-                req,
-            )),
+            Flavor::Collapsed(m) => {
+                // SAFETY: `agent` is live (caller), its first member is its
+                // `nixlAgent*` (layout checked at load); `req` is a live,
+                // unreleased `nixlXferReqH*` of this agent, not used again
+                // (caller); `m.release_xfer_req` is `nixlAgent::releaseXferReq`
+                // in the loaded libnixl.
+                cpp(unsafe { nks_release_xfer_req(m.release_xfer_req.0, first_member(agent), req) })
+            }
             Flavor::V1 => {
-                let raw = self.capi_status((self.capi.release_xfer_req)(agent, req));
+                // SAFETY: `agent` and `req` are live C API handles, `req`
+                // made by `agent` and not released yet (caller).
+                let raw = self.capi_status(unsafe { (self.capi.release_xfer_req)(agent, req) });
                 if raw.0 == NixlStatus::SUCCESS {
-                    (self.capi.destroy_xfer_req)(req);
+                    // SAFETY: the request was released, leaving only the C
+                    // API's wrapper handle `req`, destroyed once here; the
+                    // caller does not use `req` again.
+                    unsafe { (self.capi.destroy_xfer_req)(req) };
                 }
                 raw
             }
@@ -883,15 +1116,15 @@ mod tests {
     /// The layout check can fail: reading the handle's second word instead
     /// of its first is refused, with the reason; the real layout passes.
     #[test]
-    fn the_layout_check_refuses_a_handle_read_at_the_wrong_word() {
+    fn the_layout_check_refuses_the_member_of_another_agent() {
         let Some(rt) = crate::testing::runtime_or_skip() else {
             return;
         };
         if rt.api_kind() != ApiKind::CollapsedCapiWithShim {
             return;
         }
-        assert!(rt.verify_layout_at(0).is_ok());
-        match rt.verify_layout_at(1) {
+        assert!(rt.verify_layout(LayoutProbe::Own).is_ok());
+        match rt.verify_layout(LayoutProbe::Another) {
             Err(LoadError::LayoutMismatch { why, .. }) => {
                 assert!(!why.is_empty());
             }

@@ -98,13 +98,14 @@ pub(crate) struct Socket {
 /// The inode of descriptor `fd` if it is a socket.
 fn socket_inode(fd: RawFd) -> Option<u64> {
     let mut st = MaybeUninit::<libc::stat>::uninit();
-    // Safety: fstat writes a stat on success; `fd` may be closed meanwhile,
-    // then it fails (EBADF) and nothing is read.
+    // SAFETY: `st` is writable storage for one `stat`, which fstat fills on
+    // success; `fd` may be closed meanwhile, then it fails (EBADF) and
+    // nothing is read.
     let rc = unsafe { libc::fstat(fd, st.as_mut_ptr()) };
     if rc != 0 {
         return None;
     }
-    // Safety: initialised by the successful fstat.
+    // SAFETY: initialised by the successful fstat.
     let st = unsafe { st.assume_init() };
     (st.st_mode & libc::S_IFMT == libc::S_IFSOCK).then_some(st.st_ino)
 }
@@ -113,7 +114,8 @@ fn socket_inode(fd: RawFd) -> Option<u64> {
 fn int_option(fd: RawFd, level: libc::c_int, name: libc::c_int) -> Option<libc::c_int> {
     let mut v: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // Safety: `v` and `len` are valid for getsockopt to write an int.
+    // SAFETY: `v` and `len` are valid for getsockopt to write an int (`len`
+    // says the buffer is one `c_int`).
     let rc = unsafe {
         libc::getsockopt(
             fd,
@@ -137,7 +139,8 @@ enum End {
 fn address(fd: RawFd, end: End) -> Option<(IpAddr, u16)> {
     let mut ss = MaybeUninit::<libc::sockaddr_storage>::zeroed();
     let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-    // Safety: the storage is large enough for any address family.
+    // SAFETY: `ss` is writable storage of `len` bytes, a `sockaddr_storage`,
+    // large enough for any address family; the call writes at most `len`.
     let rc = unsafe {
         match end {
             End::Local => libc::getsockname(fd, ss.as_mut_ptr().cast(), &mut len),
@@ -147,18 +150,21 @@ fn address(fd: RawFd, end: End) -> Option<(IpAddr, u16)> {
     if rc != 0 {
         return None;
     }
-    // Safety: zeroed, then (partly) written by the call.
+    // SAFETY: zeroed, then (partly) written by the call; all-zero bytes are
+    // a valid `sockaddr_storage` (plain integers).
     let ss = unsafe { ss.assume_init() };
     match libc::c_int::from(ss.ss_family) {
         libc::AF_INET => {
-            // Safety: the family says it is a sockaddr_in.
+            // SAFETY: the family says it is a sockaddr_in, which fits in
+            // the (larger, at least as aligned) initialised storage.
             let sin =
                 unsafe { &*(&ss as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
             let ip = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
             Some((IpAddr::V4(ip), u16::from_be(sin.sin_port)))
         }
         libc::AF_INET6 => {
-            // Safety: the family says it is a sockaddr_in6.
+            // SAFETY: the family says it is a sockaddr_in6, which fits in
+            // the (larger, at least as aligned) initialised storage.
             let sin6 =
                 unsafe { &*(&ss as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
             let ip = Ipv6Addr::from(sin6.sin6_addr.s6_addr);
@@ -302,9 +308,12 @@ pub(crate) fn shut_down(look: &Look, inodes: &HashSet<u64>) -> u32 {
         if socket_inode(s.fd) != Some(s.inode) {
             continue;
         }
-        // Safety: shutdown only changes the connection's state; the
-        // descriptor stays open and UCX's, which closes it when it reads
-        // the end of the connection.
+        // SAFETY: shutdown takes no pointers and only changes the
+        // connection's state; the descriptor stays open and UCX's, which
+        // closes it when it reads the end of the connection. The check
+        // just above makes `fd` that socket (a close and reuse by another
+        // thread in between is not excluded: that would shut down another
+        // socket, never touch memory).
         if unsafe { libc::shutdown(s.fd, libc::SHUT_RDWR) } == 0 {
             shut += 1;
         }

@@ -28,6 +28,8 @@
 //! `uct_config_get`, `uct_config_release`. One exception, optional and
 //! gated by version: [`Ucx::time_field_parser`] (see there).
 
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
 mod status;
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
@@ -195,9 +197,11 @@ impl Ucx {
 
     /// `ucs_status_string(status)`: UCX's own text.
     pub fn status_string(&self, status: UcsStatus) -> String {
-        // Safety: ucs_status_string takes any value of the 8-bit enum and
-        // returns a NUL-terminated string that UCX owns (static, or a
-        // static buffer for unknown codes); we copy it at once.
+        // SAFETY: `self.status_string` is `ucs_status_string` of the loaded
+        // UCX (kept loaded by the static `Ucx`); it takes any value of the
+        // 8-bit enum and returns a NUL-terminated string that UCX owns
+        // (static, or a static buffer for unknown codes), which
+        // `cstr_to_string` copies at once.
         unsafe { cstr_to_string((self.status_string)(status.raw())) }
     }
 
@@ -205,8 +209,9 @@ impl Ucx {
     /// environment (`UCX_*`) sets it now.
     pub fn ucp_config_read(&self) -> Result<UcpConfig<'_>, UcsStatus> {
         let mut cfg = std::ptr::null_mut();
-        // Safety: NULL prefix and file are allowed (defaults: "UCX_", no
-        // file); cfg is a valid out-pointer.
+        // SAFETY: NULL env prefix and file are allowed (defaults: "UCX_", no
+        // file); `cfg` is a valid out-pointer. The config it returns is
+        // owned by the `UcpConfig` below and released once, on drop.
         let st = UcsStatus::from_raw(unsafe {
             (self.config_read)(std::ptr::null(), std::ptr::null(), &mut cfg)
         });
@@ -241,8 +246,10 @@ impl Ucx {
                 .find(|(n, _)| n == component)
                 .ok_or(UcsStatus::ERR_NO_ELEM)?;
             let mut cfg = std::ptr::null_mut();
-            // Safety: handle comes from uct_query_components and the list
-            // is still alive; NULL prefix/file are allowed.
+            // SAFETY: `handle` comes from `uct_query_components`, and the
+            // list is released only after this closure returns; NULL env
+            // prefix and file are allowed; `cfg` is a valid out-pointer.
+            // The config is owned by the `UctConfig` and released on drop.
             let st = UcsStatus::from_raw(unsafe {
                 (uct.md_config_read)(*handle, std::ptr::null(), std::ptr::null(), &mut cfg)
             });
@@ -262,30 +269,39 @@ impl Ucx {
         let uct = self.uct.as_ref()?;
         let mut comps: *mut *mut c_void = std::ptr::null_mut();
         let mut n: c_uint = 0;
-        // Safety: valid out-pointers; on success UCX returns an array of n
-        // handles that we release below.
+        // SAFETY: `comps` and `n` are valid out-pointers; on success UCX
+        // sets them to an array of `n` component handles, released once
+        // below.
         let st = unsafe { (uct.query_components)(&mut comps, &mut n) };
         if st != 0 || comps.is_null() {
             return None;
         }
         let mut list = Vec::with_capacity(n as usize);
         for i in 0..n as usize {
-            // Safety: i < n, the array holds n handles.
+            // SAFETY: `i < n` and the array UCX returned holds `n` handles,
+            // alive until it is released below.
             let handle = unsafe { *comps.add(i) };
-            // Safety: an all-zero attr is a valid input; we ask for the
-            // name only, which UCX writes NUL-terminated into `name`.
+            // SAFETY: every field of `UctComponentAttr` is an integer, an
+            // integer array or a raw pointer, for which all-zero bytes are
+            // a valid value (the pointer is null).
             let mut attr: UctComponentAttr = unsafe { std::mem::zeroed() };
             attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME;
-            // Safety: handle is live; attr is a valid, large enough struct.
+            // SAFETY: `handle` is live (the list is not released yet);
+            // `attr` is a writable `uct_component_attr_t` with room to spare,
+            // and its field mask asks for the name only, which UCX writes
+            // into `name`.
             if unsafe { (uct.component_query)(handle, &mut attr) } == 0 {
                 attr.name[UCT_COMPONENT_NAME_MAX - 1] = 0;
-                // Safety: NUL-terminated just above.
+                // SAFETY: `attr.name` is NUL-terminated within its bounds
+                // (its last byte was set to 0 just above).
                 let name = unsafe { CStr::from_ptr(attr.name.as_ptr()) };
                 list.push((name.to_string_lossy().into_owned(), handle));
             }
         }
         let r = f(&list);
-        // Safety: comps came from uct_query_components, released once.
+        // SAFETY: `comps` came from `uct_query_components` (non-null, status
+        // OK) and is released once, here, after `f`, the last use of the
+        // handles (this crate's closures keep none of them).
         unsafe { (uct.release_component_list)(comps) };
         Some(r)
     }
@@ -323,15 +339,20 @@ impl TimeFieldParser<'_> {
     pub fn parse(&self, value: &str) -> Option<(f64, String)> {
         let c = CString::new(value).ok()?;
         let mut secs: f64 = 0.0;
-        // Safety: c is NUL-terminated; dest points to a double, which is
-        // what the TIME parser writes; arg is unused by it.
+        // SAFETY: `self.scan` is `ucs_config_sscanf_time`, bound only for
+        // the UCX versions whose signature was checked (see
+        // `Ucx::time_field_parser`); `c` is NUL-terminated; `dest` points to
+        // a writable `f64`, the `double` the TIME parser writes; `arg` is
+        // unused by it, so null is fine.
         let ok =
             unsafe { (self.scan)(c.as_ptr(), (&mut secs as *mut f64).cast(), std::ptr::null()) };
         if ok == 0 {
             return None;
         }
         let mut buf = [0 as c_char; 128];
-        // Safety: buf has buf.len() bytes; src points to the double.
+        // SAFETY: `self.print` is `ucs_config_sprintf_time` (same checked
+        // versions); `buf` is writable for `buf.len()` bytes, the size
+        // passed; `src` points to the `f64` parsed above; `arg` is unused.
         unsafe {
             (self.print)(
                 buf.as_mut_ptr(),
@@ -341,7 +362,8 @@ impl TimeFieldParser<'_> {
             )
         };
         buf[buf.len() - 1] = 0;
-        // Safety: NUL-terminated within buf.
+        // SAFETY: `buf` is NUL-terminated within its bounds (its last byte
+        // was set to 0 just above).
         let text = unsafe { CStr::from_ptr(buf.as_ptr()) };
         Some((secs, text.to_string_lossy().into_owned()))
     }
@@ -362,7 +384,9 @@ impl UcpConfig<'_> {
     pub fn modify(&mut self, name: &str, value: &str) -> Result<(), UcsStatus> {
         let n = CString::new(name).map_err(|_| UcsStatus::ERR_INVALID_PARAM)?;
         let v = CString::new(value).map_err(|_| UcsStatus::ERR_INVALID_PARAM)?;
-        // Safety: ptr is a live config; n and v are NUL-terminated.
+        // SAFETY: `self.ptr` is the live config from `ucp_config_read`
+        // (released only on drop); `n` and `v` are NUL-terminated and
+        // outlive the call.
         let st = UcsStatus::from_raw(unsafe {
             (self.ucx.config_modify)(self.ptr, n.as_ptr(), v.as_ptr())
         });
@@ -379,8 +403,12 @@ impl UcpConfig<'_> {
         let title = c"nixl-keepalive";
         let mut buf: *mut c_char = std::ptr::null_mut();
         let mut len: libc::size_t = 0;
-        // Safety: open_memstream gets valid out-pointers; the stream is
-        // closed before buf is read, then buf is freed with free().
+        // SAFETY: open_memstream gets valid out-pointers and a non-null
+        // stream is checked before use. `ucp_config_print` gets the live
+        // config (`self.ptr`), that stream and a NUL-terminated title.
+        // After `fclose`, `buf` holds the malloc'd buffer and `len` its
+        // length (open_memstream's contract); it is copied out, then freed
+        // once with `free`.
         unsafe {
             let f = libc::open_memstream(&mut buf, &mut len);
             if f.is_null() {
@@ -416,7 +444,8 @@ impl UcpConfig<'_> {
 
 impl Drop for UcpConfig<'_> {
     fn drop(&mut self) {
-        // Safety: ptr came from ucp_config_read and is released once.
+        // SAFETY: `ptr` came from `ucp_config_read` (non-null, status OK),
+        // is owned by this `UcpConfig` alone and is released once, here.
         unsafe { (self.ucx.config_release)(self.ptr) }
     }
 }
@@ -433,7 +462,9 @@ impl UctConfig<'_> {
     pub fn modify(&mut self, name: &str, value: &str) -> Result<(), UcsStatus> {
         let n = CString::new(name).map_err(|_| UcsStatus::ERR_INVALID_PARAM)?;
         let v = CString::new(value).map_err(|_| UcsStatus::ERR_INVALID_PARAM)?;
-        // Safety: ptr is a live config; n and v are NUL-terminated.
+        // SAFETY: `self.ptr` is the live config from `uct_md_config_read`
+        // (released only on drop); `n` and `v` are NUL-terminated and
+        // outlive the call.
         let st = UcsStatus::from_raw(unsafe {
             (self.uct.config_modify)(self.ptr, n.as_ptr(), v.as_ptr())
         });
@@ -448,7 +479,8 @@ impl UctConfig<'_> {
     pub fn get(&self, name: &str) -> Result<String, UcsStatus> {
         let n = CString::new(name).map_err(|_| UcsStatus::ERR_INVALID_PARAM)?;
         let mut buf = [0 as c_char; 256];
-        // Safety: ptr is live; buf has buf.len() bytes.
+        // SAFETY: `self.ptr` is the live config; `n` is NUL-terminated;
+        // `buf` is writable for `buf.len()` bytes, the size passed.
         let st = UcsStatus::from_raw(unsafe {
             (self.uct.config_get)(self.ptr, n.as_ptr(), buf.as_mut_ptr(), buf.len())
         });
@@ -456,7 +488,8 @@ impl UctConfig<'_> {
             return Err(st);
         }
         buf[buf.len() - 1] = 0;
-        // Safety: NUL-terminated within buf.
+        // SAFETY: `buf` is NUL-terminated within its bounds (its last byte
+        // was set to 0 just above).
         Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
             .to_string_lossy()
             .into_owned())
@@ -465,7 +498,8 @@ impl UctConfig<'_> {
 
 impl Drop for UctConfig<'_> {
     fn drop(&mut self) {
-        // Safety: ptr came from uct_md_config_read and is released once.
+        // SAFETY: `ptr` came from `uct_md_config_read` (non-null, status OK),
+        // is owned by this `UctConfig` alone and is released once, here.
         unsafe { (self.uct.config_release)(self.ptr) }
     }
 }
@@ -480,12 +514,15 @@ pub fn parse_config_lines(text: &str) -> Vec<(String, String)> {
 }
 
 /// # Safety
-/// `p` is null or a NUL-terminated string.
+///
+/// `p` must be null or point to a NUL-terminated string that stays valid
+/// and unchanged for the duration of the call.
 unsafe fn cstr_to_string(p: *const c_char) -> String {
     if p.is_null() {
         String::new()
     } else {
-        // Safety: per the contract above.
+        // SAFETY: `p` is non-null here, so by the caller's contract it is a
+        // NUL-terminated string valid for the call; it is copied out.
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
     }
 }
@@ -558,25 +595,31 @@ fn load() -> Result<Ucx, LoadError> {
     Err(LoadError { tried })
 }
 
-/// # Safety (of the symbol reads)
-/// Each symbol is declared with the signature UCX documents for it; the
-/// library stays loaded for the life of the process (the [`Ucx`] lives
-/// in a static), so the copied function pointers stay valid.
+/// Symbol reads: each symbol is declared with the signature UCX documents
+/// for it; the library stays loaded for the life of the process (the
+/// [`Ucx`] lives in a static), so the copied function pointers stay valid.
 fn open(source: UcxSource, path: &Path) -> Result<Ucx, String> {
-    // Safety: loading UCX runs its constructors (library init), which is
-    // what any UCX user does; RTLD_GLOBAL as UCX's own modules expect.
+    // SAFETY: loading UCX runs its constructors (library init), which is
+    // what any UCX user does; RTLD_GLOBAL as UCX's own modules expect. The
+    // `Library` ends up in the static `Ucx` and is never unloaded.
     let lib =
         unsafe { Library::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| e.to_string())?;
     macro_rules! sym {
         ($t:ty, $name:literal) => {
-            // Safety: see the function docs.
+            // SAFETY: `$t` is the signature UCX documents for `$name` (or,
+            // for the two TIME functions, the one checked for the versions
+            // `checked_time_abi` admits). The function pointer copied out
+            // outlives the `Symbol` borrow: sound because `lib` moves into
+            // the returned `Ucx`, kept in a static and never unloaded (on
+            // an error return nothing keeps the pointers).
             unsafe { lib.get::<$t>(concat!($name, "\0").as_bytes()) }
                 .map(|s| *s)
                 .map_err(|e| e.to_string())
         };
     }
     let version_string = sym!(VersionStringFn, "ucp_get_version_string")?;
-    // Safety: returns a static NUL-terminated string.
+    // SAFETY: `ucp_get_version_string` takes no arguments and returns a
+    // static NUL-terminated string, copied out by `cstr_to_string`.
     let version = unsafe { cstr_to_string(version_string()) };
     let uct = (|| {
         Ok::<_, String>(Uct {
