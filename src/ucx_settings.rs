@@ -62,7 +62,8 @@
 //! its interval plus its jitter), and releases a peer as soon as one
 //! heartbeat fails with a disconnect; UCX's worker is progressed
 //! continuously; each worker has at most `KEEPALIVE_NUM_EPS` endpoints
-//! (else a keepalive round covers only part of them and the bound grows).
+//! (else a keepalive round covers only part of them and the keepalive
+//! term is that many rounds: [`detection_bound_for`], [`keepalive_rounds`]).
 
 use std::fmt;
 use std::time::Duration;
@@ -590,7 +591,37 @@ pub fn secs_text(d: Duration) -> String {
 /// settings and longest gap between two heartbeats to one peer (the
 /// frozen bound is added by [`DetectionBound::with_read_stall`]). See the
 /// module docs for the model.
+///
+/// It assumes each UCX worker has at most `UCX_KEEPALIVE_NUM_EPS`
+/// endpoints (128 by default), and says so in the silent bound's terms;
+/// [`detection_bound_for`] gives the bound for a worker with more.
 pub fn detection_bound(settings: &UcxSettings, heartbeat_gap: Duration) -> DetectionBound {
+    detection_bound_for(settings, heartbeat_gap, 0)
+}
+
+/// How many keepalive intervals UCX takes to check every one of a
+/// worker's `endpoints` endpoints: each keepalive interval UCX checks at
+/// most `UCX_KEEPALIVE_NUM_EPS` of them, going on from where the previous
+/// round stopped (`ucp_worker_keepalive_progress`, UCX 1.23), so with
+/// 1,000 endpoints and the default 128 an endpoint is checked every 8th
+/// interval. At least 1.
+pub fn keepalive_rounds(settings: &UcxSettings, endpoints: usize) -> u32 {
+    match settings.keepalive_num_eps.value {
+        Count::Finite(n) if n > 0 => {
+            u32::try_from(endpoints.div_ceil(n as usize).max(1)).unwrap_or(u32::MAX)
+        }
+        _ => 1,
+    }
+}
+
+/// [`detection_bound`] for a UCX worker with `endpoints` endpoints (a
+/// decode's remote agents, one endpoint each per worker): the silent
+/// bound's keepalive term is [`keepalive_rounds`] intervals, not one.
+pub fn detection_bound_for(
+    settings: &UcxSettings,
+    heartbeat_gap: Duration,
+    endpoints: usize,
+) -> DetectionBound {
     let heartbeat = heartbeat_gap;
     let ms = secs_text;
 
@@ -672,16 +703,34 @@ pub fn detection_bound(settings: &UcxSettings, heartbeat_gap: Duration) -> Detec
             },
         ),
         Some(_) if transport == Duration::MAX => (None, transport_term.clone()),
-        Some(k) => (
-            Some(k + transport + heartbeat + SLACK),
-            format!(
-                "keepalive {} + {} + heartbeat {} + slack {}",
-                ms(k),
-                transport_term,
-                ms(heartbeat),
-                ms(SLACK)
-            ),
-        ),
+        Some(k) => {
+            let rounds = keepalive_rounds(settings, endpoints);
+            let per_round = match settings.keepalive_num_eps.value {
+                Count::Finite(n) => n.to_string(),
+                Count::Infinite => "every".to_owned(),
+            };
+            let keepalive_term = if endpoints == 0 {
+                format!(
+                    "keepalive {} (for at most {per_round} endpoints per UCX worker; each further {per_round} add {})",
+                    ms(k),
+                    ms(k)
+                )
+            } else {
+                format!(
+                    "keepalive {} x {rounds} rounds ({endpoints} endpoints, {per_round} per round)",
+                    ms(k)
+                )
+            };
+            (
+                Some(k.saturating_mul(rounds) + transport + heartbeat + SLACK),
+                format!(
+                    "{keepalive_term} + {} + heartbeat {} + slack {}",
+                    transport_term,
+                    ms(heartbeat),
+                    ms(SLACK)
+                ),
+            )
+        }
     };
 
     let mut crashed = heartbeat + SLACK;
@@ -693,6 +742,7 @@ pub fn detection_bound(settings: &UcxSettings, heartbeat_gap: Duration) -> Detec
     if let (Some(k), true) = (keepalive, ib && !ib_term.is_empty()) {
         // On InfiniBand a dead process can look silent until UCX's timers
         // fire; keepalive must be on for that too.
+        let k = k.saturating_mul(keepalive_rounds(settings, endpoints));
         let via_ib = k + ib_transport.min(Duration::from_secs(1 << 40)) + heartbeat + SLACK;
         if via_ib > crashed {
             crashed = via_ib;
@@ -774,6 +824,40 @@ mod tests {
 
     fn secs(s: f64) -> Duration {
         Duration::from_secs_f64(s)
+    }
+
+    #[test]
+    fn a_worker_with_more_endpoints_than_one_keepalive_round_checks_has_a_longer_silent_bound() {
+        // Issue 32: 1,000 remote agents with UCX's default 128 endpoints
+        // per round: each endpoint is checked every 8th interval.
+        let s = with_env(&[("UCX_TLS", "tcp,sm,self"), ("UCX_TCP_USER_TIMEOUT", "10s")]).unwrap();
+        let gap = secs(1.1);
+        let alone = detection_bound(&s, gap);
+        assert_eq!(alone.silent, Some(secs(20.0 + 10.0 + 1.1 + 1.0)));
+        assert!(
+            alone
+                .silent_terms
+                .contains("at most 128 endpoints per UCX worker"),
+            "{}",
+            alone.silent_terms
+        );
+        for (endpoints, rounds) in [(1, 1), (128, 1), (129, 2), (1_000, 8), (1_024, 8)] {
+            assert_eq!(keepalive_rounds(&s, endpoints), rounds, "{endpoints}");
+            let b = detection_bound_for(&s, gap, endpoints);
+            assert_eq!(
+                b.silent,
+                Some(secs(20.0 * f64::from(rounds) + 10.0 + 1.1 + 1.0)),
+                "{endpoints}: {}",
+                b.silent_terms
+            );
+            assert!(b.silent_terms.contains(&format!("x {rounds} rounds")));
+            // A crash is seen by the next operation, whatever the count.
+            assert_eq!(b.crashed, alone.crashed);
+        }
+        let more = with_env(&[("UCX_TLS", "tcp"), ("UCX_KEEPALIVE_NUM_EPS", "inf")]).unwrap();
+        assert_eq!(keepalive_rounds(&more, 100_000), 1);
+        let off = with_env(&[("UCX_KEEPALIVE_NUM_EPS", "0")]).unwrap();
+        assert_eq!(detection_bound_for(&off, gap, 1_000).silent, None);
     }
 
     #[test]

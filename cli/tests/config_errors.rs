@@ -46,3 +46,23 @@ fn every_bad_value_is_listed_in_one_error_and_nothing_starts() {
         assert!(stderr.contains("10ms"), "{stderr}");
     }
 }
+
+#[test]
+fn a_prefill_host_whose_engines_would_pass_port_65535_or_number_none_stops_with_the_rule() {
+    // Engine k listens on the port + k: 65530 + 9 is past the last port.
+    let (code, stderr) = run(
+        &["prefill", "--listen", "127.0.0.1:65530", "--engines", "10"],
+        &[],
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("past port 65535"), "{stderr}");
+    assert!(stderr.contains("port 0"), "what is accepted: {stderr}");
+    for engines in ["0", "1025"] {
+        let (code, stderr) = run(
+            &["prefill", "--listen", "127.0.0.1:0", "--engines", engines],
+            &[],
+        );
+        assert_eq!(code, Some(2), "--engines {engines}: {stderr}");
+        assert!(stderr.contains("1..=1024"), "--engines {engines}: {stderr}");
+    }
+}

@@ -8,6 +8,11 @@
 //! `PREFILL READY engine=<id> listen=<addr> pid=<pid> incarnation=<n>` on
 //! stdout once it answers handshakes; runs until SIGINT or SIGTERM.
 //!
+//! `--engines N` hosts N such engines in the process (one READY line
+//! each, each with its own agents, id, incarnation and side channel; one
+//! polling thread for all): many real prefills on one machine, and one
+//! SIGKILL that takes all of them at once.
+//!
 //! With `--etcd-endpoint`, it registers itself under
 //! `<--etcd-prefix><engine id>` with a lease of `--etcd-ttl` seconds, kept
 //! alive every TTL/3, and written again under a new lease when it finds
@@ -35,7 +40,9 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use nixl_keepalive::EngineId;
-use nixl_keepalive_cli::pd::prefill::{fresh_engine_id, Memory, Prefill, PrefillConfig};
+use nixl_keepalive_cli::pd::prefill::{
+    fresh_engine_id, spawn_shared_poller, Memory, Prefill, PrefillConfig,
+};
 use nixl_keepalive_cli::pd::wire::{MAX_BLOCK_SIZE, MAX_RANKS};
 use tokio_util::sync::CancellationToken;
 
@@ -98,9 +105,18 @@ pub(crate) struct PrefillArgs {
     #[arg(long)]
     listen: SocketAddr,
 
-    /// Pin the engine id (default: a fresh UUID per start).
+    /// Pin the engine id (default: a fresh UUID per start). With
+    /// `--engines N` above 1, the engines are `<id>-0` .. `<id>-<N-1>`.
     #[arg(long)]
     engine_id: Option<String>,
+
+    /// Engines hosted by this process, each with its own agents, engine
+    /// id, incarnation, KV cache and side channel (one READY line each),
+    /// polled by one shared thread: a cheap way to run many real prefill
+    /// engines on one machine. With `--listen` port 0 each side channel
+    /// takes a port of its own; with port P, engine k listens on P + k.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=MAX_ENGINES))]
+    engines: u16,
 
     /// KV blocks per rank.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
@@ -173,12 +189,41 @@ pub(crate) struct PrefillArgs {
     size: Option<u64>,
 }
 
+/// The most engines one `prefill` process hosts (`--engines`).
+const MAX_ENGINES: i64 = 1024;
+
+/// Engine `k`'s side-channel address: `--listen` itself for one engine or
+/// port 0, else its port + `k` (`None` past port 65535).
+fn engine_listen(listen: SocketAddr, k: u16) -> Option<SocketAddr> {
+    if listen.port() == 0 {
+        return Some(listen);
+    }
+    let port = listen.port().checked_add(k)?;
+    Some(SocketAddr::new(listen.ip(), port))
+}
+
+/// Engine `k`'s id, from `--engine-id` (or fresh).
+fn engine_id(pinned: Option<&str>, engines: u16, k: u16) -> EngineId {
+    match pinned {
+        Some(id) if engines == 1 => EngineId::from(id),
+        Some(id) => EngineId::from(format!("{id}-{k}")),
+        None => fresh_engine_id(),
+    }
+}
+
 pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
     if !args.etcd_endpoint.is_empty() && args.listen.ip().is_unspecified() {
         // The address goes into etcd for decoders to connect to.
         eprintln!(
             "error: --listen {} is not an address a decoder can connect to; with --etcd-endpoint give the host's own address",
             args.listen
+        );
+        return ExitCode::from(2);
+    }
+    if engine_listen(args.listen, args.engines - 1).is_none() {
+        eprintln!(
+            "error: --engines {} from --listen {} runs past port 65535 (engine k listens on the port + k; give a lower port, or port 0)",
+            args.engines, args.listen
         );
         return ExitCode::from(2);
     }
@@ -206,38 +251,45 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let engine = match args.engine_id.take() {
-        Some(id) if !id.is_empty() && id.len() <= 200 => EngineId::from(id),
+    let pinned = match args.engine_id.take() {
+        Some(id) if !id.is_empty() && id.len() <= 200 => Some(id),
         Some(_) => {
             eprintln!("error: --engine-id must be 1 to 200 bytes");
             return ExitCode::from(2);
         }
-        None => fresh_engine_id(),
+        None => None,
     };
-    let mut config = PrefillConfig::new(engine.clone());
-    config.blocks = args.blocks;
-    config.block_size = args.block_size as usize;
-    config.ranks = args.ranks;
-    config.lease = Duration::from_secs(args.lease_secs);
-    config.max_connections = args.max_connections as usize;
-    config.connection_timeout = Duration::from_millis(args.connection_timeout_ms);
-    config.poll_interval = Duration::from_millis(args.poll_ms);
-    if let Some(us) = args.progress_thread_us {
-        config.agent.progress_thread = nixl_sys::ProgressThread::Polling {
-            delay: Duration::from_micros(us),
-        };
-    }
-    config.idle_poll_interval = Duration::from_millis(args.idle_poll_ms.max(args.poll_ms));
-    config.memory = memory;
-    config.region = region;
-    let kv = config.blocks as usize * config.block_size;
-    let prefill = match Prefill::start(rt, config) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("error: cannot start the prefill agents: {e}");
-            return ExitCode::FAILURE;
+    let mut prefills = Vec::with_capacity(args.engines.into());
+    for k in 0..args.engines {
+        let engine = engine_id(pinned.as_deref(), args.engines, k);
+        let mut config = PrefillConfig::new(engine);
+        config.blocks = args.blocks;
+        config.block_size = args.block_size as usize;
+        config.ranks = args.ranks;
+        config.lease = Duration::from_secs(args.lease_secs);
+        config.max_connections = args.max_connections as usize;
+        config.connection_timeout = Duration::from_millis(args.connection_timeout_ms);
+        config.poll_interval = Duration::from_millis(args.poll_ms);
+        if let Some(us) = args.progress_thread_us {
+            config.agent.progress_thread = nixl_sys::ProgressThread::Polling {
+                delay: Duration::from_micros(us),
+            };
         }
-    };
+        config.idle_poll_interval = Duration::from_millis(args.idle_poll_ms.max(args.poll_ms));
+        config.memory = memory;
+        config.region = region;
+        match Prefill::start(rt, config) {
+            Ok(p) => prefills.push(p),
+            Err(e) => {
+                eprintln!(
+                    "error: cannot start the prefill agents of engine {k} of {}: {e}",
+                    args.engines
+                );
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let kv = args.blocks as usize * args.block_size as usize;
     if args.size.is_some() || memory != Memory::Dram {
         let mut line = format!(
             "PREFILL MEMORY kind={} region_bytes={} blocks_bytes={kv}",
@@ -266,38 +318,53 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
         }
     };
     runtime.block_on(async move {
-        let listener = match tokio::net::TcpListener::bind(args.listen).await {
-            Ok(l) => l,
-            Err(e) => {
-                eprintln!("error: cannot listen on {}: {e}", args.listen);
-                return ExitCode::FAILURE;
+        let mut listeners = Vec::with_capacity(prefills.len());
+        for k in 0..args.engines {
+            let at = engine_listen(args.listen, k).expect("checked above");
+            match tokio::net::TcpListener::bind(at).await {
+                Ok(l) => listeners.push(l),
+                Err(e) => {
+                    eprintln!("error: cannot listen on {at}: {e}");
+                    return ExitCode::FAILURE;
+                }
             }
-        };
-        let local = listener.local_addr().map_or(args.listen, |a| a);
+        }
         let stop = Arc::new(AtomicBool::new(false));
-        let poller = prefill.spawn_poller(stop.clone());
+        let poller = spawn_shared_poller(prefills.clone(), stop.clone());
         let shutdown = CancellationToken::new();
-        let server = tokio::spawn(prefill.clone().serve(listener, shutdown.clone()));
-        println!(
-            "PREFILL READY engine={engine} listen={local} pid={} incarnation={}",
-            std::process::id(),
-            prefill.incarnation()
-        );
-        tracing::info!(%engine, listen = %local, ranks = args.ranks, blocks = args.blocks, "prefill ready");
-        let registration = register(&args, &engine, prefill.incarnation(), local);
+        let mut servers = Vec::with_capacity(prefills.len());
+        let mut registrations = Vec::new();
+        for (prefill, listener) in prefills.iter().zip(listeners) {
+            let local = listener.local_addr().map_or(args.listen, |a| a);
+            servers.push(tokio::spawn(prefill.clone().serve(listener, shutdown.clone())));
+            let engine = prefill.engine();
+            println!(
+                "PREFILL READY engine={engine} listen={local} pid={} incarnation={}",
+                std::process::id(),
+                prefill.incarnation()
+            );
+            tracing::info!(%engine, listen = %local, ranks = args.ranks, blocks = args.blocks, "prefill ready");
+            registrations.extend(register(&args, engine, prefill.incarnation(), local));
+        }
         super::wait_for_signal().await;
-        tracing::info!("prefill stopping");
-        // The key goes first, so decoders retire this engine before its
-        // side channel closes.
-        if let Some(r) = registration {
-            r.stop().await;
+        tracing::info!(engines = prefills.len(), "prefill stopping");
+        // The keys go first, so decoders retire the engines before their
+        // side channels close.
+        if !registrations.is_empty() {
+            for r in registrations {
+                r.stop().await;
+            }
             println!("ETCD deleted");
         }
         shutdown.cancel();
-        let _ = server.await;
+        for server in servers {
+            let _ = server.await;
+        }
         stop.store(true, std::sync::atomic::Ordering::Release);
         let _ = tokio::task::spawn_blocking(move || poller.join()).await;
-        prefill.log_lease_counts();
+        for prefill in &prefills {
+            prefill.log_lease_counts();
+        }
         ExitCode::SUCCESS
     })
 }

@@ -311,46 +311,21 @@ impl Prefill {
     /// Starts the polling thread (see the module docs). It stops when
     /// `stop` is set.
     pub fn spawn_poller(self: &Arc<Self>, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
-        let me = self.clone();
-        std::thread::Builder::new()
-            .name("prefill-poll".into())
-            .spawn(move || {
-                let mut last_sweep = Instant::now();
-                let mut pause = me.config.poll_interval;
-                while !stop.load(Ordering::Acquire) {
-                    let busy = me.poll_once();
-                    if last_sweep.elapsed() >= me.sweep_interval() {
-                        // As vLLM's prefill: what has arrived is handled
-                        // before expired requests are freed (after a
-                        // freeze, a completion that arrived in time is in
-                        // time). Drained, bounded.
-                        for _ in 0..SWEEP_DRAIN_ROUNDS {
-                            if !me.poll_once() {
-                                break;
-                            }
-                        }
-                        last_sweep = Instant::now();
-                        me.expire_leases();
-                    }
-                    pause = if busy {
-                        me.config.poll_interval
-                    } else {
-                        (pause * 2).min(me.config.idle_poll_interval.max(me.config.poll_interval))
-                    };
-                    std::thread::sleep(pause);
-                }
-            })
-            .expect("spawn prefill poller")
+        spawn_shared_poller(vec![self.clone()], stop)
     }
 
     /// One round of `getNotifs` over every rank, each notification handled.
-    /// Whether any arrived.
+    /// Whether any arrived that says a read is coming or went (anything
+    /// but a heartbeat): a heartbeat alone leaves the poller at its idle
+    /// pace. Counting heartbeats kept a prefill that 100 decodes heartbeat
+    /// (one every 10 ms) at its 1 ms busy pace for good (issue 32's
+    /// fan-in).
     fn poll_once(&self) -> bool {
         let mut busy = false;
         for rank in &self.ranks {
             match rank.agent.get_notifs() {
                 Ok(notifs) => {
-                    busy |= !notifs.is_empty();
+                    busy |= notifs.iter().any(|n| !n.message.starts_with(b"HB:"));
                     for n in notifs {
                         self.on_notification(rank.agent.name(), &n.agent, &n.message);
                     }
@@ -587,4 +562,62 @@ impl Prefill {
             }
         }
     }
+}
+
+/// One polling thread for every engine of `prefills` (a host of many
+/// engines in one process, `prefill --engines N`): each round polls every
+/// engine's ranks and sweeps each engine's leases on its own period. The
+/// pause between rounds is the shortest poll interval while any engine
+/// had notifications, doubling up to the idle interval otherwise, as for
+/// one engine. One thread for all, not one each: 1,000 engines would
+/// otherwise be 1,000 threads waking every 10 ms.
+pub fn spawn_shared_poller(
+    prefills: Vec<Arc<Prefill>>,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::Builder::new()
+        .name("prefill-poll".into())
+        .spawn(move || {
+            let Some(first) = prefills.first() else {
+                return;
+            };
+            let busy_pause = prefills
+                .iter()
+                .map(|p| p.config.poll_interval)
+                .min()
+                .unwrap_or(first.config.poll_interval);
+            let idle_pause = prefills
+                .iter()
+                .map(|p| p.config.idle_poll_interval.max(p.config.poll_interval))
+                .min()
+                .unwrap_or(busy_pause);
+            let mut last_sweep = vec![Instant::now(); prefills.len()];
+            let mut pause = busy_pause;
+            while !stop.load(Ordering::Acquire) {
+                let mut busy = false;
+                for (me, swept) in prefills.iter().zip(last_sweep.iter_mut()) {
+                    busy |= me.poll_once();
+                    if swept.elapsed() >= me.sweep_interval() {
+                        // As vLLM's prefill: what has arrived is handled
+                        // before expired requests are freed (after a
+                        // freeze, a completion that arrived in time is in
+                        // time). Drained, bounded.
+                        for _ in 0..SWEEP_DRAIN_ROUNDS {
+                            if !me.poll_once() {
+                                break;
+                            }
+                        }
+                        *swept = Instant::now();
+                        me.expire_leases();
+                    }
+                }
+                pause = if busy {
+                    busy_pause
+                } else {
+                    (pause * 2).min(idle_pause)
+                };
+                std::thread::sleep(pause);
+            }
+        })
+        .expect("spawn prefill poller")
 }

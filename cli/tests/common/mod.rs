@@ -103,6 +103,9 @@ pub struct PrefillProc {
     pub pid: u32,
     /// Where its stderr goes.
     pub log: std::path::PathBuf,
+    /// Every engine it hosts (`--engines`), in the order of their READY
+    /// lines; the first is the one of `addr`, `engine` and `incarnation`.
+    pub hosted: Vec<HostedEngine>,
     /// Its stdout lines after the READY line (read on, so the pipe never
     /// fills); [`PrefillProc::wait_line`] takes them in order.
     lines: std::sync::mpsc::Receiver<String>,
@@ -111,9 +114,19 @@ pub struct PrefillProc {
     gone: bool,
 }
 
+/// One engine of a prefill process, from its READY line.
+#[derive(Clone, Debug)]
+pub struct HostedEngine {
+    pub engine: String,
+    pub addr: PeerAddr,
+    pub incarnation: String,
+}
+
 /// How to start a prefill.
 #[derive(Clone, Debug, Default)]
 pub struct PrefillSpec {
+    /// `--engines` (default 1): one READY line is awaited per engine.
+    pub engines: Option<u16>,
     /// `--listen` (default `127.0.0.1:0`).
     pub listen: Option<String>,
     /// `--engine-id`.
@@ -195,6 +208,7 @@ impl PrefillProc {
         };
         cmd.arg("prefill")
             .args(["--listen", spec.listen.as_deref().unwrap_or("127.0.0.1:0")])
+            .args(["--engines", &spec.engines.unwrap_or(1).to_string()])
             .args(["--blocks", &spec.blocks.unwrap_or(8).to_string()])
             .args([
                 "--block-size",
@@ -222,34 +236,47 @@ impl PrefillProc {
                 let _ = tx.send(line);
             }
         });
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let engines = usize::from(spec.engines.unwrap_or(1));
+        // Each engine's start (agents, memory) takes tens of ms, more on a
+        // loaded machine.
+        let deadline =
+            Instant::now() + Duration::from_secs(30) + engines as u32 * Duration::from_millis(200);
         let mut before = Vec::new();
-        let line = loop {
+        let mut hosted = Vec::with_capacity(engines);
+        while hosted.len() < engines {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
-                Ok(l) if l.starts_with("PREFILL READY") => break l,
+                Ok(line) if line.starts_with("PREFILL READY") => {
+                    let field = |k: &str| {
+                        line.split_whitespace()
+                            .find_map(|w| w.strip_prefix(k))
+                            .unwrap_or_else(|| panic!("no {k} in {line:?}"))
+                            .to_string()
+                    };
+                    hosted.push(HostedEngine {
+                        engine: field("engine="),
+                        addr: PeerAddr::from(field("listen=")),
+                        incarnation: field("incarnation="),
+                    });
+                }
                 Ok(l) => before.push(l),
                 Err(e) => {
                     let _ = child.kill();
                     let _ = child.wait();
                     return Err(format!(
-                        "prefill never got ready ({e}); stdout: {before:#?}; log: {}",
+                        "prefill never got ready ({e}; {} of {engines} engines were); stdout: {before:#?}; log: {}",
+                        hosted.len(),
                         std::fs::read_to_string(&log).unwrap_or_default()
                     ));
                 }
             }
-        };
-        let field = |k: &str| {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(k))
-                .unwrap_or_else(|| panic!("no {k} in {line:?}"))
-                .to_string()
-        };
-        assert!(line.starts_with("PREFILL READY"), "{line}");
+        }
+        let first = hosted[0].clone();
         Ok(PrefillProc {
-            addr: PeerAddr::from(field("listen=")),
-            engine: field("engine="),
-            incarnation: field("incarnation="),
+            addr: first.addr,
+            engine: first.engine,
+            incarnation: first.incarnation,
+            hosted,
             pid: child.id(),
             child,
             log,
