@@ -6,7 +6,7 @@
 //!
 //! Targets (issue 19): the borrowed guard <= 12 ns per begin+end
 //! uncontended and >= 5x the baseline. The thread that reads first owns
-//! the registration and counts with plain stores (`core/cell.rs`); the
+//! the registration and counts with plain stores (`read_accounting/cell.rs`); the
 //! other threads' path, the atomic word, is measured beside it (a second
 //! thread reading the same engine while the first waits), as is what that
 //! path cannot go under on this CPU: two bare read-modify-writes on one

@@ -27,10 +27,10 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::core::cell::BeginRefused;
-use crate::core::EngineCell;
 use crate::error::ReadRefused;
 use crate::give_up::GiveUp;
+use crate::read_accounting::cell::BeginRefused;
+use crate::read_accounting::cell::EngineCell;
 use crate::registration::RegistrationId;
 use crate::state::EngineState;
 use crate::transport::EngineId;
@@ -38,7 +38,7 @@ use crate::NixlStatus;
 
 /// The most reads one registration may have in flight at once (the count
 /// has 24 bits of the engine's atomic word); one more is refused.
-pub const MAX_READS_IN_FLIGHT: u64 = crate::core::cell::MAX_READS_IN_FLIGHT;
+pub const MAX_READS_IN_FLIGHT: u64 = crate::read_accounting::cell::MAX_READS_IN_FLIGHT;
 
 /// A registered engine, as the decoder runtime holds it. Cheap to clone.
 ///

@@ -12,11 +12,12 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::core::{Answer, EngineCell, Input, RequestId, TicketId, Wake, WakeSink};
+use crate::core::{Answer, Input, RequestId, TicketId};
 use crate::engine::{EngineRef, OwnedReadGuard};
 use crate::error::{ClaimRefused, ReadRefused, RegisterError, ServiceStopped};
 use crate::event::Event;
 use crate::lease::{check_request_id, LeaseError};
+use crate::read_accounting::cell::{EngineCell, Wake, WakeSink};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::snapshot::Snapshot;
 use crate::state::EngineState;

@@ -145,6 +145,7 @@ pub mod log_limit;
 pub mod membership;
 pub mod nixl_transport;
 mod offload;
+mod read_accounting;
 mod registration;
 mod service;
 mod shrink;

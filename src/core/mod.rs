@@ -36,11 +36,10 @@
 //!   releases each engine as its reads end, and stops waiting at the drain
 //!   deadline.
 
-mod barrier;
 mod calls;
-pub(crate) mod cell;
 mod classify;
 mod count;
+mod handshake;
 mod heartbeat;
 mod identity;
 mod key;
@@ -63,7 +62,6 @@ use rand::rngs::StdRng;
 use tokio::time::Instant;
 
 pub(crate) use calls::{Call, CallOutcome, HeartbeatMessages, Panicked, RoundResults};
-pub(crate) use cell::{EngineCell, Wake, WakeSink};
 pub(crate) use classify::{classify, Verdict};
 pub(crate) use count::Count;
 pub use heartbeat::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
@@ -75,6 +73,7 @@ use crate::config::Config;
 use crate::error::{ClaimRefused, Conflict, RegisterError};
 use crate::event::{Event, Source};
 use crate::log_limit::LogLimiter;
+use crate::read_accounting::cell::{EngineCell, Wake};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use identity::{Holder, Ticket};

@@ -6,11 +6,11 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::calls::HeartbeatMessages;
-use super::cell::EngineCell;
 use super::heartbeat::heartbeat_round;
 use super::key::PeerKey;
 use super::TicketId;
 use crate::event::ReleaseReason;
+use crate::read_accounting::cell::EngineCell;
 use crate::registration::Incarnation;
 use crate::registration::RegistrationId;
 use crate::transport::{AgentName, EngineId, PeerAddr, Transfers};

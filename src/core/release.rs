@@ -5,12 +5,12 @@
 
 use tokio::time::Instant;
 
-use super::cell::EngineCell;
 use super::peer::Mark;
 use super::timers::Timer;
 use super::{identity, Action, Answer, Call, Core, Count, Panicked, Stopping, TicketId};
 use crate::error::ClaimRefused;
 use crate::event::{Event, ReleaseReason, WaitedFor};
+use crate::read_accounting::cell::EngineCell;
 use crate::registration::{Registration, RegistrationId};
 use crate::state::EngineState;
 use crate::transport::{EngineId, ReleaseStep, Transfers};

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 
 use super::peer::Peer;
 use super::timers::Timer;
-use super::{cell, Core, Count, HEARTBEAT_SLOT};
+use super::{Core, Count, HEARTBEAT_SLOT};
 use crate::config::StallAction;
 use crate::event::{Event, ReleaseReason};
 use crate::give_up::GiveUp;
@@ -37,7 +37,7 @@ pub(super) fn stall_check_period(bound: Duration) -> Duration {
 // The proof, checked by the compiler: wrapping the completed count within
 // one check period would take more than 10^9 completions a second.
 const _: () = assert!(
-    MAX_STALL_CHECK_PERIOD.as_secs() * 1_000_000_000 < 1 << cell::DONE_BITS,
+    MAX_STALL_CHECK_PERIOD.as_secs() * 1_000_000_000 < 1 << crate::read_accounting::cell::DONE_BITS,
     "the completed count could wrap between two stall checks"
 );
 
