@@ -19,8 +19,9 @@
 //! whole log through it; the per-key budget decides what is worth a
 //! line, the global one how many lines there may be.
 //!
-//! Synchronous and clock-free like the core: every call takes `now`
-//! (tokio's `Instant`, so paused-clock tests see the same budget). Memory
+//! Synchronous and clock-free like the core: every call takes `now`, a
+//! `std::time::Instant` or tokio's (converted: paused-clock tests pass
+//! tokio's and see the same budget). Memory
 //! is bounded: at most [`LogLimiter::capacity`] keys are remembered; when
 //! every slot is taken by keys logged within the period, a new key's
 //! occurrences are counted in [`LogLimiter::overflow`] instead of logged.
@@ -52,7 +53,7 @@ use std::collections::HashMap;
 use std::hash::Hash;
 use std::time::Duration;
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 /// The period the service and the command line use: one line per peer and
 /// reason per 10 s.
@@ -121,7 +122,8 @@ impl<K: Hash + Eq> LogLimiter<K> {
     /// written since its previous line (0 for the first). `None`: stay
     /// quiet; the occurrence is counted and reported by the key's next
     /// line (or by [`LogLimiter::flush`]).
-    pub fn admit(&mut self, key: K, now: Instant) -> Option<u64> {
+    pub fn admit(&mut self, key: K, now: impl Into<Instant>) -> Option<u64> {
+        let now = now.into();
         if let Some(entry) = self.entries.get_mut(&key) {
             if now.saturating_duration_since(entry.logged_at) >= self.period {
                 entry.logged_at = now;
@@ -162,10 +164,11 @@ impl<K: Hash + Eq> LogLimiter<K> {
     /// The keys whose period is over and that have occurrences not yet
     /// written, with their counts, which are reset: for a caller with a
     /// timer of its own, to write what a burst left untold once it ends.
-    pub fn flush(&mut self, now: Instant) -> Vec<(K, u64)>
+    pub fn flush(&mut self, now: impl Into<Instant>) -> Vec<(K, u64)>
     where
         K: Clone,
     {
+        let now = now.into();
         let mut told = Vec::new();
         for (key, e) in self.entries.iter_mut() {
             if e.suppressed > 0 && now.saturating_duration_since(e.logged_at) >= self.period {
@@ -261,7 +264,8 @@ impl LineBudget {
     }
 
     /// One line at `now`.
-    pub fn admit(&mut self, now: Instant) -> Line {
+    pub fn admit(&mut self, now: impl Into<Instant>) -> Line {
+        let now = now.into();
         let suppressed = self.roll(now);
         if self.written < self.per_second {
             self.written += 1;
@@ -276,7 +280,8 @@ impl LineBudget {
     /// When the second with suppressed lines is over: how many, to be
     /// said in a line of its own (a burst that ended is told without
     /// waiting for the next line). `None` otherwise.
-    pub fn flush(&mut self, now: Instant) -> Option<u64> {
+    pub fn flush(&mut self, now: impl Into<Instant>) -> Option<u64> {
+        let now = now.into();
         if self.suppressed == 0 {
             return None;
         }

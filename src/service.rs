@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::SeedableRng;
+use std::time::Instant;
 use tokio::sync::{broadcast, mpsc, oneshot};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
@@ -93,7 +93,7 @@ impl<T: Transport> Keepalive<T> {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         };
-        let mut core = Core::new(config.clone(), Instant::now(), rng);
+        let mut core = Core::new(config.clone(), clock_now(), rng);
         core.set_release_ends_transfers(transport.release_ends_transfers());
         let service = Keepalive {
             offload: Offload::new(transport),
@@ -188,7 +188,7 @@ impl<T: Transport> Keepalive<T> {
         let mut results = Vec::new();
         let mut stopping = false;
         let mut inbox_open = true;
-        let sleep = tokio::time::sleep_until(Instant::now());
+        let sleep = tokio::time::sleep_until(tokio::time::Instant::now());
         tokio::pin!(sleep);
         loop {
             // Results that carry only successes wake nobody (offload): they
@@ -196,7 +196,7 @@ impl<T: Transport> Keepalive<T> {
             // timer's round must see the last round as back).
             self.take_results(&mut results);
             self.carry_out();
-            let now = Instant::now();
+            let now = clock_now();
             if self.core.is_stopped(now) {
                 break;
             }
@@ -208,6 +208,7 @@ impl<T: Transport> Keepalive<T> {
                     self.core.handle_timeout(now);
                     continue;
                 }
+                let deadline = tokio::time::Instant::from_std(deadline);
                 if sleep.deadline() != deadline {
                     sleep.as_mut().reset(deadline);
                 }
@@ -217,7 +218,7 @@ impl<T: Transport> Keepalive<T> {
                 _ = shutdown.cancelled(), if !stopping => {
                     stopping = true;
                     tracing::info!("nixl-keepalive stopping");
-                    self.core.handle(Instant::now(), Input::Shutdown);
+                    self.core.handle(clock_now(), Input::Shutdown);
                 }
                 n = self.inbox.recv_many(&mut msgs, BATCH), if inbox_open => {
                     if n == 0 {
@@ -225,13 +226,13 @@ impl<T: Transport> Keepalive<T> {
                         // the timers and the token are left to serve.
                         inbox_open = false;
                     }
-                    let now = Instant::now();
+                    let now = clock_now();
                     for msg in msgs.drain(..) {
                         self.on_msg(now, msg);
                     }
                 }
                 _ = self.offload.recv(&mut results) => {
-                    self.core.handle_results(Instant::now(), &mut results);
+                    self.core.handle_results(clock_now(), &mut results);
                 }
                 _ = &mut sleep, if deadline.is_some() => {}
             }
@@ -239,7 +240,7 @@ impl<T: Transport> Keepalive<T> {
         // Whatever is still in the inbox is answered: the service is gone.
         self.inbox.close();
         while let Ok(msg) = self.inbox.try_recv() {
-            self.on_msg(Instant::now(), msg);
+            self.on_msg(clock_now(), msg);
         }
         self.carry_out();
         let (mut unreleased, releases_unfinished) = self.core.into_unreleased();
@@ -263,7 +264,7 @@ impl<T: Transport> Keepalive<T> {
     /// results that carry only successes wake nobody (`offload`).
     fn take_results(&mut self, results: &mut Vec<crate::core::CallOutcome>) {
         if self.offload.try_recv(results) {
-            self.core.handle_results(Instant::now(), results);
+            self.core.handle_results(clock_now(), results);
         }
     }
 
@@ -375,4 +376,10 @@ pub fn spawn<T: Transport>(
 ) {
     let (service, handle) = Keepalive::new(transport, config);
     (handle, tokio::spawn(service.run(shutdown)))
+}
+
+/// The core's `now`: tokio's clock (paused in tests, so the core sees
+/// virtual time) as the plain `std::time::Instant` the core works in.
+fn clock_now() -> Instant {
+    tokio::time::Instant::now().into_std()
 }

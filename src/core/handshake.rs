@@ -6,7 +6,7 @@
 
 use std::collections::VecDeque;
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 use super::identity::{malformed, Holder, Judged, Stage, Ticket};
 use super::{Answer, Core, RequestId, TicketId};

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rand::Rng;
-use tokio::time::Instant;
+use std::time::Instant;
 
 use super::key::PeerKey;
 use super::{Action, Call, Core, Count, HeartbeatMessages, RoundResults};

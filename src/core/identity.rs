@@ -32,7 +32,7 @@
 use crate::registration::RegistrationId;
 use std::sync::Arc;
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 use super::{Action, Answer, Core, Count, RequestId, TicketId};
 use crate::error::{Conflict, RegisterError};

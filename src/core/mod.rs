@@ -12,7 +12,11 @@
 //! [`Core::handle_timeout`]). Randomness (the heartbeat jitter) is
 //! injected. The tokio driver (`service`) only carries inputs in, sleeps to
 //! the deadline, and carries actions out; it imports the core, never the
-//! other way round, and so does the offload queue.
+//! other way round, and so does the offload queue. The core's clock is
+//! plain `std::time::Instant` values the driver hands in (tokio's clock,
+//! converted: paused in tests, so virtual time reaches the core as it
+//! is); the core never reads a clock and does not depend on tokio
+//! (`tests/layout.rs` checks it).
 //!
 //! # The rules
 //!
@@ -59,7 +63,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use rand::rngs::StdRng;
-use tokio::time::Instant;
+use std::time::Instant;
 
 pub(crate) use calls::{Call, CallOutcome, HeartbeatMessages, Panicked, RoundResults};
 pub(crate) use classify::{classify, Verdict};

@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 use super::calls::HeartbeatMessages;
 use super::heartbeat::heartbeat_round;

@@ -1,7 +1,7 @@
 //! The per-engine notification rate cap (governor), on the core's clock.
 //!
 //! governor's default clock is the wall clock; here it sees exactly the
-//! `now` the driver passes in (tokio's clock, paused in tests). Each
+//! `now` the driver passes in (tokio's clock converted, paused in tests). Each
 //! registration's limiter state (GCRA's one number, the theoretical arrival
 //! time) lives in its own record ([`RateState`] in the core's peer table),
 //! not in a keyed store of its own: a heartbeat's check touches the record
@@ -20,7 +20,7 @@ use governor::middleware::NoOpMiddleware;
 use governor::nanos::Nanos;
 use governor::state::{NotKeyed, StateStore};
 use governor::{Quota, RateLimiter};
-use tokio::time::Instant;
+use std::time::Instant;
 
 use crate::config::Config;
 

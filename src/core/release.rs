@@ -3,7 +3,7 @@
 //! flight and no handshake at its address holds it back; never before.
 //! Shutdown marks everything and stops waiting at the drain deadline.
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 use super::peer::Mark;
 use super::timers::Timer;

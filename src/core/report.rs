@@ -2,7 +2,7 @@
 //! above all, why it is kept or what its release waits for; and the counts
 //! the gauges show.
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 use super::peer::Peer;
 use super::Core;

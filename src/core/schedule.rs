@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 /// Heartbeat deadlines go to multiples of this (from the service's start),
 /// or of half the heartbeat interval where that is shorter (5 ms at the

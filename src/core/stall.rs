@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 use super::peer::Peer;
 use super::timers::Timer;

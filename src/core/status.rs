@@ -2,7 +2,7 @@
 //! (a heartbeat's `genNotif`, a transfer the runtime reports): judged by
 //! [`super::classify`], then a mark, a count or nothing.
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 use super::{classify, Core, Count, Verdict};
 use crate::event::{Event, ReleaseReason, Source};

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 /// A timer the core owns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use tokio::time::Instant;
+use std::time::Instant;
 
 use super::*;
 use crate::event::{Event, ReleaseReason, Source};
