@@ -1,8 +1,8 @@
 //! `nixl-keepalive`: see `nixl-keepalive --help`.
 #![forbid(unsafe_code)]
 
-mod cli;
+mod cmd;
 
 fn main() -> std::process::ExitCode {
-    cli::main()
+    cmd::main()
 }

@@ -18,7 +18,7 @@ use super::wait::POLL;
 const HTTP_PATIENCE: Duration = Duration::from_secs(30);
 
 /// How often `decode` prints its `reads: verified=...` line
-/// (`cli/src/cli/decode.rs`).
+/// (`cli/src/cmd/decode.rs`).
 pub const SUMMARY_PERIOD: Duration = Duration::from_secs(5);
 
 /// A running `nixl-keepalive decode`.
