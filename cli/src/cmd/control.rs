@@ -319,100 +319,19 @@ async fn peer_gone(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    if let Err((status, message)) = authorize(&state, &method, &headers) {
-        return error(client, status, message);
-    }
-    let body = match tokio::time::timeout(state.body_timeout, axum::body::to_bytes(body, MAX_BODY))
-        .await
-    {
-        Ok(Ok(body)) => body,
-        Ok(Err(_)) => {
-            return error(
-                client,
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("body over {MAX_BODY} bytes (or cut short); {PEER_GONE_SHAPE}"),
-            )
-        }
-        Err(_) => {
-            return error(
-                client,
-                StatusCode::REQUEST_TIMEOUT,
-                format!(
-                "the body did not arrive within {:?}; send it with the request; {PEER_GONE_SHAPE}",
-                state.body_timeout
-            ),
-            )
-        }
+    let asked = async {
+        // The steps, each refusing with its status and message.
+        authorize(&state, &method, &headers).map_err(|(status, m)| (status, m.to_owned()))?;
+        let body = read_body(&state, body).await?;
+        let (request, mode) = parse_peer_gone(&body)?;
+        let (peer, engine) = find_peer(&state, request).await?;
+        Ok((peer, engine, mode))
     };
-    let request: PeerGoneRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            return error(
-                client,
-                StatusCode::BAD_REQUEST,
-                format!("malformed JSON body ({e}); {PEER_GONE_SHAPE}"),
-            )
-        }
-    };
-    let mode = match request.mode.as_deref() {
-        None | Some("drain") => GoneMode::Drain,
-        Some("fail") => GoneMode::Fail,
-        Some(other) => {
-            return error(
-                client,
-                StatusCode::BAD_REQUEST,
-                format!("mode {other:?} is not one of \"drain\", \"fail\""),
-            )
-        }
+    let (peer, engine, mode) = match asked.await {
+        Ok(asked) => asked,
+        Err((status, message)) => return error(client, status, message),
     };
     let mode_name = mode.as_str();
-    let (peer, engine) = match (request.engine, request.address) {
-        (Some(engine), None) => {
-            let id = EngineId::from(engine.as_str());
-            if state.handle.engine(&id).is_none() {
-                return error(
-                    client,
-                    StatusCode::NOT_FOUND,
-                    format!("no engine {engine:?} is registered"),
-                );
-            }
-            (PeerRef::Engine(id), engine)
-        }
-        (None, Some(address)) => {
-            let snapshot = match state.handle.snapshot().await {
-                Ok(s) => s,
-                Err(_) => {
-                    return error(
-                        client,
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "the service has stopped",
-                    )
-                }
-            };
-            let Some(e) = snapshot
-                .engines
-                .iter()
-                .find(|e| e.address.as_str() == address)
-            else {
-                return error(
-                    client,
-                    StatusCode::NOT_FOUND,
-                    format!("no engine is registered at {address:?}"),
-                );
-            };
-            (
-                PeerRef::Address(PeerAddr::from(address.as_str())),
-                e.engine.to_string(),
-            )
-        }
-        _ => {
-            return error(
-                client,
-                StatusCode::BAD_REQUEST,
-                format!("give exactly one of \"engine\" and \"address\"; {PEER_GONE_SHAPE}"),
-            )
-        }
-    };
     tracing::info!(%engine, mode = mode_name, "router: peer gone");
     if state.handle.peer_gone(peer, mode).is_err() {
         return error(
@@ -426,6 +345,94 @@ async fn peer_gone(
         axum::Json(json!({ "accepted": true, "engine": engine, "mode": mode_name })),
     )
         .into_response()
+}
+
+/// A refused request: its status and the message the JSON error carries.
+type Refusal = (StatusCode, String);
+
+/// The request's body, at most `MAX_BODY` bytes within the body timeout.
+async fn read_body(state: &Control, body: Body) -> Result<axum::body::Bytes, Refusal> {
+    match tokio::time::timeout(state.body_timeout, axum::body::to_bytes(body, MAX_BODY)).await {
+        Ok(Ok(body)) => Ok(body),
+        Ok(Err(_)) => Err((
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("body over {MAX_BODY} bytes (or cut short); {PEER_GONE_SHAPE}"),
+        )),
+        Err(_) => Err((
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the body did not arrive within {:?}; send it with the request; {PEER_GONE_SHAPE}",
+                state.body_timeout
+            ),
+        )),
+    }
+}
+
+/// The request and its mode (`drain` when not given).
+fn parse_peer_gone(body: &[u8]) -> Result<(PeerGoneRequest, GoneMode), Refusal> {
+    let request: PeerGoneRequest = serde_json::from_slice(body).map_err(|e| {
+        (
+            StatusCode::BAD_REQUEST,
+            format!("malformed JSON body ({e}); {PEER_GONE_SHAPE}"),
+        )
+    })?;
+    let mode = match request.mode.as_deref() {
+        None | Some("drain") => GoneMode::Drain,
+        Some("fail") => GoneMode::Fail,
+        Some(other) => {
+            return Err((
+                StatusCode::BAD_REQUEST,
+                format!("mode {other:?} is not one of \"drain\", \"fail\""),
+            ))
+        }
+    };
+    Ok((request, mode))
+}
+
+/// The registered engine the request names, by id or by address, and its
+/// id for the reply.
+async fn find_peer(
+    state: &Control,
+    request: PeerGoneRequest,
+) -> Result<(PeerRef, String), Refusal> {
+    match (request.engine, request.address) {
+        (Some(engine), None) => {
+            let id = EngineId::from(engine.as_str());
+            if state.handle.engine(&id).is_none() {
+                return Err((
+                    StatusCode::NOT_FOUND,
+                    format!("no engine {engine:?} is registered"),
+                ));
+            }
+            Ok((PeerRef::Engine(id), engine))
+        }
+        (None, Some(address)) => {
+            let snapshot = state.handle.snapshot().await.map_err(|_| {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the service has stopped".to_owned(),
+                )
+            })?;
+            let Some(e) = snapshot
+                .engines
+                .iter()
+                .find(|e| e.address.as_str() == address)
+            else {
+                return Err((
+                    StatusCode::NOT_FOUND,
+                    format!("no engine is registered at {address:?}"),
+                ));
+            };
+            Ok((
+                PeerRef::Address(PeerAddr::from(address.as_str())),
+                e.engine.to_string(),
+            ))
+        }
+        _ => Err((
+            StatusCode::BAD_REQUEST,
+            format!("give exactly one of \"engine\" and \"address\"; {PEER_GONE_SHAPE}"),
+        )),
+    }
 }
 
 async fn snapshot(

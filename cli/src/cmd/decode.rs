@@ -137,219 +137,286 @@ struct Reader {
 }
 
 pub(crate) fn run(args: DecodeArgs) -> ExitCode {
-    // A bad environment value stops here, before anything starts.
-    let config = match Config::from_env() {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
+    match start_and_run(args) {
+        Ok(code) => code,
+        Err(refused) => {
+            eprintln!("error: {}", refused.message);
+            refused.code
         }
-    };
+    }
+}
+
+/// Why `decode` stopped before it ran: printed as `error: ...` with its
+/// exit code (2: a bad flag or value, nothing started; 1: a start-up step
+/// failed).
+struct Refused {
+    code: ExitCode,
+    message: String,
+}
+
+impl Refused {
+    fn usage(message: impl std::fmt::Display) -> Self {
+        Refused {
+            code: ExitCode::from(2),
+            message: message.to_string(),
+        }
+    }
+
+    fn failed(message: impl std::fmt::Display) -> Self {
+        Refused {
+            code: ExitCode::FAILURE,
+            message: message.to_string(),
+        }
+    }
+}
+
+/// The steps, in order: check what was asked, load NIXL, then serve
+/// until a signal and stop.
+fn start_and_run(args: DecodeArgs) -> Result<ExitCode, Refused> {
+    let checked = check(&args)?;
+    // The progress thread outlives the runtime (dropped after it).
+    let (nixl, _progress) = load_nixl(&args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Refused::failed(format!("cannot start the tokio runtime: {e}")))?;
+    runtime.block_on(serve(args, checked, nixl))
+}
+
+/// What the flags and the environment say, checked before anything
+/// starts or loads: a bad value stops here.
+struct Checked {
+    config: Config,
+    token: Option<Arc<str>>,
+    metrics_token: Option<Arc<str>>,
+    memory: nixl_keepalive_cli::pd::prefill::Memory,
+}
+
+fn check(args: &DecodeArgs) -> Result<Checked, Refused> {
+    let config = Config::from_env().map_err(Refused::usage)?;
     if args.control_token_file.is_some()
         && args.control_addr.is_none()
         && args.metrics_addr.is_none()
     {
-        eprintln!("error: --control-token-file needs --control-addr or --metrics-addr");
-        return ExitCode::from(2);
+        return Err(Refused::usage(
+            "--control-token-file needs --control-addr or --metrics-addr",
+        ));
     }
-    let tokens = control::load_token(args.control_addr, args.control_token_file.as_deref())
-        .and_then(|token| {
-            let metrics = match args.metrics_addr {
-                Some(addr) => control::metrics_token(addr, token.as_ref(), args.metrics_public)?,
-                None => None,
-            };
-            Ok((token, metrics))
-        });
-    let (token, metrics_token) = match tokens {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+    let token = control::load_token(args.control_addr, args.control_token_file.as_deref())
+        .map_err(Refused::usage)?;
+    let metrics_token = match args.metrics_addr {
+        Some(addr) => control::metrics_token(addr, token.as_ref(), args.metrics_public)
+            .map_err(Refused::usage)?,
+        None => None,
     };
     // Before NIXL loads: `--memory vram` without a GPU stops here, at once.
-    let memory = match args.memory.resolve(args.cuda_device) {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let memory = args
+        .memory
+        .resolve(args.cuda_device)
+        .map_err(Refused::usage)?;
+    Ok(Checked {
+        config,
+        token,
+        metrics_token,
+        memory,
+    })
+}
+
+/// NIXL loaded, UCX's settings read from it, the metrics recorder and the
+/// decode agent with its transport (its progress thread beside it).
+struct Nixl {
+    ucx_settings: UcxSettings,
+    metrics: Option<PrometheusHandle>,
+    name: String,
+    transport: Arc<NixlTransport>,
+}
+
+fn load_nixl(
+    args: &DecodeArgs,
+) -> Result<(Nixl, nixl_keepalive::nixl_transport::ProgressPoller), Refused> {
     super::init_tracing();
-    let rt = match nixl_sys::Runtime::get() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let rt = nixl_sys::Runtime::get().map_err(Refused::usage)?;
     // After NIXL is loaded, so UCX's settings are read from NIXL's own UCX.
     // A bad UCX_* value stops here too.
-    let ucx_settings = match UcxSettings::read() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let metrics = if args.metrics_addr.is_some() || args.control_addr.is_some() {
-        match PrometheusBuilder::new().install_recorder() {
-            Ok(h) => Some(h),
-            Err(e) => {
-                eprintln!("error: cannot install the metrics recorder: {e}");
-                return ExitCode::FAILURE;
-            }
-        }
-    } else {
-        None
-    };
+    let ucx_settings = UcxSettings::read().map_err(Refused::usage)?;
+    let metrics =
+        if args.metrics_addr.is_some() || args.control_addr.is_some() {
+            Some(PrometheusBuilder::new().install_recorder().map_err(|e| {
+                Refused::failed(format!("cannot install the metrics recorder: {e}"))
+            })?)
+        } else {
+            None
+        };
     let name = format!("decode-{}-{}", std::process::id(), rand::random::<u32>());
-    let agent = match Agent::new(rt, &name, &AgentConfig::default()) {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("error: cannot create the decode agent: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let agent = Agent::new(rt, &name, &AgentConfig::default())
+        .map_err(|e| Refused::failed(format!("cannot create the decode agent: {e}")))?;
     let transport = Arc::new(NixlTransport::new(agent));
-    let _progress = transport.spawn_progress(Duration::from_millis(args.progress_ms));
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: cannot start the tokio runtime: {e}");
-            return ExitCode::FAILURE;
+    let progress = transport.spawn_progress(Duration::from_millis(args.progress_ms));
+    Ok((
+        Nixl {
+            ucx_settings,
+            metrics,
+            name,
+            transport,
+        },
+        progress,
+    ))
+}
+
+/// The service, its HTTP servers, the readers and the membership, until a
+/// signal; then the graceful stop. Its exit code.
+async fn serve(args: DecodeArgs, checked: Checked, nixl: Nixl) -> Result<ExitCode, Refused> {
+    let Checked {
+        config,
+        token,
+        metrics_token,
+        memory,
+    } = checked;
+    let shutdown = CancellationToken::new();
+    println!("decode agent {}; service: {config}", nixl.name);
+    let (service, keepalive) = Keepalive::new(nixl.transport.clone(), config);
+    if let Some(handle) = &nixl.metrics {
+        spawn_upkeep(handle.clone(), shutdown.clone());
+    }
+    let servers = [
+        (args.control_addr, token),
+        (args.metrics_addr, metrics_token),
+    ];
+    for (control, (addr, token)) in [true, false].into_iter().zip(servers) {
+        if let Some(addr) = addr {
+            serve_http(&args, addr, control, token, &keepalive, &nixl, &shutdown).await?;
         }
+    }
+    // Its start-up line (stderr) gives the detection bound.
+    let task = tokio::spawn(
+        service
+            .with_ucx_settings(&nixl.ucx_settings)
+            .run(shutdown.clone()),
+    );
+    let mut events = keepalive.subscribe();
+    let mut quiet = TransientLog::standard();
+    let options = DecodeOptions {
+        reads_in_flight: args.reads as usize,
+        read_pause: Duration::from_millis(args.read_pause_ms),
+        probe_interval: Duration::from_millis(args.probe_ms),
+        memory,
+        ..DecodeOptions::default()
     };
-    runtime.block_on(async move {
-        let shutdown = CancellationToken::new();
-        println!("decode agent {name}; service: {config}");
-        let (service, keepalive) = Keepalive::new(transport.clone(), config);
-        if let Some(handle) = &metrics {
-            spawn_upkeep(handle.clone(), shutdown.clone());
-        }
-        let servers = [
-            (args.control_addr, true, "control"),
-            (args.metrics_addr, false, "metrics"),
-        ];
-        for (addr, control, what) in servers {
-            let Some(addr) = addr else { continue };
-            let listener = match tokio::net::TcpListener::bind(addr).await {
-                Ok(l) => l,
-                Err(e) => {
-                    eprintln!("error: cannot listen on {addr}: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            let local = listener.local_addr().map_or(addr, |a| a);
-            let token = if control { token.clone() } else { metrics_token.clone() };
-            let state = Control {
-                handle: keepalive.clone(),
-                // Off loopback, every request carries the token (the
-                // bind was refused without one, unless --metrics-public).
-                token_for_reads: token.is_some() && !local.ip().is_loopback(),
-                token,
-                metrics: metrics.clone(),
-                control,
-                body_timeout: control::LIMITS.body_timeout,
-            };
-            if control {
-                println!("control on http://{local}/v1/ (and /metrics)");
-            } else if args.metrics_public && !local.ip().is_loopback() {
-                println!("metrics on http://{local}/metrics (public: no token asked, --metrics-public)");
-            } else {
-                println!("metrics on http://{local}/metrics");
-            }
-            tracing::info!(%local, what, "HTTP server listening");
-            tokio::spawn(control::serve(
-                listener,
-                control::router(state),
-                shutdown.clone(),
-                control::LIMITS,
-            ));
-        }
-        // Its start-up line (stderr) gives the detection bound.
-        let task = tokio::spawn(
-            service
-                .with_ucx_settings(&ucx_settings)
-                .run(shutdown.clone()),
+    // Readers stop on their own token, before the service's: see
+    // `stop_gracefully`.
+    let reading = CancellationToken::new();
+    let reader_drain = options.read_timeout + options.handshake_timeout * 2;
+    let decoder = Decoder::new(keepalive.clone(), nixl.transport.clone(), options);
+    let mut readers: HashMap<PeerAddr, Reader> = HashMap::new();
+    let prefills = resolve_prefills(&args.prefill)
+        .await
+        .map_err(Refused::usage)?;
+    for address in prefills {
+        let stop = reading.child_token();
+        let task = decoder.spawn(address.clone(), stop.clone());
+        readers.insert(
+            address,
+            Reader {
+                stop,
+                task,
+                pinned: true,
+            },
         );
-        let mut events = keepalive.subscribe();
-        let mut quiet = TransientLog::standard();
-        let options = DecodeOptions {
-            reads_in_flight: args.reads as usize,
-            read_pause: Duration::from_millis(args.read_pause_ms),
-            probe_interval: Duration::from_millis(args.probe_ms),
-            memory,
-            ..DecodeOptions::default()
-        };
-        // Readers stop on their own token, before the service's: see
-        // `stop_gracefully`.
-        let reading = CancellationToken::new();
-        let reader_drain = options.read_timeout + options.handshake_timeout * 2;
-        let decoder = Decoder::new(keepalive.clone(), transport.clone(), options);
-        let mut readers: HashMap<PeerAddr, Reader> = HashMap::new();
-        let prefills = match resolve_prefills(&args.prefill).await {
-            Ok(p) => p,
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::from(2);
-            }
-        };
-        for address in prefills {
-            let stop = reading.child_token();
-            let task = decoder.spawn(address.clone(), stop.clone());
-            readers.insert(address, Reader { stop, task, pinned: true });
-        }
-        let mut members = Members::default();
-        let mut updates = start_membership(&args, &keepalive, &shutdown);
-        let mut summary = tokio::time::interval(Duration::from_secs(5));
-        summary.tick().await;
-        let signal = super::wait_for_signal();
-        tokio::pin!(signal);
-        loop {
-            tokio::select! {
-                _ = &mut signal => break,
-                event = events.recv() => match event {
-                    Ok(e) => print_event(&e, &mut quiet),
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => println!("event: ({n} events missed)"),
-                    Err(_) => break,
-                },
-                Some(update) = next_update(&mut updates) => {
-                    print_update(&update);
-                    follow_membership(&update, &decoder, &mut readers, &mut members, &reading).await;
-                }
-                _ = summary.tick() => {
-                    print_untold(&mut quiet);
-                    print_reads(&decoder, "");
-                }
-            }
-        }
-        println!("decode stopping");
-        let readers = readers.into_values().map(|r| r.task).collect();
-        let code = stop_gracefully(reading, readers, reader_drain, shutdown, task).await;
-        // The readers have stopped (or were given up on): reads since the
-        // last 5 s line are counted here, or never told.
-        print_untold(&mut quiet);
-        print_reads(&decoder, " at=stop");
-        // The releases of the stop itself, sent before the task returned.
-        loop {
-            match events.try_recv() {
+    }
+    let mut members = Members::default();
+    let mut updates = start_membership(&args, &keepalive, &shutdown);
+    let mut summary = tokio::time::interval(Duration::from_secs(5));
+    summary.tick().await;
+    let signal = super::wait_for_signal();
+    tokio::pin!(signal);
+    loop {
+        tokio::select! {
+            _ = &mut signal => break,
+            event = events.recv() => match event {
                 Ok(e) => print_event(&e, &mut quiet),
-                Err(tokio::sync::broadcast::error::TryRecvError::Lagged(n)) => {
-                    println!("event: ({n} events missed)")
-                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => println!("event: ({n} events missed)"),
                 Err(_) => break,
+            },
+            Some(update) = next_update(&mut updates) => {
+                print_update(&update);
+                follow_membership(&update, &decoder, &mut readers, &mut members, &reading).await;
+            }
+            _ = summary.tick() => {
+                print_untold(&mut quiet);
+                print_reads(&decoder, "");
             }
         }
-        if code == ExitCode::SUCCESS {
-            println!("decode stopped: every engine released");
+    }
+    println!("decode stopping");
+    let readers = readers.into_values().map(|r| r.task).collect();
+    let code = stop_gracefully(reading, readers, reader_drain, shutdown, task).await;
+    // The readers have stopped (or were given up on): reads since the
+    // last 5 s line are counted here, or never told.
+    print_untold(&mut quiet);
+    print_reads(&decoder, " at=stop");
+    // The releases of the stop itself, sent before the task returned.
+    loop {
+        match events.try_recv() {
+            Ok(e) => print_event(&e, &mut quiet),
+            Err(tokio::sync::broadcast::error::TryRecvError::Lagged(n)) => {
+                println!("event: ({n} events missed)")
+            }
+            Err(_) => break,
         }
-        code
-    })
+    }
+    if code == ExitCode::SUCCESS {
+        println!("decode stopped: every engine released");
+    }
+    Ok(code)
+}
+
+/// One HTTP server: the control endpoint (with `/metrics`) when
+/// `control`, else `/metrics` alone, on `addr`, until `shutdown`.
+async fn serve_http(
+    args: &DecodeArgs,
+    addr: SocketAddr,
+    control: bool,
+    token: Option<Arc<str>>,
+    keepalive: &nixl_keepalive::KeepaliveHandle<nixl_keepalive::nixl_transport::RemoteDlists>,
+    nixl: &Nixl,
+    shutdown: &CancellationToken,
+) -> Result<(), Refused> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| Refused::failed(format!("cannot listen on {addr}: {e}")))?;
+    let local = listener.local_addr().map_or(addr, |a| a);
+    let state = Control {
+        handle: keepalive.clone(),
+        // Off loopback, every request carries the token (the bind was
+        // refused without one, unless --metrics-public).
+        token_for_reads: token.is_some() && !local.ip().is_loopback(),
+        token,
+        metrics: nixl.metrics.clone(),
+        control,
+        body_timeout: control::LIMITS.body_timeout,
+    };
+    let what = if control {
+        println!("control on http://{local}/v1/ (and /metrics)");
+        "control"
+    } else {
+        if args.metrics_public && !local.ip().is_loopback() {
+            println!(
+                "metrics on http://{local}/metrics (public: no token asked, --metrics-public)"
+            );
+        } else {
+            println!("metrics on http://{local}/metrics");
+        }
+        "metrics"
+    };
+    tracing::info!(%local, what, "HTTP server listening");
+    tokio::spawn(control::serve(
+        listener,
+        control::router(state),
+        shutdown.clone(),
+        control::LIMITS,
+    ));
+    Ok(())
 }
 
 /// The read summary line, `reads: verified=N corrupt=N failed=N
