@@ -17,8 +17,14 @@ use governor::state::{InMemoryState, NotKeyed};
 use governor::{Quota, RateLimiter};
 use tokio::time::Instant;
 
-use super::{REFUSALS_BURST, REFUSALS_PERIOD};
 use crate::log_limit::{LogLimiter, LOG_KEYS, LOG_PERIOD};
+
+/// Refused records reported (logged at WARN and sent as
+/// [`MembershipUpdate::BadValue`](super::MembershipUpdate::BadValue)) at once before the rate applies.
+pub const REFUSALS_BURST: u32 = 10;
+/// After the burst, one refused record reported per this period; the
+/// others are counted, and the next report says how many.
+pub const REFUSALS_PERIOD: Duration = Duration::from_secs(1);
 
 /// Longest part of a key remembered by the per-key budget: a hostile key
 /// of a kilobyte costs no more than this.
