@@ -124,13 +124,12 @@
 
 pub mod config;
 mod core;
-mod engine;
+mod driver;
 mod error;
 mod event;
 #[cfg(feature = "fake")]
 pub mod fake;
 mod give_up;
-mod handle;
 pub mod lease;
 // Hidden modules: public only because the workspace's command line, tests,
 // benchmarks and fuzz target share them; no embedding API, no promise
@@ -144,10 +143,8 @@ pub mod log_limit;
 #[cfg(feature = "membership")]
 pub mod membership;
 pub mod nixl_transport;
-mod offload;
 mod read_accounting;
 mod registration;
-mod service;
 mod shrink;
 mod snapshot;
 mod state;
@@ -161,20 +158,20 @@ pub mod ucx_time;
 
 pub use crate::core::HEARTBEAT_SLOT;
 pub use config::{Config, ConfigBuilder, ConfigError, ConfigErrors, StallAction};
-pub use engine::{
+pub use driver::engine::{
     Destination, EngineRef, GivenUpRead, OwnedReadGuard, ReadGuard, MAX_READS_IN_FLIGHT,
 };
+pub use driver::handle::{Handshake, KeepaliveHandle, Ready, ReadyToLoad};
+#[doc(hidden)]
+pub use driver::offload::HUNG_AFTER;
+pub use driver::service::{spawn, Keepalive, Stopped};
 pub use error::{ClaimRefused, Conflict, ReadRefused, RegisterError, ServiceStopped};
 pub use event::{Event, ReleaseReason, Source, WaitedFor};
 pub use give_up::GiveUp;
-pub use handle::{Handshake, KeepaliveHandle, Ready, ReadyToLoad};
 pub use lease::LeaseError;
-#[doc(hidden)]
-pub use offload::HUNG_AFTER;
 pub use registration::{
     Claim, Departure, GoneMode, Incarnation, PeerRef, Registration, RegistrationId,
 };
-pub use service::{spawn, Keepalive, Stopped};
 pub use snapshot::{
     CallInFlight, DetectionSummary, EngineSnapshot, HeartbeatSnapshot, Snapshot, TransportSnapshot,
 };

@@ -20,10 +20,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::core::{Action, Answer, Core, Input, RequestId};
-use crate::engine::EngineRef;
+use crate::driver::engine::EngineRef;
+use crate::driver::handle::{Directory, KeepaliveHandle, Msg};
+use crate::driver::offload::Offload;
 use crate::event::Event;
-use crate::handle::{Directory, KeepaliveHandle, Msg};
-use crate::offload::Offload;
 use crate::registration::Registration;
 use crate::snapshot::DetectionSummary;
 use crate::telemetry;

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::core::{Answer, Input, RequestId, TicketId};
-use crate::engine::{EngineRef, OwnedReadGuard};
+use crate::driver::engine::{EngineRef, OwnedReadGuard};
 use crate::error::{ClaimRefused, ReadRefused, RegisterError, ServiceStopped};
 use crate::event::Event;
 use crate::lease::{check_request_id, LeaseError};

@@ -1,0 +1,14 @@
+//! The driver: everything that runs the core's rules in a tokio process.
+//! `service` is the task (it owns tokio's clock, sleeps to the core's
+//! next deadline, hands the core its inputs and carries its actions out);
+//! `handle` is what the runtime holds (the one input channel, the
+//! handshake protocol as calls and guards); `engine` is a registered
+//! engine's reference and its read guards (the hot path, counting in
+//! [`crate::read_accounting`]); `offload` is the pool that runs the
+//! transport's blocking calls and the watchdog that finds the hung ones.
+//! The core never imports any of them.
+
+pub(crate) mod engine;
+pub(crate) mod handle;
+pub(crate) mod offload;
+pub(crate) mod service;
