@@ -1,6 +1,6 @@
 //! The one place a NIXL status is judged, whatever call returned it.
 
-use crate::NixlStatus;
+use nixl_sys::NixlStatus;
 
 /// What a status means for the engine it came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::event::{ReleaseReason, Source};
 use crate::give_up::GiveUp;
-use crate::NixlStatus;
+use nixl_sys::NixlStatus;
 
 /// One thing to count.
 #[derive(Clone, Debug, PartialEq)]

@@ -39,7 +39,7 @@ impl<R> Core<R> {
         if self.stopping.is_some() {
             self.answer(
                 request,
-                Answer::ClaimRefused(ClaimRefused::Stopped(crate::ServiceStopped)),
+                Answer::ClaimRefused(ClaimRefused::Stopped(crate::error::ServiceStopped)),
             );
             return;
         }

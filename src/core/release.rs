@@ -14,7 +14,7 @@ use crate::read_accounting::cell::EngineCell;
 use crate::registration::{Registration, RegistrationId};
 use crate::state::EngineState;
 use crate::transport::{EngineId, ReleaseStep, Transfers};
-use crate::NixlStatus;
+use nixl_sys::NixlStatus;
 use std::sync::Arc;
 
 impl<R> Core<R> {
@@ -263,7 +263,9 @@ impl<R> Core<R> {
                 {
                     self.actions.push_back(Action::Answer {
                         request,
-                        answer: Answer::ClaimRefused(ClaimRefused::Stopped(crate::ServiceStopped)),
+                        answer: Answer::ClaimRefused(ClaimRefused::Stopped(
+                            crate::error::ServiceStopped,
+                        )),
                     });
                 }
             }

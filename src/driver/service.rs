@@ -284,13 +284,13 @@ impl<T: Transport> Keepalive<T> {
                 self.take_results(&mut Vec::new());
                 let mut snapshot = self.core.snapshot(now);
                 snapshot.detection_bound = self.bound;
-                let ids: std::collections::HashMap<crate::RegistrationId, EngineId> = self
-                    .directory
-                    .read()
-                    .expect("directory poisoned")
-                    .iter()
-                    .map(|(id, e)| (e.cell.serial(), id.clone()))
-                    .collect();
+                let ids: std::collections::HashMap<crate::registration::RegistrationId, EngineId> =
+                    self.directory
+                        .read()
+                        .expect("directory poisoned")
+                        .iter()
+                        .map(|(id, e)| (e.cell.serial(), id.clone()))
+                        .collect();
                 snapshot.transport = self.offload.snapshot(|serial| ids.get(&serial).cloned());
                 for call in snapshot.transport.hung() {
                     if let Some(e) = snapshot

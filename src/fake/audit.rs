@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{FakeResources, FakeUcx};
-use crate::{AgentName, EngineId, ReleaseStep, Transfers, Transport, TransportError};
+use crate::transport::{AgentName, EngineId, ReleaseStep, Transfers, Transport, TransportError};
 
 /// Where a violation found by the audit goes (a test's list, the demo's
 /// timeline).
@@ -111,7 +111,7 @@ impl Transport for AuditedUcx {
 mod tests {
     use super::*;
     use crate::fake::FakeConfig;
-    use crate::PeerAddr;
+    use crate::transport::PeerAddr;
 
     #[test]
     fn a_release_under_a_read_twice_or_untracked_is_a_violation() {

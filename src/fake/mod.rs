@@ -144,10 +144,16 @@ pub use status::nixl_status_from_ucs;
 
 use world::{Gone, HandleSlot, LoadedAgent, NotifyBlock, ProcessId, Silence, World};
 
-use crate::{
-    AgentName, EndpointClose, EngineId, NixlStatus, PeerAddr, ReleaseStep, ReleaseTarget,
-    Transfers, Transport, TransportError, UcsStatus,
+use crate::driver::engine::EngineRef;
+use crate::driver::handle::{Handshake, KeepaliveHandle, Ready};
+use crate::error::ClaimRefused;
+use crate::registration::{Claim, Incarnation, Registration};
+use crate::transport::{
+    AgentName, EndpointClose, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, Transfers, Transport,
+    TransportError,
 };
+use nixl_sys::NixlStatus;
+use ucx_sys::UcsStatus;
 
 /// How the simulated UCX behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -240,7 +246,7 @@ pub enum FakeConnectError {
     Fetch(FakeError),
     /// The service refused the claim (nothing was loaded).
     #[error("{0}")]
-    Refused(crate::ClaimRefused),
+    Refused(ClaimRefused),
     /// NIXL refused the metadata.
     #[error("load: {0}")]
     Load(FakeError),
@@ -280,14 +286,14 @@ pub struct FakeMetadata {
 impl FakeMetadata {
     /// The incarnation of the process whose metadata this is (one per
     /// start: a restart under a pinned id has a new one).
-    pub fn incarnation(&self) -> crate::Incarnation {
-        crate::Incarnation(self.process as u64 + 1)
+    pub fn incarnation(&self) -> Incarnation {
+        Incarnation(self.process as u64 + 1)
     }
 
     /// Who the reply says the prefill is: what the runtime hands
-    /// [`crate::Handshake::ready_to_load`] before loading anything.
-    pub fn claim(&self) -> crate::Claim {
-        crate::Claim {
+    /// [`Handshake::ready_to_load`] before loading anything.
+    pub fn claim(&self) -> Claim {
+        Claim {
             engine: self.engine.clone(),
             incarnation: Some(self.incarnation()),
             agents: self.agents.clone(),
@@ -302,7 +308,7 @@ pub struct FakeHandshake {
     /// The engine id.
     pub engine: EngineId,
     /// The incarnation of the process loaded.
-    pub incarnation: crate::Incarnation,
+    pub incarnation: Incarnation,
     /// The side-channel address.
     pub addr: PeerAddr,
     /// The agents NIXL loaded (the metadata's own names), one per rank, in
@@ -312,11 +318,11 @@ pub struct FakeHandshake {
     pub resources: FakeResources,
 }
 
-impl From<FakeHandshake> for crate::Registration<FakeResources> {
+impl From<FakeHandshake> for Registration<FakeResources> {
     /// What the decoder runtime registers with the service after the
     /// handshake.
     fn from(hs: FakeHandshake) -> Self {
-        crate::Registration {
+        Registration {
             engine: hs.engine,
             incarnation: Some(hs.incarnation),
             address: hs.addr,
@@ -728,7 +734,7 @@ impl FakeUcx {
 
     /// Connects the service to the prefill at `addr` the way a decoder
     /// runtime must, step by step: the reference implementation of the
-    /// handshake protocol ([`crate::KeepaliveHandle::handshake`]).
+    /// handshake protocol ([`KeepaliveHandle::handshake`]).
     ///
     /// 1. start the handshake (a marked engine at `addr` waits for it);
     /// 2. ask the side channel who is there ([`fetch_metadata`]);
@@ -745,9 +751,9 @@ impl FakeUcx {
     /// [`load_metadata`]: Self::load_metadata
     pub async fn connect(
         &self,
-        keepalive: &crate::KeepaliveHandle<FakeResources>,
+        keepalive: &KeepaliveHandle<FakeResources>,
         addr: &PeerAddr,
-    ) -> Result<crate::EngineRef, FakeConnectError> {
+    ) -> Result<EngineRef, FakeConnectError> {
         let handshake = keepalive.handshake(addr.clone());
         let metadata = self.fetch_metadata(addr).map_err(FakeConnectError::Fetch)?;
         self.connect_with(handshake, metadata).await
@@ -758,12 +764,12 @@ impl FakeUcx {
     /// edited, as a hostile prefill would send it).
     pub async fn connect_with(
         &self,
-        handshake: crate::Handshake<FakeResources>,
+        handshake: Handshake<FakeResources>,
         metadata: FakeMetadata,
-    ) -> Result<crate::EngineRef, FakeConnectError> {
+    ) -> Result<EngineRef, FakeConnectError> {
         let ready = match handshake.ready_to_load(metadata.claim()).await {
-            Ok(crate::Ready::Current(engine)) => return Ok(engine),
-            Ok(crate::Ready::Load(ready)) => ready,
+            Ok(Ready::Current(engine)) => return Ok(engine),
+            Ok(Ready::Load(ready)) => ready,
             Err(refused) => return Err(FakeConnectError::Refused(refused)),
         };
         let loaded = self

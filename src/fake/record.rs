@@ -4,7 +4,9 @@ use std::borrow::Cow;
 
 use tokio::time::Instant;
 
-use crate::{AgentName, EngineId, NixlStatus, UcsStatus};
+use crate::transport::{AgentName, EngineId};
+use nixl_sys::NixlStatus;
+use ucx_sys::UcsStatus;
 
 /// A NIXL operation the fake performed on the decode side's agent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,6 +1,7 @@
 //! How NIXL's UCX backend turns a UCX status into a NIXL status.
 
-use crate::{NixlStatus, UcsStatus};
+use nixl_sys::NixlStatus;
+use ucx_sys::UcsStatus;
 
 /// The NIXL status NIXL's UCX backend reports for a UCX status.
 ///

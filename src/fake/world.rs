@@ -12,7 +12,9 @@ use super::gate::GateInner;
 use super::record::{FakeCall, FakeOp, Held};
 use super::status::nixl_status_from_ucs;
 use super::FakeConfig;
-use crate::{AgentName, EngineId, NixlStatus, PeerAddr, UcsStatus};
+use crate::transport::{AgentName, EngineId, PeerAddr};
+use nixl_sys::NixlStatus;
+use ucx_sys::UcsStatus;
 
 /// Index of a process in `World::processes`: one per engine start.
 pub(super) type ProcessId = usize;

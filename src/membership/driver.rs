@@ -9,8 +9,11 @@ use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::driver::handle::KeepaliveHandle;
+use crate::event::{Event, ReleaseReason};
+use crate::registration::GoneMode;
 use crate::text::Escaped;
-use crate::{EngineId, Event, GoneMode, KeepaliveHandle, PeerAddr, ReleaseReason};
+use crate::transport::{EngineId, PeerAddr};
 
 use super::reconciler::{Decision, MembershipSource, Reconciler, RetireWhy, SourceEvent};
 use super::refusals;

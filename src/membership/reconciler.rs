@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 
 use crate::text::Escaped;
-use crate::EngineId;
+use crate::transport::EngineId;
 
 use super::schema::{Member, SchemaError, DEFAULT_PREFIX};
 

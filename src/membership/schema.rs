@@ -3,8 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::registration::{Departure, Incarnation};
 use crate::text::{check_name, Escaped, NameError};
-use crate::{Departure, EngineId, Incarnation, PeerAddr};
+use crate::transport::{EngineId, PeerAddr};
 
 /// The key prefix prefills register under unless told otherwise.
 pub const DEFAULT_PREFIX: &str = "/nixl-keepalive/prefill/";
