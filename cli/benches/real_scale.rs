@@ -606,13 +606,13 @@ async fn size(
     if storm {
         // The healthy half's reads and heartbeats: quiet, then through
         // the storm.
-        let measure_reads = |w: Duration| {
+        let measure_reads = || {
             let on = Arc::new(AtomicBool::new(true));
             let lat = Arc::new(Mutex::new(Vec::new()));
             let reader = spawn_reader(d.decoder.clone(), healthy.clone(), on.clone(), lat.clone());
-            (on, lat, reader, w)
+            (on, lat, reader)
         };
-        let (on, lat, reader, _) = measure_reads(window);
+        let (on, lat, reader) = measure_reads();
         d.timed.start_window();
         tokio::time::sleep(window).await;
         let mut quiet_hb = std::mem::take(&mut d.timed.take_window()[0]);
@@ -620,7 +620,7 @@ async fn size(
         let _ = reader.await;
         let mut quiet_reads = std::mem::take(&mut *lat.lock().unwrap());
 
-        let (on, lat, reader, _) = measure_reads(window);
+        let (on, lat, reader) = measure_reads();
         d.timed.start_window();
         let mut a = a;
         let killed = Instant::now();
