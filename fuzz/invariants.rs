@@ -3,7 +3,7 @@
 //! test that replays the corpus (`tests/fuzz_corpus.rs`), each of which
 //! includes this file as a module of its own.
 
-use nixl_keepalive::ucx_time::{parse_time, ucx_accepts, TimeField, UcxTime, MAX_TIME};
+use nixl_keepalive::ucx::time::{parse_time, ucx_accepts, TimeField, UcxTime, MAX_TIME};
 
 /// Checks the parser's invariants on one input, panicking on a breach: no
 /// panic; an accepted value is one UCX accepts too, lies within

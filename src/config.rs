@@ -22,7 +22,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::time::Duration;
 
-use crate::ucx_time::{parse_time, TimeField, UcxTime};
+use crate::ucx::time::{parse_time, TimeField, UcxTime};
 
 /// Prefix of every environment variable the service reads.
 pub const ENV_PREFIX: &str = "NIXL_KEEPALIVE_";

@@ -91,7 +91,7 @@
 //! # Features
 //!
 //! None by default: the service, [`Transport`] and
-//! [`nixl_transport::NixlTransport`]. `fake`: the fault-injecting fake UCX
+//! [`transport::nixl::NixlTransport`]. `fake`: the fault-injecting fake UCX
 //! (`nixl_keepalive::fake`), for tests. `membership`: cluster membership
 //! (`nixl_keepalive::membership`: the source trait, the in-memory store,
 //! the reconciler). `etcd`: the etcd source and prefill registration (its
@@ -135,14 +135,13 @@ pub mod lease;
 // benchmarks and fuzz target share them; no embedding API, no promise
 // across releases. `log_limit`: the CLI rate-limits its own log lines with
 // it. `text`: the CLI checks and escapes peers' names with it (its error
-// type, part of the API, is re-exported as `NameError`). `ucx_time`: the
+// type, part of the API, is re-exported as `NameError`). `ucx::time`: the
 // CLI's demo flags and the fuzz target parse UCX times with it (its types
-// in the API are re-exported from `ucx_settings`).
+// in the API are re-exported from `ucx::settings`).
 #[doc(hidden)]
 pub mod log_limit;
 #[cfg(feature = "membership")]
 pub mod membership;
-pub mod nixl_transport;
 mod read_accounting;
 mod registration;
 mod shrink;
@@ -152,9 +151,7 @@ mod telemetry;
 #[doc(hidden)]
 pub mod text;
 pub mod transport;
-pub mod ucx_settings;
-#[doc(hidden)]
-pub mod ucx_time;
+pub mod ucx;
 
 pub use crate::core::HEARTBEAT_SLOT;
 pub use config::{Config, ConfigBuilder, ConfigError, ConfigErrors, StallAction};

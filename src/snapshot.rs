@@ -114,7 +114,7 @@ pub struct CallInFlight {
 }
 
 /// The detection bounds, as numbers: one per kind of dead peer (see
-/// [`crate::ucx_settings`]).
+/// [`crate::ucx::settings`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DetectionSummary {
@@ -133,7 +133,7 @@ pub struct DetectionSummary {
 impl fmt::Display for DetectionSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let text =
-            |d: Option<Duration>| d.map_or("never".to_string(), crate::ucx_settings::secs_text);
+            |d: Option<Duration>| d.map_or("never".to_string(), crate::ucx::settings::secs_text);
         write!(
             f,
             "crashed {}, silent {}, frozen with reads in flight {}",

@@ -823,7 +823,7 @@ async fn a_given_up_reads_buffer_is_reusable_once_a_release_that_ends_transfers_
 
 #[tokio::test(start_paused = true)]
 async fn the_start_up_bounds_name_crashed_silent_and_frozen_apart_in_seconds() {
-    use nixl_keepalive::ucx_settings::UcxSettings;
+    use nixl_keepalive::ucx::settings::UcxSettings;
     let ucx = FakeUcx::new(FakeConfig::default());
     let (service, handle) = Keepalive::new(Arc::new(ucx.clone()), config());
     // What UCX's own configuration prints for the default keepalive, on a

@@ -1,6 +1,6 @@
 //! `UcxSettings::read` against the real UCX, when one can be loaded.
 
-use nixl_keepalive::ucx_settings::{detection_bound, warnings, Origin, UcxSettings};
+use nixl_keepalive::ucx::settings::{detection_bound, warnings, Origin, UcxSettings};
 use std::time::Duration;
 
 #[test]

@@ -19,7 +19,7 @@
 
 use std::time::Duration;
 
-use nixl_keepalive::ucx_time::{parse_time, TimeField, UcxTime};
+use nixl_keepalive::ucx::time::{parse_time, TimeField, UcxTime};
 use proptest::prelude::*;
 use ucx_sys::{UcsStatus, Ucx};
 
@@ -147,7 +147,7 @@ fn check_agreement(
     value: &str,
     what: &str,
     ucx_ok: bool,
-    ours: &Result<UcxTime, nixl_keepalive::ucx_time::TimeSyntaxError>,
+    ours: &Result<UcxTime, nixl_keepalive::ucx::time::TimeSyntaxError>,
 ) {
     match ours {
         Ok(t) => assert!(ucx_ok, "{what}={value:?}: we accept ({t}), UCX rejects"),

@@ -21,7 +21,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nixl_keepalive::nixl_transport::NixlTransport;
+use nixl_keepalive::transport::nixl::NixlTransport;
 use nixl_keepalive::{Config, EngineId, Event, PeerAddr};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder, Found};
 use nixl_sys::{Agent, AgentConfig};

@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{machine, percentiles, process_cpu, quick, rss_bytes};
-use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
+use nixl_keepalive::transport::nixl::{NixlTransport, RemoteDlists};
 use nixl_keepalive::{
     AgentName, Config, EngineId, Event, GoneMode, PeerAddr, PeerRef, Registration, ReleaseStep,
     Transfers, Transport, TransportError,
@@ -424,7 +424,7 @@ struct Decode {
     events: tokio::sync::broadcast::Receiver<Event>,
     shutdown: CancellationToken,
     task: tokio::task::JoinHandle<nixl_keepalive::Stopped<RemoteDlists>>,
-    _progress: nixl_keepalive::nixl_transport::ProgressPoller,
+    _progress: nixl_keepalive::transport::nixl::ProgressPoller,
 }
 
 fn start_decode(rt: &'static nixl_sys::Runtime, tag: &str) -> Decode {
@@ -574,8 +574,8 @@ async fn size(
         p_ab.threads,
         verdict(fds_per <= 4.0)
     );
-    if let Ok(settings) = nixl_keepalive::ucx_settings::UcxSettings::read() {
-        use nixl_keepalive::ucx_settings::{detection_bound, detection_bound_for, secs_text};
+    if let Ok(settings) = nixl_keepalive::ucx::settings::UcxSettings::read() {
+        use nixl_keepalive::ucx::settings::{detection_bound, detection_bound_for, secs_text};
         let gap = INTERVAL + nixl_keepalive::HEARTBEAT_SLOT / 2;
         let (one, here) = (
             detection_bound(&settings, gap),

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use common::{decode_transport, report, serial, PrefillProc, PrefillSpec};
 use nixl_keepalive::fake::{FakeConfig, FakeError, FakeHandshake, FakeUcx};
-use nixl_keepalive::nixl_transport::{NixlTransport, ProgressPoller};
+use nixl_keepalive::transport::nixl::{NixlTransport, ProgressPoller};
 use nixl_keepalive::{
     AgentName, EndpointClose, EngineId, NixlStatus, PeerAddr, ReleaseStep, ReleaseTarget,
     Transport, TransportError,

@@ -904,7 +904,7 @@ fn the_listing_sees_what_the_api_promises() {
         "external re-exports"
     );
     assert!(
-        has("pub use nixl_keepalive::EngineId = crate::transport::EngineId (made by a macro)"),
+        has("pub use nixl_keepalive::EngineId = crate::transport::names::EngineId (made by a macro)"),
         "macro-made names"
     );
     assert!(

@@ -54,7 +54,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{decode_transport, report, serial, PrefillProc, PrefillSpec};
-use nixl_keepalive::nixl_transport::RemoteDlists;
+use nixl_keepalive::transport::nixl::RemoteDlists;
 use nixl_keepalive::{AgentName, EngineId, Transport};
 use nixl_keepalive_cli::pd::pattern;
 use nixl_sys::testing::runtime_or_skip;

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use common::wait::{check, until_async, MARGIN};
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
-use nixl_keepalive::ucx_settings::{detection_bound, UcxSettings};
+use nixl_keepalive::ucx::settings::{detection_bound, UcxSettings};
 use nixl_keepalive::{Config, EngineId, EngineState, Event, ReleaseReason, StallAction};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found};
 use nixl_sys::testing::runtime_or_skip;

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
-use nixl_keepalive::ucx_settings::UcxSettings;
+use nixl_keepalive::ucx::settings::UcxSettings;
 use nixl_keepalive::{
     AgentName, EngineId, GoneMode, PeerAddr, PeerRef, ReleaseTarget, Snapshot, Stopped, Transport,
 };

@@ -28,7 +28,7 @@ use crate::registration::Registration;
 use crate::snapshot::DetectionSummary;
 use crate::telemetry;
 use crate::transport::{EngineId, Transport};
-use crate::ucx_settings::{detection_bound, secs_text, warnings, UcxSettings};
+use crate::ucx::settings::{detection_bound, secs_text, warnings, UcxSettings};
 
 /// What the service could not release when it stopped, each registration
 /// once: engines whose reads were still in flight at the drain deadline,
@@ -118,7 +118,7 @@ impl<T: Transport> Keepalive<T> {
     /// [`UcxSettings::read`] before anything starts). With them it reports
     /// how long a dead prefill can go unnoticed, for each kind of death
     /// (crashed, silent, frozen with reads in flight: see
-    /// [`crate::ucx_settings`]): one line at start-up, the
+    /// [`crate::ucx::settings`]): one line at start-up, the
     /// `nixl_keepalive_detection_bound_{crashed,silent,frozen}_seconds`
     /// gauges, the snapshot; and it warns once about settings that defeat
     /// detection.

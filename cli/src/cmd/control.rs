@@ -47,7 +47,7 @@ use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use metrics_exporter_prometheus::PrometheusHandle;
 use nixl_keepalive::log_limit::LogLimiter;
-use nixl_keepalive::nixl_transport::RemoteDlists;
+use nixl_keepalive::transport::nixl::RemoteDlists;
 use nixl_keepalive::{EngineId, GoneMode, KeepaliveHandle, PeerAddr, PeerRef, Snapshot};
 use serde::Deserialize;
 use serde_json::json;

@@ -27,9 +27,9 @@ use clap::{Args, ValueEnum};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::membership::{self, MembershipUpdate};
-use nixl_keepalive::nixl_transport::NixlTransport;
 use nixl_keepalive::text::Escaped;
-use nixl_keepalive::ucx_settings::UcxSettings;
+use nixl_keepalive::transport::nixl::NixlTransport;
+use nixl_keepalive::ucx::settings::UcxSettings;
 use nixl_keepalive::{Config, Event, Keepalive, PeerAddr};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder};
 use nixl_sys::{Agent, AgentConfig};
@@ -234,7 +234,7 @@ struct Nixl {
 
 fn load_nixl(
     args: &DecodeArgs,
-) -> Result<(Nixl, nixl_keepalive::nixl_transport::ProgressPoller), Refused> {
+) -> Result<(Nixl, nixl_keepalive::transport::nixl::ProgressPoller), Refused> {
     super::init_tracing();
     let rt = nixl_sys::Runtime::get().map_err(Refused::usage)?;
     // After NIXL is loaded, so UCX's settings are read from NIXL's own UCX.
@@ -378,7 +378,7 @@ async fn serve_http(
     addr: SocketAddr,
     control: bool,
     token: Option<Arc<str>>,
-    keepalive: &nixl_keepalive::KeepaliveHandle<nixl_keepalive::nixl_transport::RemoteDlists>,
+    keepalive: &nixl_keepalive::KeepaliveHandle<nixl_keepalive::transport::nixl::RemoteDlists>,
     nixl: &Nixl,
     shutdown: &CancellationToken,
 ) -> Result<(), Refused> {
@@ -439,7 +439,7 @@ fn print_reads(decoder: &Decoder, suffix: &str) {
 /// Starts the etcd watch and the membership driver, with `--etcd-endpoint`.
 fn start_membership(
     args: &DecodeArgs,
-    keepalive: &nixl_keepalive::KeepaliveHandle<nixl_keepalive::nixl_transport::RemoteDlists>,
+    keepalive: &nixl_keepalive::KeepaliveHandle<nixl_keepalive::transport::nixl::RemoteDlists>,
     shutdown: &CancellationToken,
 ) -> Option<mpsc::UnboundedReceiver<MembershipUpdate>> {
     if args.etcd_endpoint.is_empty() {
@@ -675,7 +675,7 @@ async fn stop_gracefully(
     reader_drain: Duration,
     shutdown: CancellationToken,
     task: tokio::task::JoinHandle<
-        nixl_keepalive::Stopped<nixl_keepalive::nixl_transport::RemoteDlists>,
+        nixl_keepalive::Stopped<nixl_keepalive::transport::nixl::RemoteDlists>,
     >,
 ) -> ExitCode {
     reading.cancel();

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use clap::Args;
 use nixl_keepalive::fake::{AuditedUcx, FakeConfig, FakeUcx};
-use nixl_keepalive::ucx_time::{parse_time, TimeField, UcxTime};
+use nixl_keepalive::ucx::time::{parse_time, TimeField, UcxTime};
 use nixl_keepalive::{Config, PeerAddr};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;

@@ -37,8 +37,8 @@ use super::pattern;
 use super::prefill::Memory;
 use super::wire::{self, HandshakeReply, WireError};
 use nixl_keepalive::log_limit::LogLimiter;
-use nixl_keepalive::nixl_transport::{NixlTransport, RemoteDlists};
 use nixl_keepalive::text::Escaped;
+use nixl_keepalive::transport::nixl::{NixlTransport, RemoteDlists};
 use nixl_keepalive::{
     AgentName, Claim, ClaimRefused, Destination, EngineId, EngineRef, EngineState, GiveUp,
     GivenUpRead, Incarnation, PeerAddr, Ready, ServiceStopped,

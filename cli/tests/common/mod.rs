@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use nixl_keepalive::nixl_transport::{NixlTransport, ProgressPoller};
+use nixl_keepalive::transport::nixl::{NixlTransport, ProgressPoller};
 use nixl_keepalive::{Config, Event, PeerAddr};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder};
 use nixl_sys::{Agent, AgentConfig, Runtime};
@@ -416,7 +416,7 @@ pub struct DecodeSide {
     pub missed: u64,
     pub shutdown: CancellationToken,
     pub task: tokio::task::JoinHandle<
-        nixl_keepalive::Stopped<nixl_keepalive::nixl_transport::RemoteDlists>,
+        nixl_keepalive::Stopped<nixl_keepalive::transport::nixl::RemoteDlists>,
     >,
     _progress: ProgressPoller,
 }

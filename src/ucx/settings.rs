@@ -68,8 +68,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::ucx_time::parse_time;
-pub use crate::ucx_time::{TimeField, TimeSyntaxError, TimeSyntaxIssue, UcxTime};
+use crate::ucx::time::parse_time;
+pub use crate::ucx::time::{TimeField, TimeSyntaxError, TimeSyntaxIssue, UcxTime};
 
 /// Added to every bound: progress-thread and scheduling delays.
 pub const SLACK: Duration = Duration::from_secs(1);
