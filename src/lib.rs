@@ -156,7 +156,8 @@ pub mod ucx;
 pub use crate::core::HEARTBEAT_SLOT;
 pub use config::{Config, ConfigBuilder, ConfigError, ConfigErrors, StallAction};
 pub use driver::engine::{
-    Destination, EngineRef, GivenUpRead, OwnedReadGuard, ReadGuard, MAX_READS_IN_FLIGHT,
+    Destination, EngineRef, GivenUpRead, OwnedReadGuard, OwnedWriteGuard, ReadGuard, WriteGuard,
+    MAX_READS_IN_FLIGHT,
 };
 pub use driver::handle::{Handshake, KeepaliveHandle, Ready, ReadyToLoad};
 #[doc(hidden)]

@@ -827,6 +827,37 @@ impl Agent {
         remote_idx: &[i32],
         notif: Option<&[u8]>,
     ) -> Result<XferRequest, NixlError> {
+        self.create_xfer(XferOp::Read, local, local_idx, remote, remote_idx, notif)
+    }
+
+    /// Creates a WRITE: local descriptors `local_idx` of `local` into
+    /// remote descriptors `remote_idx` of `remote` (push mode: a prefill
+    /// writing its KV cache into a decode's blocks). With `notif`, the
+    /// remote agent gets that message once the written bytes are in its
+    /// memory. Until the request is DONE or failed, UCX may still read the
+    /// local descriptors: they are not the caller's to reuse before.
+    pub fn create_write(
+        &self,
+        local: &DlistHandle,
+        local_idx: &[i32],
+        remote: &DlistHandle,
+        remote_idx: &[i32],
+        notif: Option<&[u8]>,
+    ) -> Result<XferRequest, NixlError> {
+        self.create_xfer(XferOp::Write, local, local_idx, remote, remote_idx, notif)
+    }
+
+    /// `makeXferReq` for either direction: one path for the notification's
+    /// options and the request's ownership of both dlists.
+    fn create_xfer(
+        &self,
+        direction: XferOp,
+        local: &DlistHandle,
+        local_idx: &[i32],
+        remote: &DlistHandle,
+        remote_idx: &[i32],
+        notif: Option<&[u8]>,
+    ) -> Result<XferRequest, NixlError> {
         let rt = self.inner.rt;
         let c = rt.capi();
         let mut opt: Option<CapiGuard> = None;
@@ -870,7 +901,7 @@ impl Agent {
         let (raw, req) = unsafe {
             rt.make_xfer_req(
                 self.inner.capi,
-                0, // NIXL_READ
+                direction.raw(),
                 local.inner.raw,
                 local_idx,
                 remote.inner.raw,
@@ -879,10 +910,11 @@ impl Agent {
             )
         };
         op("makeXferReq", raw).detail(|| {
-            format!(
-                "READ from {}",
-                remote.inner.remote.as_deref().unwrap_or("?")
-            )
+            let peer = remote.inner.remote.as_deref().unwrap_or("?");
+            match direction {
+                XferOp::Read => format!("READ from {peer}"),
+                XferOp::Write => format!("WRITE to {peer}"),
+            }
         })?;
         Ok(XferRequest {
             agent: self.inner.clone(),
@@ -892,6 +924,23 @@ impl Agent {
             _opt: opt,
             released: false,
         })
+    }
+}
+
+/// A transfer's direction, as NIXL numbers it (`nixl_xfer_op_t`: READ 0,
+/// WRITE 1, in both the C++ API and the C API).
+#[derive(Clone, Copy)]
+enum XferOp {
+    Read,
+    Write,
+}
+
+impl XferOp {
+    fn raw(self) -> c_int {
+        match self {
+            XferOp::Read => 0,
+            XferOp::Write => 1,
+        }
     }
 }
 

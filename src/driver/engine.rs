@@ -6,6 +6,17 @@
 //! report from an old process of a pinned id cannot touch its reloaded
 //! successor.
 //!
+//! # Reads and writes
+//!
+//! The library is role-neutral: the peer is whoever's memory the runtime
+//! transfers with (a prefill, when a decode pulls its KV cache; a decode,
+//! when a prefill pushes into it). A push-mode WRITE is guarded exactly
+//! as a READ is ([`EngineRef::begin_write`]): it is counted in the same
+//! registration's transfers in flight, and the peer is never released
+//! while one is. The guard types keep pull mode's names ([`WriteGuard`]
+//! and [`OwnedWriteGuard`] are the same types); "read" in their docs and
+//! in [`EngineRef::reads_in_flight`] means any transfer.
+//!
 //! # A read ends one of three ways
 //!
 //! - [`ReadGuard::finish`] with the status the transfer ended with
@@ -121,6 +132,27 @@ impl EngineRef {
         }
     }
 
+    /// Starts a write to this engine (push mode: the peer is a decode and
+    /// this process writes its KV cache into the decode's memory). The
+    /// same guard and the same rules as [`EngineRef::begin_read`]: hold it
+    /// until the WRITE is DONE, failed or released; the service does not
+    /// release the engine (its remote metadata, the keys to its memory)
+    /// before. A write given up in progress ([`ReadGuard::give_up`]) is
+    /// not provably over either: UCX may still be reading the local source
+    /// buffer, which is reusable only when the [`GivenUpRead`] says
+    /// [`Destination::Reusable`].
+    #[inline]
+    pub fn begin_write(&self) -> Result<WriteGuard<'_>, ReadRefused> {
+        self.begin_read()
+    }
+
+    /// Starts a write like [`EngineRef::begin_write`], with a guard that
+    /// owns a reference to the registration (see
+    /// [`EngineRef::begin_read_owned`]).
+    pub fn begin_write_owned(&self) -> Result<OwnedWriteGuard, ReadRefused> {
+        self.begin_read_owned()
+    }
+
     /// Starts a read like [`EngineRef::begin_read`], with a guard that owns
     /// a reference to the registration (`'static`, `Send`): two more atomic
     /// operations per read (the `Arc`'s), for reads whose guard outlives
@@ -190,6 +222,14 @@ pub struct OwnedReadGuard {
     /// As in [`ReadGuard`].
     begun: u64,
 }
+
+/// One push-mode write in flight: the same guard as a read's (see the
+/// module docs, "Reads and writes").
+pub type WriteGuard<'a> = ReadGuard<'a>;
+
+/// One push-mode write in flight, owning a reference to its registration:
+/// the same guard as [`OwnedReadGuard`].
+pub type OwnedWriteGuard = OwnedReadGuard;
 
 /// Not a begin's value (those are a 36-bit completed count, with at most
 /// the top bit set for the owner's path): marks a guard whose read is no

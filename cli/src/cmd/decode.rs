@@ -31,7 +31,7 @@ use nixl_keepalive::text::Escaped;
 use nixl_keepalive::transport::nixl::NixlTransport;
 use nixl_keepalive::ucx::settings::UcxSettings;
 use nixl_keepalive::{Config, Event, Keepalive, PeerAddr};
-use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder};
+use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder, Direction};
 use nixl_sys::{Agent, AgentConfig};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -47,7 +47,7 @@ pub(crate) enum GoneModeArg {
     Fail,
 }
 
-/// `decode`'s flags.
+/// `decode`'s flags: where the prefills are, and the initiator's.
 #[derive(Debug, Args)]
 pub(crate) struct DecodeArgs {
     /// Prefill side-channel addresses (`host:port`). Needed unless
@@ -75,6 +75,20 @@ pub(crate) struct DecodeArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
     etcd_reset_grace: u64,
 
+    #[command(flatten)]
+    run: InitiatorArgs,
+
+    /// Pull mode's reads, or push mode's writes (`prefill --push`, which
+    /// runs this same initiator with `--decode` peers).
+    #[arg(skip)]
+    direction: Direction,
+}
+
+/// The flags of the process that embeds the keepalive and transfers with
+/// its peers' blocks: pull mode's decode, and push mode's prefill
+/// (`prefill --push`).
+#[derive(Debug, Args)]
+pub(crate) struct InitiatorArgs {
     /// Serve the control endpoint (`POST /v1/peer_gone`, `GET
     /// /v1/snapshot`) and `/metrics` here. Loopback unless
     /// `--control-token-file` is given.
@@ -128,6 +142,20 @@ pub(crate) struct DecodeArgs {
     cuda_device: i32,
 }
 
+/// `prefill --push`'s flags: the decodes to write into, and the
+/// initiator's.
+#[derive(Debug, Args)]
+pub(crate) struct PushPrefillArgs {
+    /// Push-mode decode side-channel addresses (`host:port`), each a
+    /// `decode --push`: this prefill loads their metadata, keeps them
+    /// alive and writes their blocks.
+    #[arg(long, num_args = 1.., required = true)]
+    decode: Vec<String>,
+
+    #[command(flatten)]
+    run: InitiatorArgs,
+}
+
 /// One reader per prefill address.
 struct Reader {
     stop: CancellationToken,
@@ -137,6 +165,25 @@ struct Reader {
 }
 
 pub(crate) fn run(args: DecodeArgs) -> ExitCode {
+    start_or_refuse(args)
+}
+
+/// `prefill --push`: the same initiator, writing into `--decode` peers
+/// (push mode: the keepalive embedded in the prefill for every decode it
+/// writes to).
+pub(crate) fn run_push_prefill(args: PushPrefillArgs) -> ExitCode {
+    start_or_refuse(DecodeArgs {
+        prefill: args.decode,
+        etcd_endpoint: Vec::new(),
+        etcd_prefix: membership::DEFAULT_PREFIX.to_string(),
+        gone_mode: GoneModeArg::Drain,
+        etcd_reset_grace: 10,
+        run: args.run,
+        direction: Direction::Write,
+    })
+}
+
+fn start_or_refuse(args: DecodeArgs) -> ExitCode {
     match start_and_run(args) {
         Ok(code) => code,
         Err(refused) => {
@@ -195,25 +242,29 @@ struct Checked {
 
 fn check(args: &DecodeArgs) -> Result<Checked, Refused> {
     let config = Config::from_env().map_err(Refused::usage)?;
-    if args.control_token_file.is_some()
-        && args.control_addr.is_none()
-        && args.metrics_addr.is_none()
+    if args.run.control_token_file.is_some()
+        && args.run.control_addr.is_none()
+        && args.run.metrics_addr.is_none()
     {
         return Err(Refused::usage(
             "--control-token-file needs --control-addr or --metrics-addr",
         ));
     }
-    let token = control::load_token(args.control_addr, args.control_token_file.as_deref())
-        .map_err(Refused::usage)?;
-    let metrics_token = match args.metrics_addr {
-        Some(addr) => control::metrics_token(addr, token.as_ref(), args.metrics_public)
+    let token = control::load_token(
+        args.run.control_addr,
+        args.run.control_token_file.as_deref(),
+    )
+    .map_err(Refused::usage)?;
+    let metrics_token = match args.run.metrics_addr {
+        Some(addr) => control::metrics_token(addr, token.as_ref(), args.run.metrics_public)
             .map_err(Refused::usage)?,
         None => None,
     };
     // Before NIXL loads: `--memory vram` without a GPU stops here, at once.
     let memory = args
+        .run
         .memory
-        .resolve(args.cuda_device)
+        .resolve(args.run.cuda_device)
         .map_err(Refused::usage)?;
     Ok(Checked {
         config,
@@ -241,18 +292,23 @@ fn load_nixl(
     // A bad UCX_* value stops here too.
     let ucx_settings = UcxSettings::read().map_err(Refused::usage)?;
     let metrics =
-        if args.metrics_addr.is_some() || args.control_addr.is_some() {
+        if args.run.metrics_addr.is_some() || args.run.control_addr.is_some() {
             Some(PrometheusBuilder::new().install_recorder().map_err(|e| {
                 Refused::failed(format!("cannot install the metrics recorder: {e}"))
             })?)
         } else {
             None
         };
-    let name = format!("decode-{}-{}", std::process::id(), rand::random::<u32>());
+    let name = format!(
+        "{}-{}-{}",
+        role_word(args.direction),
+        std::process::id(),
+        rand::random::<u32>()
+    );
     let agent = Agent::new(rt, &name, &AgentConfig::default())
         .map_err(|e| Refused::failed(format!("cannot create the decode agent: {e}")))?;
     let transport = Arc::new(NixlTransport::new(agent));
-    let progress = transport.spawn_progress(Duration::from_millis(args.progress_ms));
+    let progress = transport.spawn_progress(Duration::from_millis(args.run.progress_ms));
     Ok((
         Nixl {
             ucx_settings,
@@ -274,14 +330,18 @@ async fn serve(args: DecodeArgs, checked: Checked, nixl: Nixl) -> Result<ExitCod
         memory,
     } = checked;
     let shutdown = CancellationToken::new();
-    println!("decode agent {}; service: {config}", nixl.name);
+    println!(
+        "{} agent {}; service: {config}",
+        role_word(args.direction),
+        nixl.name
+    );
     let (service, keepalive) = Keepalive::new(nixl.transport.clone(), config);
     if let Some(handle) = &nixl.metrics {
         spawn_upkeep(handle.clone(), shutdown.clone());
     }
     let servers = [
-        (args.control_addr, token),
-        (args.metrics_addr, metrics_token),
+        (args.run.control_addr, token),
+        (args.run.metrics_addr, metrics_token),
     ];
     for (control, (addr, token)) in [true, false].into_iter().zip(servers) {
         if let Some(addr) = addr {
@@ -297,10 +357,11 @@ async fn serve(args: DecodeArgs, checked: Checked, nixl: Nixl) -> Result<ExitCod
     let mut events = keepalive.subscribe();
     let mut quiet = TransientLog::standard();
     let options = DecodeOptions {
-        reads_in_flight: args.reads as usize,
-        read_pause: Duration::from_millis(args.read_pause_ms),
-        probe_interval: Duration::from_millis(args.probe_ms),
+        reads_in_flight: args.run.reads as usize,
+        read_pause: Duration::from_millis(args.run.read_pause_ms),
+        probe_interval: Duration::from_millis(args.run.probe_ms),
         memory,
+        direction: args.direction,
         ..DecodeOptions::default()
     };
     // Readers stop on their own token, before the service's: see
@@ -309,7 +370,7 @@ async fn serve(args: DecodeArgs, checked: Checked, nixl: Nixl) -> Result<ExitCod
     let reader_drain = options.read_timeout + options.handshake_timeout * 2;
     let decoder = Decoder::new(keepalive.clone(), nixl.transport.clone(), options);
     let mut readers: HashMap<PeerAddr, Reader> = HashMap::new();
-    let prefills = resolve_prefills(&args.prefill)
+    let prefills = resolve_prefills(&args.prefill, peers_flag(args.direction))
         .await
         .map_err(Refused::usage)?;
     for address in prefills {
@@ -348,7 +409,7 @@ async fn serve(args: DecodeArgs, checked: Checked, nixl: Nixl) -> Result<ExitCod
             }
         }
     }
-    println!("decode stopping");
+    println!("{} stopping", role_word(args.direction));
     let readers = readers.into_values().map(|r| r.task).collect();
     let code = stop_gracefully(reading, readers, reader_drain, shutdown, task).await;
     // The readers have stopped (or were given up on): reads since the
@@ -366,7 +427,10 @@ async fn serve(args: DecodeArgs, checked: Checked, nixl: Nixl) -> Result<ExitCod
         }
     }
     if code == ExitCode::SUCCESS {
-        println!("decode stopped: every engine released");
+        println!(
+            "{} stopped: every engine released",
+            role_word(args.direction)
+        );
     }
     Ok(code)
 }
@@ -400,7 +464,7 @@ async fn serve_http(
         println!("control on http://{local}/v1/ (and /metrics)");
         "control"
     } else {
-        if args.metrics_public && !local.ip().is_loopback() {
+        if args.run.metrics_public && !local.ip().is_loopback() {
             println!(
                 "metrics on http://{local}/metrics (public: no token asked, --metrics-public)"
             );
@@ -425,6 +489,18 @@ async fn serve_http(
 /// line are reported too.
 fn print_reads(decoder: &Decoder, suffix: &str) {
     let s = decoder.stats();
+    if decoder.direction() == Direction::Write {
+        // Push mode: the decode checks the bytes (its own `writes:` line).
+        println!(
+            "writes: written={} failed={} abandoned={} refused={} handshakes={}{suffix}",
+            s.written.load(Ordering::Relaxed),
+            s.failed.load(Ordering::Relaxed),
+            s.abandoned.load(Ordering::Relaxed),
+            s.refused.load(Ordering::Relaxed),
+            s.handshakes.load(Ordering::Relaxed),
+        );
+        return;
+    }
     println!(
         "reads: verified={} corrupt={} failed={} abandoned={} refused={} handshakes={}{suffix}",
         s.verified.load(Ordering::Relaxed),
@@ -492,22 +568,40 @@ async fn next_update(
     }
 }
 
+/// The flag that names the peers: `--prefill`, or `--decode` for `prefill
+/// --push`.
+fn peers_flag(direction: Direction) -> &'static str {
+    match direction {
+        Direction::Read => "--prefill",
+        Direction::Write => "--decode",
+    }
+}
+
+/// This process's role in its lines: `decode`, or `prefill` for `prefill
+/// --push`.
+fn role_word(direction: Direction) -> &'static str {
+    match direction {
+        Direction::Read => "decode",
+        Direction::Write => "prefill",
+    }
+}
+
 /// Resolves the `--prefill` addresses to the one address each names
 /// ([`PeerAddr::resolve`]), so that aliases of one prefill
 /// (`localhost:p`, `127.0.0.1:p`) and duplicates get one reader, with one
 /// warning per duplicate. A name that does not resolve, or resolves to
 /// several addresses, stops start-up with an error that says so.
-async fn resolve_prefills(args: &[String]) -> Result<Vec<PeerAddr>, String> {
+async fn resolve_prefills(args: &[String], flag: &str) -> Result<Vec<PeerAddr>, String> {
     let mut seen: Vec<(PeerAddr, &str)> = Vec::new();
     for a in args {
         let address = PeerAddr::resolve(a)
             .await
-            .map_err(|e| format!("--prefill {e}"))?;
+            .map_err(|e| format!("{flag} {e}"))?;
         match seen.iter().find(|(s, _)| *s == address) {
             Some((_, first)) => {
-                tracing::warn!(first = %Escaped(first), again = %Escaped(a), %address, "--prefill names one prefill twice: one reader");
+                tracing::warn!(first = %Escaped(first), again = %Escaped(a), %address, "{flag} names one peer twice: one reader");
                 println!(
-                    "warning: --prefill {} and {} are one prefill ({address}): one reader",
+                    "warning: {flag} {} and {} are one peer ({address}): one reader",
                     Escaped(first),
                     Escaped(a)
                 );

@@ -32,14 +32,73 @@ pub(crate) enum Cli {
     },
     /// A real prefill engine on the NIXL runtime: agents with a DRAM KV
     /// cache in a known pattern, a side channel, leases renewed by `HB:`.
+    #[command(after_help = PUSH_PREFILL_HELP)]
     Prefill(prefill::PrefillArgs),
     /// A real decode engine on the NIXL runtime: the keepalive service and
     /// readers that pull and check blocks from `--prefill` engines.
+    #[command(after_help = PUSH_DECODE_HELP)]
     Decode(decode::DecodeArgs),
+}
+
+const PUSH_PREFILL_HELP: &str = "Push mode (SGLang's: the prefill WRITEs into decodes, and the keepalive runs in the prefill for every decode): nixl-keepalive prefill --push --decode <ADDR>... (see nixl-keepalive prefill --push --help)";
+const PUSH_DECODE_HELP: &str = "Push mode (the decode's blocks are written by prefills, each write checked): nixl-keepalive decode --push --listen <ADDR> (see nixl-keepalive decode --push --help)";
+
+/// `prefill --push`: the initiator of push mode (it embeds the keepalive
+/// and writes into decodes).
+#[derive(Debug, Parser)]
+#[command(
+    name = "nixl-keepalive prefill --push",
+    version,
+    about = "A push-mode prefill on the NIXL runtime: the keepalive service for every --decode engine, and writers that WRITE request-tagged blocks into them (checked at the decode)."
+)]
+struct PushPrefillCli {
+    #[command(flatten)]
+    args: decode::PushPrefillArgs,
+}
+
+/// `decode --push`: the block owner of push mode.
+#[derive(Debug, Parser)]
+#[command(
+    name = "nixl-keepalive decode --push",
+    version,
+    about = "A push-mode decode on the NIXL runtime: agents whose zeroed blocks prefills write (prefill --push), a side channel, request leases renewed by the prefills' HB:, each write's bytes checked when its WR: arrives."
+)]
+struct PushDecodeCli {
+    #[command(flatten)]
+    args: prefill::OwnerArgs,
+}
+
+/// Which push-mode command `argv` asks for, if any: `prefill` or `decode`
+/// followed (anywhere before a `--`) by `--push`. The two roles swap in
+/// push mode, so each is its own parser (with its own flags and errors),
+/// not a flag of the pull-mode one.
+fn push_command(argv: &[std::ffi::OsString]) -> Option<(&'static str, Vec<std::ffi::OsString>)> {
+    let command = match argv.get(1)?.to_str()? {
+        "prefill" => "prefill",
+        "decode" => "decode",
+        _ => return None,
+    };
+    let rest = &argv[2..];
+    let end = rest.iter().position(|a| a == "--").unwrap_or(rest.len());
+    let at = rest[..end].iter().position(|a| a == "--push")?;
+    let mut args = vec![std::ffi::OsString::from(format!(
+        "nixl-keepalive {command} --push"
+    ))];
+    args.extend(rest[..at].iter().cloned());
+    args.extend(rest[at + 1..].iter().cloned());
+    Some((command, args))
 }
 
 /// Parses the command line and runs the subcommand.
 pub(crate) fn main() -> ExitCode {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    match push_command(&argv) {
+        Some(("prefill", args)) => {
+            return decode::run_push_prefill(PushPrefillCli::parse_from(args).args)
+        }
+        Some((_, args)) => return prefill::run_push_decode(PushDecodeCli::parse_from(args).args),
+        None => {}
+    }
     match Cli::parse() {
         #[cfg(feature = "demo")]
         Cli::Demo(args) => demo::run(args),
@@ -188,8 +247,30 @@ pub(crate) async fn wait_for_signal() {
 
 #[cfg(test)]
 mod tests {
-    use super::colour_wanted;
-    use std::ffi::OsStr;
+    use super::{colour_wanted, push_command};
+    use std::ffi::{OsStr, OsString};
+
+    fn argv(words: &[&str]) -> Vec<OsString> {
+        words.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn push_is_told_apart_by_command_and_flag_and_never_after_a_double_dash() {
+        let (command, args) =
+            push_command(&argv(&["nk", "prefill", "--decode", "a:1", "--push"])).unwrap();
+        assert_eq!(command, "prefill");
+        assert_eq!(
+            args,
+            argv(&["nixl-keepalive prefill --push", "--decode", "a:1"])
+        );
+        let (command, _) =
+            push_command(&argv(&["nk", "decode", "--push", "--listen", "a:1"])).unwrap();
+        assert_eq!(command, "decode");
+        assert!(push_command(&argv(&["nk", "prefill", "--listen", "a:1"])).is_none());
+        assert!(push_command(&argv(&["nk", "demo", "--push"])).is_none());
+        assert!(push_command(&argv(&["nk", "decode", "--", "--push"])).is_none());
+        assert!(push_command(&argv(&["nk"])).is_none());
+    }
 
     #[test]
     fn colour_only_on_a_terminal_and_never_under_no_color() {

@@ -41,7 +41,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use nixl_keepalive::EngineId;
 use nixl_keepalive_cli::pd::prefill::{
-    fresh_engine_id, spawn_shared_poller, Memory, Prefill, PrefillConfig,
+    fresh_engine_id, spawn_shared_poller, Memory, Prefill, PrefillConfig, Role,
 };
 use nixl_keepalive_cli::pd::wire::{MAX_BLOCK_SIZE, MAX_RANKS};
 use tokio_util::sync::CancellationToken;
@@ -98,9 +98,31 @@ pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{text:?} is too large"))
 }
 
-/// `prefill`'s flags.
+/// `prefill`'s flags: the block owner's, and its etcd registration.
 #[derive(Debug, Args)]
 pub(crate) struct PrefillArgs {
+    #[command(flatten)]
+    owner: OwnerArgs,
+
+    /// etcd client URL (`http://host:port`, repeatable): register this
+    /// engine there under a lease.
+    #[arg(long)]
+    etcd_endpoint: Vec<String>,
+
+    /// The etcd key prefix to register under.
+    #[arg(long, default_value = nixl_keepalive::membership::DEFAULT_PREFIX)]
+    etcd_prefix: String,
+
+    /// The etcd lease's TTL in seconds: a decoder retires this engine when
+    /// the lease is not kept alive for this long.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    etcd_ttl: u64,
+}
+
+/// The flags of a process that owns KV blocks and answers handshakes for
+/// them: pull mode's prefill, and push mode's decode (`decode --push`).
+#[derive(Debug, Args)]
+pub(crate) struct OwnerArgs {
     /// Side-channel address to answer handshakes on (`host:port`).
     #[arg(long)]
     listen: SocketAddr,
@@ -145,20 +167,6 @@ pub(crate) struct PrefillArgs {
     #[arg(long)]
     progress_thread_us: Option<u64>,
 
-    /// etcd client URL (`http://host:port`, repeatable): register this
-    /// engine there under a lease.
-    #[arg(long)]
-    etcd_endpoint: Vec<String>,
-
-    /// The etcd key prefix to register under.
-    #[arg(long, default_value = nixl_keepalive::membership::DEFAULT_PREFIX)]
-    etcd_prefix: String,
-
-    /// The etcd lease's TTL in seconds: a decoder retires this engine when
-    /// the lease is not kept alive for this long.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    etcd_ttl: u64,
-
     /// Lease of a request's KV blocks without renewal, in seconds (vLLM:
     /// 30). An `HB:` extends a request to now + 2/3 of it.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
@@ -189,6 +197,23 @@ pub(crate) struct PrefillArgs {
     size: Option<u64>,
 }
 
+/// A push-mode decode's line about the writes into it, all its engines
+/// together: `writes: verified=N corrupt=N malformed=N late=N unknown=N`
+/// and `suffix` (every 5 s, and once more at stop).
+fn print_writes(engines: &[Arc<Prefill>], suffix: &str) {
+    let (mut verified, mut corrupt, mut malformed, mut late, mut unknown) = (0, 0, 0, 0, 0);
+    for e in engines {
+        let (v, c, m) = e.write_counts();
+        let leases = e.lease_counts();
+        verified += v;
+        corrupt += c;
+        malformed += m;
+        late += leases.late_reads;
+        unknown += leases.unknown_reads;
+    }
+    println!("writes: verified={verified} corrupt={corrupt} malformed={malformed} late={late} unknown={unknown}{suffix}");
+}
+
 /// The most engines one `prefill` process hosts (`--engines`).
 const MAX_ENGINES: i64 = 1024;
 
@@ -211,31 +236,50 @@ fn engine_id(pinned: Option<&str>, engines: u16, k: u16) -> EngineId {
     }
 }
 
-pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
-    if !args.etcd_endpoint.is_empty() && args.listen.ip().is_unspecified() {
+pub(crate) fn run(args: PrefillArgs) -> ExitCode {
+    serve_blocks(args, Role::Source)
+}
+
+/// `decode --push`: the block owner of push mode. Its blocks start zeroed,
+/// prefills write them (`prefill --push`), and each write's `WR:` is
+/// checked against the request's bytes; no etcd registration (a push
+/// prefill takes `--decode` addresses).
+pub(crate) fn run_push_decode(owner: OwnerArgs) -> ExitCode {
+    let args = PrefillArgs {
+        owner,
+        etcd_endpoint: Vec::new(),
+        etcd_prefix: nixl_keepalive::membership::DEFAULT_PREFIX.to_string(),
+        etcd_ttl: 10,
+    };
+    serve_blocks(args, Role::Sink)
+}
+
+/// Serves blocks as `role`: until SIGINT or SIGTERM.
+fn serve_blocks(mut args: PrefillArgs, role: Role) -> ExitCode {
+    if !args.etcd_endpoint.is_empty() && args.owner.listen.ip().is_unspecified() {
         // The address goes into etcd for decoders to connect to.
         eprintln!(
             "error: --listen {} is not an address a decoder can connect to; with --etcd-endpoint give the host's own address",
-            args.listen
+            args.owner.listen
         );
         return ExitCode::from(2);
     }
-    if engine_listen(args.listen, args.engines - 1).is_none() {
+    if engine_listen(args.owner.listen, args.owner.engines - 1).is_none() {
         eprintln!(
             "error: --engines {} from --listen {} runs past port 65535 (engine k listens on the port + k; give a lower port, or port 0)",
-            args.engines, args.listen
+            args.owner.engines, args.owner.listen
         );
         return ExitCode::from(2);
     }
     // Before NIXL loads: `--memory vram` without a GPU stops here, at once.
-    let memory = match args.memory.resolve(args.cuda_device) {
+    let memory = match args.owner.memory.resolve(args.owner.cuda_device) {
         Ok(m) => m,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
-    let region = match args.size.map(usize::try_from) {
+    let region = match args.owner.size.map(usize::try_from) {
         None => 0,
         Some(Ok(n)) => n,
         Some(Err(_)) => {
@@ -251,7 +295,7 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let pinned = match args.engine_id.take() {
+    let pinned = match args.owner.engine_id.take() {
         Some(id) if !id.is_empty() && id.len() <= 200 => Some(id),
         Some(_) => {
             eprintln!("error: --engine-id must be 1 to 200 bytes");
@@ -259,38 +303,40 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
         }
         None => None,
     };
-    let mut prefills = Vec::with_capacity(args.engines.into());
-    for k in 0..args.engines {
-        let engine = engine_id(pinned.as_deref(), args.engines, k);
+    let mut prefills = Vec::with_capacity(args.owner.engines.into());
+    for k in 0..args.owner.engines {
+        let engine = engine_id(pinned.as_deref(), args.owner.engines, k);
         let mut config = PrefillConfig::new(engine);
-        config.blocks = args.blocks;
-        config.block_size = args.block_size as usize;
-        config.ranks = args.ranks;
-        config.lease = Duration::from_secs(args.lease_secs);
-        config.max_connections = args.max_connections as usize;
-        config.connection_timeout = Duration::from_millis(args.connection_timeout_ms);
-        config.poll_interval = Duration::from_millis(args.poll_ms);
-        if let Some(us) = args.progress_thread_us {
+        config.blocks = args.owner.blocks;
+        config.block_size = args.owner.block_size as usize;
+        config.ranks = args.owner.ranks;
+        config.lease = Duration::from_secs(args.owner.lease_secs);
+        config.max_connections = args.owner.max_connections as usize;
+        config.connection_timeout = Duration::from_millis(args.owner.connection_timeout_ms);
+        config.poll_interval = Duration::from_millis(args.owner.poll_ms);
+        if let Some(us) = args.owner.progress_thread_us {
             config.agent.progress_thread = nixl_sys::ProgressThread::Polling {
                 delay: Duration::from_micros(us),
             };
         }
-        config.idle_poll_interval = Duration::from_millis(args.idle_poll_ms.max(args.poll_ms));
+        config.idle_poll_interval =
+            Duration::from_millis(args.owner.idle_poll_ms.max(args.owner.poll_ms));
         config.memory = memory;
         config.region = region;
+        config.role = role;
         match Prefill::start(rt, config) {
             Ok(p) => prefills.push(p),
             Err(e) => {
                 eprintln!(
                     "error: cannot start the prefill agents of engine {k} of {}: {e}",
-                    args.engines
+                    args.owner.engines
                 );
                 return ExitCode::FAILURE;
             }
         }
     }
-    let kv = args.blocks as usize * args.block_size as usize;
-    if args.size.is_some() || memory != Memory::Dram {
+    let kv = args.owner.blocks as usize * args.owner.block_size as usize;
+    if args.owner.size.is_some() || memory != Memory::Dram {
         let mut line = format!(
             "PREFILL MEMORY kind={} region_bytes={} blocks_bytes={kv}",
             memory.kind(),
@@ -319,8 +365,8 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
     };
     runtime.block_on(async move {
         let mut listeners = Vec::with_capacity(prefills.len());
-        for k in 0..args.engines {
-            let at = engine_listen(args.listen, k).expect("checked above");
+        for k in 0..args.owner.engines {
+            let at = engine_listen(args.owner.listen, k).expect("checked above");
             match tokio::net::TcpListener::bind(at).await {
                 Ok(l) => listeners.push(l),
                 Err(e) => {
@@ -335,19 +381,29 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
         let mut servers = Vec::with_capacity(prefills.len());
         let mut registrations = Vec::new();
         for (prefill, listener) in prefills.iter().zip(listeners) {
-            let local = listener.local_addr().map_or(args.listen, |a| a);
+            let local = listener.local_addr().map_or(args.owner.listen, |a| a);
             servers.push(tokio::spawn(prefill.clone().serve(listener, shutdown.clone())));
             let engine = prefill.engine();
             println!(
-                "PREFILL READY engine={engine} listen={local} pid={} incarnation={}",
+                "{} READY engine={engine} listen={local} pid={} incarnation={}",
+                role.ready_word(),
                 std::process::id(),
                 prefill.incarnation()
             );
-            tracing::info!(%engine, listen = %local, ranks = args.ranks, blocks = args.blocks, "prefill ready");
+            tracing::info!(%engine, listen = %local, ranks = args.owner.ranks, blocks = args.owner.blocks, ?role, "ready");
             registrations.extend(register(&args, engine, prefill.incarnation(), local));
         }
-        super::wait_for_signal().await;
-        tracing::info!(engines = prefills.len(), "prefill stopping");
+        let signal = super::wait_for_signal();
+        tokio::pin!(signal);
+        let mut summary = tokio::time::interval(Duration::from_secs(5));
+        summary.tick().await;
+        loop {
+            tokio::select! {
+                _ = &mut signal => break,
+                _ = summary.tick(), if role == Role::Sink => print_writes(&prefills, ""),
+            }
+        }
+        tracing::info!(engines = prefills.len(), ?role, "stopping");
         // The keys go first, so decoders retire the engines before their
         // side channels close.
         if !registrations.is_empty() {
@@ -364,6 +420,9 @@ pub(crate) fn run(mut args: PrefillArgs) -> ExitCode {
         let _ = tokio::task::spawn_blocking(move || poller.join()).await;
         for prefill in &prefills {
             prefill.log_lease_counts();
+        }
+        if role == Role::Sink {
+            print_writes(&prefills, " at=stop");
         }
         ExitCode::SUCCESS
     })
@@ -400,7 +459,7 @@ fn register(
         let options = EtcdOptions::new(args.etcd_endpoint.clone(), args.etcd_prefix.clone());
         // The incarnation the side channel reports: decoders tell this
         // process's record from a predecessor's with it.
-        let member = Member::new(engine.as_str(), local.to_string(), args.ranks)
+        let member = Member::new(engine.as_str(), local.to_string(), args.owner.ranks)
             .with_incarnation(incarnation);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {

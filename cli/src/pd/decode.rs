@@ -20,6 +20,20 @@
 //!   read guards reporting each transfer's status; [`Decoder::spawn`] runs
 //!   the whole loop for one prefill address, re-handshaking after a
 //!   release once something listens again.
+//!
+//! # Push mode
+//!
+//! The same initiator writes instead of reading ([`Direction::Write`]:
+//! `prefill --push`, the keepalive embedded in the prefill for every
+//! decode it writes to). The peer is then a push-mode decode
+//! (`decode --push`, [`super::prefill::Role::Sink`]): the handshake, the
+//! loads, the registration, the leases and the guards are the same; a
+//! write fills its local slot with the request's bytes
+//! ([`pattern::write_seed`] of the decode's engine id and the request),
+//! WRITEs it into the decode's block with the completion notification
+//! `WR:<request>:<rank>:<block>`, and the decode checks the bytes. The
+//! guard ([`EngineRef::begin_write_owned`]) holds the release off while
+//! the write is in flight, as a read's does.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -190,11 +204,35 @@ pub async fn fetch(
     }
 }
 
-/// How one read ended.
+/// Which way a transfer's bytes go.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Direction {
+    /// Pull mode: READ the peer's block into a local slot, check it here.
+    #[default]
+    Read,
+    /// Push mode: WRITE a local slot into the peer's block; the peer
+    /// checks it.
+    Write,
+}
+
+impl Direction {
+    /// `read` or `write`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Read => "read",
+            Direction::Write => "write",
+        }
+    }
+}
+
+/// How one transfer (a read, or a push-mode write) ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReadOutcome {
     /// Done, and every byte matched the pattern.
     Verified,
+    /// A write is done: NIXL said DONE, and its `WR:` went to the peer,
+    /// which checks the bytes (push mode).
+    Written,
     /// Done, but the bytes are wrong from this offset on.
     Corrupt {
         /// First differing byte.
@@ -231,7 +269,9 @@ impl ReadOutcome {
     /// The status to report to the service, when there is one.
     pub fn status(self) -> Option<NixlStatus> {
         match self {
-            ReadOutcome::Verified | ReadOutcome::Corrupt { .. } => Some(NixlStatus::SUCCESS),
+            ReadOutcome::Verified | ReadOutcome::Written | ReadOutcome::Corrupt { .. } => {
+                Some(NixlStatus::SUCCESS)
+            }
             ReadOutcome::Failed(s) => Some(s),
             _ => None,
         }
@@ -250,6 +290,7 @@ impl ReadOutcome {
     pub fn as_str(self) -> &'static str {
         match self {
             ReadOutcome::Verified => "verified",
+            ReadOutcome::Written => "written",
             ReadOutcome::Corrupt { .. } => "corrupt",
             ReadOutcome::Failed(_) => "failed",
             ReadOutcome::TimedOut { .. } => "timed_out",
@@ -271,6 +312,22 @@ impl Slot {
         match self {
             Slot::Dram(r) => r.desc(),
             Slot::Vram(r) => r.desc(),
+        }
+    }
+
+    /// Fills the slot with block `block` of rank `rank` of `seed`: what a
+    /// push-mode write sends.
+    fn fill(&mut self, seed: u64, rank: u16, block: u32) -> Result<(), CudaError> {
+        match self {
+            Slot::Dram(r) => {
+                pattern::fill(r.bytes_mut(), seed, rank, block);
+                Ok(())
+            }
+            Slot::Vram(r) => {
+                let mut host = vec![0u8; r.memory().len()];
+                pattern::fill(&mut host, seed, rank, block);
+                r.memory().write(0, &host)
+            }
         }
     }
 
@@ -298,7 +355,9 @@ impl Slot {
 struct LocalSlots {
     /// `None` only while dropping: it goes before the memory it describes.
     dlist: Option<DlistHandle>,
-    regions: Vec<Slot>,
+    /// Each behind a lock only its one transfer takes (a slot is popped
+    /// from `free` first): filling a slot for a write needs `&mut`.
+    regions: Vec<Mutex<Slot>>,
     free: Mutex<Vec<usize>>,
     /// Slots lent to transfers given up in progress, not proven over.
     lent: Mutex<BTreeSet<usize>>,
@@ -463,6 +522,7 @@ impl RemoteEngine {
                 })
                 .collect::<Result<Vec<_>, HandshakeError>>()?;
             let descs: Vec<Desc> = regions.iter().map(|r| r.desc()).collect();
+            let regions: Vec<Mutex<Slot>> = regions.into_iter().map(Mutex::new).collect();
             let dlist = agent
                 .prep_local_dlist_in(mem_type, &descs)
                 .map_err(load_err)?;
@@ -518,6 +578,24 @@ impl RemoteEngine {
         timeout: Duration,
         abandon: &dyn Fn() -> bool,
     ) -> ReadOutcome {
+        let at = Target { rank, block };
+        self.transfer_block(agent, Direction::Read, request, at, timeout, abandon)
+    }
+
+    /// [`RemoteEngine::read_block`] either way: a push-mode write fills a
+    /// local slot with the request's bytes and WRITEs it into the block,
+    /// with `WR:<request>:<rank>:<block>` as its completion notification
+    /// (see the module docs). A write given up in progress keeps its slot
+    /// lent too: UCX may still be reading it.
+    pub fn transfer_block(
+        &self,
+        agent: &Agent,
+        direction: Direction,
+        request: &str,
+        at: Target,
+        timeout: Duration,
+        abandon: &dyn Fn() -> bool,
+    ) -> ReadOutcome {
         let Some(slot) = self
             .local
             .free
@@ -527,7 +605,7 @@ impl RemoteEngine {
         else {
             return ReadOutcome::NoSlot;
         };
-        let outcome = self.read_into(agent, request, slot, rank, block, timeout, abandon);
+        let outcome = self.transfer_into(agent, direction, request, slot, at, timeout, abandon);
         if outcome.lent_slot().is_some() {
             self.local
                 .lent
@@ -573,26 +651,44 @@ impl RemoteEngine {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn read_into(
+    fn transfer_into(
         &self,
         agent: &Agent,
+        direction: Direction,
         request: &str,
         slot: usize,
-        rank: u16,
-        block: u32,
+        at: Target,
         timeout: Duration,
         abandon: &dyn Fn() -> bool,
     ) -> ReadOutcome {
-        let notif = format!("RD:{request}");
-        let created = self.dlists.with_handle(rank as usize, |remote| {
-            agent.create_read(
-                self.local.dlist(),
-                &[slot as i32],
-                remote,
-                &[block as i32],
-                Some(notif.as_bytes()),
-            )
-        });
+        let Target { rank, block } = at;
+        let notif = match direction {
+            Direction::Read => format!("RD:{request}"),
+            Direction::Write => {
+                let seed = pattern::write_seed(self.engine.as_str(), request);
+                let filled = self.local.regions[slot]
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .fill(seed, rank, block);
+                if let Err(e) = filled {
+                    tracing::error!(error = %e, "cannot fill a GPU slot to write it");
+                    return ReadOutcome::NoSlot;
+                }
+                format!("WR:{request}:{rank}:{block}")
+            }
+        };
+        let local = self.local.dlist();
+        let (slots, blocks) = ([slot as i32], [block as i32]);
+        let created = self
+            .dlists
+            .with_handle(rank as usize, |remote| match direction {
+                Direction::Read => {
+                    agent.create_read(local, &slots, remote, &blocks, Some(notif.as_bytes()))
+                }
+                Direction::Write => {
+                    agent.create_write(local, &slots, remote, &blocks, Some(notif.as_bytes()))
+                }
+            });
         let mut req = match created {
             None => return ReadOutcome::Released,
             Some(Err(e)) => return ReadOutcome::Failed(e.status),
@@ -640,9 +736,55 @@ impl RemoteEngine {
             };
         }
         drop(req);
-        match self.local.regions[slot].first_mismatch(self.seed, rank, block) {
+        if direction == Direction::Write {
+            return ReadOutcome::Written;
+        }
+        let region = self.local.regions[slot]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match region.first_mismatch(self.seed, rank, block) {
             None => ReadOutcome::Verified,
             Some(offset) => ReadOutcome::Corrupt { offset },
+        }
+    }
+}
+
+/// Where one transfer goes: block `block` of rank `rank` of the peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// The peer's rank.
+    pub rank: u16,
+    /// The block of that rank.
+    pub block: u32,
+}
+
+/// The blocks one round transfers with, one per transfer in flight: random
+/// for reads; for writes, consecutive from a random start, never one
+/// block twice in a round (two writes of different requests into one
+/// block at once would each make the other's bytes look corrupt), so a
+/// round writes at most every block once.
+fn round_targets(remote: &RemoteEngine, in_flight: usize, direction: Direction) -> Vec<Target> {
+    let (ranks, blocks) = (remote.ranks().max(1), remote.blocks.max(1));
+    let total = u64::from(ranks) * u64::from(blocks);
+    let n = in_flight.max(1);
+    match direction {
+        Direction::Read => (0..n)
+            .map(|_| Target {
+                rank: rand::random_range(0..ranks),
+                block: rand::random_range(0..blocks),
+            })
+            .collect(),
+        Direction::Write => {
+            let start = rand::random_range(0..total);
+            (0..(n as u64).min(total))
+                .map(|i| {
+                    let index = (start + i) % total;
+                    Target {
+                        rank: (index / u64::from(blocks)) as u16,
+                        block: (index % u64::from(blocks)) as u32,
+                    }
+                })
+                .collect()
         }
     }
 }
@@ -676,6 +818,7 @@ fn count(
             done.push_back((request.to_string(), Instant::now()));
             &stats.verified
         }
+        ReadOutcome::Written => &stats.written,
         ReadOutcome::Corrupt { offset } => {
             tracing::error!(%engine, rank, block, offset, "read returned wrong bytes");
             &stats.corrupt
@@ -735,6 +878,9 @@ pub struct DecodeOptions {
     /// Where the landing slots are, and where the prefills' KV caches are
     /// taken to be (see [`RemoteEngine::load_in`]).
     pub memory: Memory,
+    /// Which way [`Decoder::spawn`]'s transfers go: pull mode's reads, or
+    /// push mode's writes (`prefill --push`).
+    pub direction: Direction,
 }
 
 impl Default for DecodeOptions {
@@ -749,6 +895,7 @@ impl Default for DecodeOptions {
             probe_interval: Duration::from_secs(2),
             read_pause: Duration::from_millis(20),
             memory: Memory::Dram,
+            direction: Direction::Read,
         }
     }
 }
@@ -758,6 +905,8 @@ impl Default for DecodeOptions {
 pub struct ReadStats {
     /// Reads whose bytes all matched.
     pub verified: AtomicU64,
+    /// Push-mode writes done (the peer checks their bytes).
+    pub written: AtomicU64,
     /// Reads that completed with wrong bytes.
     pub corrupt: AtomicU64,
     /// Reads NIXL failed.
@@ -855,6 +1004,11 @@ impl Decoder {
             loaded: Mutex::default(),
             options,
         })
+    }
+
+    /// Which way [`Decoder::spawn`]'s transfers go.
+    pub fn direction(&self) -> Direction {
+        self.options.direction
     }
 
     /// A fresh request id, never used before by this decoder.
@@ -1043,7 +1197,32 @@ impl Decoder {
     /// Every count is made before the guard ends: whoever sees the engine
     /// released (the last guard's end releases it) sees the read counted.
     pub async fn read(&self, connected: &Connected, rank: u16, block: u32) -> ReadOutcome {
-        let guard = match connected.engine.begin_read_owned() {
+        let at = Target { rank, block };
+        self.transfer(connected, Direction::Read, at).await
+    }
+
+    /// Writes block `block` of rank `rank` of a push-mode decode (see the
+    /// module docs): as [`Decoder::read`], with a write guard
+    /// ([`EngineRef::begin_write_owned`]), the request leased at the
+    /// decode and renewed by this process's keepalive until the write
+    /// ends. [`ReadOutcome::Written`] when NIXL said DONE; the decode
+    /// checks the bytes.
+    pub async fn write(&self, connected: &Connected, rank: u16, block: u32) -> ReadOutcome {
+        let at = Target { rank, block };
+        self.transfer(connected, Direction::Write, at).await
+    }
+
+    async fn transfer(
+        &self,
+        connected: &Connected,
+        direction: Direction,
+        at: Target,
+    ) -> ReadOutcome {
+        let begun = match direction {
+            Direction::Read => connected.engine.begin_read_owned(),
+            Direction::Write => connected.engine.begin_write_owned(),
+        };
+        let guard = match begun {
             Ok(g) => g,
             Err(_) => {
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
@@ -1073,8 +1252,8 @@ impl Decoder {
         let who = engine.clone();
         let (outcome, given_up) = tokio::task::spawn_blocking(move || {
             let outcome =
-                remote.read_block(&agent, &id, rank, block, timeout, &|| guard.is_failed());
-            count(&stats, &who, &id, rank, block, outcome);
+                remote.transfer_block(&agent, direction, &id, at, timeout, &|| guard.is_failed());
+            count(&stats, &who, &id, at.rank, at.block, outcome);
             let given_up = match outcome {
                 ReadOutcome::TimedOut { .. } => Some(guard.give_up(GiveUp::TimedOut)),
                 ReadOutcome::Abandoned { .. } => Some(guard.give_up(GiveUp::Cancelled)),
@@ -1257,12 +1436,11 @@ impl Decoder {
             }
             let Some(c) = current.clone() else { continue };
             let mut reads = tokio::task::JoinSet::new();
-            for _ in 0..self.options.reads_in_flight.max(1) {
+            let direction = self.options.direction;
+            for at in round_targets(&c.remote, self.options.reads_in_flight, direction) {
                 let me = self.clone();
                 let c = c.clone();
-                let rank = rand::random_range(0..c.remote.ranks());
-                let block = rand::random_range(0..c.remote.blocks);
-                reads.spawn(async move { me.read(&c, rank, block).await });
+                reads.spawn(async move { me.transfer(&c, direction, at).await });
             }
             while reads.join_next().await.is_some() {}
             tokio::select! {

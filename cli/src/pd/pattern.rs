@@ -4,6 +4,13 @@
 //! Each block's bytes are a function of the engine id, the rank and the
 //! block index: two engines (and two blocks) almost never share bytes, so a
 //! read from the wrong engine, rank or block is caught.
+//!
+//! In push mode the bytes go the other way: a prefill writes block `b` of
+//! rank `r` of a decode with the pattern of [`write_seed`] (the decode's
+//! engine id and the request), and the decode checks them when the
+//! write's `WR:` notification arrives: a write that landed in the wrong
+//! block, a stale write of another request, or a write that never landed
+//! is caught.
 
 /// The pattern seed of an engine id (FNV-1a, 64-bit).
 pub fn seed(engine: &str) -> u64 {
@@ -13,6 +20,13 @@ pub fn seed(engine: &str) -> u64 {
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
     h
+}
+
+/// The pattern seed of one push-mode write: the receiving engine's id and
+/// the request, so that each request's bytes differ from every other's
+/// in the same block.
+pub fn write_seed(engine: &str, request: &str) -> u64 {
+    seed(engine) ^ splitmix64(seed(request))
 }
 
 fn splitmix64(mut x: u64) -> u64 {
@@ -52,6 +66,22 @@ pub fn first_mismatch(buf: &[u8], seed: u64, rank: u16, block: u32) -> Option<us
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_requests_write_different_bytes_into_one_block() {
+        let mut a = vec![0u8; 256];
+        fill(&mut a, write_seed("d", "p-rank0-1"), 0, 3);
+        assert_eq!(first_mismatch(&a, write_seed("d", "p-rank0-1"), 0, 3), None);
+        assert_eq!(
+            first_mismatch(&a, write_seed("d", "p-rank0-2"), 0, 3),
+            Some(0)
+        );
+        assert_eq!(
+            first_mismatch(&a, write_seed("e", "p-rank0-1"), 0, 3),
+            Some(0)
+        );
+        assert_eq!(first_mismatch(&a, seed("d"), 0, 3), Some(0));
+    }
 
     #[test]
     fn a_filled_block_checks_and_other_blocks_do_not() {

@@ -6,6 +6,20 @@
 //! frees the request's blocks (logged; a read completed after that is
 //! logged as an error and counted).
 //!
+//! # The other way round: a push-mode decode
+//!
+//! The same server is the decode of push mode ([`Role::Sink`], `decode
+//! --push`): it owns the blocks (zeroed, not filled), answers the same
+//! handshake, and a prefill WRITEs into them. The lease rules are the same
+//! table with the roles swapped: `RQ:<request>` from the writing prefill
+//! reserves the decode's blocks for the request, the prefill's keepalive
+//! `HB:` (naming its requests whose writes are pending) renews them, and
+//! `WR:<request>:<rank>:<block>`, sent by NIXL to the decode once the
+//! write's bytes are in its memory, completes the request: the decode
+//! checks the block against [`pattern::write_seed`] and frees the lease.
+//! A `WR:` after the lease ran out is a write into blocks the decode had
+//! given back (a late write: logged as an error and counted).
+//!
 //! # Progress
 //!
 //! The agents run without NIXL's progress thread. One thread of ours polls
@@ -70,6 +84,28 @@ impl Memory {
 /// [`PrefillConfig::region`]).
 pub const REGION_FILLER: u8 = 0x5a;
 
+/// Which way a block owner's bytes go.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Role {
+    /// Pull mode's prefill: blocks filled with the pattern, read by
+    /// decodes (`RD:` completes a request).
+    #[default]
+    Source,
+    /// Push mode's decode: blocks zeroed, written by prefills (`WR:`
+    /// completes a request, its bytes checked).
+    Sink,
+}
+
+impl Role {
+    /// The word of the ready line: `PREFILL` or `DECODE`.
+    pub fn ready_word(self) -> &'static str {
+        match self {
+            Role::Source => "PREFILL",
+            Role::Sink => "DECODE",
+        }
+    }
+}
+
 /// Why a prefill did not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -117,6 +153,8 @@ pub struct PrefillConfig {
     /// with the pattern; the rest is set to [`REGION_FILLER`] (so it is
     /// really there: resident, for DRAM).
     pub region: usize,
+    /// Pull mode's prefill or push mode's decode.
+    pub role: Role,
 }
 
 impl PrefillConfig {
@@ -137,6 +175,7 @@ impl PrefillConfig {
             connection_timeout: Duration::from_secs(2),
             memory: Memory::Dram,
             region: 0,
+            role: Role::Source,
         }
     }
 }
@@ -164,13 +203,35 @@ pub fn agent_name(engine: &EngineId, rank: u16) -> String {
 
 struct Rank {
     agent: Agent,
-    _memory: RankMemory,
+    memory: RankMemory,
 }
 
 /// A rank's registered KV cache (deregistered, then freed, on drop).
 enum RankMemory {
-    Dram(#[allow(dead_code)] DramRegistration),
-    Vram(#[allow(dead_code)] VramRegistration),
+    Dram(DramRegistration),
+    Vram(VramRegistration),
+}
+
+impl RankMemory {
+    /// The first byte of block `block` (of `size` bytes) that differs from
+    /// the pattern of `seed` for `rank` (GPU memory is copied back first; a
+    /// failed copy is a mismatch at 0, logged).
+    fn block_mismatch(&self, block: u32, size: usize, seed: u64, rank: u16) -> Option<usize> {
+        let at = block as usize * size;
+        match self {
+            RankMemory::Dram(m) => {
+                pattern::first_mismatch(&m.bytes()[at..at + size], seed, rank, block)
+            }
+            RankMemory::Vram(m) => {
+                let mut host = vec![0u8; size];
+                if let Err(e) = m.memory().read(at, &mut host) {
+                    tracing::error!(error = %e, "cannot copy a written GPU block back to check it");
+                    return Some(0);
+                }
+                pattern::first_mismatch(&host, seed, rank, block)
+            }
+        }
+    }
 }
 
 /// Counters of what the prefill saw.
@@ -182,6 +243,13 @@ pub struct PrefillStats {
     pub reads_done: AtomicU64,
     /// Other notifications.
     pub other: AtomicU64,
+    /// `WR:` notifications whose block held the request's bytes (push).
+    pub writes_verified: AtomicU64,
+    /// `WR:` notifications whose block did not (push): the write landed
+    /// elsewhere, not at all, or another request's write overwrote it.
+    pub writes_corrupt: AtomicU64,
+    /// `WR:` notifications that named no block of this engine.
+    pub writes_malformed: AtomicU64,
     /// Handshakes answered.
     pub handshakes: AtomicU64,
     /// Bad side-channel requests refused.
@@ -222,7 +290,10 @@ impl Prefill {
                     let mut memory = agent.register_dram(region)?;
                     let bytes = memory.bytes_mut();
                     for (b, chunk) in bytes[..kv].chunks_mut(bs).enumerate() {
-                        pattern::fill(chunk, seed, r, b as u32);
+                        match config.role {
+                            Role::Source => pattern::fill(chunk, seed, r, b as u32),
+                            Role::Sink => chunk.fill(0),
+                        }
                     }
                     bytes[kv..].fill(REGION_FILLER);
                     let base = memory.desc().addr;
@@ -233,7 +304,9 @@ impl Prefill {
                     let memory = DeviceMemory::alloc(device, region).map_err(cuda)?;
                     let mut block = vec![0u8; bs];
                     for b in 0..config.blocks {
-                        pattern::fill(&mut block, seed, r, b);
+                        if config.role == Role::Source {
+                            pattern::fill(&mut block, seed, r, b);
+                        }
                         memory.write(b as usize * bs, &block).map_err(cuda)?;
                     }
                     if region > kv {
@@ -249,10 +322,7 @@ impl Prefill {
                 base,
                 metadata: agent.local_metadata()?,
             });
-            ranks.push(Rank {
-                agent,
-                _memory: memory,
-            });
+            ranks.push(Rank { agent, memory });
         }
         let incarnation = rand::random();
         let reply = wire::encode_reply(&HandshakeReply {
@@ -322,12 +392,12 @@ impl Prefill {
     /// fan-in).
     fn poll_once(&self) -> bool {
         let mut busy = false;
-        for rank in &self.ranks {
+        for (r, rank) in self.ranks.iter().enumerate() {
             match rank.agent.get_notifs() {
                 Ok(notifs) => {
                     busy |= notifs.iter().any(|n| !n.message.starts_with(b"HB:"));
                     for n in notifs {
-                        self.on_notification(rank.agent.name(), &n.agent, &n.message);
+                        self.on_notification(r as u16, &n.agent, &n.message);
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "getNotifs failed"),
@@ -342,7 +412,8 @@ impl Prefill {
         (self.config.lease / 10).min(Duration::from_secs(1))
     }
 
-    fn on_notification(&self, rank_agent: &str, from: &str, message: &[u8]) {
+    fn on_notification(&self, rank: u16, from: &str, message: &[u8]) {
+        let rank_agent = self.ranks[usize::from(rank)].agent.name();
         let text = String::from_utf8_lossy(message);
         let now = Instant::now();
         if let Some(id) = text.strip_prefix("RQ:") {
@@ -367,7 +438,9 @@ impl Prefill {
             let named: Vec<&str> = ids.split(',').filter(|s| !s.is_empty()).collect();
             let extended = self.lock_leases().heartbeat(named.iter().copied(), now);
             tracing::info!(to = rank_agent, from, named = named.len(), extended = ?extended, "heartbeat: leases extended");
-        } else if let Some(id) = text.strip_prefix("RD:") {
+        } else if let (Role::Sink, Some(written)) = (self.config.role, text.strip_prefix("WR:")) {
+            self.on_written(rank, from, written, now);
+        } else if let (Role::Source, Some(id)) = (self.config.role, text.strip_prefix("RD:")) {
             self.stats.reads_done.fetch_add(1, Ordering::Relaxed);
             match self.lock_leases().read_done(id, now) {
                 ReadDone::InTime => {
@@ -398,6 +471,81 @@ impl Prefill {
         }
     }
 
+    /// `WR:<request>:<rank>:<block>` at rank `rank` (push mode): the
+    /// write's bytes are in the block; they are checked, and the request's
+    /// lease ends. A `WR:` naming another rank than the one it reached, or
+    /// a block past the engine's, is malformed: counted, logged, nothing
+    /// freed.
+    fn on_written(&self, rank: u16, from: &str, written: &str, now: Instant) {
+        let rank_agent = self.ranks[usize::from(rank)].agent.name();
+        let parsed = written.rsplitn(3, ':').collect::<Vec<_>>();
+        let named = match parsed.as_slice() {
+            [block, r, id] => match (r.parse::<u16>(), block.parse::<u32>()) {
+                (Ok(r), Ok(b)) if r == rank && b < self.config.blocks => Some((*id, b)),
+                _ => None,
+            },
+            _ => None,
+        };
+        let Some((id, block)) = named else {
+            self.stats.writes_malformed.fetch_add(1, Ordering::Relaxed);
+            let written = nixl_keepalive::text::Escaped(written);
+            tracing::warn!(to = rank_agent, from, %written, blocks = self.config.blocks, "write notification refused: not WR:<request>:<this rank>:<block below blocks>");
+            return;
+        };
+        let seed = pattern::write_seed(self.config.engine.as_str(), id);
+        let memory = &self.ranks[usize::from(rank)].memory;
+        match memory.block_mismatch(block, self.config.block_size, seed, rank) {
+            None => {
+                self.stats.writes_verified.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(offset) => {
+                self.stats.writes_corrupt.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    to = rank_agent,
+                    from,
+                    request = id,
+                    block,
+                    offset,
+                    "written block does not hold the request's bytes"
+                );
+            }
+        }
+        match self.lock_leases().read_done(id, now) {
+            ReadDone::InTime => {
+                tracing::debug!(to = rank_agent, from, request = id, block, "write done: lease ended")
+            }
+            ReadDone::AfterExpiry { expired_for } => tracing::error!(
+                to = rank_agent,
+                from,
+                request = id,
+                block,
+                ?expired_for,
+                "write completed after its lease expired: a write into KV blocks this decode had given back"
+            ),
+            ReadDone::Unknown => tracing::warn!(
+                to = rank_agent,
+                from,
+                request = id,
+                "write completed for a request not scheduled here (or already completed)"
+            ),
+        }
+    }
+
+    /// What the push-mode writes into this engine came to (`decode
+    /// --push`): verified, corrupt, malformed.
+    pub fn write_counts(&self) -> (u64, u64, u64) {
+        (
+            self.stats.writes_verified.load(Ordering::Relaxed),
+            self.stats.writes_corrupt.load(Ordering::Relaxed),
+            self.stats.writes_malformed.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Pull mode's prefill or push mode's decode.
+    pub fn role(&self) -> Role {
+        self.config.role
+    }
+
     fn expire_leases(&self) {
         let gone = self.lock_leases().expire(Instant::now());
         for (id, ago) in gone {
@@ -408,6 +556,24 @@ impl Prefill {
     /// Logs the lease counts (at stop).
     pub fn log_lease_counts(&self) {
         let c = self.lease_counts();
+        if self.config.role == Role::Sink {
+            let (verified, corrupt, malformed) = self.write_counts();
+            tracing::info!(
+                scheduled = c.scheduled,
+                extended = c.extended,
+                ignored = c.ignored,
+                completed = c.completed,
+                expired = c.expired,
+                late_writes = c.late_reads,
+                unknown_writes = c.unknown_reads,
+                refused = c.refused,
+                verified,
+                corrupt,
+                malformed,
+                "lease summary (push: writes into this decode)"
+            );
+            return;
+        }
         tracing::info!(
             scheduled = c.scheduled,
             extended = c.extended,
