@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{decode_transport, report, serial, PrefillProc, PrefillSpec};
+use nixl_agent::testing::runtime_or_skip;
 use nixl_keepalive::fake::{FakeConfig, FakeError, FakeHandshake, FakeUcx};
 use nixl_keepalive::nixl_transport::{NixlTransport, ProgressPoller};
 use nixl_keepalive::{
@@ -23,7 +24,6 @@ use nixl_keepalive::{
     Transport, TransportError,
 };
 use nixl_keepalive_cli::pd::decode::{fetch, HandshakeError, ReadOutcome, RemoteEngine};
-use nixl_sys::testing::runtime_or_skip;
 
 /// What differs between transports, as measured.
 struct Truths {
@@ -477,7 +477,7 @@ struct RealStage {
 }
 
 impl RealStage {
-    fn new(rt: &'static nixl_sys::Runtime) -> Self {
+    fn new(rt: &'static nixl_agent::Runtime) -> Self {
         let (transport, progress) = decode_transport(rt);
         RealStage {
             transport,

@@ -152,7 +152,7 @@ use crate::transport::{
     AgentName, EndpointClose, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, Transfers, Transport,
     TransportError,
 };
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 use ucx_sys::UcsStatus;
 
 /// How the simulated UCX behaves.

@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use tokio::time::Instant;
 
 use crate::transport::{AgentName, EngineId};
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 use ucx_sys::UcsStatus;
 
 /// A NIXL operation the fake performed on the decode side's agent.

@@ -13,7 +13,7 @@ use super::record::{FakeCall, FakeOp, Held};
 use super::status::nixl_status_from_ucs;
 use super::FakeConfig;
 use crate::transport::{AgentName, EngineId, PeerAddr};
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 use ucx_sys::UcsStatus;
 
 /// Index of a process in `World::processes`: one per engine start.
