@@ -132,10 +132,12 @@ static PROCESS: OnceLock<Result<EpClose, BadEpCloseSetting>> = OnceLock::new();
 static INSTALLED_LATE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 impl EpClose {
-    /// The process's interposer state, installed by the first call (see
-    /// [`EpClose::install`]). One per process: a second interposer would
-    /// not be the one NIXL's plugin binds, and its scopes would see no
-    /// close.
+    /// The process's interposer state, installed by the first call: it
+    /// reads `NIXL_SYS_EP_CLOSE` and, for `force`, loads the interposer
+    /// into the global symbol scope, which must come before NIXL's UCX
+    /// plugin is loaded. One per process: a second interposer would not be
+    /// the one NIXL's plugin binds, and its scopes would see no close. A
+    /// bad `NIXL_SYS_EP_CLOSE` installs nothing.
     pub fn process() -> Result<&'static EpClose, BadEpCloseSetting> {
         PROCESS
             .get_or_init(|| EpClose::install().map(EpClose))
