@@ -7,7 +7,7 @@
 #
 # What one run is: every `cli/tests/real_*.rs` (the partition test only
 # with STRESS_PARTITION=1) and `cli/tests/conformance.rs` with the CLI's
-# `etcd` feature, every `nixl-sys/tests/real_*.rs`, and
+# `etcd` feature, every `nixl-sys/safe/tests/real_*.rs`, and
 # `python/tests/test_real.py` (when `.venv/` exists: see
 # scripts/install-python.sh), all with NIXL_KEEPALIVE_REQUIRE_REAL=1, so a
 # missing runtime or etcd is a failure, never a pass. `cargo test` runs
@@ -65,13 +65,13 @@ for f in cli/tests/real_*.rs; do
     cli_tests+=("${name}")
 done
 sys_tests=()
-for f in nixl-sys/tests/real_*.rs; do
+for f in nixl-sys/safe/tests/real_*.rs; do
     sys_tests+=("$(basename "${f}" .rs)")
 done
 cargo_args=(--locked --no-fail-fast)
 cli_args=(-p nixl-keepalive-cli --features nixl-keepalive-cli/etcd)
 for t in "${cli_tests[@]}"; do cli_args+=(--test "${t}"); done
-sys_args=(-p nixl-sys)
+sys_args=(-p nixl-agent)
 for t in "${sys_tests[@]}"; do sys_args+=(--test "${t}"); done
 
 python=0
@@ -120,7 +120,7 @@ case "${load}" in
         ;;
 esac
 echo "== ${runs} run(s) of the real-process tests; load: ${load_text}"
-echo "   cargo: ${cli_tests[*]} (nixl-keepalive-cli, etcd feature); ${sys_tests[*]} (nixl-sys)$([[ ${python} == 1 ]] && echo '; pytest python/tests/test_real.py')"
+echo "   cargo: ${cli_tests[*]} (nixl-keepalive-cli, etcd feature); ${sys_tests[*]} (nixl-agent)$([[ ${python} == 1 ]] && echo '; pytest python/tests/test_real.py')"
 
 failed_runs=0
 all_failures=()

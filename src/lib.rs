@@ -176,7 +176,7 @@ pub use snapshot::{
 pub use state::EngineState;
 pub use text::NameError;
 
-pub use nixl_sys::NixlStatus;
+pub use nixl_agent::NixlStatus;
 pub use transport::{
     AgentName, EndpointClose, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, ResolveError,
     Transfers, Transport, TransportError,

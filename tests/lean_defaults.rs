@@ -45,7 +45,13 @@ fn the_default_features_pull_neither_tokio_test_util_nor_the_cli_nor_the_fake() 
     assert!(own.contains("nixl-keepalive feature \"default\""), "{own}");
     assert!(!own.contains("nixl-keepalive feature \"fake\""), "{own}");
     // The check itself sees what it looks for: the graph is there.
-    for present in ["tokio feature \"time\"", "governor", "nixl-sys", "ucx-sys"] {
+    for present in [
+        "tokio feature \"time\"",
+        "governor",
+        "nixl-agent",
+        "nixl-sys",
+        "ucx-sys",
+    ] {
         assert!(all.contains(present), "{present} missing from:\n{all}");
     }
 }

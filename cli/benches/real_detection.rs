@@ -21,10 +21,10 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use nixl_agent::{Agent, AgentConfig};
 use nixl_keepalive::transport::nixl::NixlTransport;
 use nixl_keepalive::{Config, EngineId, Event, PeerAddr};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder, Found};
-use nixl_sys::{Agent, AgentConfig};
 use tokio_util::sync::CancellationToken;
 
 fn quick() -> bool {
@@ -80,7 +80,7 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-async fn run(rt: &'static nixl_sys::Runtime, interval: Duration, kills: usize) {
+async fn run(rt: &'static nixl_agent::Runtime, interval: Duration, kills: usize) {
     let agent = Agent::new(
         rt,
         &format!(
@@ -180,7 +180,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let rt = match nixl_sys::Runtime::get() {
+    let rt = match nixl_agent::Runtime::get() {
         Ok(rt) => rt,
         Err(e) => {
             if std::env::var("NIXL_KEEPALIVE_REQUIRE_REAL").is_ok_and(|v| v == "1") {

@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{machine, percentiles, process_cpu, quick, rss_bytes};
+use nixl_agent::{Agent, AgentConfig};
 use nixl_keepalive::transport::nixl::{NixlTransport, RemoteDlists};
 use nixl_keepalive::{
     AgentName, Config, EngineId, Event, GoneMode, PeerAddr, PeerRef, Registration, ReleaseStep,
@@ -37,7 +38,6 @@ use nixl_keepalive::{
 };
 use nixl_keepalive_cli::pd::decode::{Connected, DecodeOptions, Decoder, Found, ReadOutcome};
 use nixl_keepalive_cli::pd::prefill::agent_name;
-use nixl_sys::{Agent, AgentConfig};
 use tokio_util::sync::CancellationToken;
 
 /// The heartbeat interval of every measurement (no jitter, so a
@@ -427,7 +427,7 @@ struct Decode {
     _progress: nixl_keepalive::transport::nixl::ProgressPoller,
 }
 
-fn start_decode(rt: &'static nixl_sys::Runtime, tag: &str) -> Decode {
+fn start_decode(rt: &'static nixl_agent::Runtime, tag: &str) -> Decode {
     let agent = Agent::new(
         rt,
         &format!("bench-scale-{}-{tag}", std::process::id()),
@@ -495,7 +495,7 @@ async fn releases_of(
 /// One size: `n` real remote agents (two hosts of n/2), the steady
 /// window, optionally the storm, then every release.
 async fn size(
-    rt: &'static nixl_sys::Runtime,
+    rt: &'static nixl_agent::Runtime,
     n: usize,
     storm: bool,
     windows: (Duration, Duration),
@@ -727,7 +727,7 @@ async fn size(
 /// prefill as built (`--idle-poll-ms 10`: a heartbeat leaves it at its
 /// idle pace) and, in the same run, for one that polls every 1 ms as it
 /// did before whenever notifications kept coming (`--idle-poll-ms 1`).
-async fn fan_in(rt: &'static nixl_sys::Runtime, counts: &[usize], window: Duration) {
+async fn fan_in(rt: &'static nixl_agent::Runtime, counts: &[usize], window: Duration) {
     println!("real_scale: fan-in at one prefill (one engine, 1 rank), heartbeats at 1 Hz from each decode agent");
     for idle_poll in ["10", "1"] {
         fan_in_at(rt, counts, window, idle_poll).await;
@@ -735,7 +735,7 @@ async fn fan_in(rt: &'static nixl_sys::Runtime, counts: &[usize], window: Durati
 }
 
 async fn fan_in_at(
-    rt: &'static nixl_sys::Runtime,
+    rt: &'static nixl_agent::Runtime,
     counts: &[usize],
     window: Duration,
     idle_poll: &str,
@@ -854,7 +854,7 @@ fn main() {
         return;
     }
     // SKIPPED (or a panic with NIXL_KEEPALIVE_REQUIRE_REAL=1) without it.
-    let Some(rt) = nixl_sys::testing::runtime_or_skip() else {
+    let Some(rt) = nixl_agent::testing::runtime_or_skip() else {
         return;
     };
     let (sizes, notifiers, windows): (&[usize], &[usize], _) = if quick() {

@@ -16,14 +16,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{decode_transport, report, serial, PrefillProc, PrefillSpec};
+use nixl_agent::testing::runtime_or_skip;
 use nixl_keepalive::fake::{FakeConfig, FakeError, FakeHandshake, FakeUcx};
 use nixl_keepalive::transport::nixl::{NixlTransport, ProgressPoller};
 use nixl_keepalive::{
     AgentName, EndpointClose, EngineId, NixlStatus, PeerAddr, ReleaseStep, ReleaseTarget,
     Transport, TransportError,
 };
-use nixl_keepalive_cli::pd::decode::{fetch, HandshakeError, ReadOutcome, RemoteEngine};
-use nixl_sys::testing::runtime_or_skip;
+use nixl_keepalive_cli::pd::decode::{
+    fetch, Direction, HandshakeError, ReadOutcome, RemoteEngine, Target,
+};
 
 /// What differs between transports, as measured.
 struct Truths {
@@ -69,6 +71,13 @@ trait Stage {
     }
     /// The same, given up (`IN_PROG`) if still in progress after `limit`.
     fn read_within(&self, loaded: &Self::Loaded, limit: Duration) -> NixlStatus;
+    /// One push-mode WRITE into rank 0's block 1 (never the block reads
+    /// check), to its end: SUCCESS, or the failure status.
+    fn write(&self, loaded: &Self::Loaded) -> NixlStatus {
+        self.write_within(loaded, Duration::from_secs(5))
+    }
+    /// The same, given up (`IN_PROG`) if still in progress after `limit`.
+    fn write_within(&self, loaded: &Self::Loaded, limit: Duration) -> NixlStatus;
 }
 
 // ---------------------------------------------------------------------
@@ -131,6 +140,12 @@ fn a_live_peer_answers_notify_and_read_and_releases_cleanly<S: Stage>(stage: &mu
         stage.notify(&agent).expect("notify to a live peer");
     }
     assert_eq!(stage.read(&loaded), NixlStatus::SUCCESS, "{}", stage.name());
+    assert_eq!(
+        stage.write(&loaded),
+        NixlStatus::SUCCESS,
+        "{}: a WRITE",
+        stage.name()
+    );
     let steps = stage.release(&loaded);
     assert!(
         steps.iter().all(|s| s.status == NixlStatus::SUCCESS),
@@ -206,6 +221,12 @@ fn a_crashed_peer_gets_remote_disconnect_then_release_then_not_found<S: Stage>(
         "{}: read from a dead peer: {read}",
         stage.name()
     );
+    let write = stage.write(&loaded);
+    assert!(
+        !write.is_ok(),
+        "{}: write into a dead peer: {write}",
+        stage.name()
+    );
     let steps = stage.release(&loaded);
     assert!(
         statuses(&steps).iter().all(|s| *s == NixlStatus::SUCCESS),
@@ -256,11 +277,24 @@ fn a_frozen_peer_keeps_answering_notify_and_its_reads_stay_in_progress<S: Stage>
         "{}: a READ from a frozen peer",
         stage.name()
     );
+    let write = stage.write_within(&loaded, Duration::from_secs(1));
+    assert_eq!(
+        write,
+        NixlStatus::IN_PROG,
+        "{}: a WRITE into a frozen peer",
+        stage.name()
+    );
     stage.thaw(&addr);
     assert_eq!(
         stage.read(&loaded),
         NixlStatus::SUCCESS,
         "{}: after the thaw",
+        stage.name()
+    );
+    assert_eq!(
+        stage.write(&loaded),
+        NixlStatus::SUCCESS,
+        "{}: a WRITE after the thaw",
         stage.name()
     );
     let steps = stage.release(&loaded);
@@ -270,7 +304,7 @@ fn a_frozen_peer_keeps_answering_notify_and_its_reads_stay_in_progress<S: Stage>
         stage.name()
     );
     format!(
-        "{notifies} notifies to the frozen peer all SUCCESS; a READ still in progress after 1 s"
+        "{notifies} notifies to the frozen peer all SUCCESS; a READ and a WRITE still in progress after 1 s"
     )
 }
 
@@ -464,6 +498,10 @@ impl Stage for FakeStage {
     fn read_within(&self, l: &FakeHandshake, _limit: Duration) -> NixlStatus {
         self.ucx.read(&l.engine)
     }
+
+    fn write_within(&self, l: &FakeHandshake, _limit: Duration) -> NixlStatus {
+        self.ucx.write(&l.engine)
+    }
 }
 
 // ---------------------------------------------------------------------
@@ -477,7 +515,7 @@ struct RealStage {
 }
 
 impl RealStage {
-    fn new(rt: &'static nixl_sys::Runtime) -> Self {
+    fn new(rt: &'static nixl_agent::Runtime) -> Self {
         let (transport, progress) = decode_transport(rt);
         RealStage {
             transport,
@@ -549,10 +587,10 @@ impl Stage for RealStage {
             .tokio
             .block_on(fetch(addr, Duration::from_secs(5)))
             .expect("side channel");
-        // Two landing slots: a READ given up against a frozen peer keeps
-        // its slot (the transfer may still write it), and the read after
-        // the thaw lands in the other.
-        match RemoteEngine::load(self.transport.agent(), addr.clone(), &reply, 2) {
+        // Four slots: a READ and a WRITE given up against a frozen peer
+        // each keep theirs (the transfer may still use it), and the read
+        // and the write after the thaw take the other two.
+        match RemoteEngine::load(self.transport.agent(), addr.clone(), &reply, 4) {
             Ok(r) => Ok(r),
             Err(HandshakeError::Load { source, .. }) => Err(source.status),
             Err(e) => panic!("real handshake: {e}"),
@@ -585,12 +623,31 @@ impl Stage for RealStage {
             limit,
             &|| false,
         ) {
-            ReadOutcome::Verified => NixlStatus::SUCCESS,
+            ReadOutcome::Verified | ReadOutcome::Written => NixlStatus::SUCCESS,
             ReadOutcome::Corrupt { .. } => NixlStatus::ERR_MISMATCH,
             ReadOutcome::Failed(s) => s,
             ReadOutcome::TimedOut { .. } | ReadOutcome::Abandoned { .. } => NixlStatus::IN_PROG,
             ReadOutcome::Released => NixlStatus::ERR_NOT_FOUND,
             ReadOutcome::NoSlot => NixlStatus::ERR_NOT_ALLOWED,
+        }
+    }
+
+    fn write_within(&self, l: &RemoteEngine, limit: Duration) -> NixlStatus {
+        let at = Target { rank: 0, block: 1 };
+        let agent = self.transport.agent();
+        match l.transfer_block(
+            agent,
+            Direction::Write,
+            "conformance-write",
+            at,
+            limit,
+            &|| false,
+        ) {
+            ReadOutcome::Written => NixlStatus::SUCCESS,
+            ReadOutcome::Failed(s) => s,
+            ReadOutcome::TimedOut { .. } | ReadOutcome::Abandoned { .. } => NixlStatus::IN_PROG,
+            ReadOutcome::Released => NixlStatus::ERR_NOT_FOUND,
+            other => panic!("a WRITE ended as {other:?}"),
         }
     }
 }

@@ -1,9 +1,9 @@
 //! The public API of the library crates, recorded and checked: every item
-//! a user of `nixl-keepalive`, `nixl-sys` or `ucx-sys` can name is one
-//! line of `api/<crate>.txt`, and this test fails when the source no
-//! longer says what the file says. A change of the API is then a change of
-//! that file too, seen in review (and, when it breaks users, in
-//! `CHANGELOG.md`).
+//! a user of `nixl-keepalive`, `nixl-agent`, `nixl-sys` or `ucx-sys` can
+//! name is one line of `api/<crate>.txt`, and this test fails when the
+//! source no longer says what the file says. A change of the API is then
+//! a change of that file too, seen in review (and, when it breaks users,
+//! in `CHANGELOG.md`).
 //!
 //! After a change made on purpose, write the files again and commit them
 //! with the change:
@@ -339,7 +339,7 @@ enum Target {
     Item { module: usize, index: usize },
     /// A module.
     Module,
-    /// Outside the crate (`nixl_sys::NixlStatus`), as written.
+    /// Outside the crate (`nixl_agent::NixlStatus`), as written.
     External(String),
     /// Not found among the items: made by a macro in `module`.
     MacroMade { module: usize, name: String },
@@ -823,6 +823,7 @@ fn impls(
 const CRATES: &[(&str, &str)] = &[
     ("nixl-keepalive", "."),
     ("nixl-sys", "nixl-sys"),
+    ("nixl-agent", "nixl-sys/safe"),
     ("ucx-sys", "ucx-sys"),
 ];
 
@@ -900,7 +901,7 @@ fn the_listing_sees_what_the_api_promises() {
         "feature gates"
     );
     assert!(
-        has("pub use nixl_keepalive::NixlStatus = nixl_sys::NixlStatus"),
+        has("pub use nixl_keepalive::NixlStatus = nixl_agent::NixlStatus"),
         "external re-exports"
     );
     assert!(

@@ -54,11 +54,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{decode_transport, report, serial, PrefillProc, PrefillSpec};
+use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::{Agent, Desc, DlistHandle, XferRequest, XferState};
 use nixl_keepalive::transport::nixl::RemoteDlists;
 use nixl_keepalive::{AgentName, EngineId, Transport};
 use nixl_keepalive_cli::pd::pattern;
-use nixl_sys::testing::runtime_or_skip;
-use nixl_sys::{Agent, Desc, DlistHandle, XferRequest, XferState};
 
 const CHILD_ENV: &str = "NIXL_KEEPALIVE_BUFFER_CHILD";
 const SENTINEL: u8 = 0xA5;
@@ -221,7 +221,7 @@ fn buffer_child() {
     let Ok(setting) = std::env::var(CHILD_ENV) else {
         return;
     };
-    let rt = nixl_sys::Runtime::get().expect("child: runtime");
+    let rt = nixl_agent::Runtime::get().expect("child: runtime");
     let env: Vec<(String, String)> = std::env::var("UCX_TLS")
         .map(|v| vec![("UCX_TLS".to_string(), v)])
         .unwrap_or_default();
@@ -230,7 +230,7 @@ fn buffer_child() {
         Agent::new(
             rt,
             &common::unique("probe"),
-            &nixl_sys::AgentConfig::default(),
+            &nixl_agent::AgentConfig::default(),
         )
         .expect("agent"),
     );
@@ -316,7 +316,7 @@ fn read(
 }
 
 fn run(
-    rt: &'static nixl_sys::Runtime,
+    rt: &'static nixl_agent::Runtime,
     env: &[(String, String)],
     scenario: &str,
     must_land: bool,
@@ -385,7 +385,7 @@ fn run(
         kept = Some(req);
     } else {
         seen.release = match req.release() {
-            Ok(()) => nixl_sys::NixlStatus::SUCCESS.name().to_string(),
+            Ok(()) => nixl_agent::NixlStatus::SUCCESS.name().to_string(),
             Err(e) => format!("{}({})", e.status.name(), e.status.raw()),
         };
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::decode::DecodeProc;
 use common::wait::MARGIN;
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_sys::testing::runtime_or_skip;
+use nixl_agent::testing::runtime_or_skip;
 
 #[test]
 fn an_operator_kills_a_prefill_and_the_decode_command_releases_it() {

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_sys::testing::runtime_or_skip;
+use nixl_agent::testing::runtime_or_skip;
 
 const FD_LIMIT: usize = 256;
 const IDLE: usize = 400;

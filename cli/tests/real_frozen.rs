@@ -17,9 +17,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{config, report, serial, DecodeSide, PrefillProc, PrefillSpec};
+use nixl_agent::testing::runtime_or_skip;
 use nixl_keepalive::{EngineId, EngineState, Event, PeerAddr, Transport};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found, ReadOutcome};
-use nixl_sys::testing::runtime_or_skip;
 
 const CHILD_ENV: &str = "NIXL_KEEPALIVE_FROZEN_CHILD";
 const WINDOW: Duration = Duration::from_secs(10);
@@ -120,7 +120,7 @@ fn frozen_decode_child() {
     if std::env::var(CHILD_ENV).is_err() {
         return;
     }
-    let rt = nixl_sys::Runtime::get().expect("child: runtime");
+    let rt = nixl_agent::Runtime::get().expect("child: runtime");
     let addr = PeerAddr::from(std::env::var("FROZEN_P_ADDR").unwrap());
     let pid = std::env::var("FROZEN_P_PID").unwrap();
     let engine = EngineId::from(std::env::var("FROZEN_P_ENGINE").unwrap());

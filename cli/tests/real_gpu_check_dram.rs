@@ -64,7 +64,7 @@ fn figures(out: &Path) -> HashMap<(String, String, String), String> {
 
 #[test]
 fn the_dram_check_runs_every_phase_from_a_bundle_under_64_mib() {
-    let Some(rt) = nixl_sys::testing::runtime_or_skip() else {
+    let Some(rt) = nixl_agent::testing::runtime_or_skip() else {
         return;
     };
     let tmp = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpu-check-dram");
@@ -202,7 +202,7 @@ fn the_dram_check_runs_every_phase_from_a_bundle_under_64_mib() {
 
 #[test]
 fn vram_without_a_gpu_fails_at_once_naming_the_driver() {
-    if nixl_sys::cuda::Cuda::get().is_ok() {
+    if nixl_agent::cuda::Cuda::get().is_ok() {
         eprintln!("SKIPPED: a CUDA driver is here; --memory vram may start");
         return;
     }

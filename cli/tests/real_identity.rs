@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::decode::{DecodeProc, SUMMARY_PERIOD};
 use common::wait::MARGIN;
 use common::{report, serial, PrefillProc, PrefillSpec};
-use nixl_sys::testing::runtime_or_skip;
+use nixl_agent::testing::runtime_or_skip;
 
 /// The decode's log level here: its WARN lines are what is counted.
 const ENV: &[(&str, &str)] = &[("RUST_LOG", "warn")];

@@ -10,10 +10,10 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use common::{config, report, serial, DecodeSide, PrefillProc, PrefillSpec};
+use nixl_agent::testing::runtime_or_skip;
 use nixl_keepalive::{EngineId, Event};
 use nixl_keepalive_cli::pd::decode::DecodeOptions;
 use nixl_keepalive_cli::pd::prefill::agent_name;
-use nixl_sys::testing::runtime_or_skip;
 
 /// Renewals extend to 2/3 of it (2 s): four heartbeat intervals.
 const LEASE: Duration = Duration::from_secs(3);
@@ -76,13 +76,13 @@ fn over_three_leases_no_block_is_read_after_its_lease_expired_and_completed_requ
         // The controls' own notifications come from an agent of their own
         // (with NIXL's progress thread), so they never share the decode
         // agent with the service's heartbeats and the reads.
-        let cfg = nixl_sys::AgentConfig {
-            progress_thread: nixl_sys::ProgressThread::Polling {
+        let cfg = nixl_agent::AgentConfig {
+            progress_thread: nixl_agent::ProgressThread::Polling {
                 delay: Duration::from_millis(1),
             },
             ..Default::default()
         };
-        let agent = nixl_sys::Agent::new(rt, &common::unique("planter"), &cfg).expect("agent");
+        let agent = nixl_agent::Agent::new(rt, &common::unique("planter"), &cfg).expect("agent");
         let reply = nixl_keepalive_cli::pd::decode::fetch(&p.addr, Duration::from_secs(5))
             .await
             .expect("handshake");

@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use common::procfs::held;
 use common::wait::{check, until_async, MARGIN};
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
+use nixl_agent::testing::runtime_or_skip;
 use nixl_keepalive::{EngineId, EngineState, Event, ReleaseReason};
 use nixl_keepalive_cli::pd::decode::{Connected, DecodeOptions, Found, ReadOutcome};
-use nixl_sys::testing::runtime_or_skip;
 
 /// Engines per process: tens, not a thousand (the scale is the
 /// benchmark's); enough that a release storm of one process is many

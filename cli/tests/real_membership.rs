@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use common::decode::DecodeProc;
 use common::etcd::EtcdServer;
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_sys::testing::runtime_or_skip;
+use nixl_agent::testing::runtime_or_skip;
 
 /// The etcd lease of every prefill here.
 const TTL_SECS: u64 = 2;

@@ -44,8 +44,8 @@ use std::time::{Duration, Instant};
 
 use common::procfs::tcp_sockets;
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
+use nixl_agent::testing::runtime_or_skip;
 use nixl_keepalive::PeerAddr;
-use nixl_sys::testing::runtime_or_skip;
 
 /// The decode's heartbeat interval (its jitter derives: 50 ms).
 const INTERVAL: &str = "500ms";

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use common::wait::{check, until_async, MARGIN};
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
+use nixl_agent::testing::runtime_or_skip;
 use nixl_keepalive::{EngineId, EngineState, Event, NixlStatus, ReleaseReason};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found, ReadOutcome};
-use nixl_sys::testing::runtime_or_skip;
 
 fn connected(h: Found) -> nixl_keepalive_cli::pd::decode::Connected {
     match h {

@@ -31,7 +31,7 @@ use common::decode::DecodeProc;
 use common::procfs::{between, held, Held};
 use common::wait::{check, until, MARGIN};
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_sys::testing::runtime_or_skip;
+use nixl_agent::testing::runtime_or_skip;
 
 /// Generous bound for anything a cycle waits for (a handshake retry backs
 /// off to 4 s at most; a release follows its mark within milliseconds).

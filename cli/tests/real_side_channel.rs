@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use common::wait::{check, until, MARGIN};
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
+use nixl_agent::testing::runtime_or_skip;
 use nixl_keepalive_cli::pd::decode::{fetch, DecodeOptions};
-use nixl_sys::testing::runtime_or_skip;
 
 const FLOOD: usize = 400;
 const NOFILE: u32 = 256;
@@ -127,10 +127,10 @@ fn handshakes_complete_while_an_attacker_holds_400_idle_connections_to_a_prefill
 /// `RemoteEngine::load` refuses it too when handed it directly.
 #[test]
 fn a_hostile_reply_naming_one_agent_for_two_ranks_is_refused_and_nothing_is_loaded() {
+    use nixl_agent::NixlStatus;
     use nixl_keepalive::EngineId;
     use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found, HandshakeError, RemoteEngine};
     use nixl_keepalive_cli::pd::wire;
-    use nixl_sys::NixlStatus;
 
     let Some(rt) = runtime_or_skip() else { return };
     let _serial = serial();

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use common::decode::DecodeProc;
 use common::procfs::{held, Held};
 use common::{report, serial, PrefillProc, PrefillSpec};
-use nixl_sys::testing::runtime_or_skip;
+use nixl_agent::testing::runtime_or_skip;
 
 const PATIENCE: Duration = Duration::from_secs(60);
 

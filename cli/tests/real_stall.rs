@@ -30,10 +30,10 @@ use std::time::{Duration, Instant};
 
 use common::wait::{check, until_async, MARGIN};
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
+use nixl_agent::testing::runtime_or_skip;
 use nixl_keepalive::ucx::settings::{detection_bound, UcxSettings};
 use nixl_keepalive::{Config, EngineId, EngineState, Event, ReleaseReason, StallAction};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found};
-use nixl_sys::testing::runtime_or_skip;
 
 const STALL: Duration = Duration::from_secs(2);
 
@@ -251,7 +251,7 @@ fn a_frozen_prefill_with_reads_in_flight_is_stalled_released_and_read_again_afte
         let releases = d.decoder.stats().abandoned_release.lock().unwrap().clone();
         let named: Vec<String> = releases
             .iter()
-            .map(|(raw, n)| format!("{}x{n}", nixl_sys::NixlStatus::from_raw(*raw).name()))
+            .map(|(raw, n)| format!("{}x{n}", nixl_agent::NixlStatus::from_raw(*raw).name()))
             .collect();
         // Measured with nixl-cu12 1.5.1: releasing a READ in progress to a
         // frozen peer is accepted (see real_buffer.rs for what it does).

@@ -11,7 +11,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_sys::testing::runtime_or_skip;
+use nixl_agent::testing::runtime_or_skip;
 
 /// Starts `decode` against `p` with reads always in flight (4 at once, no
 /// pause, 4 MiB blocks), waits until it registered the engine and read for

@@ -1,52 +1,20 @@
-//! What happens to a remote agent's UCX endpoints when its metadata is
-//! invalidated, and UCX's own view of the endpoints an agent holds.
+//! The endpoint-close interposer's raw hooks (`shim/ep_close.c`) and UCX's
+//! VFS reads (`shim/nixl_shim.cpp`).
 //!
-//! # Closing a released peer's endpoints
+//! NIXL 1.5.1's UCX plugin closes a live remote agent's endpoints in UCX's
+//! flush mode, which keeps them (and their TCP sockets) until the agent is
+//! destroyed. The interposer, loaded here with `RTLD_GLOBAL` before libnixl
+//! (by [`crate::Runtime::get`] or [`EpClose::process`], whichever comes
+//! first), turns a flush-mode close into a forced one inside a scope
+//! ([`EpClose::forcing`]) on the calling thread, and counts what it closed.
+//! `NIXL_SYS_EP_CLOSE=nixl` leaves NIXL's own mode (the interposer is not
+//! loaded); `force` (or unset) is the default.
 //!
-//! NIXL 1.5.1's UCX plugin disconnects a remote agent with
-//! `ucp_ep_close_nbx` in UCX's *flush* mode unless UCX has already failed
-//! the endpoint (then it forces the close). In flush mode UCX keeps an
-//! endpoint whose peer is connected until the UCX worker is destroyed
-//! (`ucp_ep_disconnected`: "to enable remote endpoints keep sending"), so
-//! every invalidation of a *live* peer left its endpoint, its TCP socket and
-//! its shared-memory mappings in the process, for good (measured: one
-//! ESTABLISHED connection on each side per release). A peer that died is
-//! failed by UCX first and was closed for real.
-//!
-//! This crate loads a small interposer (`shim/ep_close.c`) with
-//! `RTLD_GLOBAL` before libnixl, so that NIXL's UCX plugin binds its
-//! `ucp_ep_close_nbx` there. Inside [`crate::Agent::invalidate_remote_metadata`]
-//! only, on the calling thread, a flush-mode close becomes a forced one
-//! (`UCP_EP_CLOSE_FLAG_FORCE`: the endpoint and its transports are destroyed
-//! at once); everywhere else it forwards untouched. Upstream NIXL later
-//! added the same as the opt-in backend parameter `ucx_ep_close_force`.
-//!
-//! What stays, measured with the 1.5.1 wheel (loopback): the TCP
-//! connection UCX shares between the two directions is half-closed by the
-//! decode and fully closed by the *prefill*, when its UCX keepalive
-//! (`UCX_KEEPALIVE_INTERVAL` in the prefill's environment, 20 s by default)
-//! next checks the endpoint it made for the decode and learns that it was
-//! removed. A prefill with UCX keepalive off keeps that socket, and the
-//! decode its half, until one of them exits. So [`crate::Agent`] also
-//! records the TCP sockets UCX opens while it loads a remote agent's
-//! metadata and shuts down those the forced close left open when it
-//! invalidates that agent: the descriptors go at once, and the peer closes
-//! its end on reading end-of-file, whatever its keepalive period (see
-//! `sockets.rs` for what UCX's TCP transport keeps and why).
-//!
-//! `NIXL_SYS_EP_CLOSE=nixl` leaves NIXL's own close mode (the interposer is
-//! not loaded); `force` (or unset) is the default.
-//!
-//! # Invalidations made through another binding
-//!
-//! The interposer is installed once per process, by whichever comes first:
-//! [`crate::Runtime::get`] (before it loads libnixl) or
-//! [`EndpointCloser::install`]. The latter is for processes whose agent is
-//! not this crate's, such as a Python decoder whose `nixl_agent` (NIXL's
-//! Python API) loads its own libnixl: install it before that agent creates
-//! its UCX backend (NIXL loads the UCX plugin then), and call
-//! `invalidateRemoteMD` through the other binding inside
-//! [`EndpointCloser::around_invalidation`], on the calling thread.
+//! This module only loads the interposer and reports its raw counts; the
+//! `nixl-agent` crate's `endpoints` module says what the closes mean, wraps
+//! them for code that invalidates through another binding
+//! (`EndpointCloser`), and reads an agent's endpoints from [`vfs_list`] and
+//! [`vfs_read`].
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::OnceLock;
@@ -101,69 +69,35 @@ impl std::fmt::Display for EndpointCloseMode {
     }
 }
 
-/// What the UCX endpoint closes inside one `invalidateRemoteMD` did.
-///
-/// NIXL closes one endpoint per UCX worker (one here) when it invalidates
-/// an agent whose connection nothing else holds. No close at all means the
-/// agent was unknown (`NOT_FOUND`), or a handle still holds its connection
-/// (a transfer request or dlist not yet released), or the closes could not
-/// be seen ([`EndpointCloses::observed`] is false).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct EndpointCloses {
-    /// Live endpoints closed at once in UCX's force mode.
-    pub forced: u32,
-    /// Endpoints UCX had already failed (a dead peer): NIXL forces those
-    /// itself; closed too.
-    pub already_failed: u32,
-    /// Endpoints closed in UCX's flush mode: UCX keeps each (its socket,
-    /// its mappings) until the agent is destroyed.
-    pub left_open: u32,
-    /// Whether the closes were observed: the mode is
-    /// [`EndpointCloseMode::Force`]. When false, the counts are all 0 and
-    /// say nothing.
-    pub observed: bool,
-    /// TCP connections to the agent that the forced close left open and the
-    /// invalidation then shut down itself (see [`crate::Agent::invalidate_remote_metadata`]):
-    /// without that, UCX keeps each until the *peer* closes it, at the
-    /// peer's next UCX keepalive round. 0 when nothing was recorded for the
-    /// agent or everything had closed already (a dead peer), and always 0
-    /// from [`EndpointCloser::around_invalidation`], which does not see the
-    /// loads.
-    pub connections_shut: u32,
-    /// Of [`EndpointCloses::connections_shut`], those whose descriptor UCX
-    /// had not closed yet when the invalidation returned (it closes them at
-    /// its next progress of the worker).
-    pub connections_pending: u32,
-}
-
-impl EndpointCloses {
-    /// Endpoints closed for real (forced by us, or already failed).
-    pub fn closed(&self) -> u32 {
-        self.forced + self.already_failed
-    }
-}
-
-/// `struct nks_ep_closes` of shim/ep_close.c.
+/// What the interposer counted in one scope: `struct nks_ep_closes` of
+/// shim/ep_close.c.
 #[repr(C)]
-#[derive(Default)]
-struct RawCloses {
-    forced: u32,
-    already_forced: u32,
-    left_open: u32,
-    unresolved: u32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EpCloseCounts {
+    /// Flush-mode closes of live endpoints turned into forced ones.
+    pub forced: u32,
+    /// Closes that NIXL forced itself (UCX had failed the endpoint).
+    pub already_forced: u32,
+    /// Closes left in flush mode (the endpoint stays).
+    pub left_open: u32,
+    /// Closes whose mode the interposer could not tell.
+    pub unresolved: u32,
 }
 
 /// The loaded interposer.
-pub(crate) struct Interposer {
+struct Interposer {
     begin: unsafe extern "C" fn(),
-    end: unsafe extern "C" fn(*mut RawCloses),
+    end: unsafe extern "C" fn(*mut EpCloseCounts),
     bound: unsafe extern "C" fn(*const c_char) -> c_int,
     mode: OnceLock<EndpointCloseMode>,
     _lib: Library,
 }
 
-/// The interposer's state in this process, decided before libnixl loads.
-pub(crate) enum EpClose {
+/// The interposer's state in this process, decided before libnixl loads
+/// (obtain it with [`EpClose::process`]).
+pub struct EpClose(State);
+
+enum State {
     /// Loaded; whether the UCX plugin binds it is checked after the first
     /// agent exists.
     Loaded(Interposer),
@@ -198,13 +132,15 @@ static PROCESS: OnceLock<Result<EpClose, BadEpCloseSetting>> = OnceLock::new();
 static INSTALLED_LATE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 impl EpClose {
-    /// The process's interposer state, installed by the first call (see
-    /// [`EpClose::install`]). One per process: a second interposer would
-    /// not be the one NIXL's plugin binds, and its scopes would see no
-    /// close.
-    pub(crate) fn process() -> Result<&'static EpClose, BadEpCloseSetting> {
+    /// The process's interposer state, installed by the first call: it
+    /// reads `NIXL_SYS_EP_CLOSE` and, for `force`, loads the interposer
+    /// into the global symbol scope, which must come before NIXL's UCX
+    /// plugin is loaded. One per process: a second interposer would not be
+    /// the one NIXL's plugin binds, and its scopes would see no close. A
+    /// bad `NIXL_SYS_EP_CLOSE` installs nothing.
+    pub fn process() -> Result<&'static EpClose, BadEpCloseSetting> {
         PROCESS
-            .get_or_init(EpClose::install)
+            .get_or_init(|| EpClose::install().map(EpClose))
             .as_ref()
             .map_err(Clone::clone)
     }
@@ -212,9 +148,9 @@ impl EpClose {
     /// Reads `NIXL_SYS_EP_CLOSE` and, for `force`, loads the interposer
     /// into the global symbol scope. Must run before NIXL's UCX plugin is
     /// loaded.
-    fn install() -> Result<EpClose, BadEpCloseSetting> {
+    fn install() -> Result<State, BadEpCloseSetting> {
         match std::env::var(EP_CLOSE_ENV) {
-            Ok(v) if v == "nixl" => return Ok(EpClose::Off(EndpointCloseMode::Nixl)),
+            Ok(v) if v == "nixl" => return Ok(State::Off(EndpointCloseMode::Nixl)),
             Ok(v) if v.is_empty() || v == "force" => {}
             Ok(v) => return Err(BadEpCloseSetting(v)),
             Err(std::env::VarError::NotPresent) => {}
@@ -224,22 +160,22 @@ impl EpClose {
         }
         if plugin_already_loaded() {
             INSTALLED_LATE.store(true, std::sync::atomic::Ordering::Relaxed);
-            return Ok(EpClose::Off(EndpointCloseMode::Unavailable(format!(
+            return Ok(State::Off(EndpointCloseMode::Unavailable(format!(
                 "NIXL's {UCX_PLUGIN_FILE} was loaded before nixl-sys's interposer (a UCX \
                  backend was created first): it is bound to UCX already"
             ))));
         }
         match load_interposer() {
-            Ok(i) => Ok(EpClose::Loaded(i)),
-            Err(why) => Ok(EpClose::Off(EndpointCloseMode::Unavailable(why))),
+            Ok(i) => Ok(State::Loaded(i)),
+            Err(why) => Ok(State::Off(EndpointCloseMode::Unavailable(why))),
         }
     }
 
     /// The mode in force. Checks the binding once the UCX plugin is loaded.
-    pub(crate) fn mode(&self) -> EndpointCloseMode {
-        match self {
-            EpClose::Off(mode) => mode.clone(),
-            EpClose::Loaded(i) => {
+    pub fn mode(&self) -> EndpointCloseMode {
+        match &self.0 {
+            State::Off(mode) => mode.clone(),
+            State::Loaded(i) => {
                 if let Some(m) = i.mode.get() {
                     return m.clone();
                 }
@@ -266,14 +202,22 @@ impl EpClose {
         }
     }
 
+    /// Whether the install came too late: NIXL's UCX plugin was in the
+    /// process already, so the mode is [`EndpointCloseMode::Unavailable`].
+    pub fn installed_too_late(&self) -> bool {
+        INSTALLED_LATE.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Runs `f` (an `invalidateRemoteMD`) with flush-mode closes on this
-    /// thread forced, and reports what the closes did.
-    pub(crate) fn forcing<T>(&self, f: impl FnOnce() -> T) -> (T, EndpointCloses) {
-        let EpClose::Loaded(i) = self else {
-            return (f(), EndpointCloses::default());
+    /// thread forced, and returns what the interposer counted, or `None`
+    /// when the closes were not observed (the mode is not
+    /// [`EndpointCloseMode::Force`]: `f` only runs).
+    pub fn forcing<T>(&self, f: impl FnOnce() -> T) -> (T, Option<EpCloseCounts>) {
+        let State::Loaded(i) = &self.0 else {
+            return (f(), None);
         };
         if !self.mode().is_force() {
-            return (f(), EndpointCloses::default());
+            return (f(), None);
         }
         /// Closes the thread's scope even if `f` unwinds.
         struct Scope<'a> {
@@ -281,8 +225,8 @@ impl EpClose {
             open: bool,
         }
         impl Scope<'_> {
-            fn end(&mut self) -> RawCloses {
-                let mut raw = RawCloses::default();
+            fn end(&mut self) -> EpCloseCounts {
+                let mut raw = EpCloseCounts::default();
                 if std::mem::take(&mut self.open) {
                     // SAFETY: `end` is `nks_ep_close_scope_end`, kept loaded
                     // with the interposer; `raw` is a valid `#[repr(C)]`
@@ -309,84 +253,7 @@ impl EpClose {
             open: true,
         };
         let out = f();
-        let raw = scope.end();
-        (
-            out,
-            EndpointCloses {
-                forced: raw.forced,
-                already_failed: raw.already_forced,
-                left_open: raw.left_open + raw.unresolved,
-                observed: true,
-                connections_shut: 0,
-                connections_pending: 0,
-            },
-        )
-    }
-}
-
-/// The process's endpoint-close interposer, for code that invalidates
-/// remote agents through another NIXL binding (NIXL's Python API): a
-/// [`crate::Agent`] of this crate uses it by itself.
-///
-/// ```no_run
-/// // Before anything in the process creates a NIXL agent's UCX backend:
-/// let closer = nixl_sys::EndpointCloser::install().expect("a valid NIXL_SYS_EP_CLOSE");
-/// // ...later, around the other binding's invalidateRemoteMD:
-/// let (status, closes) = closer.around_invalidation(|| 0 /* agent.remove_remote_agent(name) */);
-/// assert!(closes.observed == closer.mode().is_force());
-/// ```
-#[derive(Clone, Copy)]
-pub struct EndpointCloser {
-    inner: &'static EpClose,
-}
-
-impl std::fmt::Debug for EndpointCloser {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EndpointCloser")
-            .field("mode", &self.mode())
-            .finish()
-    }
-}
-
-impl EndpointCloser {
-    /// Installs the interposer in this process (once: later calls, and
-    /// [`crate::Runtime::get`], share it), as `NIXL_SYS_EP_CLOSE` says.
-    ///
-    /// It takes effect for NIXL UCX plugins loaded *after* this call: NIXL
-    /// loads its plugin when an agent first creates a UCX backend (a
-    /// `nixl_agent` does in its constructor; importing NIXL's Python
-    /// module does not). Called later, the mode is
-    /// [`EndpointCloseMode::Unavailable`] with the reason, and NIXL's own
-    /// close mode applies. A bad `NIXL_SYS_EP_CLOSE` installs nothing.
-    pub fn install() -> Result<EndpointCloser, BadEpCloseSetting> {
-        EpClose::process().map(|inner| EndpointCloser { inner })
-    }
-
-    /// The mode in force: [`EndpointCloseMode::Pending`] until NIXL's UCX
-    /// plugin is loaded, then whether the plugin really calls the
-    /// interposer (checked in its relocations).
-    pub fn mode(&self) -> EndpointCloseMode {
-        self.inner.mode()
-    }
-
-    /// Whether the mode is [`EndpointCloseMode::Unavailable`] because the
-    /// install came too late: NIXL's UCX plugin was in the process already
-    /// (an agent had created a UCX backend). The other reasons are NIXL
-    /// loading its plugin with `RTLD_DEEPBIND` and an interposer that could
-    /// not be loaded.
-    pub fn installed_too_late(&self) -> bool {
-        INSTALLED_LATE.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Runs `invalidate`, a call that makes NIXL invalidate a remote agent
-    /// (`invalidateRemoteMD`, or NIXL's Python `remove_remote_agent`), with
-    /// the flush-mode endpoint closes it makes *on this thread* forced, and
-    /// says what they did. Outside [`EndpointCloseMode::Force`] it only
-    /// runs `invalidate` (the closes are not observed). A forced close ends
-    /// whatever the endpoint still had in flight, so run nothing else that
-    /// closes endpoints you mean to keep inside it.
-    pub fn around_invalidation<T>(&self, invalidate: impl FnOnce() -> T) -> (T, EndpointCloses) {
-        self.inner.forcing(invalidate)
+        (out, Some(scope.end()))
     }
 }
 
@@ -442,7 +309,7 @@ fn load_interposer() -> Result<Interposer, String> {
             .get::<unsafe extern "C" fn()>(b"nks_ep_close_scope_begin\0")
             .map_err(|e| e.to_string())?;
         let end = *lib
-            .get::<unsafe extern "C" fn(*mut RawCloses)>(b"nks_ep_close_scope_end\0")
+            .get::<unsafe extern "C" fn(*mut EpCloseCounts)>(b"nks_ep_close_scope_end\0")
             .map_err(|e| e.to_string())?;
         let bound = *lib
             .get::<unsafe extern "C" fn(*const c_char) -> c_int>(b"nks_ep_close_bound\0")
@@ -489,7 +356,10 @@ extern "C" fn push_name(name: *const c_char, arg: *mut c_void) {
     );
 }
 
-fn vfs_list(path: &str) -> Option<Vec<String>> {
+/// The names under `path` in UCX's VFS tree (`ucs_vfs_path_list_dir`, through
+/// the shim), in whichever libucs the process has loaded; `None` when the
+/// path or UCX's VFS is not there.
+pub fn vfs_list(path: &str) -> Option<Vec<String>> {
     let p = CString::new(path).ok()?;
     let mut out: Vec<String> = Vec::new();
     // SAFETY: `p` is NUL-terminated and outlives the call; `push_name` has
@@ -501,7 +371,9 @@ fn vfs_list(path: &str) -> Option<Vec<String>> {
     (st == 0).then_some(out)
 }
 
-fn vfs_read(path: &str) -> Option<String> {
+/// The text of the VFS file at `path` (trailing whitespace trimmed), or
+/// `None` when it is not there.
+pub fn vfs_read(path: &str) -> Option<String> {
     let p = CString::new(path).ok()?;
     let mut out: Vec<String> = Vec::new();
     // SAFETY: as in `vfs_list`: `p` is NUL-terminated, `push_name` has the
@@ -510,103 +382,4 @@ fn vfs_read(path: &str) -> Option<String> {
     let st =
         unsafe { nks_ucx_vfs_read(p.as_ptr(), push_name, (&mut out as *mut Vec<String>).cast()) };
     (st == 0).then(|| out.concat().trim_end().to_string())
-}
-
-/// The most bytes of a name UCX keeps for a context or a worker (its
-/// `UCP_ENTITY_NAME_MAX`, 32, less the terminating NUL).
-pub const UCX_NAME_MAX: usize = 31;
-
-/// `name` as UCX lists it: its first [`UCX_NAME_MAX`] bytes, or fewer to
-/// end on a character boundary.
-fn ucx_entity_name(name: &str) -> &str {
-    if name.len() <= UCX_NAME_MAX {
-        return name;
-    }
-    let mut end = UCX_NAME_MAX;
-    while !name.is_char_boundary(end) {
-        end -= 1;
-    }
-    &name[..end]
-}
-
-/// One UCP endpoint as UCX's VFS shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct UcxEndpoint {
-    /// Its VFS name (the endpoint's address in this process).
-    pub id: String,
-    /// The peer worker's name (`host:pid`), or UCX's `<no debug data>`
-    /// unless the *peer* runs with `UCX_ADDRESS_DEBUG_INFO=y`.
-    pub peer_name: String,
-    /// Its error-handling mode (`peer` under NIXL).
-    pub error_mode: String,
-}
-
-/// The UCP endpoints and endpoint counters of one agent's UCX workers, read
-/// from UCX's own VFS tree (`/ucp/context/<agent name>/worker/*`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct UcxEndpoints {
-    /// Every endpoint the workers hold now, NIXL's own loopback endpoint
-    /// included (one per worker).
-    pub endpoints: Vec<UcxEndpoint>,
-    /// Endpoints ever created (`counters/ep_creations`).
-    pub created: u64,
-    /// Endpoint closes requested (`counters/ep_closures`).
-    pub closed: u64,
-    /// Endpoints UCX failed (`counters/ep_failures`).
-    pub failed: u64,
-}
-
-/// Reads the endpoints of the UCX context named `context` (NIXL names the
-/// UCX context of an agent after the agent, so this is the agent's name),
-/// in whichever libucs the process has loaded: that of an agent made
-/// through NIXL's Python API too. UCX keeps only the first
-/// [`UCX_NAME_MAX`] bytes of a context's name (measured with UCX 1.23: an
-/// agent named `decode-` and a UUID is listed under its first 31 bytes),
-/// so a longer name is looked up by that prefix. `None` when UCX's VFS is
-/// not there (`UCX_VFS_ENABLE=n`, no libucs loaded) or no such context
-/// exists (a name cut inside a multi-byte character is not found).
-pub fn ucx_endpoints(context: &str) -> Option<UcxEndpoints> {
-    let context = ucx_entity_name(context);
-    let base = format!("/ucp/context/{context}/worker");
-    let workers = vfs_list(&base)?;
-    let mut out = UcxEndpoints::default();
-    for w in workers {
-        let wpath = format!("{base}/{w}");
-        // Listing the worker's own node runs its refresh, which adds the
-        // endpoints created since the last look to the tree.
-        let _ = vfs_list(&wpath);
-        let counter = |name: &str| {
-            vfs_read(&format!("{wpath}/counters/{name}"))
-                .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(0)
-        };
-        out.created += counter("ep_creations");
-        out.closed += counter("ep_closures");
-        out.failed += counter("ep_failures");
-        for ep in vfs_list(&format!("{wpath}/ep")).unwrap_or_default() {
-            let epath = format!("{wpath}/ep/{ep}");
-            out.endpoints.push(UcxEndpoint {
-                peer_name: vfs_read(&format!("{epath}/peer_name")).unwrap_or_default(),
-                error_mode: vfs_read(&format!("{epath}/error_mode")).unwrap_or_default(),
-                id: ep,
-            });
-        }
-    }
-    Some(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_long_agent_name_is_looked_up_by_the_prefix_ucx_keeps() {
-        assert_eq!(ucx_entity_name("decode-0"), "decode-0");
-        let long = "decode-0123456789abcdef-0123456789abcdef-0123";
-        assert_eq!(ucx_entity_name(long), "decode-0123456789abcdef-0123456");
-        assert_eq!(ucx_entity_name(&long[..31]), &long[..31]);
-        // Never cut inside a character: "é" is two bytes at 30..32.
-        let accented = format!("{}é-tail", "a".repeat(30));
-        assert_eq!(ucx_entity_name(&accented), "a".repeat(30));
-    }
 }

@@ -19,8 +19,8 @@ use std::sync::OnceLock;
 use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
 
 use crate::endpoints::{EndpointCloseMode, EpClose, EP_CLOSE_ACCEPTED, EP_CLOSE_ENV};
-use crate::error::{LoadError, StatusSource};
-use crate::status::NixlStatus;
+use crate::error::LoadError;
+use crate::status::{NixlStatus, StatusSource};
 
 /// Where `scripts/install-nixl.sh` installs the runtime for this build (or
 /// `NIXL_PREFIX` as it was at build time).
@@ -38,14 +38,17 @@ pub enum ApiKind {
     CapiV1,
 }
 
-type St = c_int;
-type P = *mut c_void;
+/// A raw C API or shim status (`nixl_capi_status_t`, or the C++
+/// `nixl_status_t` from the shim), before translation.
+pub type St = c_int;
+/// An opaque C API handle (agent, dlist, request, map, ...).
+pub type P = *mut c_void;
 
 /// `nixl_capi_agent_config_t`, declared from its documented fields (field
 /// order and types matter: 40 bytes, checked against the 1.5.1 library's
 /// reads at offsets 0, 1, 4, 8, 16, 24, 32).
 #[repr(C)]
-pub(crate) struct CapiAgentConfig {
+pub struct CapiAgentConfig {
     pub enable_prog_thread: bool,
     pub enable_listen_thread: bool,
     pub listen_port: c_int,
@@ -56,8 +59,12 @@ pub(crate) struct CapiAgentConfig {
     pub capture_telemetry: bool,
 }
 
-/// C API entry points (the subset this crate uses).
-pub(crate) struct Capi {
+/// C API entry points (the subset the bindings use), each with the
+/// signature `nixl_capi.h` declares for it. Calling one is `unsafe`: the
+/// caller upholds the C API's own contract for that function (live
+/// handles of this runtime, valid out-pointers, buffers valid for their
+/// lengths).
+pub struct Capi {
     pub create_configured_agent:
         unsafe extern "C" fn(*const c_char, *const CapiAgentConfig, *mut P) -> St,
     pub destroy_agent: unsafe extern "C" fn(P) -> St,
@@ -115,7 +122,7 @@ pub(crate) struct Capi {
 /// addresses, valid for the life of the process because the library is
 /// never unloaded.
 #[derive(Clone, Copy)]
-pub(crate) struct Member(*const c_void);
+struct Member(*const c_void);
 // SAFETY: a `Member` is only a code address in libnixl, which stays loaded
 // for the life of the process; it is never read or written through, only
 // handed to the shim to call, so moving it to another thread moves no data.
@@ -126,7 +133,7 @@ unsafe impl Sync for Member {}
 
 /// The C++ members reached through the shim on a collapsed-C-API runtime.
 /// The mangled names are those exported by libnixl.so 1.5.1 (`nm -D`).
-pub(crate) struct CppMembers {
+struct CppMembers {
     pub gen_notif: Member,
     pub post_xfer_req: Member,
     pub get_xfer_status: Member,
@@ -267,7 +274,9 @@ impl Runtime {
         self.ep_close.mode()
     }
 
-    pub(crate) fn ep_close(&self) -> &EpClose {
+    /// The process's endpoint-close interposer, installed before libnixl
+    /// was loaded.
+    pub fn ep_close(&self) -> &'static EpClose {
         self.ep_close
     }
 
@@ -691,7 +700,9 @@ unsafe fn first_member(h: P) -> P {
     unsafe { *(h as *const P) }
 }
 
-pub(crate) type Raw = (NixlStatus, StatusSource);
+/// A status from a raw call: C++ numbering, and the interface it came
+/// through.
+pub type Raw = (NixlStatus, StatusSource);
 
 fn collapsed(st: St) -> Raw {
     (
@@ -705,14 +716,15 @@ fn cpp(st: St) -> Raw {
 
 impl Runtime {
     /// Status of a C API call, translated according to the runtime.
-    pub(crate) fn capi_status(&self, st: St) -> Raw {
+    pub fn capi_status(&self, st: St) -> Raw {
         match self.flavor {
             Flavor::Collapsed(_) => collapsed(st),
             Flavor::V1 => (NixlStatus::from_capi_v1(st), StatusSource::CapiV1),
         }
     }
 
-    pub(crate) fn capi(&self) -> &Capi {
+    /// The C API entry points.
+    pub fn capi(&self) -> &Capi {
         &self.capi
     }
 
@@ -723,18 +735,20 @@ impl Runtime {
     /// `p` must be null or a pointer that NIXL's C API or the shim returned
     /// from `malloc` (metadata blobs, copied names), not freed yet; nothing
     /// may use it after this call.
-    pub(crate) unsafe fn free(&self, p: *mut c_void) {
+    pub unsafe fn free(&self, p: *mut c_void) {
         // SAFETY: `nks_free` is `std::free`; the caller guarantees `p` is
         // null or a live malloc'd block freed only here. NIXL and the shim
         // share the process's one C allocator (both link the system libc).
         unsafe { nks_free(p) }
     }
 
+    /// NIXL's `genNotif`: sends `msg` to the remote agent `remote`.
+    ///
     /// # Safety
     ///
     /// `agent` must be a live C API agent handle of this runtime (created
     /// by `create_configured_agent`, not destroyed yet).
-    pub(crate) unsafe fn gen_notif(&self, agent: P, remote: &[u8], msg: &[u8]) -> Raw {
+    pub unsafe fn gen_notif(&self, agent: P, remote: &[u8], msg: &[u8]) -> Raw {
         match &self.flavor {
             // SAFETY: `agent` is live (caller), so its first member is its
             // `nixlAgent*` (layout checked at load). `m.gen_notif` is the
@@ -776,10 +790,14 @@ impl Runtime {
         }
     }
 
+    /// NIXL's `invalidateRemoteMD`: forgets `remote`'s metadata and
+    /// disconnects from it (run it inside [`EpClose::forcing`] for the
+    /// forced close).
+    ///
     /// # Safety
     ///
     /// `agent` must be a live C API agent handle of this runtime.
-    pub(crate) unsafe fn invalidate_remote_md(&self, agent: P, remote: &[u8]) -> Raw {
+    pub unsafe fn invalidate_remote_md(&self, agent: P, remote: &[u8]) -> Raw {
         match &self.flavor {
             // SAFETY: `agent` is live (caller), its first member is its
             // `nixlAgent*` (layout checked at load); `m.invalidate_remote_md`
@@ -813,7 +831,7 @@ impl Runtime {
     /// # Safety
     ///
     /// `agent` must be a live C API agent handle of this runtime.
-    pub(crate) unsafe fn load_remote_md(&self, agent: P, md: &[u8]) -> (Raw, Option<Vec<u8>>) {
+    pub unsafe fn load_remote_md(&self, agent: P, md: &[u8]) -> (Raw, Option<Vec<u8>>) {
         let mut name: *mut c_char = std::ptr::null_mut();
         let mut len = None;
         let raw = match &self.flavor {
@@ -871,7 +889,7 @@ impl Runtime {
 
     /// Whether names come back from NIXL with their length (the shim), so
     /// that a NUL inside one can be seen.
-    pub(crate) fn names_have_length(&self) -> bool {
+    pub fn names_have_length(&self) -> bool {
         matches!(self.flavor, Flavor::Collapsed(_))
     }
 
@@ -882,12 +900,7 @@ impl Runtime {
     ///
     /// `agent` must be a live C API agent handle and `xfer_dlist` a live C
     /// API xfer dlist handle, both of this runtime.
-    pub(crate) unsafe fn prep_dlist(
-        &self,
-        agent: P,
-        remote: Option<&[u8]>,
-        xfer_dlist: P,
-    ) -> (Raw, P) {
+    pub unsafe fn prep_dlist(&self, agent: P, remote: Option<&[u8]>, xfer_dlist: P) -> (Raw, P) {
         let mut out: P = std::ptr::null_mut();
         let raw = match (&self.flavor, remote) {
             // SAFETY: `agent` and `xfer_dlist` are live handles (caller);
@@ -944,12 +957,14 @@ impl Runtime {
         (raw, out)
     }
 
+    /// NIXL's `releasedDlistH`: releases a prepared dlist handle.
+    ///
     /// # Safety
     ///
     /// `agent` must be a live C API agent handle, and `dlist` a handle that
     /// [`Self::prep_dlist`] returned for it and that was not released yet;
     /// `dlist` must not be used after this call.
-    pub(crate) unsafe fn release_dlist(&self, agent: P, dlist: P) -> Raw {
+    pub unsafe fn release_dlist(&self, agent: P, dlist: P) -> Raw {
         match &self.flavor {
             // SAFETY: `agent` is live (caller), its first member is its
             // `nixlAgent*` (layout checked at load); `dlist` is the
@@ -968,6 +983,9 @@ impl Runtime {
         }
     }
 
+    /// NIXL's `makeXferReq`: a transfer request (`op` 0 is `NIXL_READ`)
+    /// between descriptors of two prepared dlist handles.
+    ///
     /// # Safety
     ///
     /// `agent` must be a live C API agent handle; `local` and `remote`
@@ -975,7 +993,7 @@ impl Runtime {
     /// unreleased while the request exists; `opt_args` null or a live C API
     /// opt-args handle that outlives the request.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn make_xfer_req(
+    pub unsafe fn make_xfer_req(
         &self,
         agent: P,
         op: c_int,
@@ -1034,11 +1052,13 @@ impl Runtime {
         (raw, out)
     }
 
+    /// NIXL's `postXferReq`: posts a transfer request.
+    ///
     /// # Safety
     ///
     /// `agent` must be a live C API agent handle, and `req` a request that
     /// [`Self::make_xfer_req`] returned for it and that was not released.
-    pub(crate) unsafe fn post_xfer_req(&self, agent: P, req: P) -> Raw {
+    pub unsafe fn post_xfer_req(&self, agent: P, req: P) -> Raw {
         match &self.flavor {
             // SAFETY: `agent` is live (caller), its first member is its
             // `nixlAgent*` (layout checked at load); `req` is a live
@@ -1061,10 +1081,13 @@ impl Runtime {
         }
     }
 
+    /// NIXL's `getXferStatus`: checks a transfer (and progresses the
+    /// worker).
+    ///
     /// # Safety
     ///
     /// As [`Self::post_xfer_req`].
-    pub(crate) unsafe fn get_xfer_status(&self, agent: P, req: P) -> Raw {
+    pub unsafe fn get_xfer_status(&self, agent: P, req: P) -> Raw {
         match &self.flavor {
             Flavor::Collapsed(m) => {
                 // SAFETY: `agent` is live (caller), its first member is its
@@ -1079,11 +1102,14 @@ impl Runtime {
         }
     }
 
+    /// NIXL's `releaseXferReq`: releases a request (aborting it in
+    /// flight where the backend can).
+    ///
     /// # Safety
     ///
     /// As [`Self::post_xfer_req`]; `req` must not be used after this call
     /// (released once: NIXL frees it on success).
-    pub(crate) unsafe fn release_xfer_req(&self, agent: P, req: P) -> Raw {
+    pub unsafe fn release_xfer_req(&self, agent: P, req: P) -> Raw {
         match &self.flavor {
             Flavor::Collapsed(m) => {
                 // SAFETY: `agent` is live (caller), its first member is its

@@ -1,4 +1,4 @@
-//! `nixl_status_t`, kept raw.
+//! `nixl_status_t`, kept raw, and the interface it came through.
 //!
 //! NIXL's C++ API returns a small signed enum. Its released C API (1.5.x)
 //! folds most failures into one generic code, which loses the one signal a
@@ -8,6 +8,24 @@
 //! transport means the same thing everywhere.
 
 use std::fmt;
+
+/// Which interface a status came through, so a reader knows how much it
+/// can trust the code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StatusSource {
+    /// The C++ member itself, through this crate's shim: the raw
+    /// `nixl_status_t`.
+    Cpp,
+    /// The newer C API that maps statuses 1:1 (exports
+    /// `nixl_capi_get_version`).
+    CapiV1,
+    /// The released 1.5.x C API, which collapses most failures into
+    /// `ERR_BACKEND`: a `BACKEND` from here may hide any other failure.
+    CapiCollapsed,
+    /// The bindings (`nixl-sys`, `nixl-agent`) refused the call before
+    /// reaching NIXL (for example an argument NIXL cannot represent).
+    Crate,
+}
 
 /// A raw NIXL status in the C++ `nixl_status_t` numbering.
 ///

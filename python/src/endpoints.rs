@@ -6,7 +6,7 @@
 //! peer's endpoint and its TCP connection until the decode's agent dies:
 //! one connection per rank on each side, per release. `nixl-sys` has an
 //! interposer that NIXL's UCX plugin binds its `ucp_ep_close_nbx` to when
-//! it is loaded first (see `nixl_sys::endpoints`); this module installs it
+//! it is loaded first (see `nixl_agent::endpoints`); this module installs it
 //! when the package is imported ([`install`], from the module's init), and
 //! the transport calls `remove_remote_agent` inside its scope
 //! ([`Closer::remove_remote_agent`]), on the service's blocking thread,
@@ -26,8 +26,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
+use nixl_agent::{BadEpCloseSetting, EndpointCloseMode, EndpointCloser, EndpointCloses};
 use nixl_keepalive::{AgentName, EndpointClose, NixlStatus};
-use nixl_sys::{BadEpCloseSetting, EndpointCloseMode, EndpointCloser, EndpointCloses};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -54,7 +54,7 @@ fn mode_words(mode: &Result<EndpointCloser, BadEpCloseSetting>) -> (&'static str
                 "nixl",
                 Some(format!(
                     "{}=nixl: NIXL's own close mode, which keeps a live peer's endpoints",
-                    nixl_sys::endpoints::EP_CLOSE_ENV
+                    nixl_agent::endpoints::EP_CLOSE_ENV
                 )),
             ),
             EndpointCloseMode::Unavailable(why) if closer.installed_too_late() => (
@@ -181,7 +181,7 @@ impl EndpointTotals {
         let ucx = match agent {
             Some(name) => {
                 let name = name.to_string();
-                py.detach(move || nixl_sys::endpoints::ucx_endpoints(&name))
+                py.detach(move || nixl_agent::endpoints::ucx_endpoints(&name))
             }
             None => None,
         };

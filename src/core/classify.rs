@@ -1,6 +1,6 @@
 //! The one place a NIXL status is judged, whatever call returned it.
 
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 
 /// What a status means for the engine it came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

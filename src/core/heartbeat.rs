@@ -17,7 +17,7 @@ use super::{Action, Call, Core, Count, HeartbeatMessages, RoundResults};
 use crate::event::{Event, Source};
 use crate::registration::RegistrationId;
 use crate::transport::{AgentName, EngineId};
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 
 /// The most bytes of one `HB:` notification. A round whose request ids do
 /// not fit in one is split over several (see [`heartbeat_messages`]): each

@@ -14,7 +14,7 @@ use crate::read_accounting::cell::EngineCell;
 use crate::registration::Incarnation;
 use crate::registration::RegistrationId;
 use crate::transport::{AgentName, EngineId, PeerAddr, Transfers};
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 
 /// Why a registration was marked, and what its release has waited for.
 pub(super) struct Mark {

@@ -14,7 +14,7 @@ use crate::read_accounting::cell::EngineCell;
 use crate::registration::{Registration, RegistrationId};
 use crate::state::EngineState;
 use crate::transport::{EngineId, ReleaseStep, Transfers};
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 use std::sync::Arc;
 
 impl<R> Core<R> {

@@ -8,7 +8,7 @@ use super::{classify, Core, Count, Verdict};
 use crate::event::{Event, ReleaseReason, Source};
 use crate::registration::RegistrationId;
 use crate::transport::AgentName;
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 
 impl<R> Core<R> {
     /// A status from `source` for registration `serial` (and `agent`, for

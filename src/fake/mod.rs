@@ -64,6 +64,11 @@
 //!   once the endpoint has failed. With
 //!   [`FakeConfig::drop_metadata_on_disconnect`] a read ending in
 //!   `REMOTE_DISCONNECT` drops the agent's metadata as NIXL 0.6+ does.
+//! - **Write** ([`FakeUcx::write`], push mode): as a read, `IN_PROG`
+//!   while the peer is silent included (measured with NIXL 1.5.1 over
+//!   loopback TCP: a WRITE into a SIGSTOPped decode stays in progress
+//!   until it runs again); `drop_metadata_on_disconnect` applies to reads
+//!   only.
 //! - **Release** ([`Transport::release`]): `releasedDlistH` per handle, then
 //!   `invalidateRemoteMD` per agent; a step whose target is already gone
 //!   answers `NOT_FOUND`; double release never panics. After each
@@ -152,7 +157,7 @@ use crate::transport::{
     AgentName, EndpointClose, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, Transfers, Transport,
     TransportError,
 };
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 use ucx_sys::UcsStatus;
 
 /// How the simulated UCX behaves.
@@ -835,16 +840,53 @@ impl FakeUcx {
         self.read_agent_of(engine, Some(agent))
     }
 
+    /// A WRITE into every rank of the engine (push mode): the status the
+    /// transfer ends with, by the rules of [`FakeUcx::read`].
+    pub fn write(&self, engine: &EngineId) -> NixlStatus {
+        let agents = {
+            let world = self.lock();
+            match world.by_engine.get(engine) {
+                Some(&p) => world.processes[p].agents.clone(),
+                None => Vec::new(),
+            }
+        };
+        if agents.is_empty() {
+            return self.transfer_of(FakeOp::Write, Some(engine.clone()), None);
+        }
+        let statuses: Vec<NixlStatus> = agents
+            .iter()
+            .map(|a| {
+                let engine = self.lock().agent_engine.get(a).cloned();
+                self.transfer_of(FakeOp::Write, engine, Some(a))
+            })
+            .collect();
+        statuses
+            .iter()
+            .copied()
+            .find(|s| !s.is_ok())
+            .or_else(|| statuses.iter().copied().find(|s| *s == NixlStatus::IN_PROG))
+            .unwrap_or(NixlStatus::SUCCESS)
+    }
+
     fn read_agent_of(&self, engine: Option<EngineId>, agent: Option<&AgentName>) -> NixlStatus {
+        self.transfer_of(FakeOp::Read, engine, agent)
+    }
+
+    fn transfer_of(
+        &self,
+        op: FakeOp,
+        engine: Option<EngineId>,
+        agent: Option<&AgentName>,
+    ) -> NixlStatus {
         let now = Instant::now();
         let mut world = self.lock();
         let (ucs, status) = match agent {
-            Some(agent) => world.endpoint_op(agent, FakeOp::Read, now),
+            Some(agent) => world.endpoint_op(agent, op, now),
             None => (None, NixlStatus::ERR_NOT_FOUND),
         };
         world.record(FakeCall {
             at: now,
-            op: FakeOp::Read,
+            op,
             engine,
             agent: agent.cloned(),
             message: Vec::new(),

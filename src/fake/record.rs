@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use tokio::time::Instant;
 
 use crate::transport::{AgentName, EngineId};
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 use ucx_sys::UcsStatus;
 
 /// A NIXL operation the fake performed on the decode side's agent.
@@ -21,6 +21,9 @@ pub enum FakeOp {
     /// A READ transfer from one remote agent, posted and polled to its end
     /// ([`super::FakeUcx::read`]).
     Read,
+    /// A push-mode WRITE into one remote agent, posted and polled to its
+    /// end ([`super::FakeUcx::write`]).
+    Write,
     /// `releasedDlistH` for one prepped handle ([`crate::Transport::release`]).
     ReleaseDlist,
     /// `invalidateRemoteMD` for one remote agent ([`crate::Transport::release`]).

@@ -1,6 +1,6 @@
 //! How NIXL's UCX backend turns a UCX status into a NIXL status.
 
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 use ucx_sys::UcsStatus;
 
 /// The NIXL status NIXL's UCX backend reports for a UCX status.

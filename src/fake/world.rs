@@ -13,7 +13,7 @@ use super::record::{FakeCall, FakeOp, Held};
 use super::status::nixl_status_from_ucs;
 use super::FakeConfig;
 use crate::transport::{AgentName, EngineId, PeerAddr};
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 use ucx_sys::UcsStatus;
 
 /// Index of a process in `World::processes`: one per engine start.
@@ -267,7 +267,7 @@ impl World {
                 Some(injected),
                 nixl_status_from_ucs(injected).is_remote_disconnect(),
             )
-        } else if self.is_silent(p, now) && op == FakeOp::Read {
+        } else if self.is_silent(p, now) && matches!(op, FakeOp::Read | FakeOp::Write) {
             (Some(UcsStatus::INPROGRESS), false)
         } else {
             (Some(UcsStatus::OK), false)

@@ -15,7 +15,7 @@ mod names;
 pub mod nixl;
 mod resolve;
 
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 
 pub use names::{AgentName, EngineId, PeerAddr, ResolveError};
 
@@ -126,7 +126,7 @@ pub enum ReleaseTarget {
 /// in UCX's flush mode, which keeps it, its TCP socket and its
 /// shared-memory mappings until the decode's agent is destroyed; only a
 /// peer UCX had already failed (killed) was closed for real. `nixl-sys`
-/// forces the close (see `nixl_sys::endpoints`), so both are
+/// forces the close (see `nixl_agent::endpoints`), so both are
 /// [`EndpointClose::Closed`]. The TCP connection UCX shares between both
 /// directions then closes on the prefill's side, at its next UCX
 /// keepalive round (`UCX_KEEPALIVE_INTERVAL` of the prefill, 20 s by

@@ -1,18 +1,18 @@
 //! The service's transport over a real NIXL agent.
 //!
 //! [`NixlTransport`] implements [`Transport`] with one decode-side
-//! [`nixl_sys::Agent`] (UCX backend, created by the caller in a locking
-//! thread-sync mode, which is the only kind `nixl_sys` makes):
+//! [`nixl_agent::Agent`] (UCX backend, created by the caller in a locking
+//! thread-sync mode, which is the only kind `nixl_agent` makes):
 //!
 //! - **notify** is `genNotif`, the raw C++ status kept: `REMOTE_DISCONNECT`
 //!   stays `REMOTE_DISCONNECT` (the released 1.5.x C API would have said
 //!   `BACKEND`);
 //! - **release** gives back an engine's [`RemoteDlists`] (one prepped
 //!   remote dlist handle per rank, `releasedDlistH`), then invalidates each
-//!   agent's remote metadata (`invalidateRemoteMD`), which with `nixl-sys`
+//!   agent's remote metadata (`invalidateRemoteMD`), which with `nixl-agent`
 //!   closes the agent's UCX endpoints at once, live peer or dead (NIXL
 //!   1.5.1 alone keeps a live peer's endpoint, socket and mappings until
-//!   the agent is destroyed: see `nixl_sys::endpoints`). Every step is
+//!   the agent is destroyed: see `nixl_agent::endpoints`). Every step is
 //!   attempted; `NOT_FOUND` (NIXL had already dropped it) is reported as
 //!   such and counts as done. After each successful invalidation a
 //!   [`ReleaseTarget::Endpoints`] step says what became of the endpoints
@@ -25,7 +25,7 @@
 //!
 //! # Progress
 //!
-//! `nixl_sys` agents run without NIXL's progress thread by default: UCX
+//! `nixl_agent` agents run without NIXL's progress thread by default: UCX
 //! moves only inside NIXL calls, and a dead peer is noticed on the next
 //! call that progresses the worker. A decode process should poll its agent
 //! (see [`NixlTransport::spawn_progress`]) or create it with a slow polling
@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use nixl_sys::{Agent, Connections, DlistHandle, EndpointCloses, NixlError, NixlStatus};
+use nixl_agent::{Agent, Connections, DlistHandle, EndpointCloses, NixlError, NixlStatus};
 
 use crate::telemetry;
 use crate::transport::{
@@ -154,7 +154,7 @@ impl NixlTransport {
     /// introspection: NIXL's loopback endpoint plus one per loaded remote
     /// agent when releases leave nothing behind. `None` when UCX's VFS is
     /// off (`UCX_VFS_ENABLE=n`).
-    pub fn ucx_endpoints(&self) -> Option<nixl_sys::UcxEndpoints> {
+    pub fn ucx_endpoints(&self) -> Option<nixl_agent::UcxEndpoints> {
         self.agent.ucx_endpoints()
     }
 
@@ -192,7 +192,7 @@ fn status_of(result: Result<(), NixlError>) -> NixlStatus {
     }
 }
 
-/// What `nixl-sys` saw of one invalidation's endpoint closes, in the
+/// What `nixl-agent` saw of one invalidation's endpoint closes, in the
 /// transport's terms: the one reading, for this transport and for
 /// bindings that invalidate through an agent of their own (the Python
 /// package).

@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use nixl_agent::{Agent, AgentConfig};
 use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::membership::{self, MembershipUpdate};
 use nixl_keepalive::text::Escaped;
@@ -32,7 +33,6 @@ use nixl_keepalive::transport::nixl::NixlTransport;
 use nixl_keepalive::ucx::settings::UcxSettings;
 use nixl_keepalive::{Config, Event, Keepalive, PeerAddr};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder, Direction};
-use nixl_sys::{Agent, AgentConfig};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -287,7 +287,7 @@ fn load_nixl(
     args: &DecodeArgs,
 ) -> Result<(Nixl, nixl_keepalive::transport::nixl::ProgressPoller), Refused> {
     super::init_tracing();
-    let rt = nixl_sys::Runtime::get().map_err(Refused::usage)?;
+    let rt = nixl_agent::Runtime::get().map_err(Refused::usage)?;
     // After NIXL is loaded, so UCX's settings are read from NIXL's own UCX.
     // A bad UCX_* value stops here too.
     let ucx_settings = UcxSettings::read().map_err(Refused::usage)?;

@@ -64,7 +64,7 @@ impl MemoryArg {
             MemoryArg::Dram => Ok(Memory::Dram),
             MemoryArg::Vram => {
                 let cuda =
-                    nixl_sys::cuda::Cuda::get().map_err(|e| format!("--memory vram: {e}"))?;
+                    nixl_agent::cuda::Cuda::get().map_err(|e| format!("--memory vram: {e}"))?;
                 if device >= cuda.device_count() {
                     return Err(format!(
                         "--memory vram: --cuda-device {device} does not exist ({} CUDA device(s) seen)",
@@ -288,7 +288,7 @@ fn serve_blocks(mut args: PrefillArgs, role: Role) -> ExitCode {
         }
     };
     super::init_tracing();
-    let rt = match nixl_sys::Runtime::get() {
+    let rt = match nixl_agent::Runtime::get() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: {e}");
@@ -315,7 +315,7 @@ fn serve_blocks(mut args: PrefillArgs, role: Role) -> ExitCode {
         config.connection_timeout = Duration::from_millis(args.owner.connection_timeout_ms);
         config.poll_interval = Duration::from_millis(args.owner.poll_ms);
         if let Some(us) = args.owner.progress_thread_us {
-            config.agent.progress_thread = nixl_sys::ProgressThread::Polling {
+            config.agent.progress_thread = nixl_agent::ProgressThread::Polling {
                 delay: Duration::from_micros(us),
             };
         }
@@ -344,7 +344,7 @@ fn serve_blocks(mut args: PrefillArgs, role: Role) -> ExitCode {
         );
         if let Memory::Vram { device } = memory {
             line.push_str(&format!(" device={device}"));
-            if let Ok(info) = nixl_sys::cuda::Cuda::get().and_then(|c| c.mem_info(device)) {
+            if let Ok(info) = nixl_agent::cuda::Cuda::get().and_then(|c| c.mem_info(device)) {
                 line.push_str(&format!(
                     " free_bytes={} total_bytes={}",
                     info.free, info.total

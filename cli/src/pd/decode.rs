@@ -40,8 +40,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nixl_sys::cuda::{CudaError, DeviceMemory, VramRegistration};
-use nixl_sys::{
+use nixl_agent::cuda::{CudaError, DeviceMemory, VramRegistration};
+use nixl_agent::{
     Agent, Desc, DlistHandle, DramRegistration, MemType, NixlError, NixlStatus, XferState,
 };
 use tokio::net::TcpStream;
@@ -711,7 +711,7 @@ impl RemoteEngine {
         // what NIXL said. Measured with NIXL 1.5.1: SUCCESS, and the READ's
         // `RD:` notification is never sent, but over TCP its bytes still
         // land when the prefill resumes: the slot stays lent.
-        let give_up = |req: nixl_sys::XferRequest| match req.release() {
+        let give_up = |req: nixl_agent::XferRequest| match req.release() {
             Ok(()) => NixlStatus::SUCCESS,
             Err(e) => e.status,
         };

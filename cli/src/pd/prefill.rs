@@ -40,8 +40,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nixl_sys::cuda::{CudaError, DeviceMemory, VramRegistration};
-use nixl_sys::{Agent, AgentConfig, DramRegistration, NixlError, Runtime};
+use nixl_agent::cuda::{CudaError, DeviceMemory, VramRegistration};
+use nixl_agent::{Agent, AgentConfig, DramRegistration, NixlError, Runtime};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -63,7 +63,7 @@ pub enum Memory {
     #[default]
     Dram,
     /// GPU memory of CUDA device `device` (`cuMemAlloc`, through
-    /// [`nixl_sys::cuda`]), registered as `VRAM_SEG` under that device id.
+    /// [`nixl_agent::cuda`]), registered as `VRAM_SEG` under that device id.
     Vram {
         /// The CUDA device ordinal.
         device: i32,

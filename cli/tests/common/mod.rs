@@ -24,10 +24,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use nixl_agent::{Agent, AgentConfig, Runtime};
 use nixl_keepalive::transport::nixl::{NixlTransport, ProgressPoller};
 use nixl_keepalive::{Config, Event, PeerAddr};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder};
-use nixl_sys::{Agent, AgentConfig, Runtime};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 

@@ -17,7 +17,7 @@ use crate::read_accounting::cell::tests::Collect;
 use crate::registration::{Departure, Incarnation};
 use crate::state::EngineState;
 use crate::transport::{ReleaseStep, ReleaseTarget, Transfers, TransportError};
-use nixl_sys::NixlStatus;
+use nixl_agent::NixlStatus;
 
 type Res = u32;
 

@@ -7,8 +7,8 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use nixl_sys::testing::runtime_or_skip;
-use nixl_sys::{Agent, AgentConfig, ApiKind, NixlStatus, Runtime, StatusSource, XferState};
+use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::{Agent, AgentConfig, ApiKind, NixlStatus, Runtime, StatusSource, XferState};
 
 const CHILD_ENV: &str = "NIXL_SYS_TEST_CHILD";
 
@@ -202,7 +202,7 @@ fn gen_notif_to_a_sigkilled_child_returns_raw_remote_disconnect() {
 fn with_a_progress_thread_gen_notif_to_a_sigkilled_child_returns_raw_remote_disconnect() {
     let Some(rt) = runtime_or_skip() else { return };
     let cfg = AgentConfig {
-        progress_thread: nixl_sys::ProgressThread::Polling {
+        progress_thread: nixl_agent::ProgressThread::Polling {
             delay: Duration::from_millis(1),
         },
         ..AgentConfig::default()
@@ -327,12 +327,12 @@ fn process_cpu() -> Duration {
 }
 
 /// Measures what each progress-thread setting costs an idle agent. Run by
-/// hand: `cargo test -p nixl-sys --test real_nixl -- --ignored --nocapture
+/// hand: `cargo test -p nixl-agent --test real_nixl -- --ignored --nocapture
 /// measure_progress_thread_cpu`.
 #[test]
 #[ignore = "measurement, run by hand"]
 fn measure_progress_thread_cpu() {
-    use nixl_sys::ProgressThread;
+    use nixl_agent::ProgressThread;
     let Some(rt) = runtime_or_skip() else { return };
     let settings = [
         ProgressThread::Off,
@@ -437,11 +437,11 @@ fn metadata_whose_agent_name_has_a_nul_is_refused_and_the_victim_is_untouched() 
     let e = decode.load_remote_metadata(&md).unwrap_err();
     assert!(e.is_refused_agent_name(), "{e}");
     match &e.refusal {
-        Some(nixl_sys::Refusal::AgentName { name, problem }) => {
+        Some(nixl_agent::Refusal::AgentName { name, problem }) => {
             assert_eq!(name, format!("{victim_name}\0zz").as_bytes());
             assert_eq!(
                 *problem,
-                nixl_sys::AgentNameProblem::Nul {
+                nixl_agent::AgentNameProblem::Nul {
                     at: victim_name.len()
                 }
             );

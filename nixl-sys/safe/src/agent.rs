@@ -24,11 +24,12 @@ use std::ffi::{c_int, c_void, CStr, CString};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use nixl_sys::{CapiAgentConfig, NixlStatus, Runtime};
+
+use crate::binding::{op, CapiGuard};
 use crate::endpoints::{EndpointCloses, UcxEndpoints};
-use crate::error::{check, check_agent_name, NixlError, WithDetail};
-use crate::runtime::{CapiAgentConfig, Raw, Runtime};
+use crate::error::{check_agent_name, NixlError, WithDetail};
 use crate::sockets::{self, Connections, Look, Recorded};
-use crate::status::NixlStatus;
 
 type P = *mut c_void;
 
@@ -222,14 +223,14 @@ impl AgentInner {
         // `guard` below, which destroys it once.
         let st = unsafe { (c.create_notif_map)(&mut map) };
         op("createNotifMap", rt.capi_status(st))?;
-        let guard = CapiGuard {
-            p: map,
-            destroy: c.destroy_notif_map,
-        };
+        // SAFETY: `map` is the live map just created (the status was
+        // checked), destroyed by `destroy_notif_map` and owned by nothing
+        // else.
+        let guard = unsafe { CapiGuard::adopt(map, c.destroy_notif_map) };
         // SAFETY: `self.capi` is live (this is a method of the agent, or
-        // its drop before the destroy), `guard.p` a live notification map,
+        // its drop before the destroy), `guard.ptr()` a live notification map,
         // and a null opt-args handle is allowed (no options).
-        let st = unsafe { (c.get_notifs)(self.capi, guard.p, std::ptr::null_mut()) };
+        let st = unsafe { (c.get_notifs)(self.capi, guard.ptr(), std::ptr::null_mut()) };
         op("getNotifs", rt.capi_status(st))?;
         Ok(guard)
     }
@@ -240,7 +241,7 @@ impl AgentInner {
         let c = rt.capi();
         let guard = self.take_notifs()?;
         let mut out = Vec::new();
-        // SAFETY: `guard.p` is a live map for the whole block (the guard
+        // SAFETY: `guard.ptr()` is a live map for the whole block (the guard
         // drops after it), and only valid out-pointers are passed. On
         // success `agent` is a non-null pointer to a key string of the map
         // (NUL-terminated), and `data` points to `len` bytes of a message
@@ -251,19 +252,19 @@ impl AgentInner {
             let mut n = 0usize;
             op(
                 "getNotifs",
-                rt.capi_status((c.notif_map_size)(guard.p, &mut n)),
+                rt.capi_status((c.notif_map_size)(guard.ptr(), &mut n)),
             )?;
             for i in 0..n {
                 let mut agent: *const std::ffi::c_char = std::ptr::null();
                 op(
                     "getNotifs",
-                    rt.capi_status((c.notif_map_get_agent_at)(guard.p, i, &mut agent)),
+                    rt.capi_status((c.notif_map_get_agent_at)(guard.ptr(), i, &mut agent)),
                 )?;
                 let name = CStr::from_ptr(agent).to_string_lossy().into_owned();
                 let mut m = 0usize;
                 op(
                     "getNotifs",
-                    rt.capi_status((c.notif_map_get_notifs_size)(guard.p, agent, &mut m)),
+                    rt.capi_status((c.notif_map_get_notifs_size)(guard.ptr(), agent, &mut m)),
                 )?;
                 for j in 0..m {
                     let mut data: *const c_void = std::ptr::null();
@@ -271,7 +272,11 @@ impl AgentInner {
                     op(
                         "getNotifs",
                         rt.capi_status((c.notif_map_get_notif)(
-                            guard.p, agent, j, &mut data, &mut len,
+                            guard.ptr(),
+                            agent,
+                            j,
+                            &mut data,
+                            &mut len,
                         )),
                     )?;
                     let message = if len == 0 {
@@ -397,10 +402,6 @@ impl AgentInner {
         }
         (shut, sockets::open_count(&Look::now(), &targets))
     }
-}
-
-fn op(operation: &'static str, raw: Raw) -> Result<NixlStatus, NixlError> {
-    check(operation, raw.0, raw.1)
 }
 
 /// Refuses a remote agent name NIXL would cut at a NUL byte (the V1 C API
@@ -671,11 +672,12 @@ impl Agent {
     ) -> Result<EndpointCloses, NixlError> {
         remote_name("invalidateRemoteMD", remote)?;
         let rt = self.inner.rt;
-        let (raw, mut closes) = rt.ep_close().forcing(
+        let (raw, counts) = rt.ep_close().forcing(
             // SAFETY: `self.inner.capi` is this agent's live handle, created
             // by `rt`; the closure runs at once, while `self` is borrowed.
             || unsafe { rt.invalidate_remote_md(self.inner.capi, remote.as_bytes()) },
         );
+        let mut closes = EndpointCloses::from_counts(counts);
         let result = op("invalidateRemoteMD", raw).detail(|| format!("agent {remote}"));
         // Invalidated, or unknown to NIXL (dropped by it already): the
         // agent is not loaded, its connections have no owner left.
@@ -786,22 +788,23 @@ impl Agent {
         // `nixl_capi_mem_type_t`; the new list is owned by `guard` below.
         let st = unsafe { (c.create_xfer_dlist)(mem.capi(), &mut dl) };
         op("prepXferDlist", rt.capi_status(st))?;
-        let guard = CapiGuard {
-            p: dl,
-            destroy: c.destroy_xfer_dlist,
-        };
+        // SAFETY: `dl` is the live xfer dlist just created (the status was
+        // checked), destroyed by `destroy_xfer_dlist` and owned by nothing
+        // else.
+        let guard = unsafe { CapiGuard::adopt(dl, c.destroy_xfer_dlist) };
         for d in descs {
-            // SAFETY: `guard.p` is the live xfer dlist created above; the
+            // SAFETY: `guard.ptr()` is the live xfer dlist created above; the
             // descriptor is passed by value (NIXL only records the range).
-            let st = unsafe { (c.xfer_dlist_add_desc)(guard.p, d.addr as usize, d.len, d.dev_id) };
+            let st =
+                unsafe { (c.xfer_dlist_add_desc)(guard.ptr(), d.addr as usize, d.len, d.dev_id) };
             op("prepXferDlist", rt.capi_status(st))?;
         }
         // SAFETY: `self.inner.capi` is this agent's live handle, created by
-        // `rt`, and `guard.p` a live xfer dlist of `rt` for the whole call.
+        // `rt`, and `guard.ptr()` a live xfer dlist of `rt` for the whole call.
         // NIXL copies the descriptors, so the dlist may go when this
         // returns.
         let (raw, handle) =
-            unsafe { rt.prep_dlist(self.inner.capi, remote.map(str::as_bytes), guard.p) };
+            unsafe { rt.prep_dlist(self.inner.capi, remote.map(str::as_bytes), guard.ptr()) };
         op("prepXferDlist", raw).detail(|| match remote {
             Some(r) => format!("remote agent {r}"),
             None => "local".into(),
@@ -863,32 +866,30 @@ impl Agent {
         let mut opt: Option<CapiGuard> = None;
         if let Some(msg) = notif {
             let mut p: P = std::ptr::null_mut();
-            // SAFETY: `p` is a valid out-pointer; once created, the opt-args
-            // handle is owned by `g` (destroyed once, on drop) and live for
-            // the two setters. `msg` is valid for `msg.len()` bytes during
+            // SAFETY: `p` is a valid out-pointer; once created (the status
+            // checked), the opt-args handle is adopted by `g`, its only
+            // owner, with its `destroy_opt_args` (destroyed once, on drop),
+            // and is live for the two setters. `msg` is valid for `msg.len()` bytes during
             // the call; NIXL copies it into its `std::string`.
             unsafe {
                 op("makeXferReq", rt.capi_status((c.create_opt_args)(&mut p)))?;
-                let g = CapiGuard {
-                    p,
-                    destroy: c.destroy_opt_args,
-                };
+                let g = CapiGuard::adopt(p, c.destroy_opt_args);
                 op(
                     "makeXferReq",
                     rt.capi_status((c.opt_args_set_notif_msg)(
-                        g.p,
+                        g.ptr(),
                         msg.as_ptr().cast(),
                         msg.len(),
                     )),
                 )?;
                 op(
                     "makeXferReq",
-                    rt.capi_status((c.opt_args_set_has_notif)(g.p, true)),
+                    rt.capi_status((c.opt_args_set_has_notif)(g.ptr(), true)),
                 )?;
                 opt = Some(g);
             }
         }
-        let opt_ptr = opt.as_ref().map_or(std::ptr::null_mut(), |g| g.p);
+        let opt_ptr = opt.as_ref().map_or(std::ptr::null_mut(), |g| g.ptr());
         // SAFETY: `self.inner.capi` is this agent's live handle. Both dlist
         // handles are live and unreleased for the request's whole life: it
         // keeps their `Arc`s, and a `DlistInner` releases its handle only
@@ -943,31 +944,6 @@ impl XferOp {
         }
     }
 }
-
-/// Destroys a C API object on drop.
-struct CapiGuard {
-    p: P,
-    destroy: unsafe extern "C" fn(P) -> c_int,
-}
-
-impl Drop for CapiGuard {
-    fn drop(&mut self) {
-        // SAFETY: every `CapiGuard` is built right after a successful
-        // `create_*` call with the matching `destroy_*` (notif map, xfer
-        // dlist, opt args), so `p` is a live object of the kind `destroy`
-        // expects; the guard owns it alone, and this drop is its last use.
-        unsafe { (self.destroy)(self.p) };
-    }
-}
-
-// SAFETY: the guarded objects (opt args, xfer dlists, notification maps) are
-// plain heap data of the C API, tied to no thread, and owned by the guard
-// alone; destroying one from another thread is fine.
-unsafe impl Send for CapiGuard {}
-// SAFETY: a `&CapiGuard` gives only the pointer's value: no `&self` method
-// calls into NIXL (the object is read by NIXL only in calls made by its
-// owner, and destroyed through `&mut self` in `drop`).
-unsafe impl Sync for CapiGuard {}
 
 /// DRAM owned by this crate and registered with an agent. Deregistered,
 /// then freed, on drop.

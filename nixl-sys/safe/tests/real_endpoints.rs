@@ -22,8 +22,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use nixl_sys::testing::runtime_or_skip;
-use nixl_sys::{Agent, AgentConfig, EndpointCloseMode, NixlStatus, Runtime};
+use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::{Agent, AgentConfig, EndpointCloseMode, NixlStatus, Runtime};
 
 /// Which child this process is.
 const ROLE_ENV: &str = "NIXL_SYS_ENDPOINTS_ROLE";
@@ -498,7 +498,7 @@ fn nixls_own_close_mode_keeps_every_live_peers_endpoint_and_its_connection() {
     let rounds = 20;
     let r = run(
         rounds,
-        &[(nixl_sys::endpoints::EP_CLOSE_ENV, "nixl".to_string())],
+        &[(nixl_agent::endpoints::EP_CLOSE_ENV, "nixl".to_string())],
         "NKS_END ",
     );
     eprintln!("MEASURED NIXL's own close mode: {}", r.raw_end);
@@ -544,7 +544,7 @@ fn a_bad_endpoint_close_setting_stops_loading_and_says_what_is_accepted() {
             "--test-threads=1",
         ])
         .env(ROLE_ENV, "peer")
-        .env(nixl_sys::endpoints::EP_CLOSE_ENV, "forced")
+        .env(nixl_agent::endpoints::EP_CLOSE_ENV, "forced")
         .output()
         .expect("run child");
     let text =
@@ -602,6 +602,6 @@ fn the_close_mode_is_force_only_where_nixls_plugin_really_calls_the_interposer()
     // check sees it, and nothing claims a forced close.
     let (_, deep) = mode_in_child(&[("NIXL_UCX_DEEPBIND", "1")]);
     assert!(deep.starts_with("Unavailable"), "{deep}");
-    let (_, nixl) = mode_in_child(&[(nixl_sys::endpoints::EP_CLOSE_ENV, "nixl")]);
+    let (_, nixl) = mode_in_child(&[(nixl_agent::endpoints::EP_CLOSE_ENV, "nixl")]);
     assert_eq!(nixl, "Nixl");
 }
