@@ -44,15 +44,6 @@ pub(crate) const RELEASES: &str = "nixl_keepalive_releases_total";
 /// Release steps that failed with something other than NOT_FOUND, by
 /// `status`.
 pub(crate) const RELEASE_STEPS_FAILED: &str = "nixl_keepalive_release_steps_failed_total";
-/// UCX endpoints of released agents, by `outcome`: `closed` (destroyed at
-/// once), `left_open` (kept by UCX, with their sockets and mappings, until
-/// the decode's agent is destroyed), `not_observed` (one per agent whose
-/// endpoint closes the transport cannot see: NIXL's own close mode).
-pub(crate) const RELEASE_ENDPOINTS: &str = "nixl_keepalive_release_endpoints_total";
-/// UCP endpoints the decode agent's UCX workers hold, from UCX's own
-/// introspection (its VFS tree), read after each release: NIXL's loopback
-/// endpoint plus one per loaded remote agent when nothing is left behind.
-pub(crate) const UCX_ENDPOINTS: &str = "nixl_keepalive_ucx_endpoints";
 /// Seconds from an engine being marked (detection) to its release.
 pub(crate) const DETECTION_TO_RELEASE: &str = "nixl_keepalive_detection_to_release_seconds";
 /// Reads in flight over all engines.
@@ -85,29 +76,6 @@ pub(crate) fn transport_calls_hung(now: usize) {
 
 pub(crate) fn transport_calls_hung_counted(newly: u64) {
     counter!(TRANSPORT_CALLS_HUNG_TOTAL).increment(newly);
-}
-
-/// What one agent's invalidation did to its endpoints.
-pub(crate) fn release_endpoints(close: &crate::transport::EndpointClose) {
-    use crate::transport::EndpointClose;
-    let count = |outcome: &'static str, n: u32| {
-        if n > 0 {
-            counter!(RELEASE_ENDPOINTS, "outcome" => outcome).increment(u64::from(n));
-        }
-    };
-    match *close {
-        EndpointClose::Closed { endpoints } => count("closed", endpoints),
-        EndpointClose::LeftOpen { closed, left_open } => {
-            count("closed", closed);
-            count("left_open", left_open);
-        }
-        EndpointClose::NoneClosed => {}
-        EndpointClose::NotObserved => count("not_observed", 1),
-    }
-}
-
-pub(crate) fn ucx_endpoints(open: usize) {
-    gauge!(UCX_ENDPOINTS).set(open as f64);
 }
 
 pub(crate) fn detection_bound(

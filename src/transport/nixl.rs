@@ -38,7 +38,6 @@ use std::time::Duration;
 
 use nixl_agent::{Agent, Connections, DlistHandle, EndpointCloses, NixlError, NixlStatus};
 
-use crate::telemetry;
 use crate::transport::{
     AgentName, EndpointClose, EngineId, ReleaseStep, ReleaseTarget, Transfers, Transport,
     TransportError,
@@ -276,7 +275,7 @@ impl Transport for NixlTransport {
             {
                 Ok(closes) => {
                     let close = EndpointClose::from(closes);
-                    telemetry::release_endpoints(&close);
+                    record_release_endpoints(&close);
                     if let EndpointClose::LeftOpen { left_open, .. } = close {
                         tracing::warn!(%engine, %agent, left_open, "UCX endpoints of a released agent left open: they keep their sockets and mappings until this agent is destroyed");
                     }
@@ -300,9 +299,45 @@ impl Transport for NixlTransport {
         }
         let open = self.agent.ucx_endpoints().map(|u| u.endpoints.len());
         if let Some(open) = open {
-            telemetry::ucx_endpoints(open);
+            record_ucx_endpoints(open);
         }
         tracing::debug!(%engine, ?steps, ucx_endpoints = ?open, transfers = transfers.as_str(), "NIXL state released");
         steps
     }
+}
+
+// The transport's own metrics: recorded here, where the endpoints are
+// seen, so the transport imports nothing of the service's telemetry (which
+// records the core's counts: a transport that imported it would close a
+// loop core -> transport -> telemetry -> core).
+
+/// UCX endpoints of released agents, by `outcome`: `closed` (destroyed at
+/// once), `left_open` (kept by UCX, with their sockets and mappings, until
+/// the decode's agent is destroyed), `not_observed` (one per agent whose
+/// endpoint closes the transport cannot see: NIXL's own close mode).
+const RELEASE_ENDPOINTS: &str = "nixl_keepalive_release_endpoints_total";
+/// UCP endpoints the decode agent's UCX workers hold, from UCX's own
+/// introspection (its VFS tree), read after each release: NIXL's loopback
+/// endpoint plus one per loaded remote agent when nothing is left behind.
+const UCX_ENDPOINTS: &str = "nixl_keepalive_ucx_endpoints";
+/// What one agent's invalidation did to its endpoints.
+fn record_release_endpoints(close: &EndpointClose) {
+    let count = |outcome: &'static str, n: u32| {
+        if n > 0 {
+            metrics::counter!(RELEASE_ENDPOINTS, "outcome" => outcome).increment(u64::from(n));
+        }
+    };
+    match *close {
+        EndpointClose::Closed { endpoints } => count("closed", endpoints),
+        EndpointClose::LeftOpen { closed, left_open } => {
+            count("closed", closed);
+            count("left_open", left_open);
+        }
+        EndpointClose::NoneClosed => {}
+        EndpointClose::NotObserved => count("not_observed", 1),
+    }
+}
+
+fn record_ucx_endpoints(open: usize) {
+    metrics::gauge!(UCX_ENDPOINTS).set(open as f64);
 }
