@@ -36,7 +36,7 @@ impl<R> Core<R> {
         request: RequestId,
         claim: Claim,
     ) {
-        if self.stopping.is_some() {
+        if self.releases.is_stopping() {
             self.answer(
                 request,
                 Answer::ClaimRefused(ClaimRefused::Stopped(crate::error::ServiceStopped)),

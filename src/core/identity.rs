@@ -247,7 +247,7 @@ impl<R> Core<R> {
             }
         }
         self.activate(now, request, registration, cell);
-        if self.stopping.is_some() {
+        if self.releases.is_stopping() {
             // Loaded under a granted claim while the service stopped: the
             // service owns it now and gives it back like every other.
             self.mark(now, serial, ReleaseReason::Shutdown);
@@ -263,7 +263,7 @@ impl<R> Core<R> {
         registration: Registration<R>,
         cell: Arc<EngineCell>,
     ) {
-        if self.stopping.is_some() {
+        if self.releases.is_stopping() {
             self.answer(
                 request,
                 Answer::Refused(RegisterError::Stopped(registration)),

@@ -83,6 +83,7 @@ use crate::transport::{AgentName, EngineId, PeerAddr};
 use identity::{Holder, Ticket};
 use peer::PeerTable;
 use rate::RateCap;
+use release::Releases;
 use schedule::Schedule;
 use timers::{Timer, TimerTable};
 
@@ -217,15 +218,6 @@ pub(crate) enum Action<R> {
     Emit(Event),
 }
 
-/// Where a shutdown stands (its deadline is [`Timer::Drain`]).
-struct Stopping {
-    /// Past this, reads still in flight (and releases still running) are no
-    /// longer waited for.
-    deadline: Instant,
-    /// The deadline has been served by [`Core::handle_timeout`].
-    expired: bool,
-}
-
 /// The core: the peer table, the handshakes, the timers.
 pub(crate) struct Core<R> {
     config: Config,
@@ -269,11 +261,8 @@ pub(crate) struct Core<R> {
     /// A decoder-wide stall (suspects, but no engine completing) is going
     /// on and has been warned about: once per episode.
     decoder_stuck: bool,
-    /// The transport's release ends the transfers still running to the
-    /// engine ([`crate::Transport::release_ends_transfers`]).
-    release_ends_transfers: bool,
-    releases_in_flight: usize,
-    stopping: Option<Stopping>,
+    /// Releases in flight and the shutdown (`release.rs`).
+    releases: Releases,
     /// Lines about transient errors: one per registration, status and
     /// source per period.
     transient_log: LogLimiter<(RegistrationId, i32, Source)>,
@@ -315,7 +304,6 @@ impl<R> Core<R> {
             },
             summed: count::Summed::default(),
             decoder_stuck: false,
-            release_ends_transfers: false,
             config,
             peers: PeerTable::default(),
             by_id: Map::default(),
@@ -333,8 +321,7 @@ impl<R> Core<R> {
             actions: VecDeque::new(),
             calls: Vec::new(),
             silent_peer_note: "UCX settings not given to the service".to_string(),
-            releases_in_flight: 0,
-            stopping: None,
+            releases: Releases::default(),
             transient_log: LogLimiter::standard(),
         }
     }
@@ -343,7 +330,7 @@ impl<R> Core<R> {
     /// an engine: decides what a given-up read's destination becomes
     /// ([`crate::Destination`]).
     pub(crate) fn set_release_ends_transfers(&mut self, ends: bool) {
-        self.release_ends_transfers = ends;
+        self.releases.set_ends_transfers(ends);
     }
 
     /// Sets the note a live engine's snapshot carries about silent peers.
@@ -376,25 +363,14 @@ impl<R> Core<R> {
     /// Whether a shutdown has begun and nothing is left to wait for at
     /// `now`: the driver may stop and hand back what is left.
     pub(crate) fn is_stopped(&self, now: Instant) -> bool {
-        match &self.stopping {
-            None => false,
-            Some(s) => s.expired || now >= s.deadline || self.is_stopped_before_deadline(),
-        }
-    }
-
-    /// Nothing left to wait for: no release running, and every registration
-    /// released.
-    fn is_stopped_before_deadline(&self) -> bool {
-        self.stopping.is_some() && self.releases_in_flight == 0 && self.peers.is_empty()
+        self.releases.is_stopped(now, self.peers.is_empty())
     }
 
     /// Time has passed: serves every timer due at `now`.
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
         if self.timers.is_expired(Timer::Drain, now) {
             self.timers.stop(Timer::Drain);
-            if let Some(stopping) = self.stopping.as_mut() {
-                stopping.expired = true;
-            }
+            self.releases.deadline_passed();
             tracing::warn!("shutdown drain deadline passed: what still has reads in flight is handed back unreleased");
         }
         while let Some((slot, keys)) = self.schedule.pop_due(now) {
