@@ -353,7 +353,7 @@ impl<R> Core<R> {
         if let Some(interval) = self.config.heartbeat_interval {
             // Spread first heartbeats over one interval: engines registered
             // together must not all beat together.
-            let offset = interval.mul_f64(rand::Rng::random::<f64>(&mut self.rng));
+            let offset = self.heartbeats.first_offset(interval);
             self.schedule_heartbeat(serial, now + offset, super::heartbeat::Deadline::Near);
         }
         // In the directory first, then the event, then the caller's answer:

@@ -69,6 +69,7 @@ pub(crate) use calls::{Call, CallOutcome, HeartbeatMessages, Panicked, RoundResu
 pub(crate) use classify::{classify, Verdict};
 pub(crate) use count::Count;
 pub use heartbeat::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
+#[cfg(test)]
 pub(crate) use key::PeerKey;
 pub use schedule::HEARTBEAT_SLOT;
 use stall::stall_check_period;
@@ -80,11 +81,10 @@ use crate::log_limit::LogLimiter;
 use crate::read_accounting::cell::{EngineCell, Wake};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::transport::{AgentName, EngineId, PeerAddr};
+use heartbeat::Heartbeats;
 use identity::{Holder, Ticket};
 use peer::PeerTable;
-use rate::RateCap;
 use release::Releases;
-use schedule::Schedule;
 use timers::{Timer, TimerTable};
 
 /// The core's maps: keyed by registration serials, ticket numbers and names
@@ -244,9 +244,9 @@ pub(crate) struct Core<R> {
     conflict_lines: Map<(&'static str, EngineId), u64>,
     /// The newest handshake started so far.
     newest_ticket: TicketId,
-    schedule: Schedule<PeerKey>,
-    rate: RateCap,
-    rng: StdRng,
+    /// The heartbeat schedule, the rate cap, the jitter's randomness and
+    /// the summed counts (`heartbeat.rs`).
+    heartbeats: Heartbeats,
     actions: VecDeque<Action<R>>,
     /// Transport calls decided and not yet taken, in order: kept apart from
     /// the other actions so that a slot's rounds go to the offload queue as
@@ -256,8 +256,6 @@ pub(crate) struct Core<R> {
     silent_peer_note: String,
     /// Every timer but the heartbeat schedule.
     timers: TimerTable,
-    /// Per-heartbeat counts, handed out summed.
-    summed: count::Summed,
     /// A decoder-wide stall (suspects, but no engine completing) is going
     /// on and has been warned about: once per episode.
     decoder_stuck: bool,
@@ -291,8 +289,7 @@ impl<R> Core<R> {
     /// from `rng`.
     pub(crate) fn new(config: Config, now: Instant, rng: StdRng) -> Self {
         Core {
-            rate: RateCap::new(&config, now),
-            schedule: Schedule::new(now, schedule::slot_for(config.heartbeat_interval)),
+            heartbeats: Heartbeats::new(&config, now, rng),
             timers: {
                 let mut timers = TimerTable::default();
                 timers.set_or_stop(Timer::Census, config.metrics_period.map(|p| now + p));
@@ -302,7 +299,6 @@ impl<R> Core<R> {
                 );
                 timers
             },
-            summed: count::Summed::default(),
             decoder_stuck: false,
             config,
             peers: PeerTable::default(),
@@ -317,7 +313,6 @@ impl<R> Core<R> {
             conflicts: Map::default(),
             conflict_lines: Map::default(),
             newest_ticket: TicketId(0),
-            rng,
             actions: VecDeque::new(),
             calls: Vec::new(),
             silent_peer_note: "UCX settings not given to the service".to_string(),
@@ -342,7 +337,7 @@ impl<R> Core<R> {
     pub(crate) fn poll_action(&mut self) -> Option<Action<R>> {
         self.actions
             .pop_front()
-            .or_else(|| self.summed.take().map(Action::Count))
+            .or_else(|| self.heartbeats.take_count().map(Action::Count))
     }
 
     /// The transport calls decided since the last take, in order, to be
@@ -354,7 +349,7 @@ impl<R> Core<R> {
 
     /// When the core next needs [`Core::handle_timeout`].
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        [self.schedule.next(), self.timers.next()]
+        [self.heartbeats.next(), self.timers.next()]
             .into_iter()
             .flatten()
             .min()
@@ -373,7 +368,7 @@ impl<R> Core<R> {
             self.releases.deadline_passed();
             tracing::warn!("shutdown drain deadline passed: what still has reads in flight is handed back unreleased");
         }
-        while let Some((slot, keys)) = self.schedule.pop_due(now) {
+        while let Some((slot, keys)) = self.heartbeats.pop_due(now) {
             for &key in &keys {
                 self.peers.warm(key);
             }
@@ -386,7 +381,7 @@ impl<R> Core<R> {
                     self.heartbeat_due(now, key, slot);
                 }
             }
-            self.schedule.recycle(keys);
+            self.heartbeats.recycle(keys);
         }
         if let Some(bound) = self.config.read_stall {
             let marking = self.timers.is_expired(Timer::StallMark, now);

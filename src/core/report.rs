@@ -45,7 +45,7 @@ impl<R> Core<R> {
             waiting_for_reload: waiting,
             silent_peer_note: self.silent_peer_note.clone(),
             limiter_keys: self.peers.values().filter(|p| p.rate.is_some()).count(),
-            heartbeat_timers: self.schedule.len(),
+            heartbeat_timers: self.heartbeats.scheduled(),
             // Filled in by the driver, which holds them.
             detection_bound: None,
             transport: Default::default(),
