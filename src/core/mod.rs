@@ -72,7 +72,7 @@ pub use heartbeat::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
 #[cfg(test)]
 pub(crate) use key::PeerKey;
 pub use schedule::HEARTBEAT_SLOT;
-use stall::stall_check_period;
+use stall::{stall_check_period, StallWatch};
 
 use crate::config::Config;
 use crate::error::{ClaimRefused, Conflict, RegisterError};
@@ -256,9 +256,8 @@ pub(crate) struct Core<R> {
     silent_peer_note: String,
     /// Every timer but the heartbeat schedule.
     timers: TimerTable,
-    /// A decoder-wide stall (suspects, but no engine completing) is going
-    /// on and has been warned about: once per episode.
-    decoder_stuck: bool,
+    /// The stall rule's judge and its episodes (`stall.rs`).
+    stalls: StallWatch,
     /// Releases in flight and the shutdown (`release.rs`).
     releases: Releases,
     /// Lines about transient errors: one per registration, status and
@@ -299,7 +298,7 @@ impl<R> Core<R> {
                 );
                 timers
             },
-            decoder_stuck: false,
+            stalls: StallWatch::default(),
             config,
             peers: PeerTable::default(),
             by_id: Map::default(),
