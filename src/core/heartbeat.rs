@@ -205,7 +205,7 @@ impl Heartbeats {
 
 impl<R> Core<R> {
     pub(super) fn live_serial(&self, id: &EngineId) -> Option<RegistrationId> {
-        let serial = *self.by_id.get(id)?;
+        let serial = self.directory.serial_of(id)?;
         self.peers
             .get(&serial)
             .filter(|p| p.is_live())
@@ -231,7 +231,7 @@ impl<R> Core<R> {
     }
 
     pub(super) fn remove_leases(&mut self, id: &EngineId, requests: &[String]) {
-        if let Some(peer) = self.by_id.get(id).and_then(|s| self.peers.get_mut(s)) {
+        if let Some(peer) = (self.directory.serial_of(id)).and_then(|s| self.peers.get_mut(&s)) {
             peer.leases.remove(requests);
         }
     }

@@ -43,6 +43,7 @@
 mod calls;
 mod classify;
 mod count;
+mod directory;
 mod handshake;
 mod heartbeat;
 mod identity;
@@ -59,7 +60,7 @@ mod tests;
 mod timers;
 
 use crate::registration::RegistrationId;
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use rand::rngs::StdRng;
@@ -81,8 +82,9 @@ use crate::log_limit::LogLimiter;
 use crate::read_accounting::cell::{EngineCell, Wake};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::transport::{AgentName, EngineId, PeerAddr};
+use directory::Directory;
 use heartbeat::Heartbeats;
-use identity::{Holder, Ticket};
+use identity::ConflictLog;
 use peer::PeerTable;
 use release::Releases;
 use timers::{Timer, TimerTable};
@@ -92,8 +94,9 @@ use timers::{Timer, TimerTable};
 /// service's CPU at 10k engines).
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
-/// A handshake, as the core knows it: unique per process.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// A handshake, as the core knows it: unique per process (the default,
+/// 0, is older than any).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct TicketId(pub(crate) u64);
 
 /// A question the runtime waits on (a claim, a registration): the driver
@@ -222,28 +225,11 @@ pub(crate) enum Action<R> {
 pub(crate) struct Core<R> {
     config: Config,
     peers: PeerTable<R>,
-    /// The registration each engine id holds now (at most one).
-    by_id: Map<EngineId, RegistrationId>,
-    /// The registration each address maps to now.
-    by_addr: Map<PeerAddr, RegistrationId>,
-    /// Who holds each agent name: a registration or a granted load.
-    agents: Map<AgentName, Holder>,
-    tickets: Map<TicketId, Ticket>,
-    /// Handshakes in progress per address.
-    handshakes: Map<PeerAddr, usize>,
-    /// Marked registrations whose release waits for a handshake at their
-    /// address.
-    held_by_handshake: Map<PeerAddr, BTreeSet<RegistrationId>>,
-    /// The one granted load of each engine id.
-    loads: Map<EngineId, TicketId>,
-    /// Claims waiting for an engine id, in arrival order.
-    waiting: Map<EngineId, VecDeque<TicketId>>,
-    /// Conflicts seen, and how often: each is logged once.
-    conflicts: Map<Conflict, u64>,
-    /// Distinct conflicts per (kind, engine), for the WARN lines.
-    conflict_lines: Map<(&'static str, EngineId), u64>,
-    /// The newest handshake started so far.
-    newest_ticket: TicketId,
+    /// Which registration each engine id, address and agent name maps
+    /// to, and the handshakes in progress (`directory.rs`).
+    directory: Directory,
+    /// The conflicts seen, so that each is news once (`identity.rs`).
+    conflicts: ConflictLog,
     /// The heartbeat schedule, the rate cap, the jitter's randomness and
     /// the summed counts (`heartbeat.rs`).
     heartbeats: Heartbeats,
@@ -270,18 +256,14 @@ impl<R> Core<R> {
     /// capacity), by name: what the tables keep after departures.
     #[cfg(test)]
     pub(crate) fn footprint(&self) -> Vec<(&'static str, usize)> {
-        vec![
+        let peers = [
             ("peers", self.peers.capacity()),
             ("peers.index", self.peers.index_capacity()),
-            ("by_id", self.by_id.capacity()),
-            ("by_addr", self.by_addr.capacity()),
-            ("agents", self.agents.capacity()),
-            ("tickets", self.tickets.capacity()),
-            ("handshakes", self.handshakes.capacity()),
-            ("held_by_handshake", self.held_by_handshake.capacity()),
-            ("loads", self.loads.capacity()),
-            ("waiting", self.waiting.capacity()),
-        ]
+        ];
+        peers
+            .into_iter()
+            .chain(self.directory.footprint())
+            .collect()
     }
 
     /// A core with `config`, its clock starting at `now`, drawing jitter
@@ -301,17 +283,8 @@ impl<R> Core<R> {
             stalls: StallWatch::default(),
             config,
             peers: PeerTable::default(),
-            by_id: Map::default(),
-            by_addr: Map::default(),
-            agents: Map::default(),
-            tickets: Map::default(),
-            handshakes: Map::default(),
-            held_by_handshake: Map::default(),
-            loads: Map::default(),
-            waiting: Map::default(),
-            conflicts: Map::default(),
-            conflict_lines: Map::default(),
-            newest_ticket: TicketId(0),
+            directory: Directory::default(),
+            conflicts: ConflictLog::default(),
             actions: VecDeque::new(),
             calls: Vec::new(),
             silent_peer_note: "UCX settings not given to the service".to_string(),

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::peer::Mark;
 use super::timers::Timer;
-use super::{identity, Action, Answer, Call, Core, Count, Panicked, TicketId};
+use super::{Action, Answer, Call, Core, Count, Panicked};
 use crate::error::ClaimRefused;
 use crate::event::{Event, ReleaseReason, WaitedFor};
 use crate::read_accounting::cell::EngineCell;
@@ -129,7 +129,7 @@ impl<R> Core<R> {
         if !peer.is_live() {
             return;
         }
-        let handshakes_before = self.open_handshakes_at(&peer.address);
+        let handshakes_before = self.directory.open_at(&peer.address);
         let peer = self.peers.get_mut(&serial).expect("checked");
         let state = match reason {
             ReleaseReason::Unreachable | ReleaseReason::MetadataLost => EngineState::Unreachable,
@@ -157,21 +157,6 @@ impl<R> Core<R> {
             self.fail_reads(serial);
         }
         self.try_release(now, serial);
-    }
-
-    /// The handshakes open at `address` now, in ticket order.
-    fn open_handshakes_at(&self, address: &crate::transport::PeerAddr) -> Vec<TicketId> {
-        if !self.handshakes.contains_key(address) {
-            return Vec::new();
-        }
-        let mut open: Vec<TicketId> = self
-            .tickets
-            .iter()
-            .filter(|(_, t)| t.address == *address)
-            .map(|(&id, _)| id)
-            .collect();
-        open.sort_unstable();
-        open
     }
 
     pub(super) fn fail_reads(&mut self, serial: RegistrationId) {
@@ -225,16 +210,13 @@ impl<R> Core<R> {
             && mark
                 .handshakes_before
                 .iter()
-                .any(|t| self.tickets.contains_key(t))
+                .any(|&t| self.directory.is_open(t))
             && !self.reload_wanted(peer.id());
         if held {
             let address = peer.address.clone();
             let peer = self.peers.get_mut(&serial).expect("checked");
             peer.mark.as_mut().expect("checked").held_by_handshake = true;
-            self.held_by_handshake
-                .entry(address)
-                .or_default()
-                .insert(serial);
+            self.directory.hold(&address, serial);
             return;
         }
         if peer.cell.try_release().is_err() {
@@ -339,23 +321,14 @@ impl<R> Core<R> {
         tracing::info!(drain = ?self.config.shutdown_drain, "stopping: marking every engine; each is released as its reads end");
         // Claims waiting for an engine id are refused; granted loads may
         // still register (the service then releases them like the rest).
-        let mut waiting: Vec<TicketId> = std::mem::take(&mut self.waiting)
-            .into_values()
-            .flatten()
-            .collect();
-        waiting.sort_unstable();
-        for ticket in waiting {
-            if let Some(t) = self.tickets.get_mut(&ticket) {
-                if let identity::Stage::Waiting { request, .. } =
-                    std::mem::replace(&mut t.stage, identity::Stage::Answered)
-                {
-                    self.actions.push_back(Action::Answer {
-                        request,
-                        answer: Answer::ClaimRefused(ClaimRefused::Stopped(
-                            crate::error::ServiceStopped,
-                        )),
-                    });
-                }
+        for ticket in self.directory.take_waiting() {
+            if let Some((_, request)) = self.directory.take_waiting_claim(ticket) {
+                self.actions.push_back(Action::Answer {
+                    request,
+                    answer: Answer::ClaimRefused(ClaimRefused::Stopped(
+                        crate::error::ServiceStopped,
+                    )),
+                });
             }
         }
         let mut serials: Vec<RegistrationId> = self.peers.keys().copied().collect();
@@ -365,7 +338,7 @@ impl<R> Core<R> {
             // Marked earlier and held by a handshake: not any more.
             self.try_release(now, serial);
         }
-        self.held_by_handshake.clear();
+        self.directory.clear_holds();
     }
 
     /// What a shutdown could not release: registrations still held, each
