@@ -221,10 +221,26 @@ pub(crate) enum Action<R> {
     Emit(Event),
 }
 
-/// The core: the peer table, the handshakes, the timers.
+/// The core. It keeps what every rule shares (the config, the peer
+/// table, the decisions not yet taken, the timers, the transient-error
+/// limiter, the silent-peer note) and composes one type per rule's own
+/// state, each with its fields private to the rule's file: a rule's file
+/// shows everything it may touch, and each type is tested alone.
 pub(crate) struct Core<R> {
     config: Config,
     peers: PeerTable<R>,
+    actions: VecDeque<Action<R>>,
+    /// Transport calls decided and not yet taken, in order: kept apart from
+    /// the other actions so that a slot's rounds go to the offload queue as
+    /// one vector, moved rather than copied call by call.
+    calls: Vec<Call<R>>,
+    /// Every timer but the heartbeat schedule.
+    timers: TimerTable,
+    /// Lines about transient errors: one per registration, status and
+    /// source per period.
+    transient_log: LogLimiter<(RegistrationId, i32, Source)>,
+    /// Appended to a live engine's "why not released" (the snapshot's).
+    silent_peer_note: String,
     /// Which registration each engine id, address and agent name maps
     /// to, and the handshakes in progress (`directory.rs`).
     directory: Directory,
@@ -233,22 +249,10 @@ pub(crate) struct Core<R> {
     /// The heartbeat schedule, the rate cap, the jitter's randomness and
     /// the summed counts (`heartbeat.rs`).
     heartbeats: Heartbeats,
-    actions: VecDeque<Action<R>>,
-    /// Transport calls decided and not yet taken, in order: kept apart from
-    /// the other actions so that a slot's rounds go to the offload queue as
-    /// one vector, moved rather than copied call by call.
-    calls: Vec<Call<R>>,
-    /// Appended to a live engine's "why not released".
-    silent_peer_note: String,
-    /// Every timer but the heartbeat schedule.
-    timers: TimerTable,
     /// The stall rule's judge and its episodes (`stall.rs`).
     stalls: StallWatch,
     /// Releases in flight and the shutdown (`release.rs`).
     releases: Releases,
-    /// Lines about transient errors: one per registration, status and
-    /// source per period.
-    transient_log: LogLimiter<(RegistrationId, i32, Source)>,
 }
 
 impl<R> Core<R> {
