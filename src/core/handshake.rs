@@ -4,11 +4,10 @@
 //! what a handshake that ends leaves to judge again (the releases its
 //! address held back).
 
-use std::collections::VecDeque;
-
 use std::time::Instant;
 
-use super::identity::{malformed, Holder, Judged, Stage, Ticket};
+use super::directory::{Stage, Ticket};
+use super::identity::{malformed, Judged};
 use super::{Answer, Core, RequestId, TicketId};
 use crate::error::{ClaimRefused, Conflict};
 use crate::event::ReleaseReason;
@@ -17,15 +16,7 @@ use crate::transport::{AgentName, EngineId, PeerAddr};
 
 impl<R> Core<R> {
     pub(super) fn handshake_started(&mut self, ticket: TicketId, address: PeerAddr) {
-        self.newest_ticket = self.newest_ticket.max(ticket);
-        *self.handshakes.entry(address.clone()).or_default() += 1;
-        self.tickets.insert(
-            ticket,
-            Ticket {
-                address,
-                stage: Stage::Started,
-            },
-        );
+        self.directory.ticket_started(ticket, address);
     }
 
     /// The handshake `ticket` found `claim` at its address.
@@ -36,14 +27,14 @@ impl<R> Core<R> {
         request: RequestId,
         claim: Claim,
     ) {
-        if self.stopping.is_some() {
+        if self.releases.is_stopping() {
             self.answer(
                 request,
                 Answer::ClaimRefused(ClaimRefused::Stopped(crate::error::ServiceStopped)),
             );
             return;
         }
-        let Some(t) = self.tickets.get_mut(&ticket) else {
+        let Some(t) = self.directory.ticket(ticket) else {
             // Its guard is gone already: nobody waits for the answer.
             self.answer(request, Answer::Withdrawn);
             return;
@@ -59,8 +50,8 @@ impl<R> Core<R> {
             return;
         }
         if let Some(reason) = malformed(&claim.engine, &claim.agents) {
-            t.stage = Stage::Answered;
             tracing::warn!(engine = %claim.engine, address = %t.address, %reason, "handshake claim refused: malformed");
+            self.directory.set_stage(ticket, Stage::Answered);
             self.answer(
                 request,
                 Answer::ClaimRefused(ClaimRefused::Invalid {
@@ -71,14 +62,15 @@ impl<R> Core<R> {
             return;
         }
         let engine = claim.engine.clone();
-        if self.waiting.get(&engine).is_some_and(|q| !q.is_empty()) {
+        if self.directory.has_queue(&engine) {
             // Others came first: in arrival order.
-            t.stage = Stage::Waiting { claim, request };
-            self.waiting.entry(engine).or_default().push_back(ticket);
+            self.directory
+                .set_stage(ticket, Stage::Waiting { claim, request });
+            self.directory.queue(&engine, ticket);
             return;
         }
         if let Judged::Wait = self.judge(now, ticket, claim, request) {
-            self.waiting.entry(engine).or_default().push_back(ticket);
+            self.directory.queue(&engine, ticket);
         }
     }
 
@@ -91,19 +83,20 @@ impl<R> Core<R> {
         claim: Claim,
         request: RequestId,
     ) -> Judged {
-        let address = self.tickets[&ticket].address.clone();
+        let address = (self.directory.ticket(ticket))
+            .expect("judged tickets exist")
+            .address
+            .clone();
         let engine = claim.engine.clone();
         let wait = |core: &mut Self, claim: Claim| {
-            core.tickets
-                .get_mut(&ticket)
-                .expect("judged tickets exist")
-                .stage = Stage::Waiting { claim, request };
+            let stage = Stage::Waiting { claim, request };
+            core.directory.set_stage(ticket, stage);
             Judged::Wait
         };
-        if self.loads.contains_key(&engine) {
+        if self.directory.is_loading(&engine) {
             return wait(self, claim);
         }
-        if let Some(&serial) = self.by_id.get(&engine) {
+        if let Some(serial) = self.directory.serial_of(&engine) {
             let peer = &self.peers[&serial];
             if peer.is_live() {
                 if peer.address != address {
@@ -124,7 +117,7 @@ impl<R> Core<R> {
                             return self.refuse_claim(ticket, request, conflict);
                         }
                         let cell = peer.cell.clone();
-                        self.tickets.get_mut(&ticket).expect("exists").stage = Stage::Answered;
+                        self.directory.set_stage(ticket, Stage::Answered);
                         tracing::debug!(%engine, %address, "handshake found the engine already registered: nothing to load");
                         self.answer(request, Answer::Current(cell));
                         return Judged::Answered;
@@ -141,7 +134,7 @@ impl<R> Core<R> {
                         tracing::info!(%engine, %address, ?old, ?new, "engine answered its handshake as a new process: its registration goes first");
                         // Waited for before the mark: no handshake holds
                         // back the release this claim waits for.
-                        self.waiting.entry(engine.clone()).or_default();
+                        self.directory.expect_reload(&engine);
                         self.mark(now, serial, ReleaseReason::Reregistered);
                     }
                 }
@@ -150,27 +143,20 @@ impl<R> Core<R> {
             // before this claim is judged again. A handshake does not hold
             // it back: this one waits for exactly that release.
             let judged = wait(self, claim);
-            self.waiting.entry(engine).or_default();
+            self.directory.expect_reload(&engine);
             self.try_release(now, serial);
             return judged;
         }
         if let Some(conflict) = self.agent_conflict(&engine, &claim.agents) {
             return self.refuse_claim(ticket, request, conflict);
         }
-        self.loads.insert(engine, ticket);
-        for agent in &claim.agents {
-            self.agents.insert(agent.clone(), Holder::Load(ticket));
-        }
-        self.tickets.get_mut(&ticket).expect("exists").stage = Stage::Loading {
-            claim,
-            extra: Vec::new(),
-        };
+        self.directory.grant(ticket, claim);
         self.answer(request, Answer::Load);
         Judged::Answered
     }
 
     fn refuse_claim(&mut self, ticket: TicketId, request: RequestId, conflict: Conflict) -> Judged {
-        self.tickets.get_mut(&ticket).expect("exists").stage = Stage::Answered;
+        self.directory.set_stage(ticket, Stage::Answered);
         self.conflict(conflict.clone(), "handshake");
         self.answer(
             request,
@@ -186,7 +172,7 @@ impl<R> Core<R> {
         let Some(Ticket {
             stage: Stage::Loading { claim, extra },
             ..
-        }) = self.tickets.get(&ticket)
+        }) = self.directory.ticket(ticket)
         else {
             self.answer(request, Answer::Withdrawn);
             return;
@@ -206,108 +192,47 @@ impl<R> Core<R> {
             self.answer(request, Answer::AgentClaimed(Err(conflict)));
             return;
         }
-        self.agents.insert(agent.clone(), Holder::Load(ticket));
-        if let Some(Ticket {
-            stage: Stage::Loading { extra, .. },
-            ..
-        }) = self.tickets.get_mut(&ticket)
-        {
-            extra.push(agent);
-        }
+        self.directory.claim_extra(ticket, agent);
         self.answer(request, Answer::AgentClaimed(Ok(())));
     }
 
     /// The handshake `ticket` ended (registered, or dropped at any step).
     pub(super) fn handshake_finished(&mut self, now: Instant, ticket: TicketId) {
-        let Some(t) = self.tickets.remove(&ticket) else {
+        let Some(t) = self.directory.end_ticket(ticket) else {
             return;
         };
         match t.stage {
             Stage::Started | Stage::Answered => {}
-            Stage::Waiting { claim, request } => {
-                if let Some(queue) = self.waiting.get_mut(&claim.engine) {
-                    queue.retain(|&w| w != ticket);
-                    if queue.is_empty() {
-                        self.waiting.remove(&claim.engine);
-                    }
-                }
-                self.answer(request, Answer::Withdrawn);
-            }
-            Stage::Loading { claim, extra } => {
-                // Dropped after its claim was granted: whatever it loaded,
-                // the runtime gives back; the names are free again.
-                for agent in claim.agents.iter().chain(&extra) {
-                    if self.agents.get(agent) == Some(&Holder::Load(ticket)) {
-                        self.agents.remove(agent);
-                    }
-                }
-                if self.loads.get(&claim.engine) == Some(&ticket) {
-                    self.loads.remove(&claim.engine);
-                }
-                self.engine_moved(now, claim.engine);
-            }
+            Stage::Waiting { request, .. } => self.answer(request, Answer::Withdrawn),
+            // Its load is over: the claims waiting for the id are next.
+            Stage::Loading { claim, .. } => self.engine_moved(now, claim.engine),
         }
-        let count = self
-            .handshakes
-            .get_mut(&t.address)
-            .expect("every ticket counts at its address");
-        *count -= 1;
-        if *count == 0 {
-            self.handshakes.remove(&t.address);
-        }
-        // The registrations this address holds back are judged again: a
-        // handshake begun before their mark may have been the last that
-        // held them, whatever later ones are still open (each that is
-        // still held goes back on the list).
-        for serial in self
-            .held_by_handshake
-            .remove(&t.address)
-            .unwrap_or_default()
-        {
+        // The registrations this address holds back are judged again:
+        // each that is still held goes back on the list.
+        for serial in self.directory.handshake_gone(&t.address) {
             self.try_release(now, serial);
         }
-        // A burst of handshakes (10,000 members joining) leaves these
-        // tables sized for the burst; they give their buckets back.
-        crate::shrink::after_removal(&mut self.tickets);
-        crate::shrink::after_removal(&mut self.handshakes);
-        crate::shrink::after_removal(&mut self.held_by_handshake);
-        crate::shrink::after_removal(&mut self.loads);
-        crate::shrink::after_removal(&mut self.waiting);
-        crate::shrink::after_removal(&mut self.agents);
     }
 
     /// Something changed for `engine` (a load ended, a registration was
     /// released): the claims waiting for it are judged again, in order,
     /// until one must wait again.
     pub(super) fn engine_moved(&mut self, now: Instant, engine: EngineId) {
-        while let Some(ticket) = self.waiting.get_mut(&engine).and_then(VecDeque::pop_front) {
-            let Some(Ticket {
-                stage: stage @ Stage::Waiting { .. },
-                ..
-            }) = self.tickets.get_mut(&ticket)
-            else {
+        while let Some(ticket) = self.directory.next_waiting(&engine) {
+            let Some((claim, request)) = self.directory.take_waiting_claim(ticket) else {
                 continue;
             };
-            let Stage::Waiting { claim, request } = std::mem::replace(stage, Stage::Answered)
-            else {
-                unreachable!("matched above")
-            };
             if let Judged::Wait = self.judge(now, ticket, claim, request) {
-                self.waiting
-                    .entry(engine.clone())
-                    .or_default()
-                    .push_front(ticket);
+                self.directory.requeue_first(&engine, ticket);
                 return;
             }
         }
-        if self.waiting.get(&engine).is_some_and(VecDeque::is_empty) {
-            self.waiting.remove(&engine);
-        }
+        self.directory.queue_served(&engine);
     }
 
     /// Someone waits to load `engine`: its registration must not be held
     /// back by a handshake (they wait for exactly that release).
     pub(super) fn reload_wanted(&self, engine: &EngineId) -> bool {
-        self.waiting.contains_key(engine)
+        self.directory.is_waited_for(engine)
     }
 }

@@ -9,11 +9,16 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rand::rngs::StdRng;
 use rand::Rng;
 use std::time::Instant;
 
+use super::count::Summed;
 use super::key::PeerKey;
+use super::rate::{RateCap, RateState};
+use super::schedule::{self, Schedule};
 use super::{Action, Call, Core, Count, HeartbeatMessages, RoundResults};
+use crate::config::Config;
 use crate::event::{Event, Source};
 use crate::registration::RegistrationId;
 use crate::transport::{AgentName, EngineId};
@@ -89,9 +94,118 @@ pub(super) enum Deadline {
     NotBefore,
 }
 
+/// What the heartbeat rule decides on: when each registration's next
+/// round is due (the slot [`Schedule`]), whether the rate cap lets one go
+/// ([`RateCap`]), the randomness its jitter and first offsets are drawn
+/// from, and the per-round counts summed for the metrics. Its own so that
+/// nothing but a heartbeat moves a registration in the schedule or draws
+/// from the generator (a seed then reproduces every round).
+pub(super) struct Heartbeats {
+    schedule: Schedule<PeerKey>,
+    rate: RateCap,
+    rng: StdRng,
+    summed: Summed,
+}
+
+impl Heartbeats {
+    /// The heartbeats of `config`, their clock starting at `now`, drawing
+    /// from `rng`.
+    pub(super) fn new(config: &Config, now: Instant, rng: StdRng) -> Self {
+        Heartbeats {
+            schedule: Schedule::new(now, schedule::slot_for(config.heartbeat_interval)),
+            rate: RateCap::new(config, now),
+            rng,
+            summed: Summed::default(),
+        }
+    }
+
+    /// The earliest slot with a round in it.
+    pub(super) fn next(&self) -> Option<Instant> {
+        self.schedule.next()
+    }
+
+    /// The earliest slot due at `now`, with the records whose rounds it
+    /// holds (each checked by the caller against its own `next_heartbeat`:
+    /// a key moved since is stale). Hand the vector back with
+    /// [`Heartbeats::recycle`].
+    pub(super) fn pop_due(&mut self, now: Instant) -> Option<(Instant, Vec<PeerKey>)> {
+        self.schedule.pop_due(now)
+    }
+
+    /// A slot's vector, served: kept for the next slot's keys.
+    pub(super) fn recycle(&mut self, keys: Vec<PeerKey>) {
+        self.schedule.recycle(keys);
+    }
+
+    /// The rounds scheduled.
+    pub(super) fn scheduled(&self) -> usize {
+        self.schedule.len()
+    }
+
+    /// The next summed count to hand out, if any is pending.
+    pub(super) fn take_count(&mut self) -> Option<Count> {
+        self.summed.take()
+    }
+
+    /// Whether the rate cap lets a round of the registration whose limiter
+    /// is `state` go at `now`; if not, how long until it would (and the
+    /// deferral is counted).
+    pub(super) fn admit(&mut self, state: &mut RateState, now: Instant) -> Result<(), Duration> {
+        self.rate.check(state, now).inspect_err(|_| {
+            self.summed.heartbeats_deferred += 1;
+        })
+    }
+
+    /// A round came back with `sent` notifications accepted.
+    pub(super) fn sent(&mut self, sent: usize) {
+        self.summed.heartbeats_sent += sent as u64;
+    }
+
+    /// When, within one `interval`, a new registration's first round is
+    /// due: spread, so that engines registered together do not all beat
+    /// together.
+    pub(super) fn first_offset(&mut self, interval: Duration) -> Duration {
+        interval.mul_f64(self.rng.random::<f64>())
+    }
+
+    /// The gap to the next round: uniform over `interval` +/- `jitter`, in
+    /// whole nanoseconds (floating point here was a measurable share of a
+    /// round).
+    pub(super) fn gap(&mut self, interval: Duration, jitter: Duration) -> Duration {
+        if jitter.is_zero() {
+            return interval;
+        }
+        let span = u64::try_from(jitter.as_nanos() * 2).unwrap_or(u64::MAX);
+        (interval + Duration::from_nanos(self.rng.random_range(0..=span))).saturating_sub(jitter)
+    }
+
+    /// Puts the record at `key` in the slot for `at`, out of the slot
+    /// `from` it was in; returns the new slot.
+    pub(super) fn place(
+        &mut self,
+        key: PeerKey,
+        from: Option<Instant>,
+        at: Instant,
+        deadline: Deadline,
+    ) -> Instant {
+        if let Some(slot) = from {
+            self.schedule.remove(key, slot);
+        }
+        match deadline {
+            Deadline::Near => self.schedule.insert_near(key, at),
+            Deadline::NotBefore => self.schedule.insert(key, at),
+        }
+    }
+
+    /// Takes the record at `key` out of its `slot`.
+    pub(super) fn unplace(&mut self, key: PeerKey, slot: Instant) {
+        self.schedule.remove(key, slot);
+    }
+}
+
 impl<R> Core<R> {
     pub(super) fn live_serial(&self, id: &EngineId) -> Option<RegistrationId> {
-        let serial = *self.by_id.get(id)?;
+        let serial = self.directory.serial_of(id)?;
         self.peers
             .get(&serial)
             .filter(|p| p.is_live())
@@ -117,7 +231,7 @@ impl<R> Core<R> {
     }
 
     pub(super) fn remove_leases(&mut self, id: &EngineId, requests: &[String]) {
-        if let Some(peer) = self.by_id.get(id).and_then(|s| self.peers.get_mut(s)) {
+        if let Some(peer) = (self.directory.serial_of(id)).and_then(|s| self.peers.get_mut(&s)) {
             peer.leases.remove(requests);
         }
     }
@@ -140,10 +254,9 @@ impl<R> Core<R> {
             }
             return;
         }
-        match self.rate.check(&mut peer.rate, now) {
+        match self.heartbeats.admit(&mut peer.rate, now) {
             Ok(()) => self.send_at(due, key),
             Err(wait) => {
-                self.summed.heartbeats_deferred += 1;
                 self.schedule_at(key, now + wait, Deadline::NotBefore);
             }
         }
@@ -158,10 +271,9 @@ impl<R> Core<R> {
             }
             return;
         }
-        match self.rate.check(&mut peer.rate, now) {
+        match self.heartbeats.admit(&mut peer.rate, now) {
             Ok(()) => self.send_heartbeat(now, serial),
             Err(wait) => {
-                self.summed.heartbeats_deferred += 1;
                 let peer = self.peers.get_mut(&serial).expect("live serial");
                 peer.renewal_wanted = true;
                 let at = now + wait;
@@ -196,16 +308,7 @@ impl<R> Core<R> {
         });
         match self.config.heartbeat_interval {
             Some(interval) => {
-                // Uniform over interval +/- jitter, in whole nanoseconds
-                // (floating point here was a measurable share of a round).
-                let jitter = self.config.jitter;
-                let next = if jitter.is_zero() {
-                    interval
-                } else {
-                    let span = u64::try_from(jitter.as_nanos() * 2).unwrap_or(u64::MAX);
-                    (interval + Duration::from_nanos(self.rng.random_range(0..=span)))
-                        .saturating_sub(jitter)
-                };
+                let next = self.heartbeats.gap(interval, self.config.jitter);
                 self.schedule_at(key, base + next, Deadline::Near);
             }
             None => self.unschedule_at(key),
@@ -225,7 +328,7 @@ impl<R> Core<R> {
             failed,
             panicked,
         } = results;
-        self.summed.heartbeats_sent += sent as u64;
+        self.heartbeats.sent(sent);
         let Some(peer) = self.peers.at_mut(key) else {
             return;
         };
@@ -278,14 +381,8 @@ impl<R> Core<R> {
         let Some(peer) = self.peers.at_mut(key) else {
             return;
         };
-        if let Some(slot) = peer.next_heartbeat.take() {
-            self.schedule.remove(key, slot);
-        }
-        let slot = match deadline {
-            Deadline::Near => self.schedule.insert_near(key, at),
-            Deadline::NotBefore => self.schedule.insert(key, at),
-        };
-        peer.next_heartbeat = Some(slot);
+        let from = peer.next_heartbeat.take();
+        peer.next_heartbeat = Some(self.heartbeats.place(key, from, at, deadline));
     }
 
     pub(super) fn unschedule_heartbeat(&mut self, serial: RegistrationId) {
@@ -296,7 +393,95 @@ impl<R> Core<R> {
 
     fn unschedule_at(&mut self, key: PeerKey) {
         if let Some(slot) = self.peers.at_mut(key).and_then(|p| p.next_heartbeat.take()) {
-            self.schedule.remove(key, slot);
+            self.heartbeats.unplace(key, slot);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Deadline, Heartbeats};
+    use crate::config::Config;
+    use crate::core::key::PeerKey;
+    use crate::core::rate::RateState;
+    use crate::core::Count;
+    use crate::registration::RegistrationId;
+    use rand::SeedableRng;
+    use std::time::{Duration, Instant};
+
+    fn heartbeats(config: &Config, now: Instant) -> Heartbeats {
+        Heartbeats::new(config, now, rand::rngs::StdRng::seed_from_u64(7))
+    }
+
+    #[test]
+    fn a_deferred_round_is_counted_and_says_how_long_to_wait() {
+        let now = Instant::now();
+        let config = Config::builder()
+            .rate_limit(Duration::from_secs(1), 1)
+            .build()
+            .expect("valid");
+        let mut hb = heartbeats(&config, now);
+        let mut state = RateState::default();
+        assert_eq!(hb.admit(&mut state, now), Ok(()));
+        let wait = hb.admit(&mut state, now).expect_err("over the cap");
+        assert!(
+            wait > Duration::ZERO && wait <= Duration::from_secs(1),
+            "{wait:?}"
+        );
+        assert_eq!(
+            hb.admit(&mut state, now + wait),
+            Ok(()),
+            "allowed after the wait"
+        );
+        hb.sent(3);
+        assert_eq!(hb.take_count(), Some(Count::HeartbeatsSent(3)));
+        assert_eq!(hb.take_count(), Some(Count::HeartbeatsDeferred(1)));
+        assert_eq!(hb.take_count(), None, "each sum handed out once");
+    }
+
+    #[test]
+    fn gaps_stay_within_the_jitter_and_first_rounds_within_one_interval() {
+        let now = Instant::now();
+        let mut hb = heartbeats(&Config::default(), now);
+        let interval = Duration::from_secs(5);
+        let jitter = Duration::from_millis(500);
+        assert_eq!(
+            hb.gap(interval, Duration::ZERO),
+            interval,
+            "no jitter: exact"
+        );
+        let gaps: Vec<Duration> = (0..200).map(|_| hb.gap(interval, jitter)).collect();
+        assert!(gaps
+            .iter()
+            .all(|&g| g >= interval - jitter && g <= interval + jitter));
+        assert!(gaps.iter().any(|&g| g != gaps[0]), "the jitter varies");
+        let offsets: Vec<Duration> = (0..200).map(|_| hb.first_offset(interval)).collect();
+        assert!(offsets.iter().all(|&o| o < interval));
+        assert!(
+            offsets.iter().any(|&o| o > interval / 2),
+            "spread over the interval"
+        );
+    }
+
+    #[test]
+    fn a_placed_round_moves_out_of_its_old_slot() {
+        let now = Instant::now();
+        let mut hb = heartbeats(&Config::default(), now);
+        let key = PeerKey::detached(RegistrationId(1));
+        let first = hb.place(key, None, now + Duration::from_secs(1), Deadline::NotBefore);
+        let second = hb.place(
+            key,
+            Some(first),
+            now + Duration::from_secs(2),
+            Deadline::Near,
+        );
+        assert_eq!(hb.scheduled(), 1, "one round per record");
+        assert_eq!(hb.next(), Some(second));
+        assert!(hb.pop_due(now + Duration::from_millis(1500)).is_none());
+        let (slot, keys) = hb.pop_due(second).expect("due");
+        assert_eq!((slot, keys), (second, vec![key]));
+        let third = hb.place(key, None, now + Duration::from_secs(3), Deadline::Near);
+        hb.unplace(key, third);
+        assert_eq!((hb.scheduled(), hb.next()), (0, None));
     }
 }

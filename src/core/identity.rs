@@ -34,43 +34,14 @@ use std::sync::Arc;
 
 use std::time::Instant;
 
-use super::{Action, Answer, Core, Count, RequestId, TicketId};
+use super::directory::{Holder, Stage, Ticket};
+use super::{Action, Answer, Core, Count, Map, RequestId, TicketId};
 use crate::error::{Conflict, RegisterError};
 use crate::event::{Event, ReleaseReason};
 use crate::read_accounting::cell::EngineCell;
-use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
+use crate::registration::{Departure, GoneMode, PeerRef, Registration};
 use crate::text::{check_name, MAX_AGENT_NAME, MAX_ENGINE_ID, MAX_RANKS};
 use crate::transport::{AgentName, EngineId, PeerAddr};
-
-/// A handshake in progress.
-pub(super) struct Ticket {
-    pub(super) address: PeerAddr,
-    pub(super) stage: Stage,
-}
-
-/// Where a handshake is.
-pub(super) enum Stage {
-    /// Started; it has not said whom it found.
-    Started,
-    /// Its claim waits for the engine id: a load of it is in progress, or
-    /// its registration is being released first.
-    Waiting { claim: Claim, request: RequestId },
-    /// Its claim was granted: it may load, and holds the claim's agent
-    /// names (and any more it claimed while loading).
-    Loading { claim: Claim, extra: Vec<AgentName> },
-    /// Answered (the engine already registered, or refused): only its end
-    /// is left.
-    Answered,
-}
-
-/// Who holds an agent name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Holder {
-    /// A registration (live, marked or being released), by serial.
-    Registration(RegistrationId),
-    /// A handshake whose claim was granted and that is loading.
-    Load(TicketId),
-}
 
 /// How a claim was judged.
 pub(super) enum Judged {
@@ -83,6 +54,67 @@ pub(super) enum Judged {
 /// Conflicts remembered for logging once; past this many the memory is
 /// cleared (a hostile source cannot grow it).
 const CONFLICTS_REMEMBERED: usize = 1024;
+
+/// How a conflict is told, as [`ConflictLog::record`] decides it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Notice {
+    /// News: this conflict was not seen before (or was forgotten). It is
+    /// published; `distinct` counts the news of its engine and kind so
+    /// far, and `warn` says whether its line is a WARN (the 1st, 2nd, 4th,
+    /// 8th, ... and every 1,000th) or a DEBUG.
+    New { distinct: u64, warn: bool },
+    /// This very conflict again, the `times`th time: a DEBUG line only.
+    Again { times: u64 },
+}
+
+/// The conflicts seen, remembered so that each is news once, and the
+/// news per engine and kind, so that a stream of them (stale incarnations
+/// or replies of one engine) is a few WARN lines, not one each. Both
+/// memories are bounded ([`CONFLICTS_REMEMBERED`]): past it, cleared.
+#[derive(Default)]
+pub(super) struct ConflictLog {
+    /// Conflicts seen, and how often.
+    seen: Map<Conflict, u64>,
+    /// Distinct conflicts per (kind, engine), for the WARN lines.
+    lines: Map<(&'static str, EngineId), u64>,
+}
+
+impl ConflictLog {
+    /// Records one sighting of `conflict` and says how to tell it.
+    pub(super) fn record(&mut self, conflict: &Conflict) -> Notice {
+        if self.seen.len() >= CONFLICTS_REMEMBERED && !self.seen.contains_key(conflict) {
+            self.seen.clear();
+        }
+        let times = self.seen.entry(conflict.clone()).or_insert(0);
+        *times += 1;
+        if *times > 1 {
+            return Notice::Again { times: *times };
+        }
+        let key = (conflict.kind(), conflict.engine().clone());
+        if self.lines.len() >= CONFLICTS_REMEMBERED && !self.lines.contains_key(&key) {
+            self.lines.clear();
+        }
+        let distinct = self.lines.entry(key).or_insert(0);
+        *distinct += 1;
+        let distinct = *distinct;
+        let warn = distinct.is_power_of_two() || distinct % 1000 == 0;
+        Notice::New { distinct, warn }
+    }
+
+    /// Forgets the conflicts that name `engine` as the newcomer: the next
+    /// one is news again.
+    pub(super) fn forget(&mut self, engine: &EngineId) {
+        if !self.seen.is_empty() {
+            self.seen.retain(|c, _| c.engine() != engine);
+        }
+    }
+
+    /// Every sighting remembered, summed.
+    #[cfg(test)]
+    pub(super) fn sightings(&self) -> u64 {
+        self.seen.values().sum()
+    }
+}
 
 /// Why a claim or registration is malformed, if it is.
 pub(super) fn malformed(engine: &EngineId, agents: &[AgentName]) -> Option<String> {
@@ -115,60 +147,42 @@ impl<R> Core<R> {
     }
 
     /// Records a conflict: counted every time (the metric, and the count
-    /// kept here), logged at WARN and published the first time only; the
-    /// repeats are DEBUG lines with the running count.
+    /// kept in the [`ConflictLog`]), logged at WARN and published the
+    /// first time only; the repeats are DEBUG lines with the running count.
+    /// The WARN is keyed by engine and kind, not by the whole conflict
+    /// (see [`Notice::New`]); each is still an event and counted.
     pub(super) fn conflict(&mut self, conflict: Conflict, source: &'static str) {
         self.count(Count::IdentityConflict(conflict.kind()));
-        if self.conflicts.len() >= CONFLICTS_REMEMBERED && !self.conflicts.contains_key(&conflict) {
-            self.conflicts.clear();
-        }
-        let seen = self.conflicts.entry(conflict.clone()).or_insert(0);
-        *seen += 1;
-        let seen = *seen;
-        if seen == 1 {
-            // The WARN is keyed by engine and kind, not by the whole
-            // conflict: a stream of stale incarnations (or replies) of one
-            // engine is one WARN, then one at the 2nd, 4th, 8th, ... distinct
-            // one (and every 1,000th) with the count; each is still an event
-            // and counted.
-            let key = (conflict.kind(), conflict.engine().clone());
-            if self.conflict_lines.len() >= CONFLICTS_REMEMBERED
-                && !self.conflict_lines.contains_key(&key)
-            {
-                self.conflict_lines.clear();
+        let kind = conflict.kind();
+        match self.conflicts.record(&conflict) {
+            Notice::Again { times } => {
+                tracing::debug!(kind, source, %conflict, times, "identity conflict again");
+                return;
             }
-            let distinct = self.conflict_lines.entry(key).or_insert(0);
-            *distinct += 1;
-            let distinct = *distinct;
-            if distinct == 1 {
-                tracing::warn!(kind = conflict.kind(), source, %conflict, "identity conflict: the newcomer is refused, the registered engine kept (logged once per engine and kind; counted in nixl_keepalive_identity_conflicts_total)");
-            } else if distinct.is_power_of_two() || distinct % 1000 == 0 {
-                tracing::warn!(kind = conflict.kind(), source, %conflict, distinct, "identity conflicts of this engine and kind so far (the others at DEBUG)");
-            } else {
-                tracing::debug!(kind = conflict.kind(), source, %conflict, distinct, "another identity conflict of this engine and kind");
+            Notice::New { distinct: 1, .. } => {
+                tracing::warn!(kind, source, %conflict, "identity conflict: the newcomer is refused, the registered engine kept (logged once per engine and kind; counted in nixl_keepalive_identity_conflicts_total)");
             }
-            self.emit(Event::Conflict { conflict });
-        } else {
-            tracing::debug!(kind = conflict.kind(), source, %conflict, times = seen, "identity conflict again");
+            Notice::New {
+                distinct,
+                warn: true,
+            } => {
+                tracing::warn!(kind, source, %conflict, distinct, "identity conflicts of this engine and kind so far (the others at DEBUG)");
+            }
+            Notice::New {
+                distinct,
+                warn: false,
+            } => {
+                tracing::debug!(kind, source, %conflict, distinct, "another identity conflict of this engine and kind");
+            }
         }
-    }
-
-    /// Forgets the conflicts that name `engine` as the newcomer: the next
-    /// one is news again.
-    pub(super) fn forget_conflicts(&mut self, engine: &EngineId) {
-        if !self.conflicts.is_empty() {
-            self.conflicts.retain(|c, _| c.engine() != engine);
-        }
+        self.emit(Event::Conflict { conflict });
     }
 
     /// The engine holding an agent name, if anyone does.
     pub(super) fn holder_of(&self, agent: &AgentName) -> Option<&EngineId> {
-        match self.agents.get(agent)? {
-            Holder::Registration(serial) => self.peers.get(serial).map(|p| p.id()),
-            Holder::Load(ticket) => match &self.tickets.get(ticket)?.stage {
-                Stage::Loading { claim, .. } => Some(&claim.engine),
-                _ => None,
-            },
+        match self.directory.holder(agent)? {
+            Holder::Registration(serial) => self.peers.get(&serial).map(|p| p.id()),
+            Holder::Load(ticket) => self.directory.loading_engine(ticket),
         }
     }
 
@@ -214,7 +228,7 @@ impl<R> Core<R> {
         registration: Registration<R>,
         cell: Arc<EngineCell>,
     ) {
-        let granted = match self.tickets.get(&ticket) {
+        let granted = match self.directory.ticket(ticket) {
             Some(Ticket {
                 stage: Stage::Loading { claim, .. },
                 address,
@@ -233,21 +247,9 @@ impl<R> Core<R> {
         }
         let engine = registration.engine.clone();
         let serial = cell.serial();
-        self.loads.remove(&engine);
-        let stage = self
-            .tickets
-            .get_mut(&ticket)
-            .map(|t| std::mem::replace(&mut t.stage, Stage::Answered));
-        if let Some(Stage::Loading { extra, .. }) = stage {
-            // Extra names it claimed are the runtime's to give back by now.
-            for agent in extra {
-                if self.agents.get(&agent) == Some(&Holder::Load(ticket)) {
-                    self.agents.remove(&agent);
-                }
-            }
-        }
+        self.directory.load_registered(ticket, &engine);
         self.activate(now, request, registration, cell);
-        if self.stopping.is_some() {
+        if self.releases.is_stopping() {
             // Loaded under a granted claim while the service stopped: the
             // service owns it now and gives it back like every other.
             self.mark(now, serial, ReleaseReason::Shutdown);
@@ -263,7 +265,7 @@ impl<R> Core<R> {
         registration: Registration<R>,
         cell: Arc<EngineCell>,
     ) {
-        if self.stopping.is_some() {
+        if self.releases.is_stopping() {
             self.answer(
                 request,
                 Answer::Refused(RegisterError::Stopped(registration)),
@@ -281,17 +283,13 @@ impl<R> Core<R> {
         }
         let engine = &registration.engine;
         let in_use = self
-            .by_id
-            .get(engine)
-            .map(|s| self.peers[s].address.clone())
+            .directory
+            .serial_of(engine)
+            .map(|s| self.peers[&s].address.clone())
+            .or_else(|| self.directory.load_address(engine).cloned())
             .or_else(|| {
-                self.loads
-                    .get(engine)
-                    .map(|t| self.tickets[t].address.clone())
-            })
-            .or_else(|| {
-                self.waiting
-                    .contains_key(engine)
+                self.directory
+                    .is_waited_for(engine)
                     .then(|| registration.address.clone())
             });
         let conflict = match in_use {
@@ -331,13 +329,8 @@ impl<R> Core<R> {
             resources,
         } = registration;
         tracing::info!(%engine, %address, ?incarnation, agents = agents.len(), registration = %serial, "engine registered");
-        self.forget_conflicts(&engine);
-        self.by_id.insert(engine.clone(), serial);
-        for agent in &agents {
-            self.agents
-                .insert(agent.clone(), Holder::Registration(serial));
-        }
-        let previous = self.by_addr.insert(address.clone(), serial);
+        self.conflicts.forget(&engine);
+        let previous = self.directory.activate(serial, &engine, &address, &agents);
         self.peers.insert(
             serial,
             super::peer::Peer::new(
@@ -345,7 +338,7 @@ impl<R> Core<R> {
                 cell.clone(),
                 address.clone(),
                 incarnation,
-                self.newest_ticket,
+                self.directory.newest_ticket(),
                 agents,
                 resources,
             ),
@@ -353,7 +346,7 @@ impl<R> Core<R> {
         if let Some(interval) = self.config.heartbeat_interval {
             // Spread first heartbeats over one interval: engines registered
             // together must not all beat together.
-            let offset = interval.mul_f64(rand::Rng::random::<f64>(&mut self.rng));
+            let offset = self.heartbeats.first_offset(interval);
             self.schedule_heartbeat(serial, now + offset, super::heartbeat::Deadline::Near);
         }
         // In the directory first, then the event, then the caller's answer:
@@ -367,7 +360,7 @@ impl<R> Core<R> {
             address: address.clone(),
         });
         self.answer(request, Answer::Registered(cell));
-        if let Some(old) = previous.filter(|&old| old != serial) {
+        if let Some(old) = previous {
             if let Some(old_peer) = self.peers.get(&old) {
                 let old_id = old_peer.id().clone();
                 if old_id != engine && old_peer.is_live() {
@@ -393,23 +386,9 @@ impl<R> Core<R> {
         address: &PeerAddr,
         agents: &[AgentName],
     ) {
-        for agent in agents {
-            if self.agents.get(agent) == Some(&Holder::Registration(serial)) {
-                self.agents.remove(agent);
-            }
-        }
-        if self.by_addr.get(address) == Some(&serial) {
-            self.by_addr.remove(address);
-        }
-        if self.by_id.get(engine) == Some(&serial) {
-            self.by_id.remove(engine);
+        if self.directory.forget(serial, engine, address, agents) {
             self.engine_moved(now, engine.clone());
         }
-        // After mass departures (10,000 members that left) the tables give
-        // their buckets back.
-        crate::shrink::after_removal(&mut self.agents);
-        crate::shrink::after_removal(&mut self.by_addr);
-        crate::shrink::after_removal(&mut self.by_id);
     }
 
     // ----- retirement by others -----
@@ -417,8 +396,8 @@ impl<R> Core<R> {
     /// The router or orchestrator says a peer is gone: authoritative.
     pub(super) fn peer_gone(&mut self, now: Instant, peer: PeerRef, mode: GoneMode) {
         let serial = match &peer {
-            PeerRef::Engine(id) => self.by_id.get(id).copied(),
-            PeerRef::Address(addr) => self.by_addr.get(addr).copied(),
+            PeerRef::Engine(id) => self.directory.serial_of(id),
+            PeerRef::Address(addr) => self.directory.serial_at(addr),
         };
         let Some(serial) = serial.filter(|s| self.peers.contains_key(s)) else {
             tracing::debug!(?peer, "peer gone: not a known peer, nothing to do");
@@ -431,7 +410,7 @@ impl<R> Core<R> {
     /// record is its own registration's (same address, and the same
     /// incarnation when both are known). Anything else is a conflict.
     pub(super) fn member_gone(&mut self, now: Instant, departure: Departure, mode: GoneMode) {
-        let Some(&serial) = self.by_id.get(&departure.engine) else {
+        let Some(serial) = self.directory.serial_of(&departure.engine) else {
             tracing::debug!(engine = %departure.engine, "membership record gone for an engine not registered: nothing to do");
             return;
         };
@@ -478,5 +457,97 @@ impl<R> Core<R> {
         if mode == GoneMode::Fail {
             self.fail_reads(serial);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ConflictLog, Notice, CONFLICTS_REMEMBERED};
+    use crate::error::Conflict;
+    use crate::transport::{EngineId, PeerAddr};
+
+    /// The conflict of `engine` registering again while in use at
+    /// address `n`: one engine and kind, a distinct conflict per `n`.
+    fn in_use(engine: &str, n: usize) -> Conflict {
+        Conflict::EngineInUse {
+            engine: EngineId::from(engine),
+            address: PeerAddr::new(format!("10.0.{}.{}:5600", n / 256, n % 256)),
+        }
+    }
+
+    #[test]
+    fn a_conflict_is_news_once_and_then_counted_again() {
+        let mut log = ConflictLog::default();
+        let c = in_use("p", 1);
+        let news = Notice::New {
+            distinct: 1,
+            warn: true,
+        };
+        assert_eq!(log.record(&c), news);
+        assert_eq!(log.record(&c), Notice::Again { times: 2 });
+        assert_eq!(log.record(&c), Notice::Again { times: 3 });
+        assert_eq!(log.sightings(), 3);
+        assert_eq!(
+            log.record(&in_use("q", 1)),
+            news,
+            "another engine's is news"
+        );
+    }
+
+    #[test]
+    fn distinct_conflicts_of_one_engine_warn_at_powers_of_two_and_thousands() {
+        let mut log = ConflictLog::default();
+        let warned: Vec<u64> = (1..=1000)
+            .filter_map(|n| match log.record(&in_use("p", n)) {
+                Notice::New { distinct, warn } => {
+                    assert_eq!(distinct, n as u64, "every one is news");
+                    warn.then_some(distinct)
+                }
+                Notice::Again { .. } => panic!("{n} is distinct"),
+            })
+            .collect();
+        assert_eq!(warned, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000]);
+    }
+
+    #[test]
+    fn forgetting_an_engine_makes_its_conflicts_news_again() {
+        let mut log = ConflictLog::default();
+        let (p, q) = (in_use("p", 1), in_use("q", 1));
+        log.record(&p);
+        log.record(&q);
+        log.forget(&EngineId::from("p"));
+        assert_eq!(
+            log.record(&p),
+            Notice::New {
+                distinct: 2,
+                warn: true
+            },
+            "news again, counted among the engine's distinct ones"
+        );
+        assert_eq!(log.record(&q), Notice::Again { times: 2 }, "q's kept");
+    }
+
+    #[test]
+    fn past_the_cap_the_memory_is_cleared_and_old_conflicts_are_news() {
+        let mut log = ConflictLog::default();
+        let engines: Vec<String> = (0..=CONFLICTS_REMEMBERED)
+            .map(|n| format!("e{n}"))
+            .collect();
+        for engine in &engines[..CONFLICTS_REMEMBERED] {
+            log.record(&in_use(engine, 0));
+        }
+        let first = in_use(&engines[0], 0);
+        assert_eq!(
+            log.record(&first),
+            Notice::Again { times: 2 },
+            "at the cap, kept"
+        );
+        let news = Notice::New {
+            distinct: 1,
+            warn: true,
+        };
+        assert_eq!(log.record(&in_use(&engines[CONFLICTS_REMEMBERED], 0)), news);
+        assert_eq!(log.sightings(), 1, "cleared for the newcomer");
+        assert_eq!(log.record(&first), news, "forgotten, news again");
     }
 }

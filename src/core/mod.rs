@@ -43,6 +43,7 @@
 mod calls;
 mod classify;
 mod count;
+mod directory;
 mod handshake;
 mod heartbeat;
 mod identity;
@@ -59,7 +60,7 @@ mod tests;
 mod timers;
 
 use crate::registration::RegistrationId;
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use rand::rngs::StdRng;
@@ -69,9 +70,10 @@ pub(crate) use calls::{Call, CallOutcome, HeartbeatMessages, Panicked, RoundResu
 pub(crate) use classify::{classify, Verdict};
 pub(crate) use count::Count;
 pub use heartbeat::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
+#[cfg(test)]
 pub(crate) use key::PeerKey;
 pub use schedule::HEARTBEAT_SLOT;
-use stall::stall_check_period;
+use stall::{stall_check_period, StallWatch};
 
 use crate::config::Config;
 use crate::error::{ClaimRefused, Conflict, RegisterError};
@@ -80,10 +82,11 @@ use crate::log_limit::LogLimiter;
 use crate::read_accounting::cell::{EngineCell, Wake};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::transport::{AgentName, EngineId, PeerAddr};
-use identity::{Holder, Ticket};
+use directory::Directory;
+use heartbeat::Heartbeats;
+use identity::ConflictLog;
 use peer::PeerTable;
-use rate::RateCap;
-use schedule::Schedule;
+use release::Releases;
 use timers::{Timer, TimerTable};
 
 /// The core's maps: keyed by registration serials, ticket numbers and names
@@ -91,8 +94,9 @@ use timers::{Timer, TimerTable};
 /// service's CPU at 10k engines).
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
-/// A handshake, as the core knows it: unique per process.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// A handshake, as the core knows it: unique per process (the default,
+/// 0, is older than any).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct TicketId(pub(crate) u64);
 
 /// A question the runtime waits on (a claim, a registration): the driver
@@ -217,66 +221,38 @@ pub(crate) enum Action<R> {
     Emit(Event),
 }
 
-/// Where a shutdown stands (its deadline is [`Timer::Drain`]).
-struct Stopping {
-    /// Past this, reads still in flight (and releases still running) are no
-    /// longer waited for.
-    deadline: Instant,
-    /// The deadline has been served by [`Core::handle_timeout`].
-    expired: bool,
-}
-
-/// The core: the peer table, the handshakes, the timers.
+/// The core. It keeps what every rule shares (the config, the peer
+/// table, the decisions not yet taken, the timers, the transient-error
+/// limiter, the silent-peer note) and composes one type per rule's own
+/// state, each with its fields private to the rule's file: a rule's file
+/// shows everything it may touch, and each type is tested alone.
 pub(crate) struct Core<R> {
     config: Config,
     peers: PeerTable<R>,
-    /// The registration each engine id holds now (at most one).
-    by_id: Map<EngineId, RegistrationId>,
-    /// The registration each address maps to now.
-    by_addr: Map<PeerAddr, RegistrationId>,
-    /// Who holds each agent name: a registration or a granted load.
-    agents: Map<AgentName, Holder>,
-    tickets: Map<TicketId, Ticket>,
-    /// Handshakes in progress per address.
-    handshakes: Map<PeerAddr, usize>,
-    /// Marked registrations whose release waits for a handshake at their
-    /// address.
-    held_by_handshake: Map<PeerAddr, BTreeSet<RegistrationId>>,
-    /// The one granted load of each engine id.
-    loads: Map<EngineId, TicketId>,
-    /// Claims waiting for an engine id, in arrival order.
-    waiting: Map<EngineId, VecDeque<TicketId>>,
-    /// Conflicts seen, and how often: each is logged once.
-    conflicts: Map<Conflict, u64>,
-    /// Distinct conflicts per (kind, engine), for the WARN lines.
-    conflict_lines: Map<(&'static str, EngineId), u64>,
-    /// The newest handshake started so far.
-    newest_ticket: TicketId,
-    schedule: Schedule<PeerKey>,
-    rate: RateCap,
-    rng: StdRng,
     actions: VecDeque<Action<R>>,
     /// Transport calls decided and not yet taken, in order: kept apart from
     /// the other actions so that a slot's rounds go to the offload queue as
     /// one vector, moved rather than copied call by call.
     calls: Vec<Call<R>>,
-    /// Appended to a live engine's "why not released".
-    silent_peer_note: String,
     /// Every timer but the heartbeat schedule.
     timers: TimerTable,
-    /// Per-heartbeat counts, handed out summed.
-    summed: count::Summed,
-    /// A decoder-wide stall (suspects, but no engine completing) is going
-    /// on and has been warned about: once per episode.
-    decoder_stuck: bool,
-    /// The transport's release ends the transfers still running to the
-    /// engine ([`crate::Transport::release_ends_transfers`]).
-    release_ends_transfers: bool,
-    releases_in_flight: usize,
-    stopping: Option<Stopping>,
     /// Lines about transient errors: one per registration, status and
     /// source per period.
     transient_log: LogLimiter<(RegistrationId, i32, Source)>,
+    /// Appended to a live engine's "why not released" (the snapshot's).
+    silent_peer_note: String,
+    /// Which registration each engine id, address and agent name maps
+    /// to, and the handshakes in progress (`directory.rs`).
+    directory: Directory,
+    /// The conflicts seen, so that each is news once (`identity.rs`).
+    conflicts: ConflictLog,
+    /// The heartbeat schedule, the rate cap, the jitter's randomness and
+    /// the summed counts (`heartbeat.rs`).
+    heartbeats: Heartbeats,
+    /// The stall rule's judge and its episodes (`stall.rs`).
+    stalls: StallWatch,
+    /// Releases in flight and the shutdown (`release.rs`).
+    releases: Releases,
 }
 
 impl<R> Core<R> {
@@ -284,26 +260,21 @@ impl<R> Core<R> {
     /// capacity), by name: what the tables keep after departures.
     #[cfg(test)]
     pub(crate) fn footprint(&self) -> Vec<(&'static str, usize)> {
-        vec![
+        let peers = [
             ("peers", self.peers.capacity()),
             ("peers.index", self.peers.index_capacity()),
-            ("by_id", self.by_id.capacity()),
-            ("by_addr", self.by_addr.capacity()),
-            ("agents", self.agents.capacity()),
-            ("tickets", self.tickets.capacity()),
-            ("handshakes", self.handshakes.capacity()),
-            ("held_by_handshake", self.held_by_handshake.capacity()),
-            ("loads", self.loads.capacity()),
-            ("waiting", self.waiting.capacity()),
-        ]
+        ];
+        peers
+            .into_iter()
+            .chain(self.directory.footprint())
+            .collect()
     }
 
     /// A core with `config`, its clock starting at `now`, drawing jitter
     /// from `rng`.
     pub(crate) fn new(config: Config, now: Instant, rng: StdRng) -> Self {
         Core {
-            rate: RateCap::new(&config, now),
-            schedule: Schedule::new(now, schedule::slot_for(config.heartbeat_interval)),
+            heartbeats: Heartbeats::new(&config, now, rng),
             timers: {
                 let mut timers = TimerTable::default();
                 timers.set_or_stop(Timer::Census, config.metrics_period.map(|p| now + p));
@@ -313,28 +284,15 @@ impl<R> Core<R> {
                 );
                 timers
             },
-            summed: count::Summed::default(),
-            decoder_stuck: false,
-            release_ends_transfers: false,
+            stalls: StallWatch::default(),
             config,
             peers: PeerTable::default(),
-            by_id: Map::default(),
-            by_addr: Map::default(),
-            agents: Map::default(),
-            tickets: Map::default(),
-            handshakes: Map::default(),
-            held_by_handshake: Map::default(),
-            loads: Map::default(),
-            waiting: Map::default(),
-            conflicts: Map::default(),
-            conflict_lines: Map::default(),
-            newest_ticket: TicketId(0),
-            rng,
+            directory: Directory::default(),
+            conflicts: ConflictLog::default(),
             actions: VecDeque::new(),
             calls: Vec::new(),
             silent_peer_note: "UCX settings not given to the service".to_string(),
-            releases_in_flight: 0,
-            stopping: None,
+            releases: Releases::default(),
             transient_log: LogLimiter::standard(),
         }
     }
@@ -343,7 +301,7 @@ impl<R> Core<R> {
     /// an engine: decides what a given-up read's destination becomes
     /// ([`crate::Destination`]).
     pub(crate) fn set_release_ends_transfers(&mut self, ends: bool) {
-        self.release_ends_transfers = ends;
+        self.releases.set_ends_transfers(ends);
     }
 
     /// Sets the note a live engine's snapshot carries about silent peers.
@@ -355,7 +313,7 @@ impl<R> Core<R> {
     pub(crate) fn poll_action(&mut self) -> Option<Action<R>> {
         self.actions
             .pop_front()
-            .or_else(|| self.summed.take().map(Action::Count))
+            .or_else(|| self.heartbeats.take_count().map(Action::Count))
     }
 
     /// The transport calls decided since the last take, in order, to be
@@ -367,7 +325,7 @@ impl<R> Core<R> {
 
     /// When the core next needs [`Core::handle_timeout`].
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        [self.schedule.next(), self.timers.next()]
+        [self.heartbeats.next(), self.timers.next()]
             .into_iter()
             .flatten()
             .min()
@@ -376,28 +334,17 @@ impl<R> Core<R> {
     /// Whether a shutdown has begun and nothing is left to wait for at
     /// `now`: the driver may stop and hand back what is left.
     pub(crate) fn is_stopped(&self, now: Instant) -> bool {
-        match &self.stopping {
-            None => false,
-            Some(s) => s.expired || now >= s.deadline || self.is_stopped_before_deadline(),
-        }
-    }
-
-    /// Nothing left to wait for: no release running, and every registration
-    /// released.
-    fn is_stopped_before_deadline(&self) -> bool {
-        self.stopping.is_some() && self.releases_in_flight == 0 && self.peers.is_empty()
+        self.releases.is_stopped(now, self.peers.is_empty())
     }
 
     /// Time has passed: serves every timer due at `now`.
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
         if self.timers.is_expired(Timer::Drain, now) {
             self.timers.stop(Timer::Drain);
-            if let Some(stopping) = self.stopping.as_mut() {
-                stopping.expired = true;
-            }
+            self.releases.deadline_passed();
             tracing::warn!("shutdown drain deadline passed: what still has reads in flight is handed back unreleased");
         }
-        while let Some((slot, keys)) = self.schedule.pop_due(now) {
+        while let Some((slot, keys)) = self.heartbeats.pop_due(now) {
             for &key in &keys {
                 self.peers.warm(key);
             }
@@ -410,7 +357,7 @@ impl<R> Core<R> {
                     self.heartbeat_due(now, key, slot);
                 }
             }
-            self.schedule.recycle(keys);
+            self.heartbeats.recycle(keys);
         }
         if let Some(bound) = self.config.read_stall {
             let marking = self.timers.is_expired(Timer::StallMark, now);

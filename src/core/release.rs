@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::peer::Mark;
 use super::timers::Timer;
-use super::{identity, Action, Answer, Call, Core, Count, Panicked, Stopping, TicketId};
+use super::{Action, Answer, Call, Core, Count, Panicked};
 use crate::error::ClaimRefused;
 use crate::event::{Event, ReleaseReason, WaitedFor};
 use crate::read_accounting::cell::EngineCell;
@@ -17,6 +17,98 @@ use crate::transport::{EngineId, ReleaseStep, Transfers};
 use nixl_agent::NixlStatus;
 use std::sync::Arc;
 
+/// Where a shutdown stands (its deadline is [`Timer::Drain`]).
+struct Stopping {
+    /// Past this, reads still in flight (and releases still running) are no
+    /// longer waited for.
+    deadline: Instant,
+    /// The deadline has been served by [`Core::handle_timeout`].
+    expired: bool,
+}
+
+/// What the release rule keeps besides the registrations' marks: the
+/// releases handed to the transport and not back, what the transport's
+/// release does to transfers still running, and the shutdown. Its own so
+/// that whether the service may stop is decided in one place, from counts
+/// nothing else writes.
+#[derive(Default)]
+pub(super) struct Releases {
+    /// Releases handed to the transport whose result has not come back.
+    in_flight: usize,
+    /// The transport's release ends the transfers still running to the
+    /// engine ([`crate::Transport::release_ends_transfers`]).
+    ends_transfers: bool,
+    stopping: Option<Stopping>,
+}
+
+impl Releases {
+    /// Sets whether the transport's release ends the transfers still
+    /// running to an engine.
+    pub(super) fn set_ends_transfers(&mut self, ends: bool) {
+        self.ends_transfers = ends;
+    }
+
+    /// Whether a release that came back `clean` ended the transfers still
+    /// running to its engine: only a clean one, of a transport whose
+    /// release ends them.
+    pub(super) fn transfers_ended(&self, clean: bool) -> bool {
+        clean && self.ends_transfers
+    }
+
+    /// A release was handed to the transport.
+    pub(super) fn started(&mut self) {
+        self.in_flight += 1;
+    }
+
+    /// A release came back from the transport.
+    pub(super) fn finished(&mut self) {
+        self.in_flight -= 1;
+    }
+
+    /// Releases handed to the transport and not back.
+    #[cfg(test)]
+    pub(super) fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Begins a shutdown that waits until `deadline`; false (and the first
+    /// deadline kept) if one has begun already.
+    pub(super) fn stop(&mut self, deadline: Instant) -> bool {
+        if self.stopping.is_some() {
+            return false;
+        }
+        self.stopping = Some(Stopping {
+            deadline,
+            expired: false,
+        });
+        true
+    }
+
+    /// Whether a shutdown has begun.
+    pub(super) fn is_stopping(&self) -> bool {
+        self.stopping.is_some()
+    }
+
+    /// The drain deadline was served: nothing is waited for any more.
+    pub(super) fn deadline_passed(&mut self) {
+        if let Some(stopping) = self.stopping.as_mut() {
+            stopping.expired = true;
+        }
+    }
+
+    /// Whether a shutdown has begun and nothing is left to wait for at
+    /// `now`: the deadline has passed, or no release is running and
+    /// `nothing_registered`.
+    pub(super) fn is_stopped(&self, now: Instant, nothing_registered: bool) -> bool {
+        match &self.stopping {
+            None => false,
+            Some(s) => {
+                s.expired || now >= s.deadline || (self.in_flight == 0 && nothing_registered)
+            }
+        }
+    }
+}
+
 impl<R> Core<R> {
     /// The release of `peer` came back: the runtime's handles of it learn
     /// (through the driver), and its given-up reads what their destination
@@ -24,7 +116,7 @@ impl<R> Core<R> {
     pub(super) fn release_finished(&mut self, cell: Arc<EngineCell>, clean: bool) {
         self.actions.push_back(Action::ReleaseFinished {
             cell,
-            transfers_ended: clean && self.release_ends_transfers,
+            transfers_ended: self.releases.transfers_ended(clean),
         });
     }
 
@@ -37,7 +129,7 @@ impl<R> Core<R> {
         if !peer.is_live() {
             return;
         }
-        let handshakes_before = self.open_handshakes_at(&peer.address);
+        let handshakes_before = self.directory.open_at(&peer.address);
         let peer = self.peers.get_mut(&serial).expect("checked");
         let state = match reason {
             ReleaseReason::Unreachable | ReleaseReason::MetadataLost => EngineState::Unreachable,
@@ -65,21 +157,6 @@ impl<R> Core<R> {
             self.fail_reads(serial);
         }
         self.try_release(now, serial);
-    }
-
-    /// The handshakes open at `address` now, in ticket order.
-    fn open_handshakes_at(&self, address: &crate::transport::PeerAddr) -> Vec<TicketId> {
-        if !self.handshakes.contains_key(address) {
-            return Vec::new();
-        }
-        let mut open: Vec<TicketId> = self
-            .tickets
-            .iter()
-            .filter(|(_, t)| t.address == *address)
-            .map(|(&id, _)| id)
-            .collect();
-        open.sort_unstable();
-        open
     }
 
     pub(super) fn fail_reads(&mut self, serial: RegistrationId) {
@@ -129,20 +206,17 @@ impl<R> Core<R> {
         // for this release), and not once the service is stopping
         // (nothing new will register).
         let mark = peer.mark.as_ref().expect("checked");
-        let held = self.stopping.is_none()
+        let held = !self.releases.is_stopping()
             && mark
                 .handshakes_before
                 .iter()
-                .any(|t| self.tickets.contains_key(t))
+                .any(|&t| self.directory.is_open(t))
             && !self.reload_wanted(peer.id());
         if held {
             let address = peer.address.clone();
             let peer = self.peers.get_mut(&serial).expect("checked");
             peer.mark.as_mut().expect("checked").held_by_handshake = true;
-            self.held_by_handshake
-                .entry(address)
-                .or_default()
-                .insert(serial);
+            self.directory.hold(&address, serial);
             return;
         }
         if peer.cell.try_release().is_err() {
@@ -156,7 +230,7 @@ impl<R> Core<R> {
         let agents = peer.agents.clone();
         let transfers = peer.transfers;
         peer.rate.forget(); // its limiter key forgotten
-        self.releases_in_flight += 1;
+        self.releases.started();
         self.calls.push(Call::Release {
             serial,
             engine,
@@ -175,7 +249,7 @@ impl<R> Core<R> {
         let Some(peer) = self.peers.remove(&serial) else {
             return;
         };
-        self.releases_in_flight -= 1;
+        self.releases.finished();
         let engine = peer.id().clone();
         let mark = peer.mark.expect("released registrations are marked");
         let mut endpoints_left_open = 0u32;
@@ -239,35 +313,22 @@ impl<R> Core<R> {
     /// idle one is released now), what waits is refused, and nothing is
     /// activated any more. [`Core::into_unreleased`] hands back the rest.
     pub(super) fn shutdown(&mut self, now: Instant) {
-        if self.stopping.is_some() {
+        let deadline = now + self.config.shutdown_drain;
+        if !self.releases.stop(deadline) {
             return;
         }
-        let deadline = now + self.config.shutdown_drain;
-        self.stopping = Some(Stopping {
-            deadline,
-            expired: false,
-        });
         self.timers.set(Timer::Drain, deadline);
         tracing::info!(drain = ?self.config.shutdown_drain, "stopping: marking every engine; each is released as its reads end");
         // Claims waiting for an engine id are refused; granted loads may
         // still register (the service then releases them like the rest).
-        let mut waiting: Vec<TicketId> = std::mem::take(&mut self.waiting)
-            .into_values()
-            .flatten()
-            .collect();
-        waiting.sort_unstable();
-        for ticket in waiting {
-            if let Some(t) = self.tickets.get_mut(&ticket) {
-                if let identity::Stage::Waiting { request, .. } =
-                    std::mem::replace(&mut t.stage, identity::Stage::Answered)
-                {
-                    self.actions.push_back(Action::Answer {
-                        request,
-                        answer: Answer::ClaimRefused(ClaimRefused::Stopped(
-                            crate::error::ServiceStopped,
-                        )),
-                    });
-                }
+        for ticket in self.directory.take_waiting() {
+            if let Some((_, request)) = self.directory.take_waiting_claim(ticket) {
+                self.actions.push_back(Action::Answer {
+                    request,
+                    answer: Answer::ClaimRefused(ClaimRefused::Stopped(
+                        crate::error::ServiceStopped,
+                    )),
+                });
             }
         }
         let mut serials: Vec<RegistrationId> = self.peers.keys().copied().collect();
@@ -277,7 +338,7 @@ impl<R> Core<R> {
             // Marked earlier and held by a handshake: not any more.
             self.try_release(now, serial);
         }
-        self.held_by_handshake.clear();
+        self.directory.clear_holds();
     }
 
     /// What a shutdown could not release: registrations still held, each
@@ -302,5 +363,74 @@ impl<R> Core<R> {
         unreleased.sort_by(|a, b| a.engine.cmp(&b.engine));
         unfinished.sort();
         (unreleased, unfinished)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Releases;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn releases_in_flight_are_counted_until_each_comes_back() {
+        let mut releases = Releases::default();
+        releases.started();
+        releases.started();
+        assert_eq!(releases.in_flight(), 2);
+        releases.finished();
+        assert_eq!(releases.in_flight(), 1);
+        releases.finished();
+        assert_eq!(releases.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_release_ends_transfers_only_when_clean_and_the_transport_says_so() {
+        let mut releases = Releases::default();
+        assert!(
+            !releases.transfers_ended(true),
+            "off until the transport says"
+        );
+        releases.set_ends_transfers(true);
+        assert!(releases.transfers_ended(true));
+        assert!(
+            !releases.transfers_ended(false),
+            "a failed release ends nothing"
+        );
+    }
+
+    #[test]
+    fn the_first_shutdown_stands_and_a_second_keeps_its_deadline() {
+        let now = Instant::now();
+        let mut releases = Releases::default();
+        assert!(!releases.is_stopping());
+        assert!(!releases.is_stopped(now, true), "not stopping: not stopped");
+        assert!(releases.stop(now + Duration::from_secs(5)));
+        assert!(releases.is_stopping());
+        assert!(!releases.stop(now + Duration::from_secs(1)), "once only");
+        releases.started();
+        let later = now + Duration::from_secs(2);
+        assert!(
+            !releases.is_stopped(later, true),
+            "the second deadline did not replace the first"
+        );
+        assert!(releases.is_stopped(now + Duration::from_secs(5), false));
+    }
+
+    #[test]
+    fn a_shutdown_is_over_when_nothing_is_left_or_the_deadline_was_served() {
+        let now = Instant::now();
+        let mut releases = Releases::default();
+        releases.stop(now + Duration::from_secs(5));
+        releases.started();
+        assert!(!releases.is_stopped(now, true), "a release is running");
+        releases.finished();
+        assert!(!releases.is_stopped(now, false), "a registration is left");
+        assert!(releases.is_stopped(now, true));
+        releases.started();
+        releases.deadline_passed();
+        assert!(
+            releases.is_stopped(now, false),
+            "past the deadline nothing waits"
+        );
     }
 }

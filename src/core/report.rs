@@ -7,7 +7,6 @@ use std::time::Instant;
 use super::peer::Peer;
 use super::Core;
 use crate::snapshot::{EngineSnapshot, HeartbeatSnapshot, Snapshot};
-use crate::transport::{EngineId, PeerAddr};
 
 impl<R> Core<R> {
     /// Counts of registrations by state and reads in flight, for the
@@ -30,22 +29,13 @@ impl<R> Core<R> {
             .map(|p| self.engine_snapshot(now, p))
             .collect();
         engines.sort_by(|a, b| a.engine.cmp(&b.engine));
-        let mut handshakes_pending: Vec<(PeerAddr, usize)> = self
-            .handshakes
-            .iter()
-            .map(|(a, n)| (a.clone(), *n))
-            .collect();
-        handshakes_pending.sort();
-        let mut waiting: Vec<EngineId> = self.waiting.keys().cloned().collect();
-        waiting.sort();
-        waiting.dedup();
         Snapshot {
             engines,
-            handshakes_pending,
-            waiting_for_reload: waiting,
+            handshakes_pending: self.directory.handshakes_pending(),
+            waiting_for_reload: self.directory.waiting_for_reload(),
             silent_peer_note: self.silent_peer_note.clone(),
             limiter_keys: self.peers.values().filter(|p| p.rate.is_some()).count(),
-            heartbeat_timers: self.schedule.len(),
+            heartbeat_timers: self.heartbeats.scheduled(),
             // Filled in by the driver, which holds them.
             detection_bound: None,
             transport: Default::default(),
@@ -78,14 +68,8 @@ impl<R> Core<R> {
                 if reads > 0 {
                     held.push(format!("{reads} read(s) in flight"));
                 }
-                if self
-                    .held_by_handshake
-                    .get(&p.address)
-                    .is_some_and(|s| s.contains(&p.cell.serial()))
-                {
-                    if let Some(n) = self.handshakes.get(&p.address) {
-                        held.push(format!("{n} handshake(s) pending at {}", p.address));
-                    }
+                if let Some(n) = self.directory.holding(&p.address, p.cell.serial()) {
+                    held.push(format!("{n} handshake(s) pending at {}", p.address));
                 }
                 format!(
                     "{}: release waits for {}",

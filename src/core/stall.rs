@@ -41,6 +41,72 @@ const _: () = assert!(
     "the completed count could wrap between two stall checks"
 );
 
+/// What the sampling found of one suspect: quiet for `quiet` with
+/// `reads` in flight (`given_up` of them given up as timed out), and
+/// whether it itself completed a read within the last check period.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Suspect {
+    pub(super) serial: RegistrationId,
+    pub(super) reads: u64,
+    pub(super) quiet: Duration,
+    pub(super) given_up: u64,
+    pub(super) completing: bool,
+}
+
+/// What one check's judgement found.
+#[derive(Debug, PartialEq)]
+pub(super) struct Judgement {
+    /// The suspects whose stall is their own, in registration order.
+    pub(super) stalled: Vec<Suspect>,
+    /// Suspects nobody blames: the decoder itself looks stuck.
+    pub(super) unjudged: usize,
+    /// A decoder-wide stall began with this check: warned once per
+    /// episode.
+    pub(super) stuck_began: bool,
+}
+
+/// The stall rule's judge: whether a suspect's stall is its own or the
+/// decoder's, and whether a decoder-wide stall is an episode already
+/// warned about. Its own so that the judgement (the part that must not
+/// blame an engine for the decoder's own stall) is tested without a core.
+#[derive(Default)]
+pub(super) struct StallWatch {
+    /// A decoder-wide stall (suspects, but no engine completing) is going
+    /// on and has been warned about: once per episode.
+    decoder_stuck: bool,
+}
+
+impl StallWatch {
+    /// Judges one check's `suspects`, given the live engines with a read
+    /// `outstanding` and those `completing` within the last period (each
+    /// suspect among the first, and among the second if it completed). A
+    /// suspect is stalled when another engine completed, or when no other
+    /// has a read outstanding to compare with; otherwise nobody is blamed.
+    pub(super) fn judge(
+        &mut self,
+        mut suspects: Vec<Suspect>,
+        outstanding: usize,
+        completing: usize,
+    ) -> Judgement {
+        suspects.sort_unstable_by_key(|s| s.serial);
+        let mut unjudged = 0usize;
+        suspects.retain(|suspect| {
+            let others_outstanding = outstanding > 1;
+            let others_completing = completing > usize::from(suspect.completing);
+            let blamed = !others_outstanding || others_completing;
+            unjudged += usize::from(!blamed);
+            blamed
+        });
+        let stuck_began = unjudged > 0 && !self.decoder_stuck;
+        self.decoder_stuck = unjudged > 0;
+        Judgement {
+            stalled: suspects,
+            unjudged,
+            stuck_began,
+        }
+    }
+}
+
 impl<R> Core<R> {
     /// The read-stall check: finds live registrations whose reads stopped
     /// completing, and judges them.
@@ -65,14 +131,6 @@ impl<R> Core<R> {
     /// not depend on the order of the walk; suspects are judged (and their
     /// events emitted) in registration order, so a seed reproduces them.
     pub(super) fn check_stalls(&mut self, now: Instant, bound: Duration) {
-        /// What the sampling found of one suspect.
-        struct Suspect {
-            serial: RegistrationId,
-            reads: u64,
-            quiet: Duration,
-            given_up: u64,
-            completing: bool,
-        }
         let window = stall_check_period(bound);
         let mut outstanding = 0usize;
         let mut completing = 0usize;
@@ -113,16 +171,8 @@ impl<R> Core<R> {
             }
         }
         self.timers.set_or_stop(Timer::StallMark, next_due);
-        suspects.sort_unstable_by_key(|s| s.serial);
-        let mut unjudged = 0usize;
-        for suspect in suspects {
-            // Every suspect has a read outstanding.
-            let others_outstanding = outstanding > 1;
-            let others_completing = completing > usize::from(suspect.completing);
-            if others_outstanding && !others_completing {
-                unjudged += 1;
-                continue;
-            }
+        let judgement = self.stalls.judge(suspects, outstanding, completing);
+        for suspect in judgement.stalled {
             self.stalled(
                 now,
                 suspect.serial,
@@ -131,16 +181,15 @@ impl<R> Core<R> {
                 suspect.given_up,
             );
         }
-        if unjudged > 0 && !self.decoder_stuck {
+        if judgement.stuck_began {
             self.count(Count::DecoderStuck);
             tracing::warn!(
-                engines = unjudged,
+                engines = judgement.unjudged,
                 outstanding,
                 bound = ?bound,
                 "reads of every engine with reads outstanding stopped completing: the decoder itself looks stuck, no engine is blamed (warned once until a read completes again)"
             );
         }
-        self.decoder_stuck = unjudged > 0;
     }
 
     /// A suspect judged stalled: reported once per stall, and with the
@@ -242,5 +291,70 @@ impl<R> Core<R> {
                 "{reads} read(s) in flight{given_up}, completing; stalled after {bound:?} without a completion"
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{StallWatch, Suspect};
+    use crate::registration::RegistrationId;
+    use std::time::Duration;
+
+    fn suspect(serial: u64, completing: bool) -> Suspect {
+        Suspect {
+            serial: RegistrationId(serial),
+            reads: 1,
+            quiet: Duration::from_secs(10),
+            given_up: 0,
+            completing,
+        }
+    }
+
+    #[test]
+    fn a_suspect_alone_with_reads_outstanding_is_stalled() {
+        let mut watch = StallWatch::default();
+        let judged = watch.judge(vec![suspect(1, false)], 1, 0);
+        assert_eq!(judged.stalled, vec![suspect(1, false)]);
+        assert_eq!((judged.unjudged, judged.stuck_began), (0, false));
+    }
+
+    #[test]
+    fn suspects_are_stalled_in_registration_order_while_another_engine_completes() {
+        let mut watch = StallWatch::default();
+        let judged = watch.judge(vec![suspect(3, false), suspect(2, false)], 3, 1);
+        let serials: Vec<u64> = judged.stalled.iter().map(|s| s.serial.get()).collect();
+        assert_eq!(serials, [2, 3]);
+    }
+
+    #[test]
+    fn a_suspect_s_own_completion_does_not_count_as_another_s() {
+        let mut watch = StallWatch::default();
+        let judged = watch.judge(vec![suspect(1, true)], 2, 1);
+        assert!(
+            judged.stalled.is_empty(),
+            "only its own completion was seen"
+        );
+        assert_eq!(judged.unjudged, 1);
+    }
+
+    #[test]
+    fn a_decoder_wide_stall_is_one_episode_until_a_check_blames_nobody_else() {
+        let mut watch = StallWatch::default();
+        let stuck = || vec![suspect(1, false), suspect(2, false)];
+        let first = watch.judge(stuck(), 2, 0);
+        assert!(first.stalled.is_empty(), "nobody is blamed");
+        assert_eq!((first.unjudged, first.stuck_began), (2, true));
+        assert!(
+            !watch.judge(stuck(), 2, 0).stuck_began,
+            "warned once per episode"
+        );
+        assert!(
+            !watch.judge(Vec::new(), 2, 1).stuck_began,
+            "the episode ended"
+        );
+        assert!(
+            watch.judge(stuck(), 2, 0).stuck_began,
+            "a new episode is news"
+        );
     }
 }

@@ -390,7 +390,7 @@ fn a_conflict_is_published_once_and_counted_every_time() {
         .filter(|e| matches!(e, Event::Conflict { .. }))
         .count();
     assert_eq!(published, 1);
-    assert_eq!(h.core.conflicts.values().sum::<u64>(), 5);
+    assert_eq!(h.core.conflicts.sightings(), 5);
 }
 
 #[test]

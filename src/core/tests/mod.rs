@@ -251,17 +251,8 @@ impl Harness {
 
     /// Nothing per handshake is left once every handshake has ended.
     fn assert_no_ticket_state(&self) {
-        assert!(self.core.tickets.is_empty(), "tickets left");
-        assert!(self.core.waiting.is_empty(), "waiting claims left");
-        assert!(self.core.loads.is_empty(), "loads left");
-        assert!(self.core.handshakes.is_empty(), "handshake counts left");
-        assert!(
-            self.core
-                .agents
-                .values()
-                .all(|h| matches!(h, Holder::Registration(_))),
-            "agent names held by loads"
-        );
+        let left = self.core.directory.ticket_state_left();
+        assert!(left.is_empty(), "per-handshake state left: {left:?}");
     }
 
     /// The transport calls decided since the last take, and the rest kept.
@@ -368,6 +359,7 @@ impl Harness {
     }
 }
 
+mod directory;
 mod heartbeat;
 mod identity;
 mod release;
