@@ -41,7 +41,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use nixl_keepalive::EngineId;
 use nixl_keepalive_cli::pd::prefill::{
-    fresh_engine_id, spawn_shared_poller, Memory, Prefill, PrefillConfig, Role,
+    fresh_engine_id, spawn_shared_poller, Memory, Prefill, PrefillConfig, Role, WriteCounts,
 };
 use nixl_keepalive_cli::pd::wire::{MAX_BLOCK_SIZE, MAX_RANKS};
 use tokio_util::sync::CancellationToken;
@@ -198,20 +198,34 @@ pub(crate) struct OwnerArgs {
 }
 
 /// A push-mode decode's line about the writes into it, all its engines
-/// together: `writes: verified=N corrupt=N malformed=N late=N unknown=N`
+/// together: `writes: verified=N corrupt=N malformed=N overwritten=N
+/// late=N unknown=N`
 /// and `suffix` (every 5 s, and once more at stop).
 fn print_writes(engines: &[Arc<Prefill>], suffix: &str) {
-    let (mut verified, mut corrupt, mut malformed, mut late, mut unknown) = (0, 0, 0, 0, 0);
+    let (mut sum, mut late, mut unknown) = (WriteCounts::default(), 0, 0);
     for e in engines {
-        let (v, c, m) = e.write_counts();
+        let c = e.write_counts();
         let leases = e.lease_counts();
-        verified += v;
-        corrupt += c;
-        malformed += m;
+        sum.verified += c.verified;
+        sum.corrupt += c.corrupt;
+        sum.malformed += c.malformed;
+        sum.overwritten += c.overwritten;
+        sum.bytes_after_notification += c.bytes_after_notification;
+        sum.bytes_after_notification_max_us = sum
+            .bytes_after_notification_max_us
+            .max(c.bytes_after_notification_max_us);
         late += leases.late_reads;
         unknown += leases.unknown_reads;
     }
-    println!("writes: verified={verified} corrupt={corrupt} malformed={malformed} late={late} unknown={unknown}{suffix}");
+    println!(
+        "writes: verified={} corrupt={} malformed={} overwritten={} late={late} unknown={unknown} bytes_after_notification={} max_lag_us={}{suffix}",
+        sum.verified,
+        sum.corrupt,
+        sum.malformed,
+        sum.overwritten,
+        sum.bytes_after_notification,
+        sum.bytes_after_notification_max_us
+    );
 }
 
 /// The most engines one `prefill` process hosts (`--engines`).

@@ -358,7 +358,9 @@ struct LocalSlots {
     /// Each behind a lock only its one transfer takes (a slot is popped
     /// from `free` first): filling a slot for a write needs `&mut`.
     regions: Vec<Mutex<Slot>>,
-    free: Mutex<Vec<usize>>,
+    /// Free slots, oldest first: a slot is taken again as late as it can
+    /// be.
+    free: Mutex<std::collections::VecDeque<usize>>,
     /// Slots lent to transfers given up in progress, not proven over.
     lent: Mutex<BTreeSet<usize>>,
 }
@@ -601,7 +603,7 @@ impl RemoteEngine {
             .free
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .pop()
+            .pop_front()
         else {
             return ReadOutcome::NoSlot;
         };
@@ -617,7 +619,7 @@ impl RemoteEngine {
                 .free
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push(slot);
+                .push_back(slot);
         }
         outcome
     }
@@ -637,7 +639,7 @@ impl RemoteEngine {
                 .free
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push(slot);
+                .push_back(slot);
         }
     }
 
@@ -697,7 +699,13 @@ impl RemoteEngine {
         // The request reaches P before its READ does (the same pair of
         // agents, in order): P leases its blocks from now.
         if let Some(to) = self.agents.get(rank as usize) {
-            if let Err(e) = agent.gen_notif(to.as_str(), format!("RQ:{request}").as_bytes()) {
+            // Push mode names the block the request writes: the decode
+            // reserves it for this request (see `pd::prefill`).
+            let scheduled = match direction {
+                Direction::Read => format!("RQ:{request}"),
+                Direction::Write => format!("RQ:{request}:{rank}:{block}"),
+            };
+            if let Err(e) = agent.gen_notif(to.as_str(), scheduled.as_bytes()) {
                 return ReadOutcome::Failed(e.status);
             }
         }

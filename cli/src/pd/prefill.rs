@@ -12,11 +12,17 @@
 //! --push`): it owns the blocks (zeroed, not filled), answers the same
 //! handshake, and a prefill WRITEs into them. The lease rules are the same
 //! table with the roles swapped: `RQ:<request>` from the writing prefill
-//! reserves the decode's blocks for the request, the prefill's keepalive
-//! `HB:` (naming its requests whose writes are pending) renews them, and
+//! (`RQ:<request>:<rank>:<block>`: the block the write goes to) reserves
+//! the decode's block for the request, the prefill's keepalive `HB:`
+//! (naming its requests whose writes are pending) renews the lease, and
 //! `WR:<request>:<rank>:<block>`, sent by NIXL to the decode once the
 //! write's bytes are in its memory, completes the request: the decode
 //! checks the block against [`pattern::write_seed`] and frees the lease.
+//! A block reserved again by a newer request before the older one's `WR:`
+//! is handled is not checked (the newer write may be landing in it) and
+//! is counted as `overwritten`: the test prefill picks blocks itself, so
+//! it can reuse one sooner than a real decode, which frees a block only
+//! once its request completed.
 //! A `WR:` after the lease ran out is a write into blocks the decode had
 //! given back (a late write: logged as an error and counted).
 //!
@@ -248,8 +254,16 @@ pub struct PrefillStats {
     /// `WR:` notifications whose block did not (push): the write landed
     /// elsewhere, not at all, or another request's write overwrote it.
     pub writes_corrupt: AtomicU64,
-    /// `WR:` notifications that named no block of this engine.
+    /// `RQ:` and `WR:` notifications that named no block of this engine.
     pub writes_malformed: AtomicU64,
+    /// `WR:` notifications whose block a newer request had reserved by
+    /// the time they were handled: not checked (the newer write may be
+    /// landing).
+    pub writes_overwritten: AtomicU64,
+    /// Writes verified only after their `WR:` was handled.
+    pub bytes_after_notification: AtomicU64,
+    /// The longest lag of those, in microseconds.
+    pub bytes_after_notification_max_us: AtomicU64,
     /// Handshakes answered.
     pub handshakes: AtomicU64,
     /// Bad side-channel requests refused.
@@ -257,6 +271,40 @@ pub struct PrefillStats {
     /// Side-channel connections closed unanswered (busy, evicted, I/O
     /// error, early EOF, timeout).
     pub dropped: AtomicU64,
+}
+
+/// How long a written block's bytes may come after its `WR:` before the
+/// write counts as corrupt (see [`Prefill::recheck`]). With NIXL 1.5.1
+/// over loopback none came after it in our runs (the count stays 0): a
+/// `WR:` found its bytes, or a newer write's.
+pub const BYTES_AFTER_NOTIFICATION: Duration = Duration::from_secs(1);
+
+/// A written block checked again (see [`Prefill::recheck`]).
+struct PendingCheck {
+    rank: u16,
+    block: u32,
+    request: String,
+    seed: u64,
+    /// When its `WR:` was handled.
+    since: Instant,
+}
+
+/// What the writes into a push-mode decode came to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WriteCounts {
+    /// Checked: the block held the request's bytes.
+    pub verified: u64,
+    /// Checked: it did not.
+    pub corrupt: u64,
+    /// `RQ:` or `WR:` naming no block of this engine.
+    pub malformed: u64,
+    /// Not checked: the block was reserved again first.
+    pub overwritten: u64,
+    /// Verified, but only after their `WR:` was handled (the bytes came
+    /// after the notification).
+    pub bytes_after_notification: u64,
+    /// The longest such lag, in microseconds.
+    pub bytes_after_notification_max_us: u64,
 }
 
 /// A running prefill engine. See the module docs.
@@ -271,6 +319,13 @@ pub struct Prefill {
     /// (host and port: two clients on one host are two peers) and reason
     /// per period, within the process's log budget.
     drop_log: Mutex<LogLimiter<(SocketAddr, &'static str)>>,
+    /// Push mode: written blocks whose bytes were not all there at their
+    /// `WR:`, checked again at each poll ([`Prefill::recheck`]).
+    pending_checks: Mutex<Vec<PendingCheck>>,
+    /// Push mode: the request each written block was last reserved for
+    /// (`RQ:<request>:<rank>:<block>`), so that a `WR:` is checked only
+    /// while its block is still its own.
+    reserved: Mutex<std::collections::HashMap<(u16, u32), String>>,
 }
 
 impl Prefill {
@@ -341,6 +396,8 @@ impl Prefill {
             leases: Mutex::new(leases),
             stats: PrefillStats::default(),
             drop_log: Mutex::new(LogLimiter::standard()),
+            reserved: Mutex::default(),
+            pending_checks: Mutex::default(),
         }))
     }
 
@@ -391,7 +448,7 @@ impl Prefill {
     /// (one every 10 ms) at its 1 ms busy pace for good (issue 32's
     /// fan-in).
     fn poll_once(&self) -> bool {
-        let mut busy = false;
+        let mut busy = self.recheck(Instant::now());
         for (r, rank) in self.ranks.iter().enumerate() {
             match rank.agent.get_notifs() {
                 Ok(notifs) => {
@@ -406,6 +463,48 @@ impl Prefill {
         busy
     }
 
+    /// Checks again the written blocks whose bytes were not all there when
+    /// their `WR:` was handled: verified once they are (counted as bytes
+    /// after the notification, with the longest lag), corrupt once
+    /// [`BYTES_AFTER_NOTIFICATION`] passed, not checked once the block was
+    /// reserved again. Whether any is still waiting (the poller keeps its
+    /// busy pace meanwhile).
+    fn recheck(&self, now: Instant) -> bool {
+        let mut pending = self
+            .pending_checks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if pending.is_empty() {
+            return false;
+        }
+        let reserved = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        pending.retain(|c| {
+            if reserved.get(&(c.rank, c.block)) != Some(&c.request) {
+                self.stats.writes_overwritten.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
+            let memory = &self.ranks[usize::from(c.rank)].memory;
+            let waited = now.saturating_duration_since(c.since);
+            match memory.block_mismatch(c.block, self.config.block_size, c.seed, c.rank) {
+                None => {
+                    self.stats.writes_verified.fetch_add(1, Ordering::Relaxed);
+                    self.stats.bytes_after_notification.fetch_add(1, Ordering::Relaxed);
+                    self.stats
+                        .bytes_after_notification_max_us
+                        .fetch_max(waited.as_micros() as u64, Ordering::Relaxed);
+                    false
+                }
+                Some(offset) if waited >= BYTES_AFTER_NOTIFICATION => {
+                    self.stats.writes_corrupt.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(request = %c.request, rank = c.rank, block = c.block, offset, ?waited, "written block does not hold the request's bytes");
+                    false
+                }
+                Some(_) => true,
+            }
+        });
+        !pending.is_empty()
+    }
+
     /// How often leases are swept: a tenth of a lease, at most 1 s, so an
     /// expiry is logged within 10% of the lease after it happens.
     fn sweep_interval(&self) -> Duration {
@@ -416,7 +515,14 @@ impl Prefill {
         let rank_agent = self.ranks[usize::from(rank)].agent.name();
         let text = String::from_utf8_lossy(message);
         let now = Instant::now();
-        if let Some(id) = text.strip_prefix("RQ:") {
+        if let Some(scheduled) = text.strip_prefix("RQ:") {
+            let id = match self.config.role {
+                Role::Source => scheduled,
+                Role::Sink => match self.reserve(rank, scheduled) {
+                    Some(id) => id,
+                    None => return,
+                },
+            };
             if self.lock_leases().schedule(id, now) {
                 tracing::debug!(
                     to = rank_agent,
@@ -471,6 +577,36 @@ impl Prefill {
         }
     }
 
+    /// `RQ:<request>:<rank>:<block>` at rank `rank` (push mode): the block
+    /// is reserved for the request, whose id (leased) it returns. A
+    /// request naming another rank or no block of this engine is
+    /// malformed: counted, logged, nothing leased.
+    fn reserve<'a>(&self, rank: u16, scheduled: &'a str) -> Option<&'a str> {
+        let Some((id, block)) = self.named_block(rank, scheduled) else {
+            self.stats.writes_malformed.fetch_add(1, Ordering::Relaxed);
+            let scheduled = nixl_keepalive::text::Escaped(scheduled);
+            tracing::warn!(rank, %scheduled, blocks = self.config.blocks, "write request refused: not RQ:<request>:<this rank>:<block below blocks>");
+            return None;
+        };
+        self.reserved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((rank, block), id.to_string());
+        Some(id)
+    }
+
+    /// `<request>:<rank>:<block>` of a push-mode notification, when the
+    /// rank is `rank` and the block one of this engine's.
+    fn named_block<'a>(&self, rank: u16, text: &'a str) -> Option<(&'a str, u32)> {
+        match text.rsplitn(3, ':').collect::<Vec<_>>().as_slice() {
+            [block, r, id] => match (r.parse::<u16>(), block.parse::<u32>()) {
+                (Ok(r), Ok(b)) if r == rank && b < self.config.blocks => Some((*id, b)),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
     /// `WR:<request>:<rank>:<block>` at rank `rank` (push mode): the
     /// write's bytes are in the block; they are checked, and the request's
     /// lease ends. A `WR:` naming another rank than the one it reached, or
@@ -478,15 +614,7 @@ impl Prefill {
     /// freed.
     fn on_written(&self, rank: u16, from: &str, written: &str, now: Instant) {
         let rank_agent = self.ranks[usize::from(rank)].agent.name();
-        let parsed = written.rsplitn(3, ':').collect::<Vec<_>>();
-        let named = match parsed.as_slice() {
-            [block, r, id] => match (r.parse::<u16>(), block.parse::<u32>()) {
-                (Ok(r), Ok(b)) if r == rank && b < self.config.blocks => Some((*id, b)),
-                _ => None,
-            },
-            _ => None,
-        };
-        let Some((id, block)) = named else {
+        let Some((id, block)) = self.named_block(rank, written) else {
             self.stats.writes_malformed.fetch_add(1, Ordering::Relaxed);
             let written = nixl_keepalive::text::Escaped(written);
             tracing::warn!(to = rank_agent, from, %written, blocks = self.config.blocks, "write notification refused: not WR:<request>:<this rank>:<block below blocks>");
@@ -494,21 +622,42 @@ impl Prefill {
         };
         let seed = pattern::write_seed(self.config.engine.as_str(), id);
         let memory = &self.ranks[usize::from(rank)].memory;
-        match memory.block_mismatch(block, self.config.block_size, seed, rank) {
-            None => {
-                self.stats.writes_verified.fetch_add(1, Ordering::Relaxed);
+        let reserved_for = self
+            .reserved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(rank, block))
+            .cloned();
+        if reserved_for.as_deref() == Some(id) {
+            match memory.block_mismatch(block, self.config.block_size, seed, rank) {
+                None => {
+                    self.stats.writes_verified.fetch_add(1, Ordering::Relaxed);
+                }
+                // Not yet told apart: a newer write into the block may have
+                // landed before this poll handled the newer one's `RQ:`
+                // (the test prefill reuses blocks at once; measured), or
+                // the bytes may still be on their way. Checked again at
+                // each poll, for at most `BYTES_AFTER_NOTIFICATION`.
+                Some(_) => self
+                    .pending_checks
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(PendingCheck {
+                        rank,
+                        block,
+                        request: id.to_string(),
+                        seed,
+                        since: now,
+                    }),
             }
-            Some(offset) => {
-                self.stats.writes_corrupt.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(
-                    to = rank_agent,
-                    from,
-                    request = id,
-                    block,
-                    offset,
-                    "written block does not hold the request's bytes"
-                );
-            }
+        } else {
+            // A newer request reserved the block before this `WR:` was
+            // handled: its write may be landing there now, so this one's
+            // bytes can no longer be told from it. Not checked, counted.
+            self.stats
+                .writes_overwritten
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(to = rank_agent, from, request = id, block, newer = ?reserved_for, "written block reserved again before its check: not checked");
         }
         match self.lock_leases().read_done(id, now) {
             ReadDone::InTime => {
@@ -532,13 +681,17 @@ impl Prefill {
     }
 
     /// What the push-mode writes into this engine came to (`decode
-    /// --push`): verified, corrupt, malformed.
-    pub fn write_counts(&self) -> (u64, u64, u64) {
-        (
-            self.stats.writes_verified.load(Ordering::Relaxed),
-            self.stats.writes_corrupt.load(Ordering::Relaxed),
-            self.stats.writes_malformed.load(Ordering::Relaxed),
-        )
+    /// --push`).
+    pub fn write_counts(&self) -> WriteCounts {
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        WriteCounts {
+            verified: n(&self.stats.writes_verified),
+            corrupt: n(&self.stats.writes_corrupt),
+            malformed: n(&self.stats.writes_malformed),
+            overwritten: n(&self.stats.writes_overwritten),
+            bytes_after_notification: n(&self.stats.bytes_after_notification),
+            bytes_after_notification_max_us: n(&self.stats.bytes_after_notification_max_us),
+        }
     }
 
     /// Pull mode's prefill or push mode's decode.
@@ -557,7 +710,14 @@ impl Prefill {
     pub fn log_lease_counts(&self) {
         let c = self.lease_counts();
         if self.config.role == Role::Sink {
-            let (verified, corrupt, malformed) = self.write_counts();
+            let WriteCounts {
+                verified,
+                corrupt,
+                malformed,
+                overwritten,
+                bytes_after_notification,
+                bytes_after_notification_max_us,
+            } = self.write_counts();
             tracing::info!(
                 scheduled = c.scheduled,
                 extended = c.extended,
@@ -570,6 +730,9 @@ impl Prefill {
                 verified,
                 corrupt,
                 malformed,
+                overwritten,
+                bytes_after_notification,
+                bytes_after_notification_max_us,
                 "lease summary (push: writes into this decode)"
             );
             return;
@@ -783,6 +946,16 @@ pub fn spawn_shared_poller(
                     (pause * 2).min(idle_pause)
                 };
                 std::thread::sleep(pause);
+            }
+            // What arrived before the stop is handled before the stop's
+            // summary counts it (a write's `WR:` that came in with the
+            // signal), bounded as the sweeps are.
+            for me in &prefills {
+                for _ in 0..SWEEP_DRAIN_ROUNDS {
+                    if !me.poll_once() {
+                        break;
+                    }
+                }
             }
         })
         .expect("spawn prefill poller")

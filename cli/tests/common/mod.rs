@@ -144,6 +144,10 @@ pub struct PrefillSpec {
     pub netns: Option<String>,
     /// Extra flags (`--etcd-endpoint ...`, `--lease-secs 2`).
     pub args: Vec<String>,
+    /// Start a push-mode decode (`decode --push`: the same block owner,
+    /// its blocks written by the test's prefill side) instead of a
+    /// prefill. Its READY line says `DECODE READY`.
+    pub push: bool,
 }
 
 /// A loopback address for a prefill to listen on, on a free port outside
@@ -206,8 +210,11 @@ impl PrefillProc {
             }
             None => Command::new(bin),
         };
-        cmd.arg("prefill")
-            .args(["--listen", spec.listen.as_deref().unwrap_or("127.0.0.1:0")])
+        match spec.push {
+            true => cmd.args(["decode", "--push"]),
+            false => cmd.arg("prefill"),
+        };
+        cmd.args(["--listen", spec.listen.as_deref().unwrap_or("127.0.0.1:0")])
             .args(["--engines", &spec.engines.unwrap_or(1).to_string()])
             .args(["--blocks", &spec.blocks.unwrap_or(8).to_string()])
             .args([
@@ -237,6 +244,11 @@ impl PrefillProc {
             }
         });
         let engines = usize::from(spec.engines.unwrap_or(1));
+        let ready = if spec.push {
+            "DECODE READY"
+        } else {
+            "PREFILL READY"
+        };
         // Each engine's start (agents, memory) takes tens of ms, more on a
         // loaded machine.
         let deadline =
@@ -246,7 +258,7 @@ impl PrefillProc {
         while hosted.len() < engines {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
-                Ok(line) if line.starts_with("PREFILL READY") => {
+                Ok(line) if line.starts_with(ready) => {
                     let field = |k: &str| {
                         line.split_whitespace()
                             .find_map(|w| w.strip_prefix(k))
