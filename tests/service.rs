@@ -191,6 +191,57 @@ async fn a_dead_peer_is_kept_while_a_read_from_it_is_in_flight_and_released_when
     w.stop().await.assert_nothing_leaked();
 }
 
+/// Push mode: a write into a dead peer (a decode, the service embedded in
+/// the prefill) holds its release exactly as a read does; the fake's
+/// WRITE into the crashed peer fails, the guard's end releases it.
+#[tokio::test(start_paused = true)]
+async fn a_dead_peer_is_kept_while_a_push_write_into_it_is_in_flight() {
+    let mut w = world(FakeConfig::default(), config());
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    let engine = w.connect(&addr(1)).await;
+    assert_eq!(
+        w.ucx.write(&p),
+        NixlStatus::SUCCESS,
+        "a live peer takes writes"
+    );
+    let write = engine.begin_write_owned().unwrap();
+    assert_eq!(
+        engine.reads_in_flight(),
+        1,
+        "a write counts as a transfer in flight"
+    );
+    w.ucx.crash(&p);
+    w.until(Duration::from_secs(6), |e| {
+        matches!(e, Event::Unreachable { .. }).then_some(())
+    })
+    .await;
+    w.run_for(Duration::from_secs(60)).await;
+    assert!(
+        write.is_failed(),
+        "writes into an unreachable peer are failed"
+    );
+    assert_eq!(
+        w.ucx.held_by(&p).remote_metadata,
+        1,
+        "not released under a write"
+    );
+    assert!(
+        engine.begin_write().is_err(),
+        "no new write to a marked engine"
+    );
+    let status = w.ucx.write(&p);
+    assert!(!status.is_ok(), "a WRITE into a crashed peer: {status}");
+    write.finish(status);
+    match w.released(&p, Duration::from_millis(1)).await {
+        Event::Released { waited_for, .. } => {
+            assert_eq!(waited_for.reads_in_flight_at_mark, 1);
+            assert!(waited_for.duration >= Duration::from_secs(60));
+        }
+        _ => unreachable!(),
+    }
+    w.stop().await.assert_nothing_leaked();
+}
+
 /// The owned guard (and a borrowed one turned owned) keeps the read for
 /// as long as it lives, wherever it went: the read counts once, the
 /// borrowed guard it came from ends nothing, and the release waits for the

@@ -249,6 +249,10 @@ class Engine:
     def read(self) -> Read:
         """Starts a read (a context manager); raises :class:`ReadRefused`
         at once when the engine is not live."""
+    def write(self) -> Read:
+        """Starts a push-mode write into this engine (the same guard as a
+        read: no release while it is open); raises :class:`ReadRefused`
+        at once when the engine is not live."""
     def report_transfer(self, status: Status) -> None:
         """Reports how a transfer not tracked with :meth:`read` ended."""
     def wait_released(self, timeout: Optional[float] = None) -> bool:

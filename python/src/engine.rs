@@ -103,26 +103,16 @@ impl Engine {
     /// released before the read ends. Raises `ReadRefused` at once (no
     /// wait) when the engine is not live: post no transfer to it.
     fn read(&self, py: Python<'_>) -> PyResult<Read> {
-        match self.inner.begin_read_owned() {
-            Ok(guard) => Ok(Read {
-                guard: Mutex::new(Some(guard)),
-                engine: self.inner.clone(),
-            }),
-            Err(refused) => Err(errors::with_attrs(
-                py,
-                errors::ReadRefused::new_err(refused.to_string()),
-                &[
-                    (
-                        "engine",
-                        pyo3::types::PyString::new(py, refused.engine.as_str()).into_any(),
-                    ),
-                    (
-                        "state",
-                        pyo3::types::PyString::new(py, refused.state.as_str()).into_any(),
-                    ),
-                ],
-            )),
-        }
+        guarded(&self.inner, py, self.inner.begin_read_owned())
+    }
+
+    /// Starts a write (push mode: this process writes into the engine's
+    /// memory, e.g. SGLang's prefill into a decode). The same guard as a
+    /// read, and the same rule: the engine is not released before the
+    /// write ends. Raises `ReadRefused` at once when the engine is not
+    /// live.
+    fn write(&self, py: Python<'_>) -> PyResult<Read> {
+        guarded(&self.inner, py, self.inner.begin_write_owned())
     }
 
     /// Waits (GIL released) until this registration has been released:
@@ -424,5 +414,33 @@ impl GivenUpRead {
             self.why(),
             self.try_destination()
         )
+    }
+}
+
+/// Wraps a begun transfer's guard, or raises `ReadRefused`.
+fn guarded(
+    engine: &nixl_keepalive::EngineRef,
+    py: Python<'_>,
+    begun: Result<nixl_keepalive::OwnedReadGuard, nixl_keepalive::ReadRefused>,
+) -> PyResult<Read> {
+    match begun {
+        Ok(guard) => Ok(Read {
+            guard: Mutex::new(Some(guard)),
+            engine: engine.clone(),
+        }),
+        Err(refused) => Err(errors::with_attrs(
+            py,
+            errors::ReadRefused::new_err(refused.to_string()),
+            &[
+                (
+                    "engine",
+                    pyo3::types::PyString::new(py, refused.engine.as_str()).into_any(),
+                ),
+                (
+                    "state",
+                    pyo3::types::PyString::new(py, refused.state.as_str()).into_any(),
+                ),
+            ],
+        )),
     }
 }

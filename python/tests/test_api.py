@@ -219,14 +219,15 @@ def test_other_errors_are_counted_never_a_release(ka, agent):
     assert engine.state == "live" and not agent.of("release_dlist_handle")
 
 
-def test_no_release_while_a_read_is_in_flight(ka, agent):
+@pytest.mark.parametrize("begin", ["read", "write"])
+def test_no_release_while_a_read_or_a_push_write_is_in_flight(ka, agent, begin):
     log = EventLog(ka)
     engine = connect(ka)
-    read = engine.read()
+    read = getattr(engine, begin)()
     agent.fail["e1-rank0"] = nixlRemoteDisconnectError
     log.wait("unreachable", 5, engine="e1")
     with pytest.raises(nk.ReadRefused) as refused:
-        engine.read()
+        getattr(engine, begin)()
     assert (refused.value.engine, refused.value.state) == ("e1", "unreachable")
     assert read.failed, "an unreachable engine's reads are failed"
     # Six heartbeat intervals with the read still open: nothing may be

@@ -814,6 +814,17 @@ impl FakeUcx {
     /// still in progress, else `SUCCESS`. `NOT_FOUND` when no agent of the
     /// engine is loaded (or the engine is unknown).
     pub fn read(&self, engine: &EngineId) -> NixlStatus {
+        self.transfer(FakeOp::Read, engine)
+    }
+
+    /// A WRITE into every rank of the engine (push mode): the status the
+    /// transfer ends with, by the rules of [`FakeUcx::read`].
+    pub fn write(&self, engine: &EngineId) -> NixlStatus {
+        self.transfer(FakeOp::Write, engine)
+    }
+
+    /// One transfer with every rank of the engine (see [`FakeUcx::read`]).
+    fn transfer(&self, op: FakeOp, engine: &EngineId) -> NixlStatus {
         let agents = {
             let world = self.lock();
             match world.by_engine.get(engine) {
@@ -822,9 +833,15 @@ impl FakeUcx {
             }
         };
         if agents.is_empty() {
-            return self.read_agent_of(Some(engine.clone()), None);
+            return self.transfer_of(op, Some(engine.clone()), None);
         }
-        let statuses: Vec<NixlStatus> = agents.iter().map(|a| self.read_agent(a)).collect();
+        let statuses: Vec<NixlStatus> = agents
+            .iter()
+            .map(|a| {
+                let engine = self.lock().agent_engine.get(a).cloned();
+                self.transfer_of(op, engine, Some(a))
+            })
+            .collect();
         statuses
             .iter()
             .copied()
@@ -838,34 +855,6 @@ impl FakeUcx {
     pub fn read_agent(&self, agent: &AgentName) -> NixlStatus {
         let engine = self.lock().agent_engine.get(agent).cloned();
         self.read_agent_of(engine, Some(agent))
-    }
-
-    /// A WRITE into every rank of the engine (push mode): the status the
-    /// transfer ends with, by the rules of [`FakeUcx::read`].
-    pub fn write(&self, engine: &EngineId) -> NixlStatus {
-        let agents = {
-            let world = self.lock();
-            match world.by_engine.get(engine) {
-                Some(&p) => world.processes[p].agents.clone(),
-                None => Vec::new(),
-            }
-        };
-        if agents.is_empty() {
-            return self.transfer_of(FakeOp::Write, Some(engine.clone()), None);
-        }
-        let statuses: Vec<NixlStatus> = agents
-            .iter()
-            .map(|a| {
-                let engine = self.lock().agent_engine.get(a).cloned();
-                self.transfer_of(FakeOp::Write, engine, Some(a))
-            })
-            .collect();
-        statuses
-            .iter()
-            .copied()
-            .find(|s| !s.is_ok())
-            .or_else(|| statuses.iter().copied().find(|s| *s == NixlStatus::IN_PROG))
-            .unwrap_or(NixlStatus::SUCCESS)
     }
 
     fn read_agent_of(&self, engine: Option<EngineId>, agent: Option<&AgentName>) -> NixlStatus {

@@ -76,6 +76,14 @@ pub(crate) struct DemoArgs {
     /// instead of the tables; no live view.
     #[arg(long)]
     json: bool,
+
+    /// Push mode (SGLang's NIXL path): the service runs in a prefill that
+    /// WRITEs into the simulated peers, which are decodes. The same
+    /// incidents, bounds and checks (no release with a write in flight);
+    /// the lines below name each peer as the simulated cluster does
+    /// (`prefill N`): in push mode, read decode N.
+    #[arg(long)]
+    push: bool,
 }
 
 /// `--ucx-keepalive`: a duration or `inf`.
@@ -162,6 +170,7 @@ fn args_summary(args: &DemoArgs) -> report::RunInfo {
         seed: args.seed,
         duration: args.duration,
         ucx_keepalive: args.ucx_keepalive.0,
+        push: args.push,
     }
 }
 
@@ -192,7 +201,7 @@ async fn simulate(args: &DemoArgs, config: Config) -> Outcome {
     let shutdown = CancellationToken::new();
     let (handle, service) = nixl_keepalive::spawn(audit.clone(), config.clone(), shutdown.clone());
 
-    let shape = TrafficShape::default();
+    let shape = TrafficShape::default().with_push(args.push);
     let bounds = Bounds::new(&config, args.ucx_keepalive.0, shape.max_read());
     let decoder = Decoder::new(
         ucx.clone(),
@@ -222,10 +231,17 @@ async fn simulate(args: &DemoArgs, config: Config) -> Outcome {
                 report::human(args.duration)
             )
         };
-        println!(
-            "nixl-keepalive demo: {} prefills x {} ranks, 1 decoder with {} readers; {}",
-            args.prefills, args.ranks, args.readers, clock
-        );
+        if args.push {
+            println!(
+                "nixl-keepalive demo, push mode: 1 prefill embedding the service, with {} writers, WRITEs into {} decodes x {} ranks (each named `prefill N` below, as the simulated cluster calls its peers: read decode N); {}",
+                args.readers, args.prefills, args.ranks, clock
+            );
+        } else {
+            println!(
+                "nixl-keepalive demo: {} prefills x {} ranks, 1 decoder with {} readers; {}",
+                args.prefills, args.ranks, args.readers, clock
+            );
+        }
         println!(
             "service: {config}; simulated UCX_KEEPALIVE_INTERVAL={}; scenario: {}",
             args.ucx_keepalive

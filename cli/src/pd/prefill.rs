@@ -709,43 +709,26 @@ impl Prefill {
     /// Logs the lease counts (at stop).
     pub fn log_lease_counts(&self) {
         let c = self.lease_counts();
-        if self.config.role == Role::Sink {
-            let WriteCounts {
-                verified,
-                corrupt,
-                malformed,
-                overwritten,
-                bytes_after_notification,
-                bytes_after_notification_max_us,
-            } = self.write_counts();
-            tracing::info!(
-                scheduled = c.scheduled,
-                extended = c.extended,
-                ignored = c.ignored,
-                completed = c.completed,
-                expired = c.expired,
-                late_writes = c.late_reads,
-                unknown_writes = c.unknown_reads,
-                refused = c.refused,
-                verified,
-                corrupt,
-                malformed,
-                overwritten,
-                bytes_after_notification,
-                bytes_after_notification_max_us,
-                "lease summary (push: writes into this decode)"
-            );
-            return;
-        }
+        // Push mode's decode: the same table, its completions writes.
+        let push = (self.config.role == Role::Sink).then(|| self.write_counts());
+        let role = if push.is_some() {
+            "push: writes into this decode"
+        } else {
+            "pull: reads from this prefill"
+        };
         tracing::info!(
+            role,
             scheduled = c.scheduled,
             extended = c.extended,
             ignored = c.ignored,
             completed = c.completed,
             expired = c.expired,
+            // (Push mode: late and unknown writes; one name for both
+            // roles, which operators and tests grep for.)
             late_reads = c.late_reads,
             unknown_reads = c.unknown_reads,
             refused = c.refused,
+            writes = ?push,
             "lease summary"
         );
     }

@@ -32,6 +32,9 @@ pub(super) struct TrafficShape {
     gap: (Duration, Duration),
     /// Simulated side-channel round trip of a handshake.
     handshake: Duration,
+    /// Push mode: the transfers are WRITEs into the peers (the service
+    /// runs in a prefill, the peers are decodes), guarded as reads are.
+    push: bool,
 }
 
 impl Default for TrafficShape {
@@ -41,11 +44,17 @@ impl Default for TrafficShape {
             poll: Duration::from_millis(50),
             gap: (Duration::from_millis(0), Duration::from_millis(50)),
             handshake: Duration::from_millis(30),
+            push: false,
         }
     }
 }
 
 impl TrafficShape {
+    /// The same traffic, as push-mode writes when `push`.
+    pub(super) fn with_push(self, push: bool) -> Self {
+        TrafficShape { push, ..self }
+    }
+
     /// The longest a read holds its guard while its peer answers.
     pub(super) fn max_read(&self) -> Duration {
         self.read.1 + self.poll
@@ -373,7 +382,12 @@ impl Decoder {
             let Some(current) = self.current()[prefill].clone() else {
                 continue;
             };
-            let guard = match current.engine.begin_read() {
+            let begun = if shape.push {
+                current.engine.begin_write()
+            } else {
+                current.engine.begin_read()
+            };
+            let guard = match begun {
                 Ok(guard) => guard,
                 Err(_) => {
                     inner.counts.refused.fetch_add(1, Ordering::Relaxed);
@@ -404,10 +418,19 @@ impl Decoder {
                     status = NixlStatus::ERR_REMOTE_DISCONNECT;
                     break;
                 }
-                status = inner.ucx.read(&engine);
+                status = if shape.push {
+                    inner.ucx.write(&engine)
+                } else {
+                    inner.ucx.read(&engine)
+                };
                 if status == NixlStatus::ERR_NOT_FOUND {
+                    let what = if shape.push {
+                        "a write into"
+                    } else {
+                        "a read from"
+                    };
                     inner.timeline.violation(format!(
-                        "a read from {engine} got NIXL_ERR_NOT_FOUND while its guard was held: its metadata was released under it"
+                        "{what} {engine} got NIXL_ERR_NOT_FOUND while its guard was held: its metadata was released under it"
                     ));
                 }
                 if status != NixlStatus::IN_PROG || inner.stopping.is_cancelled() {

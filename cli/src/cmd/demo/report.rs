@@ -429,6 +429,8 @@ pub(super) struct RunInfo {
     pub(super) duration: Duration,
     #[serde(serialize_with = "opt_secs")]
     pub(super) ucx_keepalive: Option<Duration>,
+    /// Push mode: the transfers were writes into decodes.
+    pub(super) push: bool,
 }
 
 fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -597,9 +599,11 @@ fn print_tables(o: &Outcome, real_time: bool, wall: Duration) {
         .collect();
     print_table(&header, &rows);
     let r = &o.reads;
+    let push = o.run.as_ref().is_some_and(|run| run.push);
     outln!();
     outln!(
-        "reads: {} ok, {} refused (engine marked), {} failed by the service, {} REMOTE_DISCONNECT, {} other errors; handshakes: {} ok, {} failed or retried",
+        "{}: {} ok, {} refused (engine marked), {} failed by the service, {} REMOTE_DISCONNECT, {} other errors; handshakes: {} ok, {} failed or retried",
+        if push { "writes (push mode)" } else { "reads" },
         r.ok, r.refused_marked_engine, r.failed_by_service, r.remote_disconnect, r.other_error, r.handshakes_ok, r.handshakes_failed
     );
     let e = &o.events;
