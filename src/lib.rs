@@ -20,6 +20,16 @@
 //! - notices a prefill that came back at the same `host:port` under a new
 //!   engine id.
 //!
+//! # Pull and push
+//!
+//! The service is role-neutral: it keeps alive and releases *peers*, the
+//! engines whose memory the embedding runtime transfers with. In pull mode
+//! (above, vLLM's default) that is a decode embedding it for its prefills;
+//! in push mode (SGLang's NIXL path) a prefill embeds it for every decode
+//! it WRITEs into, guards each write with [`EngineRef::begin_write`] (the
+//! same guard as a read), and a dead decode's metadata and keys are given
+//! back as a dead prefill's are. Where the docs say prefill, read the peer.
+//!
 //! # Embedding it
 //!
 //! ```

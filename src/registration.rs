@@ -1,4 +1,5 @@
-//! What the runtime hands the service: who a prefill says it is (a
+//! What the runtime hands the service: who a peer (a prefill, or in push
+//! mode a decode) says it is (a
 //! [`Claim`], before anything is loaded), the registration after its
 //! metadata is loaded, and the router's or the membership plane's "peer
 //! gone". Leaf types, named by the core and the handle alike.

@@ -56,7 +56,8 @@ macro_rules! name_type {
 }
 
 name_type! {
-    /// A prefill engine's id: a fresh UUID per start unless the operator
+    /// A peer engine's id (a prefill's in pull mode, a decode's in push
+    /// mode): a fresh UUID per start unless the operator
     /// pins it. The peer table is keyed by it.
     EngineId
 }
@@ -68,7 +69,8 @@ name_type! {
 }
 
 name_type! {
-    /// A prefill engine's side-channel address, `host:port`, where it
+    /// A peer engine's side-channel address (a prefill's in pull mode, a
+    /// decode's in push mode), `host:port`, where it
     /// answers handshakes. A new engine id seen at a known address means the
     /// engine there was replaced.
     ///
