@@ -1355,11 +1355,19 @@ fn conflicting_records_never_release_a_healthy_prefill() {
             c.put(k.as_str(), v.as_str(), None).await.expect("put");
         }
     });
+    // The metric and the stdout lines come by two paths (a scrape, the
+    // pipe's reader thread): both are waited for, then the lines counted.
+    let bad_lines = |d: &DecodeProc| {
+        d.lines_of("membership: bad_value ", &["reason=not_canonical"])
+            .len()
+    };
     d.wait_until(
         "the forged id announced, the others refused",
         PATIENCE,
         |d| {
-            d.lines_of("membership: joined ", &[]).len() == 2 && d.metric_or_0(not_canonical) == 3.0
+            d.lines_of("membership: joined ", &[]).len() == 2
+                && d.metric_or_0(not_canonical) == 3.0
+                && bad_lines(d) >= 3
         },
     );
     assert_eq!(
