@@ -40,7 +40,7 @@
 //! for two agents at 1 ms; our poller at a fixed 1 ms: 3.5% for two ranks,
 //! idle). A READ posted to an idle prefill may wait one idle interval.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -287,6 +287,8 @@ struct PendingCheck {
     seed: u64,
     /// When its `WR:` was handled.
     since: Instant,
+    /// Checked at least once already (its bytes were not there yet).
+    again: bool,
 }
 
 /// What the writes into a push-mode decode came to.
@@ -325,7 +327,7 @@ pub struct Prefill {
     /// Push mode: the request each written block was last reserved for
     /// (`RQ:<request>:<rank>:<block>`), so that a `WR:` is checked only
     /// while its block is still its own.
-    reserved: Mutex<std::collections::HashMap<(u16, u32), String>>,
+    reserved: Mutex<HashMap<(u16, u32), String>>,
 }
 
 impl Prefill {
@@ -448,7 +450,7 @@ impl Prefill {
     /// (one every 10 ms) at its 1 ms busy pace for good (issue 32's
     /// fan-in).
     fn poll_once(&self) -> bool {
-        let mut busy = self.recheck(Instant::now());
+        let mut busy = self.recheck();
         for (r, rank) in self.ranks.iter().enumerate() {
             match rank.agent.get_notifs() {
                 Ok(notifs) => {
@@ -464,12 +466,10 @@ impl Prefill {
     }
 
     /// Checks again the written blocks whose bytes were not all there when
-    /// their `WR:` was handled: verified once they are (counted as bytes
-    /// after the notification, with the longest lag), corrupt once
-    /// [`BYTES_AFTER_NOTIFICATION`] passed, not checked once the block was
-    /// reserved again. Whether any is still waiting (the poller keeps its
-    /// busy pace meanwhile).
-    fn recheck(&self, now: Instant) -> bool {
+    /// their `WR:` was handled ([`Prefill::judge_write`]). Whether any is
+    /// still waiting (the poller keeps its busy pace meanwhile). Reads the
+    /// clock only when one is.
+    fn recheck(&self) -> bool {
         let mut pending = self
             .pending_checks
             .lock()
@@ -477,32 +477,63 @@ impl Prefill {
         if pending.is_empty() {
             return false;
         }
+        let now = Instant::now();
         let reserved = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
-        pending.retain(|c| {
-            if reserved.get(&(c.rank, c.block)) != Some(&c.request) {
-                self.stats.writes_overwritten.fetch_add(1, Ordering::Relaxed);
-                return false;
-            }
-            let memory = &self.ranks[usize::from(c.rank)].memory;
-            let waited = now.saturating_duration_since(c.since);
-            match memory.block_mismatch(c.block, self.config.block_size, c.seed, c.rank) {
-                None => {
-                    self.stats.writes_verified.fetch_add(1, Ordering::Relaxed);
-                    self.stats.bytes_after_notification.fetch_add(1, Ordering::Relaxed);
+        pending.retain_mut(|c| self.judge_write(c, &reserved, now));
+        !pending.is_empty()
+    }
+
+    /// Judges one written block: not checked (`overwritten`) once a newer
+    /// request reserved it, verified once it holds the request's bytes
+    /// (counted as bytes after the notification when an earlier check
+    /// found them missing), corrupt once [`BYTES_AFTER_NOTIFICATION`]
+    /// passed without them. Whether to check it again at the next poll.
+    fn judge_write(
+        &self,
+        c: &mut PendingCheck,
+        reserved: &HashMap<(u16, u32), String>,
+        now: Instant,
+    ) -> bool {
+        let reserved_for = reserved.get(&(c.rank, c.block));
+        if reserved_for != Some(&c.request) {
+            // A newer request reserved the block first: its write may be
+            // landing there now, so this one's bytes can no longer be told
+            // from it. Not checked, counted.
+            self.stats
+                .writes_overwritten
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(request = %c.request, block = c.block, newer = ?reserved_for, "written block reserved again before its check: not checked");
+            return false;
+        }
+        let memory = &self.ranks[usize::from(c.rank)].memory;
+        let waited = now.saturating_duration_since(c.since);
+        match memory.block_mismatch(c.block, self.config.block_size, c.seed, c.rank) {
+            None => {
+                self.stats.writes_verified.fetch_add(1, Ordering::Relaxed);
+                if c.again {
+                    self.stats
+                        .bytes_after_notification
+                        .fetch_add(1, Ordering::Relaxed);
                     self.stats
                         .bytes_after_notification_max_us
                         .fetch_max(waited.as_micros() as u64, Ordering::Relaxed);
-                    false
                 }
-                Some(offset) if waited >= BYTES_AFTER_NOTIFICATION => {
-                    self.stats.writes_corrupt.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(request = %c.request, rank = c.rank, block = c.block, offset, ?waited, "written block does not hold the request's bytes");
-                    false
-                }
-                Some(_) => true,
+                false
             }
-        });
-        !pending.is_empty()
+            Some(offset) if waited >= BYTES_AFTER_NOTIFICATION => {
+                self.stats.writes_corrupt.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(request = %c.request, rank = c.rank, block = c.block, offset, ?waited, "written block does not hold the request's bytes");
+                false
+            }
+            // Not yet told apart: a newer write into the block may have
+            // landed before this poll handled the newer one's `RQ:` (the
+            // test prefill reuses blocks at once; measured), or the bytes
+            // may still be on their way. Checked again at the next poll.
+            Some(_) => {
+                c.again = true;
+                true
+            }
+        }
     }
 
     /// How often leases are swept: a tenth of a lease, at most 1 s, so an
@@ -620,44 +651,21 @@ impl Prefill {
             tracing::warn!(to = rank_agent, from, %written, blocks = self.config.blocks, "write notification refused: not WR:<request>:<this rank>:<block below blocks>");
             return;
         };
-        let seed = pattern::write_seed(self.config.engine.as_str(), id);
-        let memory = &self.ranks[usize::from(rank)].memory;
-        let reserved_for = self
-            .reserved
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&(rank, block))
-            .cloned();
-        if reserved_for.as_deref() == Some(id) {
-            match memory.block_mismatch(block, self.config.block_size, seed, rank) {
-                None => {
-                    self.stats.writes_verified.fetch_add(1, Ordering::Relaxed);
-                }
-                // Not yet told apart: a newer write into the block may have
-                // landed before this poll handled the newer one's `RQ:`
-                // (the test prefill reuses blocks at once; measured), or
-                // the bytes may still be on their way. Checked again at
-                // each poll, for at most `BYTES_AFTER_NOTIFICATION`.
-                Some(_) => self
-                    .pending_checks
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(PendingCheck {
-                        rank,
-                        block,
-                        request: id.to_string(),
-                        seed,
-                        since: now,
-                    }),
-            }
-        } else {
-            // A newer request reserved the block before this `WR:` was
-            // handled: its write may be landing there now, so this one's
-            // bytes can no longer be told from it. Not checked, counted.
-            self.stats
-                .writes_overwritten
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(to = rank_agent, from, request = id, block, newer = ?reserved_for, "written block reserved again before its check: not checked");
+        let mut check = PendingCheck {
+            rank,
+            block,
+            request: id.to_string(),
+            seed: pattern::write_seed(self.config.engine.as_str(), id),
+            since: now,
+            again: false,
+        };
+        let reserved = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        if self.judge_write(&mut check, &reserved, now) {
+            drop(reserved);
+            self.pending_checks
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(check);
         }
         match self.lock_leases().read_done(id, now) {
             ReadDone::InTime => {
