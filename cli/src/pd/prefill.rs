@@ -279,6 +279,20 @@ pub struct PrefillStats {
 /// `WR:` found its bytes, or a newer write's.
 pub const BYTES_AFTER_NOTIFICATION: Duration = Duration::from_secs(1);
 
+/// `<request>:<rank>:<block>` of a push-mode notification from a peer:
+/// the request and the block, when the rank is `rank`, the block one of
+/// the engine's `blocks` and the request not empty; anything else is
+/// `None` (the caller counts it as malformed).
+fn named_block(text: &str, rank: u16, blocks: u32) -> Option<(&str, u32)> {
+    match text.rsplitn(3, ':').collect::<Vec<_>>().as_slice() {
+        [block, r, id] if !id.is_empty() => match (r.parse::<u16>(), block.parse::<u32>()) {
+            (Ok(r), Ok(b)) if r == rank && b < blocks => Some((*id, b)),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 /// A written block checked again (see [`Prefill::recheck`]).
 struct PendingCheck {
     rank: u16,
@@ -613,7 +627,7 @@ impl Prefill {
     /// request naming another rank or no block of this engine is
     /// malformed: counted, logged, nothing leased.
     fn reserve<'a>(&self, rank: u16, scheduled: &'a str) -> Option<&'a str> {
-        let Some((id, block)) = self.named_block(rank, scheduled) else {
+        let Some((id, block)) = named_block(scheduled, rank, self.config.blocks) else {
             self.stats.writes_malformed.fetch_add(1, Ordering::Relaxed);
             let scheduled = nixl_keepalive::text::Escaped(scheduled);
             tracing::warn!(rank, %scheduled, blocks = self.config.blocks, "write request refused: not RQ:<request>:<this rank>:<block below blocks>");
@@ -626,18 +640,6 @@ impl Prefill {
         Some(id)
     }
 
-    /// `<request>:<rank>:<block>` of a push-mode notification, when the
-    /// rank is `rank` and the block one of this engine's.
-    fn named_block<'a>(&self, rank: u16, text: &'a str) -> Option<(&'a str, u32)> {
-        match text.rsplitn(3, ':').collect::<Vec<_>>().as_slice() {
-            [block, r, id] => match (r.parse::<u16>(), block.parse::<u32>()) {
-                (Ok(r), Ok(b)) if r == rank && b < self.config.blocks => Some((*id, b)),
-                _ => None,
-            },
-            _ => None,
-        }
-    }
-
     /// `WR:<request>:<rank>:<block>` at rank `rank` (push mode): the
     /// write's bytes are in the block; they are checked, and the request's
     /// lease ends. A `WR:` naming another rank than the one it reached, or
@@ -645,7 +647,7 @@ impl Prefill {
     /// freed.
     fn on_written(&self, rank: u16, from: &str, written: &str, now: Instant) {
         let rank_agent = self.ranks[usize::from(rank)].agent.name();
-        let Some((id, block)) = self.named_block(rank, written) else {
+        let Some((id, block)) = named_block(written, rank, self.config.blocks) else {
             self.stats.writes_malformed.fetch_add(1, Ordering::Relaxed);
             let written = nixl_keepalive::text::Escaped(written);
             tracing::warn!(to = rank_agent, from, %written, blocks = self.config.blocks, "write notification refused: not WR:<request>:<this rank>:<block below blocks>");
@@ -950,4 +952,31 @@ pub fn spawn_shared_poller(
             }
         })
         .expect("spawn prefill poller")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::named_block;
+
+    #[test]
+    fn a_peers_block_names_outside_the_engine_or_its_rank_are_refused() {
+        assert_eq!(named_block("p-rank0-7:1:3", 1, 8), Some(("p-rank0-7", 3)));
+        // A request id may hold colons of its own: the last two fields are
+        // the rank and the block.
+        assert_eq!(named_block("a:b:c:0:7", 0, 8), Some(("a:b:c", 7)));
+        for hostile in [
+            "p-1:1:8",          // the block one past the last
+            "p-1:1:4294967296", // past u32
+            "p-1:0:3",          // another rank than the one it reached
+            "p-1:65536:3",      // past u16
+            "p-1:1:-1",
+            "p-1:1:",
+            ":1:3", // no request
+            "1:3",
+            "p-1",
+            "",
+        ] {
+            assert_eq!(named_block(hostile, 1, 8), None, "{hostile:?}");
+        }
+    }
 }
