@@ -128,6 +128,7 @@ __all__ = [
     "endpoint_close_mode",
     "knobs",
     "make_agent",
+    "parse_agent_name",
     "remove_remote_agent",
     "status_name",
     "xfer_status",
@@ -202,6 +203,27 @@ def make_agent(name: str, **kwargs: Any) -> Any:
     agent = _nixl_api().nixl_agent(name, conf)
     setattr(agent, _CONFIG_ATTR, conf)
     return agent
+
+
+def parse_agent_name(metadata: bytes) -> Optional[str]:
+    """The agent name in NIXL's serialized agent metadata
+    (``get_agent_metadata()``: ``nixlSerDes|Agent`` + 8-byte little-endian
+    length + name), or ``None`` when it is not in that form. The service's
+    claim needs it before the metadata is loaded, and neither vLLM's
+    handshake nor SGLang's registration is bound to it."""
+    head = b"nixlSerDes|Agent"
+    if not isinstance(metadata, (bytes, bytearray, memoryview)):
+        return None
+    data = bytes(metadata[: len(head) + 8 + 4096])
+    if not data.startswith(head) or len(data) < len(head) + 8:
+        return None
+    n = int.from_bytes(data[len(head) : len(head) + 8], "little")
+    if n <= 0 or n > 4096 or len(data) < len(head) + 8 + n:
+        return None
+    try:
+        return data[len(head) + 8 : len(head) + 8 + n].decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def _is_nixl_agent(agent: Any) -> bool:

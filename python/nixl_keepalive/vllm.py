@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import nixl_keepalive
-from nixl_keepalive import Keepalive
+from nixl_keepalive import Keepalive, parse_agent_name
 
 SUPPORTED_VLLM = ("0.33",)
 """The vLLM release series this module is written against (``0.33.x``)."""
@@ -170,27 +170,6 @@ def keepalive_knobs(kv_transfer_config: Any) -> Tuple[Dict[str, Any], Dict[str, 
     config = {k: v for k, v in knobs.items() if k not in _OWN_KNOBS}
     own = {"read_timeout": _seconds("read_timeout", knobs.get("read_timeout"))}
     return config, own
-
-
-def parse_agent_name(metadata: bytes) -> Optional[str]:
-    """The agent name in NIXL's serialized agent metadata
-    (``get_agent_metadata()``: ``nixlSerDes|Agent`` + 8-byte little-endian
-    length + name), or ``None`` when it is not in that form. vLLM's
-    handshake carries no agent name; the service's claim needs it before
-    the metadata is loaded."""
-    head = b"nixlSerDes|Agent"
-    if not isinstance(metadata, (bytes, bytearray, memoryview)):
-        return None
-    data = bytes(metadata[: len(head) + 8 + 4096])
-    if not data.startswith(head) or len(data) < len(head) + 8:
-        return None
-    n = int.from_bytes(data[len(head) : len(head) + 8], "little")
-    if n <= 0 or n > 4096 or len(data) < len(head) + 8 + n:
-        return None
-    try:
-        return data[len(head) + 8 : len(head) + 8 + n].decode()
-    except UnicodeDecodeError:
-        return None
 
 
 def _is_nixl_agent(agent: Any) -> bool:
