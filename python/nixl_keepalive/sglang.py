@@ -1,0 +1,457 @@
+"""The keepalive service inside SGLang 0.5.23's NIXL prefill (push mode).
+
+SGLang's NIXL backend is push mode: the prefill's ``NixlKVManager`` loads
+every decode's agent metadata and WRITEs the KV cache into the decode's
+pages, so it is the prefill that holds keys to every decode's memory, and
+nothing in SGLang releases a dead decode's NIXL state (its only NIXL re-load,
+``_reload_invalidated_peers``, loads a peer NIXL dropped *again*).
+:class:`KeepaliveNixlKVManager` is SGLang's ``NixlKVManager`` with
+:class:`nixl_keepalive.Keepalive` embedded on the prefill side:
+
+- the service heartbeats every decode SGLang added (``HB:`` notifications
+  through the manager's own agent, which SGLang makes with NIXL's STRICT
+  thread-sync mode: the agent's config is the one SGLang passed, seen at
+  the call, not assumed);
+- every decode SGLang adds (``_add_remote_peer``, from its bootstrap thread)
+  goes through the service's handshake: claimed (the decode's agent name as
+  its engine id, at its ``rank_ip:rank_port``) before its metadata is
+  loaded, registered with the dlists SGLang prepped for it after;
+- every transfer SGLang makes on the agent (``make_prepped_xfer``,
+  ``initialize_xfer``) runs under a write guard opened *before* NIXL is
+  called, so a decode is never released with a write into it in flight,
+  and a released decode's dlists are never used: the guard is refused and
+  the room fails. It ends with the transfer's state as SGLang polls it
+  (``check_xfer_state``: ``DONE``, or ``ERR`` with NIXL's raw status,
+  where ``REMOTE_DISCONNECT`` marks the decode at once); a batch SGLang
+  stops waiting for (``_await_handles`` unsettled) is given up;
+- a decode the service released is dropped from SGLang's tables
+  (``decode_kv_args_table``, ``prep_handles``, ``prep_handles_slice_dst``,
+  ``_prepared_state_plans``, ``_peer_reload_times``), and
+  ``_reload_invalidated_peers`` skips every decode that is not live, so a
+  dead decode's metadata is not loaded back.
+
+The decode side runs SGLang's own manager unchanged (in push mode the
+keepalive lives where the keys are held). :func:`install` makes SGLang
+build this class wherever it builds its NIXL manager, for both roles; a
+decode-mode manager is SGLang's own, untouched.
+
+Knobs: the ``NIXL_KEEPALIVE_*`` variables (``NIXL_KEEPALIVE_INTERVAL=1s``,
+...), or ``keepalive`` keywords given to the constructor. See
+docs/push-mode.md, "SGLang 0.5.23".
+
+Supported: SGLang 0.5.23 (checked when the manager is built).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import nixl_keepalive
+from nixl_keepalive import GiveUp, Keepalive
+
+SUPPORTED_SGLANG = ("0.5.23",)
+"""The SGLang releases this module is written against (exact: SGLang's
+NIXL manager changes between patch releases)."""
+
+try:
+    from sglang.srt.disaggregation import nixl as _sglang_nixl
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+except ImportError as _e:  # SGLang missing, or a layout this module does not know
+    raise ImportError(
+        "nixl_keepalive.sglang needs SGLang "
+        f"{', '.join(SUPPORTED_SGLANG)} (sglang.srt.disaggregation.nixl): {_e}"
+    ) from _e
+
+logger = logging.getLogger("nixl_keepalive.sglang")
+
+__all__ = ["SUPPORTED_SGLANG", "KeepaliveNixlKVManager", "check_sglang_version", "install"]
+
+
+def check_sglang_version(version: Optional[str] = None) -> str:
+    """Raises ``RuntimeError`` naming the SGLang version found and the
+    supported ones unless it is supported; returns the version."""
+    if version is None:
+        try:
+            version = importlib.metadata.version("sglang")
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+    if version not in SUPPORTED_SGLANG:
+        raise RuntimeError(
+            f"nixl_keepalive.sglang supports SGLang {', '.join(SUPPORTED_SGLANG)}; found "
+            f"{'no SGLang' if version is None else 'SGLang ' + version}. Install sglang==0.5.23 "
+            "(scripts/install-sglang.sh), or run SGLang's own NixlKVManager without the keepalive."
+        )
+    return version
+
+
+def install() -> None:
+    """Makes SGLang build :class:`KeepaliveNixlKVManager` wherever it builds
+    its NIXL manager (``get_kv_class`` imports the class from
+    ``sglang.srt.disaggregation.nixl`` at each call). Call it in the process
+    that builds the manager (the scheduler), before it is built, and after
+    ``import nixl_keepalive`` came before the process's first ``nixl_agent``."""
+    check_sglang_version()
+    _sglang_nixl.NixlKVManager = KeepaliveNixlKVManager
+
+
+# The agent SGLang makes: NixlKVManager.__init__ imports `nixl_agent` from
+# NIXL's `nixl._api` module and calls it with the config it built. While our
+# constructor runs (under this lock) that name records the (agent, config)
+# pair, so the service is told the config SGLang really used.
+_agent_record_lock = threading.Lock()
+
+
+class _RecordingAgentClass:
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.made: List[Any] = []
+
+    def __call__(self, name: Any, conf: Any = None, *args: Any, **kwargs: Any) -> Any:
+        agent = self.real(name, conf, *args, **kwargs)
+        self.made.append((agent, conf))
+        return agent
+
+
+class _GuardedAgent:
+    """SGLang's agent as its transfer code sees it: every transfer runs
+    under the decode's write guard, from before NIXL is called until SGLang
+    sees it end. Everything else is the agent's own."""
+
+    def __init__(self, real: Any, manager: "KeepaliveNixlKVManager") -> None:
+        self._real = real
+        self._manager = manager
+        self._guards: Dict[Any, Any] = {}
+        self._guards_lock = threading.Lock()
+        self.given_up = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def _guarded(self, engine: Any, operation: Any, make: Any) -> Any:
+        if engine is None:
+            return make()
+        # Refused (ReadRefused) at once when the decode is not live: nothing
+        # reaches NIXL, the room fails in SGLang's own error path.
+        guard = engine.write() if str(operation).upper() == "WRITE" else engine.read()
+        try:
+            handle = make()
+        except BaseException as e:
+            if nixl_keepalive.classify_exception(e) is not None:
+                guard.finish(e)
+            else:
+                guard.close()  # nothing was posted: the guard ends with no status
+            raise
+        if not handle:
+            guard.close()
+            return handle
+        with self._guards_lock:
+            self._guards[handle] = guard
+        return handle
+
+    def make_prepped_xfer(self, operation: Any, local_xfer_side_handle: Any, local_indices: Any,
+                          remote_xfer_side_handle: Any, remote_indices: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = self._manager._ka_engine_of_dlist(remote_xfer_side_handle)
+        return self._guarded(engine, operation, lambda: self._real.make_prepped_xfer(
+            operation, local_xfer_side_handle, local_indices, remote_xfer_side_handle, remote_indices,
+            *args, **kwargs))
+
+    def initialize_xfer(self, operation: Any, local_descs: Any, remote_descs: Any, remote_agent: Any,
+                        *args: Any, **kwargs: Any) -> Any:
+        engine = self._manager._ka_engine_of_agent(remote_agent)
+        return self._guarded(engine, operation, lambda: self._real.initialize_xfer(
+            operation, local_descs, remote_descs, remote_agent, *args, **kwargs))
+
+    def _take(self, handle: Any) -> Any:
+        with self._guards_lock:
+            return self._guards.pop(handle, None)
+
+    def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            state = self._real.transfer(handle, *args, **kwargs)
+        except BaseException as e:
+            guard = self._take(handle)
+            if guard is not None:
+                if nixl_keepalive.classify_exception(e) is not None:
+                    guard.finish(e)
+                else:
+                    guard.close()
+            raise
+        if state == "ERR":
+            self._end(handle, self._raw_status(handle))
+        return state
+
+    def check_xfer_state(self, handle: Any) -> Any:
+        # An exception leaves the guard open: SGLang counts an unreadable
+        # state as running (the write may still land), and so does the guard
+        # until SGLang gives the batch up.
+        state = self._real.check_xfer_state(handle)
+        if state == "DONE":
+            self._end(handle, "DONE")
+        elif state == "ERR":
+            self._end(handle, self._raw_status(handle))
+        return state
+
+    def release_xfer_handle(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        guard = self._take(handle)
+        if guard is not None:
+            guard.give_up(GiveUp.CANCELLED)
+            self.given_up += 1
+        return self._real.release_xfer_handle(handle, *args, **kwargs)
+
+    def _raw_status(self, handle: Any) -> Any:
+        try:
+            return nixl_keepalive.xfer_status(self._real, handle)
+        except Exception as e:  # the agent could not say: the exception is the status
+            return e
+
+    def _end(self, handle: Any, status: Any) -> None:
+        guard = self._take(handle)
+        if guard is None:
+            return
+        try:
+            guard.finish(status)
+        except (TypeError, ValueError) as e:
+            # A status the guard refuses (not NIXL's) still ended the write.
+            logger.warning("nixl_keepalive: a transfer's end was not a NIXL status: %s", e)
+
+    def give_up_open(self, handles: List[Any], why: GiveUp) -> int:
+        """Gives up every still-open guard of ``handles``; returns how many."""
+        n = 0
+        for handle in handles:
+            guard = self._take(handle)
+            if guard is not None:
+                guard.give_up(why)
+                n += 1
+        self.given_up += n
+        return n
+
+    def open_guards(self) -> int:
+        with self._guards_lock:
+            return len(self._guards)
+
+
+def _dlist_key(handle: Any) -> Any:
+    """A prepped dlist's identity: NIXL's handle number (the Python
+    ``nixl_prepped_dlist_handle`` wraps it in ``_handle``), or the value."""
+    return getattr(handle, "_handle", handle)
+
+
+def _peer_address(endpoint: str, port: int) -> str:
+    host = endpoint.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class KeepaliveNixlKVManager(NixlKVManager):
+    """SGLang's ``NixlKVManager`` with the keepalive service on the prefill
+    side. ``keepalive`` takes :class:`nixl_keepalive.Config` keywords
+    (``interval``, ``read_stall``, ...), over the ``NIXL_KEEPALIVE_*``
+    variables. A decode-mode manager is SGLang's own (no service) with one
+    addition: every ``drain_every`` seconds (``None``: never) it takes the
+    NIXL notifications waiting in its agent, which SGLang's decode never
+    reads, so the prefills' heartbeats do not pile up there."""
+
+    def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any,
+                 is_mla_backend: Optional[bool] = False, *, keepalive: Optional[Dict[str, Any]] = None,
+                 drain_every: Optional[float] = 1.0, **kwargs: Any) -> None:
+        self._ka: Optional[Keepalive] = None
+        self._ka_ready = threading.Event()
+        self._ka_lock = threading.Lock()
+        self._ka_by_agent: Dict[str, Any] = {}
+        self._ka_by_dlist: Dict[Any, Any] = {}
+        self._ka_released: List[str] = []
+        self._ka_dropped: Dict[str, threading.Event] = {}
+        #: Decode registrations refused before anything was loaded.
+        self.refused_registrations = 0
+        #: On a decode-mode manager: the prefills' ``HB:`` notifications
+        #: drained from the agent (see :meth:`_drain_notifications`).
+        self.heartbeats_drained = 0
+        if disaggregation_mode != DisaggregationMode.PREFILL:
+            self._ka_ready.set()
+            super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
+            if disaggregation_mode == DisaggregationMode.DECODE and drain_every is not None:
+                threading.Thread(target=self._drain_notifications, args=(float(drain_every),),
+                                 name="nixl-keepalive-drain", daemon=True).start()
+            return
+        check_sglang_version()
+        api = sys.modules.get("nixl._api")
+        if api is None:
+            import nixl._api as api  # type: ignore  # what NixlKVManager imports
+        with _agent_record_lock:
+            recorder = _RecordingAgentClass(api.nixl_agent)
+            api.nixl_agent = recorder
+            try:
+                # Starts SGLang's transfer workers and bootstrap thread; a
+                # decode that registers before the service exists waits in
+                # _add_remote_peer for _ka_ready.
+                super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
+            except BaseException:
+                self._ka_ready.set()
+                raise
+            finally:
+                api.nixl_agent = recorder.real
+        real = self.agent
+        conf = next((c for a, c in recorder.made if a is real), None)
+        try:
+            self._ka = Keepalive(real, agent_config=conf, **(keepalive or {}))
+            self.agent = _GuardedAgent(real, self)
+        finally:
+            self._ka_ready.set()
+        logger.info("nixl_keepalive: keepalive service on SGLang's prefill agent %s (%s)",
+                    real.name, self._ka.config)
+
+    # -- what the service knows -------------------------------------------
+
+    @property
+    def keepalive(self) -> Optional[Keepalive]:
+        """The service (``None`` on a decode-mode manager)."""
+        return self._ka
+
+    @property
+    def released_decodes(self) -> List[str]:
+        """The decodes' agent names the service released, oldest first."""
+        with self._ka_lock:
+            return list(self._ka_released)
+
+    def wait_decode_released(self, agent_name: str, timeout: Optional[float] = None) -> bool:
+        """Waits until the service released decode ``agent_name`` and its
+        tables are gone from this manager; ``False`` on timeout, or when the
+        service never registered it."""
+        with self._ka_lock:
+            dropped = self._ka_dropped.get(agent_name)
+        return dropped is not None and dropped.wait(timeout)
+
+    def _ka_engine_of_agent(self, name: Any) -> Any:
+        key = name.decode() if isinstance(name, bytes) else str(name)
+        with self._ka_lock:
+            return self._ka_by_agent.get(key)
+
+    def _ka_engine_of_dlist(self, handle: Any) -> Any:
+        with self._ka_lock:
+            return self._ka_by_dlist.get(_dlist_key(handle))
+
+    def _ka_dlists(self, name: str) -> List[Any]:
+        """The dlists SGLang prepped for decode ``name`` (released with it)."""
+        handles = []
+        if name in self.prep_handles:
+            handles.append(self.prep_handles[name])
+        slice_dst = self.prep_handles_slice_dst.get(name)
+        if slice_dst is not None:
+            handles.append(slice_dst[0])
+        return handles
+
+    # -- SGLang's hooks ----------------------------------------------------
+
+    def _add_remote_peer(self, decode_kv_args: Any) -> None:
+        self._ka_ready.wait()
+        ka = self._ka
+        name = decode_kv_args.agent_name
+        if ka is None or ka.closed or name in self.decode_kv_args_table:
+            return super()._add_remote_peer(decode_kv_args)
+        address = _peer_address(decode_kv_args.endpoint, decode_kv_args.dst_port)
+        loads_as = nixl_keepalive.parse_agent_name(decode_kv_args.agent_metadata)
+        if loads_as != name:
+            # SGLang keys its tables by the registration's agent-name frame,
+            # NIXL loads the metadata under the name inside it: a mismatch
+            # would load an agent no table (and no release) knows.
+            with self._ka_lock:
+                self.refused_registrations += 1
+            logger.error("nixl_keepalive: decode registration from %s refused: it names agent %r, its "
+                         "metadata is agent %r (accepted: the same name in both)", address, name, loads_as)
+            return
+        with ka.handshake(address) as h:
+            try:
+                engine = h.ready_to_load(name, [name])
+            except nixl_keepalive.IdentityConflict as e:
+                # Refused before anything is loaded; the registered engine is
+                # kept. The decode's rooms fail at its own timeout.
+                logger.error("nixl_keepalive: decode %s at %s refused: %s", name, address, e)
+                return
+            if engine is None:
+                super()._add_remote_peer(decode_kv_args)
+                dlists = self._ka_dlists(name)
+                try:
+                    engine = h.register(dlists)
+                except nixl_keepalive.RegistrationRefused as e:
+                    logger.error("nixl_keepalive: decode %s at %s not registered (%s); giving it back",
+                                 name, address, e.reason)
+                    self._ka_forget(name)
+                    ka.give_back(e.registration)
+                    return
+        with self._ka_lock:
+            self._ka_by_agent[name] = engine
+            self._ka_dropped[name] = threading.Event()
+            for handle in self._ka_dlists(name):
+                self._ka_by_dlist[_dlist_key(handle)] = engine
+        engine.on_released(self._ka_on_released)
+
+    def _ka_on_released(self, engine: Any) -> None:
+        # On the service's thread, after its NIXL calls: dict operations only.
+        name = engine.id
+        self._ka_forget(name)
+        with self._ka_lock:
+            if self._ka_by_agent.get(name) is engine:
+                del self._ka_by_agent[name]
+            for handle in [h for h, e in self._ka_by_dlist.items() if e is engine]:
+                del self._ka_by_dlist[handle]
+            self._ka_released.append(name)
+            dropped = self._ka_dropped.get(name)
+        if dropped is not None:
+            dropped.set()
+        logger.info("nixl_keepalive: decode %s released; its tables dropped", name)
+
+    def _ka_forget(self, name: str) -> None:
+        self.decode_kv_args_table.pop(name, None)
+        self.prep_handles.pop(name, None)
+        self.prep_handles_slice_dst.pop(name, None)
+        self._prepared_state_plans.pop(name, None)
+        self._peer_reload_times.pop(name, None)
+
+    def _await_handles(self, handles: List[Any], *, failure_seen: bool) -> Any:
+        settled, any_failed = super()._await_handles(handles, failure_seen=failure_seen)
+        agent = self.agent
+        if not settled and isinstance(agent, _GuardedAgent):
+            # SGLang stops waiting; NIXL may still run these writes.
+            n = agent.give_up_open(handles, GiveUp.TIMED_OUT)
+            if n:
+                logger.warning("nixl_keepalive: %d write(s) given up unsettled; NIXL may still read "
+                               "their source pages", n)
+        return settled, any_failed
+
+    def _reload_invalidated_peers(self, room_transfer_infos: Dict[str, Any]) -> None:
+        if self._ka is None:
+            return super()._reload_invalidated_peers(room_transfer_infos)
+        keep = {}
+        for name, info in room_transfer_infos.items():
+            engine = self._ka_engine_of_agent(name)
+            if engine is not None and engine.is_live:
+                keep[name] = info
+            else:
+                logger.info("nixl_keepalive: not reloading decode %s (%s)", name,
+                            "unknown to the service" if engine is None else engine.state)
+        return super()._reload_invalidated_peers(keep)
+
+    def _drain_notifications(self, every: float) -> None:
+        # SGLang's decode tells rooms apart over ZMQ and never calls
+        # get_new_notifs; NIXL keeps each notification until someone does.
+        while True:
+            time.sleep(every)
+            try:
+                waiting = self.agent.get_new_notifs()
+            except Exception as e:  # the agent is gone (shutdown): stop
+                logger.warning("nixl_keepalive: notification drain stops: %s", e)
+                return
+            self.heartbeats_drained += sum(
+                1 for messages in waiting.values() for m in messages if bytes(m).startswith(b"HB:"))
+
+    def close_keepalive(self) -> Dict[str, Any]:
+        """Stops the service: every decode released as its writes end (at
+        most ``shutdown_drain``); returns what ``Keepalive.close()`` says."""
+        if self._ka is None:
+            return {}
+        return self._ka.close()

@@ -1,0 +1,250 @@
+"""One SGLang 0.5.23 disaggregation rank as a process, driven over stdin.
+
+``python peer.py prefill|decode`` publishes SGLang's config for that role
+(sglang_env.py), then answers one JSON command per stdin line with one JSON
+line on stdout (SGLang's and NIXL's logs go to stderr). Everything that
+moves KV is SGLang's own code: the prefill runs SGLang's bootstrap server,
+its ``NixlKVManager`` (or, with ``"keepalive": true``, nixl_keepalive's
+``KeepaliveNixlKVManager``) and a ``NixlKVSender`` per room; the decode its
+``NixlKVManager`` and a ``NixlKVReceiver`` per room, as SGLang's schedulers
+drive them. The test (test_sglang_real.py) kills these processes for real.
+
+Commands (``{"cmd": ..., ...}``), each answered ``{"ok": true, ...}`` or
+``{"ok": false, "error": ...}``:
+
+- both: ``start`` (``bootstrap_port``; prefill: ``keepalive``, ``knobs``)
+  -> ``agent``, ``rank_port``, ``pid``
+- prefill: ``room`` (``room``, ``pages``, ``aux``) fills the room's source
+  pages and makes its sender; ``bootstrapped`` (``room``, ``within``) waits
+  until the decode's metadata for it arrived; ``send`` (``room``,
+  ``within``) sends it and waits for the sender's end (``status``:
+  ``success`` or ``failed``, ``failure``); ``state`` (``decode``) what the
+  manager and the agent hold for a decode; ``wait_released`` (``decode``,
+  ``within``); ``reload`` (``decode``) calls SGLang's
+  ``_reload_invalidated_peers`` for it, as its transfer worker does after a
+  failed room
+- decode: ``room`` (``room``, ``pages``, ``src_pages``, ``aux``, ``prefill``)
+  makes the receiver and sends the room's metadata; ``wait`` (``room``,
+  ``within``) -> ``status`` and ``verified`` (every page holds the
+  prefill's bytes for that room and source page); ``notifs``: the NIXL
+  notifications waiting in the agent, which SGLang's decode never reads
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict
+
+if os.environ.get("NIXL_KEEPALIVE_IMPORT_FIRST", "1") == "1":
+    import nixl_keepalive  # noqa: F401  (before the first nixl_agent: the endpoint-close shim)
+
+import numpy as np
+
+import sglang_env as env
+
+POLL_S = 0.02
+STATUS = {0: "failed", 1: "bootstrapping", 2: "waiting_for_input", 3: "transferring", 4: "success"}
+
+
+class Prefill:
+    def __init__(self) -> None:
+        self.manager: Any = None
+        self.real_agent: Any = None
+        self.senders: Dict[int, Any] = {}
+        self.pages: Dict[int, Any] = {}
+        self.bootstrap = ""
+
+    def start(self, bootstrap_port: int, keepalive: bool, knobs: Dict[str, Any], item: int = env.ITEM) -> Dict[str, Any]:
+        self.server_args = env.publish("prefill", env.model_dir(Path(os.environ["SGLANG_TIER_MODEL"])), bootstrap_port)
+        from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        self.bootstrap_server = NixlKVBootstrapServer("127.0.0.1", bootstrap_port)
+        self.bootstrap = f"127.0.0.1:{bootstrap_port}"
+        self.item = item
+        self.kv, self.aux = env.buffers(item)
+        args = env.kv_args(self.kv, self.aux)
+        if keepalive:
+            from nixl_keepalive.sglang import KeepaliveNixlKVManager
+
+            self.manager = KeepaliveNixlKVManager(args, DisaggregationMode.PREFILL, self.server_args, False,
+                                                  keepalive=knobs)
+            self.real_agent = self.manager.agent._real
+        else:
+            self.manager = NixlKVManager(args, DisaggregationMode.PREFILL, self.server_args, False)
+            self.real_agent = self.manager.agent
+        return {"agent": self.real_agent.name, "rank_port": self.manager.rank_port}
+
+    def room(self, room: int, pages: list, aux: int) -> Dict[str, Any]:
+        from sglang.srt.disaggregation.nixl.conn import NixlKVSender
+
+        for b, buf in enumerate(self.kv):
+            for p in pages:
+                buf[p * self.item:(p + 1) * self.item] = env.page_bytes(room, b, p, self.item)
+        self.pages[room] = (np.array(pages, dtype=np.int32), aux)
+        self.senders[room] = NixlKVSender(self.manager, self.bootstrap, room)
+        return {}
+
+    def bootstrapped(self, room: int, within: float) -> Dict[str, Any]:
+        sender = self.senders[room]
+        deadline = time.monotonic() + within
+        while sender.poll() == 1 and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return {"status": STATUS[sender.poll()]}
+
+    def send(self, room: int, within: float) -> Dict[str, Any]:
+        sender = self.senders[room]
+        pages, aux = self.pages[room]
+        sender.init(len(pages), aux_index=aux)
+        sender.send(pages)
+        deadline = time.monotonic() + within
+        while sender.poll() not in (0, 4) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        status = sender.poll()
+        failure = None
+        if status == 0:
+            try:
+                sender.failure_exception()
+            except Exception as e:  # SGLang raises the room's failure as an exception
+                failure = str(e)
+        return {"status": STATUS[status], "failure": failure}
+
+    def state(self, decode: str) -> Dict[str, Any]:
+        m = self.manager
+        out: Dict[str, Any] = {
+            "in_table": decode in m.decode_kv_args_table,
+            "prep_handles": decode in m.prep_handles,
+            "metadata_loaded": bool(self.real_agent.check_remote_metadata(decode)),
+            # SGLang's own record of reloading a peer NIXL dropped.
+            "reloaded": decode in m._peer_reload_times,
+        }
+        ka = getattr(m, "keepalive", None)
+        if ka is not None:
+            snap = ka.snapshot()
+            out["engines"] = {e["engine"]: {"state": e["state"], "reads_in_flight": e["reads_in_flight"],
+                                            "last_heartbeat": e["last_heartbeat"]}
+                              for e in snap["engines"]}
+            out["released"] = m.released_decodes
+            out["open_guards"] = m.agent.open_guards()
+            out["given_up"] = m.agent.given_up
+            out["refused_registrations"] = m.refused_registrations
+        try:
+            self.real_agent.send_notif(decode, b"probe")
+            out["send_notif"] = "sent"
+        except Exception as e:
+            out["send_notif"] = type(e).__name__
+        return out
+
+    def wait_released(self, decode: str, within: float) -> Dict[str, Any]:
+        released = self.manager.wait_decode_released(decode, within)
+        return {"released": released, "at": time.monotonic()}
+
+    def reload(self, decode: str) -> Dict[str, Any]:
+        self.manager._reload_invalidated_peers({decode: None})
+        return {"metadata_loaded": bool(self.real_agent.check_remote_metadata(decode)),
+                "in_table": decode in self.manager.decode_kv_args_table}
+
+
+class Decode:
+    def __init__(self) -> None:
+        self.heartbeats_seen = 0
+        self.receivers: Dict[int, Any] = {}
+        self.expect: Dict[int, Any] = {}
+
+    def start(self, bootstrap_port: int, item: int = env.ITEM, keepalive: bool = False,
+              drain_every: float = 0.5) -> Dict[str, Any]:
+        self.server_args = env.publish("decode", env.model_dir(Path(os.environ["SGLANG_TIER_MODEL"])), bootstrap_port)
+        from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        self.item = item
+        self.kv, self.aux = env.buffers(item)
+        args = env.kv_args(self.kv, self.aux)
+        if keepalive:  # the decode side of nixl_keepalive.sglang: SGLang's manager, draining notifications
+            from nixl_keepalive.sglang import KeepaliveNixlKVManager
+
+            self.manager = KeepaliveNixlKVManager(args, DisaggregationMode.DECODE, self.server_args, False,
+                                                  drain_every=drain_every)
+        else:
+            self.manager = NixlKVManager(args, DisaggregationMode.DECODE, self.server_args, False)
+        return {"agent": self.manager.agent.name, "rank_port": self.manager.rank_port}
+
+    def register_forged(self, prefill_rank_port: int, name: str) -> Dict[str, Any]:
+        """Sends the prefill SGLang's own registration of this decode with
+        the agent-name frame replaced by ``name`` (the metadata unchanged)."""
+        import zmq
+
+        message = self.manager.build_receiver_registration_message()
+        assert message[4] == self.manager.agent.name.encode("ascii"), "SGLang's registration layout changed"
+        message[4] = name.encode("ascii")
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.connect(f"tcp://127.0.0.1:{prefill_rank_port}")
+        sock.send_multipart(message)
+        sock.close(linger=5000)
+        return {}
+
+    def room(self, room: int, pages: list, src_pages: list, aux: int, prefill: str,
+             within: float = 30.0) -> Dict[str, Any]:
+        from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
+
+        deadline = time.monotonic() + within
+        while not self.manager.try_ensure_parallel_info(prefill):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no parallel info from the prefill's bootstrap server {prefill}")
+            time.sleep(0.1)
+        receiver = NixlKVReceiver(self.manager, prefill, room)
+        receiver.init(0)
+        receiver.send_metadata(np.array(pages, dtype=np.int32), aux_index=aux)
+        self.receivers[room] = receiver
+        self.expect[room] = (pages, src_pages)
+        return {}
+
+    def wait(self, room: int, within: float) -> Dict[str, Any]:
+        receiver = self.receivers[room]
+        deadline = time.monotonic() + within
+        while receiver.poll() not in (0, 4) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        pages, src_pages = self.expect[room]
+        verified = all(
+            np.array_equal(buf[d * self.item:(d + 1) * self.item], env.page_bytes(room, b, s, self.item))
+            for b, buf in enumerate(self.kv) for d, s in zip(pages, src_pages))
+        return {"status": STATUS[receiver.poll()], "verified": verified}
+
+    def notifs(self, take: bool = True) -> Dict[str, Any]:
+        drained = getattr(self.manager, "heartbeats_drained", None)
+        if not take:
+            return {"drained": drained}
+        waiting = self.manager.agent.get_new_notifs()
+        messages = [m for ms in waiting.values() for m in ms]
+        heartbeats = sum(1 for m in messages if m.startswith(b"HB:"))
+        self.heartbeats_seen += heartbeats
+        return {"waiting": len(messages), "heartbeats": heartbeats, "heartbeats_seen": self.heartbeats_seen,
+                "drained": drained}
+
+
+def main() -> None:
+    role = sys.argv[1]
+    peer: Any = Prefill() if role == "prefill" else Decode()
+    out = sys.stdout
+    sys.stdout = sys.stderr  # SGLang prints; only replies go to the real stdout
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        command = json.loads(line)
+        name = command.pop("cmd")
+        try:
+            reply = {"ok": True, "pid": os.getpid(), **getattr(peer, name)(**command)}
+        except Exception as e:
+            traceback.print_exc()
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()
