@@ -23,6 +23,8 @@
 #               not reinstalled
 #   PYTHON      the interpreter to make it with (default: python3, >= 3.10)
 set -euo pipefail
+# shellcheck source=scripts/tier-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/tier-lib.sh"
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VLLM_VENV:-${repo_root}/.venv-vllm}"
@@ -44,25 +46,9 @@ if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${expected_stamp}" && -x "${venv}
 fi
 
 echo "install-vllm.sh: making the vLLM ${VLLM_VERSION} environment in ${venv}"
-if ! command -v "${python}" >/dev/null 2>&1; then
-    echo "install-vllm.sh: '${python}' is required but not found (set PYTHON)" >&2
-    exit 1
-fi
-if ! "${python}" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)'; then
-    echo "install-vllm.sh: ${python} is older than Python 3.10; vLLM ${VLLM_VERSION} needs >= 3.10 (set PYTHON)" >&2
-    exit 1
-fi
-
 start=$(date +%s)
 rm -f "${stamp}"
-if [[ ! -x "${venv}/bin/python" ]]; then
-    if ! "${python}" -c 'import venv, ensurepip' 2>/dev/null; then
-        echo "install-vllm.sh: ${python} cannot make a venv with pip (no venv/ensurepip module: on Debian or Ubuntu install python3-venv)" >&2
-        exit 1
-    fi
-    echo "Making the venv ${venv}"
-    "${python}" -m venv "${venv}"
-fi
+tier_make_venv install-vllm.sh "${python}" "${venv}" "vLLM ${VLLM_VERSION}"
 pip=("${venv}/bin/python" -m pip --disable-pip-version-check)
 
 installed_vllm="$("${venv}/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null || true)"

@@ -13,6 +13,8 @@
 # Environment: SGLANG_VENV (default <repo>/.venv-sglang); extra arguments go
 # to pytest.
 set -euo pipefail
+# shellcheck source=scripts/tier-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/tier-lib.sh"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 repo="$(pwd)"
 start=$(date +%s)
@@ -25,14 +27,7 @@ py="${venv}/bin/python"
 stamp() { echo "[test-sglang $(( $(date +%s) - start ))s] $*"; }
 
 stamp "building the nixl_keepalive wheel"
-maturin="${repo}/.venv/bin/maturin"
-if [[ ! -x "${maturin}" ]]; then
-    bash scripts/install-python.sh
-fi
-wheels="${repo}/target/sglang-wheel"
-rm -rf "${wheels}"
-"${maturin}" build --locked --manifest-path python/Cargo.toml --out "${wheels}"
-"${py}" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "${wheels}"/nixl_keepalive-*.whl
+tier_install_wheel "${repo}" "${py}" "${repo}/target/sglang-wheel"
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"

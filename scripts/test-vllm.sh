@@ -20,6 +20,8 @@
 # Environment: VLLM_VENV (default <repo>/.venv-vllm); VLLM_UNIT=0 skips (b);
 # extra arguments go to pytest of (a).
 set -euo pipefail
+# shellcheck source=scripts/tier-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/tier-lib.sh"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 repo="$(pwd)"
 start=$(date +%s)
@@ -32,14 +34,7 @@ py="${venv}/bin/python"
 stamp() { echo "[test-vllm $(( $(date +%s) - start ))s] $*"; }
 
 stamp "building the nixl_keepalive wheel"
-maturin="${repo}/.venv/bin/maturin"
-if [[ ! -x "${maturin}" ]]; then
-    bash scripts/install-python.sh
-fi
-wheels="${repo}/target/vllm-wheel"
-rm -rf "${wheels}"
-"${maturin}" build --locked --manifest-path python/Cargo.toml --out "${wheels}"
-"${py}" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "${wheels}"/nixl_keepalive-*.whl
+tier_install_wheel "${repo}" "${py}" "${repo}/target/vllm-wheel"
 
 export HF_HUB_CACHE="${venv}/hf-cache/hub"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_TARGET_DEVICE=cpu
