@@ -91,7 +91,8 @@ pub struct Knob {
 /// test harness (`REQUIRE_REAL`: a missing NIXL runtime fails the real
 /// tests instead of skipping them; `BIN`: the prefill binary the Python
 /// tests start; the rest: sizes and roles of the Python tests' child
-/// processes) and the UCX loader (`UCX_LIB`: an explicit `libucp` to load).
+/// processes), the UCX loader (`UCX_LIB`: an explicit `libucp` to load) and
+/// the Python package's SGLang plugin (`SGLANG`: its on/off switch).
 /// Hidden for the reason [`Knob`] is.
 #[doc(hidden)]
 pub const NOT_SERVICE_KNOBS: &[&str] = &[
@@ -102,6 +103,7 @@ pub const NOT_SERVICE_KNOBS: &[&str] = &[
     "NIXL_KEEPALIVE_PY_CYCLES",
     "NIXL_KEEPALIVE_FROZEN_CHILD",
     "NIXL_KEEPALIVE_BUFFER_CHILD",
+    "NIXL_KEEPALIVE_SGLANG",
 ];
 
 const INTERVAL: &str = "NIXL_KEEPALIVE_INTERVAL";

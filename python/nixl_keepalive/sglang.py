@@ -30,10 +30,11 @@ nothing in SGLang releases a dead decode's NIXL state (its only NIXL re-load,
   ``_reload_invalidated_peers`` skips every decode that is not live, so a
   dead decode's metadata is not loaded back.
 
-The decode side runs SGLang's own manager unchanged (in push mode the
-keepalive lives where the keys are held). :func:`install` makes SGLang
-build this class wherever it builds its NIXL manager, for both roles; a
-decode-mode manager is SGLang's own, untouched.
+The decode side runs SGLang's own manager (in push mode the keepalive
+lives where the keys are held) with one addition: a thread that takes the
+NIXL notifications SGLang's decode never reads, so the prefills'
+heartbeats do not pile up in its agent. :func:`install` makes SGLang build
+this class wherever it builds its NIXL manager, for both roles.
 
 Knobs: the ``NIXL_KEEPALIVE_*`` variables (``NIXL_KEEPALIVE_INTERVAL=1s``,
 ...), or ``keepalive`` keywords given to the constructor. See
@@ -279,6 +280,9 @@ class KeepaliveNixlKVManager(NixlKVManager):
                                  name="nixl-keepalive-drain", daemon=True).start()
             return
         check_sglang_version()
+        # A refused knob stops here, before SGLang's manager starts its
+        # threads or makes its agent.
+        config = nixl_keepalive.Config(**(keepalive or {}))
         api = sys.modules.get("nixl._api")
         if api is None:
             import nixl._api as api  # type: ignore  # what NixlKVManager imports
@@ -298,7 +302,7 @@ class KeepaliveNixlKVManager(NixlKVManager):
         real = self.agent
         conf = next((c for a, c in recorder.made if a is real), None)
         try:
-            self._ka = Keepalive(real, agent_config=conf, **(keepalive or {}))
+            self._ka = Keepalive(real, config, agent_config=conf)
             self.agent = _GuardedAgent(real, self)
         finally:
             self._ka_ready.set()

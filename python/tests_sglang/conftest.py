@@ -126,14 +126,38 @@ class Peer:
         return at
 
 
-@pytest.fixture
-def ranks():
-    """Starts SGLang ranks (``start(role, **start)``); kills what is left."""
+def _require_sglang() -> None:
     if MISSING is not None:
         if real_required():
             pytest.fail(f"real runtime required (NIXL_KEEPALIVE_REQUIRE_REAL=1 or CI=true): {MISSING}")
         sys.stderr.write(f"\nSKIPPED (real SGLang test): {MISSING}\n")
         pytest.skip(MISSING)
+
+
+@pytest.fixture
+def sglang_process():
+    """Runs a Python snippet in a fresh process of this interpreter (SGLang's
+    and NIXL's), with ``env`` over this environment (a ``None`` value
+    removes the variable); returns the finished ``CompletedProcess``."""
+    _require_sglang()
+
+    def run(code: str, env: Dict[str, Optional[str]]) -> subprocess.CompletedProcess:
+        full = dict(os.environ)
+        for k, v in env.items():
+            if v is None:
+                full.pop(k, None)
+            else:
+                full[k] = v
+        return subprocess.run([sys.executable, "-c", code], env=full, cwd=HERE, capture_output=True, text=True,
+                              timeout=START_WITHIN)
+
+    return run
+
+
+@pytest.fixture
+def ranks():
+    """Starts SGLang ranks (``start(role, **start)``); kills what is left."""
+    _require_sglang()
     started: List[Peer] = []
     log_dir = Path(os.environ.get("SGLANG_TIER_LOGS") or tempfile.mkdtemp(prefix="sglang-tier-"))
     log_dir.mkdir(parents=True, exist_ok=True)

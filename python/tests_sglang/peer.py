@@ -4,16 +4,18 @@
 (sglang_env.py), then answers one JSON command per stdin line with one JSON
 line on stdout (SGLang's and NIXL's logs go to stderr). Everything that
 moves KV is SGLang's own code: the prefill runs SGLang's bootstrap server,
-its ``NixlKVManager`` (or, with ``"keepalive": true``, nixl_keepalive's
-``KeepaliveNixlKVManager``) and a ``NixlKVSender`` per room; the decode its
-``NixlKVManager`` and a ``NixlKVReceiver`` per room, as SGLang's schedulers
-drive them. The test (test_sglang_real.py) kills these processes for real.
+the NIXL manager SGLang's scheduler would build (its plugins loaded, then
+``get_kv_class``: SGLang's ``NixlKVManager``, or with ``"keepalive": true``,
+which turns on our plugin's switch, nixl_keepalive's
+``KeepaliveNixlKVManager``) and a ``NixlKVSender`` per room; the decode the
+same manager lookup and a ``NixlKVReceiver`` per room, as SGLang's
+schedulers drive them. The test (test_sglang_real.py) kills these processes for real.
 
 Commands (``{"cmd": ..., ...}``), each answered ``{"ok": true, ...}`` or
 ``{"ok": false, "error": ...}``:
 
-- both: ``start`` (``bootstrap_port``; prefill: ``keepalive``, ``knobs``)
-  -> ``agent``, ``rank_port``, ``pid``
+- both: ``start`` (``bootstrap_port``, ``keepalive``; prefill: ``knobs``)
+  -> ``agent``, ``rank_port``, ``manager`` (the class built), ``pid``
 - prefill: ``room`` (``room``, ``pages``, ``aux``) fills the room's source
   pages and makes its sender; ``bootstrapped`` (``room``, ``within``) waits
   until the decode's metadata for it arrived; ``send`` (``room``,
@@ -51,6 +53,29 @@ POLL_S = 0.02
 STATUS = {0: "failed", 1: "bootstrapping", 2: "waiting_for_input", 3: "transferring", 4: "success"}
 
 
+def sglang_manager_class(keepalive: bool, knobs: Dict[str, Any]) -> Any:
+    """The NIXL manager class SGLang's scheduler would build in this
+    process: the plugins loaded as ``run_scheduler_process`` loads them
+    (``sglang.srt.plugins.load_plugins``), then ``get_kv_class``. The
+    keepalive is on through the operator's switch, its knobs through the
+    ``NIXL_KEEPALIVE_*`` variables, as an SGLang deployment would set them."""
+    if keepalive:
+        os.environ["NIXL_KEEPALIVE_SGLANG"] = "1"
+        for knob, value in knobs.items():
+            os.environ[f"NIXL_KEEPALIVE_{knob.upper()}"] = str(value)
+    else:
+        os.environ.pop("NIXL_KEEPALIVE_SGLANG", None)
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    return get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER)
+
+
+def qualified(cls: Any) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 class Prefill:
     def __init__(self) -> None:
         self.manager: Any = None
@@ -61,7 +86,7 @@ class Prefill:
 
     def start(self, bootstrap_port: int, keepalive: bool, knobs: Dict[str, Any], item: int = env.ITEM) -> Dict[str, Any]:
         self.server_args = env.publish("prefill", env.model_dir(Path(os.environ["SGLANG_TIER_MODEL"])), bootstrap_port)
-        from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager
+        from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
         self.bootstrap_server = NixlKVBootstrapServer("127.0.0.1", bootstrap_port)
@@ -69,16 +94,12 @@ class Prefill:
         self.item = item
         self.kv, self.aux = env.buffers(item)
         args = env.kv_args(self.kv, self.aux)
-        if keepalive:
-            from nixl_keepalive.sglang import KeepaliveNixlKVManager
-
-            self.manager = KeepaliveNixlKVManager(args, DisaggregationMode.PREFILL, self.server_args, False,
-                                                  keepalive=knobs)
-            self.real_agent = self.manager.agent._real
-        else:
-            self.manager = NixlKVManager(args, DisaggregationMode.PREFILL, self.server_args, False)
-            self.real_agent = self.manager.agent
-        return {"agent": self.real_agent.name, "rank_port": self.manager.rank_port}
+        manager_class = sglang_manager_class(keepalive, knobs)
+        self.manager = manager_class(args, DisaggregationMode.PREFILL, self.server_args, False)
+        agent = self.manager.agent
+        self.real_agent = getattr(agent, "_real", agent)
+        return {"agent": self.real_agent.name, "rank_port": self.manager.rank_port,
+                "manager": qualified(manager_class)}
 
     def room(self, room: int, pages: list, aux: int) -> Dict[str, Any]:
         from sglang.srt.disaggregation.nixl.conn import NixlKVSender
@@ -156,23 +177,19 @@ class Decode:
         self.receivers: Dict[int, Any] = {}
         self.expect: Dict[int, Any] = {}
 
-    def start(self, bootstrap_port: int, item: int = env.ITEM, keepalive: bool = False,
-              drain_every: float = 0.5) -> Dict[str, Any]:
+    def start(self, bootstrap_port: int, item: int = env.ITEM, keepalive: bool = False) -> Dict[str, Any]:
         self.server_args = env.publish("decode", env.model_dir(Path(os.environ["SGLANG_TIER_MODEL"])), bootstrap_port)
-        from sglang.srt.disaggregation.nixl.conn import NixlKVManager
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
         self.item = item
         self.kv, self.aux = env.buffers(item)
         args = env.kv_args(self.kv, self.aux)
-        if keepalive:  # the decode side of nixl_keepalive.sglang: SGLang's manager, draining notifications
-            from nixl_keepalive.sglang import KeepaliveNixlKVManager
-
-            self.manager = KeepaliveNixlKVManager(args, DisaggregationMode.DECODE, self.server_args, False,
-                                                  drain_every=drain_every)
-        else:
-            self.manager = NixlKVManager(args, DisaggregationMode.DECODE, self.server_args, False)
-        return {"agent": self.manager.agent.name, "rank_port": self.manager.rank_port}
+        # With the keepalive: the decode side of nixl_keepalive.sglang,
+        # SGLang's manager draining the notifications SGLang never reads.
+        manager_class = sglang_manager_class(keepalive, {})
+        self.manager = manager_class(args, DisaggregationMode.DECODE, self.server_args, False)
+        return {"agent": self.manager.agent.name, "rank_port": self.manager.rank_port,
+                "manager": qualified(manager_class)}
 
     def register_forged(self, prefill_rank_port: int, name: str) -> Dict[str, Any]:
         """Sends the prefill SGLang's own registration of this decode with
