@@ -314,6 +314,14 @@ class NixlConnectorWorker:
             done.append(outcome)
         return done
 
+    def reclaim_slots(self) -> None:
+        """Settles the given-up slots whose engine's release has come back
+        (reusable ones freed, the rest retired). ``read_blocks`` does it
+        before it takes a slot; a runtime that allocates rarely calls it
+        from its scheduler loop (vLLM: where it frees blocks)."""
+        with self._lock:
+            self._reclaim_slots()
+
     def _reclaim_slots(self) -> None:
         """Given-up slots whose release has come back: reusable ones go
         back to the free list, the rest are retired for good (with the lock

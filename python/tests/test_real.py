@@ -232,9 +232,15 @@ def test_the_example_releases_a_sigstopped_prefill_with_every_default_and_retire
     stalled = log.find("stalled", engine=frozen.id)
     assert stalled and stalled["given_up"] >= 1, log.all()
     # The timed-out reads' slots never return to the free list (NIXL 1.5.1
-    # cannot prove a given-up READ over: it may still land).
-    wait_for("the given-up slots retired", lambda: stuck_slots <= set(w.retired_slots), MARGIN,
-             seen=lambda: (w.retired_slots, w._free_slots))
+    # cannot prove a given-up READ over: it may still land). They are
+    # settled when the worker next looks (the release may come back after
+    # the last read above was started): the wait drives that look.
+    def retired():
+        w.reclaim_slots()
+        return stuck_slots <= set(w.retired_slots)
+
+    wait_for("the given-up slots retired", retired, MARGIN,
+             seen=lambda: (w.retired_slots, w._free_slots, sorted(w._given_up)))
     assert not stuck_slots & set(w._free_slots)
     for _ in range(4):  # the healthy prefill is read on, from the other slots
         read_verified(w, healthy, 0, 6)
