@@ -226,6 +226,17 @@ def parse_agent_name(metadata: bytes) -> Optional[str]:
         return None
 
 
+def _end_transfer_guard(guard: Any, outcome: Any) -> None:
+    """Ends a read or write guard with what ended its transfer: a raw
+    status, ``"DONE"`` or NIXL's exception is finished (REMOTE_DISCONNECT
+    marks the engine); ``None`` or an exception that is not NIXL's (NIXL
+    said nothing) closes it without a status. The connectors' one rule."""
+    if outcome is None or (isinstance(outcome, BaseException) and classify_exception(outcome) is None):
+        guard.close()
+    else:
+        guard.finish(outcome)
+
+
 def _is_nixl_agent(agent: Any) -> bool:
     return type(agent).__name__ == "nixl_agent" and hasattr(agent, "agent")
 

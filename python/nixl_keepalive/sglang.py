@@ -142,11 +142,8 @@ class _GuardedAgent:
         guard = engine.write() if str(operation).upper() == "WRITE" else engine.read()
         try:
             handle = make()
-        except BaseException as e:
-            if nixl_keepalive.classify_exception(e) is not None:
-                guard.finish(e)
-            else:
-                guard.close()  # nothing was posted: the guard ends with no status
+        except BaseException as e:  # nothing was posted
+            nixl_keepalive._end_transfer_guard(guard, e)
             raise
         if not handle:
             guard.close()
@@ -176,12 +173,7 @@ class _GuardedAgent:
         try:
             state = self._real.transfer(handle, *args, **kwargs)
         except BaseException as e:
-            guard = self._take(handle)
-            if guard is not None:
-                if nixl_keepalive.classify_exception(e) is not None:
-                    guard.finish(e)
-                else:
-                    guard.close()
+            self._end(handle, e)
             raise
         if state == "ERR":
             self._end(handle, self._raw_status(handle))
@@ -211,12 +203,12 @@ class _GuardedAgent:
         except Exception as e:  # the agent could not say: the exception is the status
             return e
 
-    def _end(self, handle: Any, status: Any) -> None:
+    def _end(self, handle: Any, outcome: Any) -> None:
         guard = self._take(handle)
         if guard is None:
             return
         try:
-            guard.finish(status)
+            nixl_keepalive._end_transfer_guard(guard, outcome)
         except (TypeError, ValueError) as e:
             # A status the guard refuses (not NIXL's) still ended the write.
             logger.warning("nixl_keepalive: a transfer's end was not a NIXL status: %s", e)

@@ -709,10 +709,7 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
             if not new:
                 # No transfer was left posted: the read ends with what NIXL
                 # raised (REMOTE_DISCONNECT marks the engine).
-                if error is not None and nixl_keepalive.classify_exception(error) is not None:
-                    read.finish(error)
-                else:
-                    read.close()
+                nixl_keepalive._end_transfer_guard(read, error)
                 if not ok:
                     self._ka_drop_lease(dst_engine_id, remote_request_id, "read:" + request_id)
                 return ok
@@ -787,10 +784,7 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
                     continue
                 # Failed: the raw status, never check_xfer_state's "ERR"; an
                 # exception that is not NIXL's ends the read without one.
-                if isinstance(status, BaseException) and nixl_keepalive.classify_exception(status) is None:
-                    t.read.close()
-                else:
-                    t.read.finish(status)
+                nixl_keepalive._end_transfer_guard(t.read, status)
                 name = nixl_keepalive.status_name(status) if isinstance(status, int) else type(status).__name__
                 self._log_failure("transfer_failed", req_id, xfer_state=name,
                                   error=status if isinstance(status, BaseException) else None)

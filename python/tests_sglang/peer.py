@@ -72,11 +72,25 @@ def sglang_manager_class(keepalive: bool, knobs: Dict[str, Any]) -> Any:
     return get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER)
 
 
-def qualified(cls: Any) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+class Rank:
+    """What both roles start with: SGLang's config published for the role,
+    the DRAM buffers, and the manager SGLang's lookup gives."""
+
+    def _start_manager(self, role: str, bootstrap_port: int, item: int, keepalive: bool,
+                       knobs: Dict[str, Any]) -> Dict[str, Any]:
+        self.server_args = env.publish(role, env.model_dir(Path(os.environ["SGLANG_TIER_MODEL"])), bootstrap_port)
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        self.item = item
+        self.kv, self.aux = env.buffers(item)
+        manager_class = sglang_manager_class(keepalive, knobs)
+        mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+        self.manager = manager_class(env.kv_args(self.kv, self.aux), mode, self.server_args, False)
+        return {"rank_port": self.manager.rank_port,
+                "manager": f"{manager_class.__module__}.{manager_class.__qualname__}"}
 
 
-class Prefill:
+class Prefill(Rank):
     def __init__(self) -> None:
         self.manager: Any = None
         self.real_agent: Any = None
@@ -85,21 +99,14 @@ class Prefill:
         self.bootstrap = ""
 
     def start(self, bootstrap_port: int, keepalive: bool, knobs: Dict[str, Any], item: int = env.ITEM) -> Dict[str, Any]:
-        self.server_args = env.publish("prefill", env.model_dir(Path(os.environ["SGLANG_TIER_MODEL"])), bootstrap_port)
         from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
-        from sglang.srt.disaggregation.utils import DisaggregationMode
 
         self.bootstrap_server = NixlKVBootstrapServer("127.0.0.1", bootstrap_port)
         self.bootstrap = f"127.0.0.1:{bootstrap_port}"
-        self.item = item
-        self.kv, self.aux = env.buffers(item)
-        args = env.kv_args(self.kv, self.aux)
-        manager_class = sglang_manager_class(keepalive, knobs)
-        self.manager = manager_class(args, DisaggregationMode.PREFILL, self.server_args, False)
+        started = self._start_manager("prefill", bootstrap_port, item, keepalive, knobs)
         agent = self.manager.agent
         self.real_agent = getattr(agent, "_real", agent)
-        return {"agent": self.real_agent.name, "rank_port": self.manager.rank_port,
-                "manager": qualified(manager_class)}
+        return {"agent": self.real_agent.name, **started}
 
     def room(self, room: int, pages: list, aux: int) -> Dict[str, Any]:
         from sglang.srt.disaggregation.nixl.conn import NixlKVSender
@@ -171,25 +178,17 @@ class Prefill:
                 "in_table": decode in self.manager.decode_kv_args_table}
 
 
-class Decode:
+class Decode(Rank):
     def __init__(self) -> None:
         self.heartbeats_seen = 0
         self.receivers: Dict[int, Any] = {}
         self.expect: Dict[int, Any] = {}
 
     def start(self, bootstrap_port: int, item: int = env.ITEM, keepalive: bool = False) -> Dict[str, Any]:
-        self.server_args = env.publish("decode", env.model_dir(Path(os.environ["SGLANG_TIER_MODEL"])), bootstrap_port)
-        from sglang.srt.disaggregation.utils import DisaggregationMode
-
-        self.item = item
-        self.kv, self.aux = env.buffers(item)
-        args = env.kv_args(self.kv, self.aux)
         # With the keepalive: the decode side of nixl_keepalive.sglang,
         # SGLang's manager draining the notifications SGLang never reads.
-        manager_class = sglang_manager_class(keepalive, {})
-        self.manager = manager_class(args, DisaggregationMode.DECODE, self.server_args, False)
-        return {"agent": self.manager.agent.name, "rank_port": self.manager.rank_port,
-                "manager": qualified(manager_class)}
+        started = self._start_manager("decode", bootstrap_port, item, keepalive, {})
+        return {"agent": self.manager.agent.name, **started}
 
     def register_forged(self, prefill_rank_port: int, name: str) -> Dict[str, Any]:
         """Sends the prefill SGLang's own registration of this decode with
