@@ -44,6 +44,7 @@ pip=("${venv}/bin/python" -m pip --disable-pip-version-check)
 
 installed="$("${venv}/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>/dev/null || true)"
 if [[ "${installed}" != "${SGLANG_VERSION}" ]]; then
+    tier_need_disk install-sglang.sh "SGLang ${SGLANG_VERSION}" "${venv}" 11 5
     echo "Installing sglang==${SGLANG_VERSION} into ${venv} (about 4.1 GB downloaded)"
     "${pip[@]}" install --quiet "sglang==${SGLANG_VERSION}"
 fi

@@ -53,6 +53,7 @@ pip=("${venv}/bin/python" -m pip --disable-pip-version-check)
 
 installed_vllm="$("${venv}/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null || true)"
 if [[ "${installed_vllm}" != "${VLLM_VERSION}" ]]; then
+    tier_need_disk install-vllm.sh "vLLM ${VLLM_VERSION}" "${venv}" 11 5
     echo "Installing vllm==${VLLM_VERSION} into ${venv} (about 4.6 GB downloaded)"
     "${pip[@]}" install --quiet "vllm==${VLLM_VERSION}"
 fi
