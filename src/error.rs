@@ -61,6 +61,22 @@ pub enum Conflict {
         /// Where its registration is.
         live_at: PeerAddr,
     },
+    /// The address is the newcomer's own word ([`crate::KeepaliveHandle::handshake_declared`]:
+    /// a peer that declares where it is, as SGLang's decode does, instead
+    /// of one the runtime reached there), and a live engine of another id
+    /// holds it. A declaration is not evidence that the engine there was
+    /// replaced (two hosts advertising one address would release a healthy
+    /// one); the holder is asked at once (a heartbeat), and a claim made
+    /// after its release is granted.
+    #[error("engine {claimed_by} declared {address}, where engine {holder} is live")]
+    AddressInUse {
+        /// The declared address.
+        address: PeerAddr,
+        /// The engine the refused claim was for.
+        claimed_by: EngineId,
+        /// The live engine registered there.
+        holder: EngineId,
+    },
     /// A handshake that started before the engine's current registration
     /// was made answered with another incarnation: its reply may predate
     /// that registration (a slow or racing handshake), so it is not taken
@@ -124,6 +140,7 @@ impl Conflict {
         match self {
             Conflict::AgentInUse { .. } => "agent_in_use",
             Conflict::EngineElsewhere { .. } => "engine_elsewhere",
+            Conflict::AddressInUse { .. } => "address_in_use",
             Conflict::AgentsChanged { .. } => "agents_changed",
             Conflict::StaleReply { .. } => "stale_reply",
             Conflict::EngineInUse { .. } => "engine_in_use",
@@ -135,7 +152,9 @@ impl Conflict {
     /// The engine the conflict is about (the newcomer's).
     pub fn engine(&self) -> &EngineId {
         match self {
-            Conflict::AgentInUse { claimed_by, .. } => claimed_by,
+            Conflict::AgentInUse { claimed_by, .. } | Conflict::AddressInUse { claimed_by, .. } => {
+                claimed_by
+            }
             Conflict::EngineElsewhere { engine, .. }
             | Conflict::StaleReply { engine, .. }
             | Conflict::AgentsChanged { engine, .. }

@@ -362,15 +362,16 @@ class HandshakeScope:
     channel: a marked engine at the address is not released while it is
     open) and ends on leaving, registered or not."""
 
-    __slots__ = ("_service", "_address", "_h")
+    __slots__ = ("_service", "_address", "_declared", "_h")
 
-    def __init__(self, service: _native.Service, address: str) -> None:
+    def __init__(self, service: _native.Service, address: str, declared: bool = False) -> None:
         self._service = service
         self._address = address
+        self._declared = declared
         self._h: Optional[Handshake] = None
 
     def __enter__(self) -> Handshake:
-        self._h = self._service.handshake(self._address)
+        self._h = self._service.handshake(self._address, self._declared)
         return self._h
 
     def __exit__(self, *exc: object) -> None:
@@ -378,7 +379,7 @@ class HandshakeScope:
             self._h.finish()
 
     async def __aenter__(self) -> AsyncHandshake:
-        self._h = self._service.handshake(self._address)
+        self._h = self._service.handshake(self._address, self._declared)
         return AsyncHandshake(self._h)
 
     async def __aexit__(self, *exc: object) -> None:
@@ -475,12 +476,21 @@ class Keepalive:
 
     # -- connecting -------------------------------------------------------
 
-    def handshake(self, address: str) -> HandshakeScope:
-        """The handshake protocol with the prefill at ``address``
+    def handshake(self, address: str, *, declared: bool = False) -> HandshakeScope:
+        """The handshake protocol with the peer at ``address``
         (``host:port``): connect, reconnect, or reload a pinned engine id.
         ``with ka.handshake(addr) as h`` / ``async with``; see
-        :class:`Handshake`."""
-        return HandshakeScope(self._service, address)
+        :class:`Handshake`.
+
+        ``declared=True`` when ``address`` is the peer's own word (SGLang's
+        decode registers its ``rank_ip:rank_port``), not where the runtime
+        reached it: a claim of another engine id at an address a live
+        engine holds raises :class:`IdentityConflict` (``conflict ==
+        "address_in_use"``, ``holder`` the live one) instead of replacing
+        it, and the holder is heartbeated at once. A holder that is gone is
+        released on that heartbeat's REMOTE_DISCONNECT; a handshake after
+        its release goes through."""
+        return HandshakeScope(self._service, address, declared)
 
     def register(
         self,

@@ -199,8 +199,10 @@ class RegistrationRefused(KeepaliveError):
 
 class IdentityConflict(KeepaliveError):
     """A handshake's claim conflicts with a registered engine (``conflict``:
-    agent_in_use, engine_elsewhere, agents_changed, ...); nothing may be
-    loaded, the registered engine is kept."""
+    agent_in_use, engine_elsewhere, address_in_use, agents_changed, ...);
+    nothing may be loaded, the registered engine is kept. ``holder``: the
+    engine holding the agent name (agent_in_use) or the declared address
+    (address_in_use)."""
 
     conflict: str
     engine: str
@@ -343,7 +345,7 @@ class Service:
     def agent(self) -> Any: ...
     @property
     def stopped(self) -> bool: ...
-    def handshake(self, address: str) -> Handshake: ...
+    def handshake(self, address: str, declared: bool = False) -> Handshake: ...
     def register(
         self,
         engine_id: str,

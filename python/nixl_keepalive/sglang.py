@@ -235,6 +235,21 @@ def _dlist_key(handle: Any) -> Any:
     return getattr(handle, "_handle", handle)
 
 
+# How long a registration declaring a live decode's address waits for that
+# decode's fate. The service heartbeats the holder at once, under its rate
+# cap (admitted at once with the default burst of 2, else within one rate
+# period, min(interval, 1 s) by default); a decode that is gone answers
+# REMOTE_DISCONNECT within a round trip and is released. Two rate periods,
+# at least 1 s and at most 5 s: SGLang's bootstrap thread, which serves
+# every registration and room, waits this long only when a live decode
+# holds the declared address.
+_DECLARED_WAIT_MIN_S, _DECLARED_WAIT_MAX_S = 1.0, 5.0
+
+
+def _declared_wait(config: Any) -> float:
+    return min(_DECLARED_WAIT_MAX_S, max(_DECLARED_WAIT_MIN_S, 2.0 * config.as_dict()["rate_period"]))
+
+
 def _peer_address(endpoint: str, port: int) -> str:
     host = endpoint.strip("[]")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -261,6 +276,10 @@ class KeepaliveNixlKVManager(NixlKVManager):
         self._ka_dropped: Dict[str, threading.Event] = {}
         #: Decode registrations refused before anything was loaded.
         self.refused_registrations = 0
+        #: Registrations that declared the address of a live decode (each
+        #: made the service heartbeat that decode at once).
+        self.declared_conflicts = 0
+        self._ka_declared_wait = _DECLARED_WAIT_MIN_S
         #: On a decode-mode manager: the prefills' ``HB:`` notifications
         #: drained from the agent (see :meth:`_drain_notifications`).
         self.heartbeats_drained = 0
@@ -295,6 +314,7 @@ class KeepaliveNixlKVManager(NixlKVManager):
         conf = next((c for a, c in recorder.made if a is real), None)
         try:
             self._ka = Keepalive(real, config, agent_config=conf)
+            self._ka_declared_wait = _declared_wait(config)
             self.agent = _GuardedAgent(real, self)
         finally:
             self._ka_ready.set()
@@ -360,25 +380,51 @@ class KeepaliveNixlKVManager(NixlKVManager):
             logger.error("nixl_keepalive: decode registration from %s refused: it names agent %r, its "
                          "metadata is agent %r (accepted: the same name in both)", address, name, loads_as)
             return
-        with ka.handshake(address) as h:
-            try:
-                engine = h.ready_to_load(name, [name])
-            except nixl_keepalive.IdentityConflict as e:
-                # Refused before anything is loaded; the registered engine is
-                # kept. The decode's rooms fail at its own timeout.
-                logger.error("nixl_keepalive: decode %s at %s refused: %s", name, address, e)
-                return
-            if engine is None:
-                super()._add_remote_peer(decode_kv_args)
-                dlists = self._ka_dlists(name)
+        engine = None
+        for last_try in (False, True):
+            holder = None
+            # The address is the decode's own word: a live decode there is
+            # not replaced on it (ka.handshake's declared=True).
+            with ka.handshake(address, declared=True) as h:
                 try:
-                    engine = h.register(dlists)
-                except nixl_keepalive.RegistrationRefused as e:
-                    logger.error("nixl_keepalive: decode %s at %s not registered (%s); giving it back",
-                                 name, address, e.reason)
-                    self._ka_forget(name)
-                    ka.give_back(e.registration)
-                    return
+                    engine = h.ready_to_load(name, [name])
+                except nixl_keepalive.IdentityConflict as e:
+                    if e.conflict != "address_in_use" or last_try:
+                        # Refused before anything is loaded; the registered
+                        # engine is kept. The decode's rooms fail at its own
+                        # timeout.
+                        self._ka_refused(name, address, str(e))
+                        return
+                    holder = e.holder
+                    with self._ka_lock:
+                        self.declared_conflicts += 1
+                    logger.warning("nixl_keepalive: decode %s declares %s, where decode %s is live: not a "
+                                   "replacement on its word; %s was heartbeated, waiting up to %.2f s for its fate",
+                                   name, address, holder, holder, self._ka_declared_wait)
+                if holder is None and engine is None:
+                    super()._add_remote_peer(decode_kv_args)
+                    dlists = self._ka_dlists(name)
+                    try:
+                        engine = h.register(dlists)
+                    except nixl_keepalive.RegistrationRefused as e:
+                        logger.error("nixl_keepalive: decode %s at %s not registered (%s); giving it back",
+                                     name, address, e.reason)
+                        self._ka_forget(name)
+                        ka.give_back(e.registration)
+                        return
+            if holder is None:
+                break
+            # Out of the handshake (an open one at the address would hold
+            # the holder's release back): the service heartbeated the
+            # holder; a decode that is gone (a restart at the same address)
+            # is released on that heartbeat's REMOTE_DISCONNECT, and this
+            # registration is tried once more. A live one answers, and this
+            # one is refused: two decodes declaring one address.
+            if not self.wait_decode_released(holder, self._ka_declared_wait):
+                self._ka_refused(name, address, f"decode {holder} is live at that address and answered "
+                                 f"a heartbeat within {self._ka_declared_wait:.2f} s (two decodes declaring one "
+                                 "address; accepted: a decode's own, or one whose holder is gone)")
+                return
         with self._ka_lock:
             self._ka_by_agent[name] = engine
             self._ka_dropped[name] = threading.Event()
@@ -400,6 +446,11 @@ class KeepaliveNixlKVManager(NixlKVManager):
         if dropped is not None:
             dropped.set()
         logger.info("nixl_keepalive: decode %s released; its tables dropped", name)
+
+    def _ka_refused(self, name: str, address: str, why: str) -> None:
+        with self._ka_lock:
+            self.refused_registrations += 1
+        logger.error("nixl_keepalive: decode %s at %s refused: %s", name, address, why)
 
     def _ka_forget(self, name: str) -> None:
         self.decode_kv_args_table.pop(name, None)

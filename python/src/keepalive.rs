@@ -140,10 +140,17 @@ impl Service {
         self.shared.stopped.is_cancelled()
     }
 
-    /// Starts a handshake with the prefill at `address` (`host:port`).
-    fn handshake(&self, py: Python<'_>, address: &str) -> PyResult<Handshake> {
+    /// Starts a handshake with the peer at `address` (`host:port`);
+    /// `declared`: the address is the peer's own word, not one the runtime
+    /// reached (a live engine of another id there is not replaced on it).
+    #[pyo3(signature = (address, declared = false))]
+    fn handshake(&self, py: Python<'_>, address: &str, declared: bool) -> PyResult<Handshake> {
         let address = resolve(py, "handshake address", address)?;
-        Ok(protocol::start(&self.shared, address.as_str().to_string()))
+        Ok(protocol::start(
+            &self.shared,
+            address.as_str().to_string(),
+            declared,
+        ))
     }
 
     /// Registers an engine without a handshake of its own (its metadata

@@ -105,9 +105,14 @@ pub(crate) struct Handshake {
 }
 
 /// Starts a handshake with `address`.
-pub(crate) fn start(shared: &Arc<Shared>, address: String) -> Handshake {
+pub(crate) fn start(shared: &Arc<Shared>, address: String, declared: bool) -> Handshake {
     let _rt = runtime::get().enter();
-    let inner = shared.handle.handshake(PeerAddr::from(address.as_str()));
+    let peer = PeerAddr::from(address.as_str());
+    let inner = if declared {
+        shared.handle.handshake_declared(peer)
+    } else {
+        shared.handle.handshake(peer)
+    };
     Handshake {
         shared: shared.clone(),
         address,
@@ -242,8 +247,8 @@ fn to_pyerr(failure: Failure) -> PyErr {
     })
 }
 
-/// A conflict's fields: kind, engine, and the agent and holder for an
-/// agent in use.
+/// A conflict's fields: kind, engine, the agent and holder for an agent
+/// in use, and the holder for an address in use.
 fn conflict_attrs<'py>(py: Python<'py>, c: &Conflict) -> Vec<(&'static str, Bound<'py, PyAny>)> {
     let text = |s: &str| PyString::new(py, s).into_any();
     let mut attrs = vec![
@@ -252,6 +257,7 @@ fn conflict_attrs<'py>(py: Python<'py>, c: &Conflict) -> Vec<(&'static str, Boun
     ];
     let (agent, holder) = match c {
         Conflict::AgentInUse { agent, holder, .. } => (Some(agent.as_str()), Some(holder.as_str())),
+        Conflict::AddressInUse { holder, .. } => (None, Some(holder.as_str())),
         _ => (None, None),
     };
     attrs.push((

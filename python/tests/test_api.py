@@ -311,6 +311,34 @@ def test_an_agent_held_by_another_engine_is_refused_before_anything_is_loaded(ka
     assert not agent.of("remove_remote_agent")
 
 
+def test_a_declared_address_of_a_live_engine_is_refused_and_a_gone_holder_makes_way():
+    # Heartbeats every hour: only the one the declaration asks for goes out.
+    agent = RecordingAgent()
+    ka = nk.Keepalive(agent, interval="3600s", env=False, seed=1)
+    try:
+        log = EventLog(ka)
+        first = connect(ka, engine="e1", address="10.0.0.1:1")
+        with ka.handshake("10.0.0.1:1", declared=True) as h:
+            with pytest.raises(nk.IdentityConflict) as e:
+                h.ready_to_load("e2", ["e2-rank0"])
+        assert (e.value.conflict, e.value.engine, e.value.holder) == ("address_in_use", "e2", "e1")
+        wait_for("the holder heartbeated at once", lambda: agent.heartbeats_to("e1-rank0"), 5)
+        assert first.is_live and not agent.of("remove_remote_agent")
+        assert log.wait("conflict", 5, engine="e2")["conflict"] == "address_in_use"
+        # Its next answer is a disconnect: the next declaration releases it.
+        agent.fail["e1-rank0"] = nixlRemoteDisconnectError
+        with ka.handshake("10.0.0.1:1", declared=True) as h:
+            with pytest.raises(nk.IdentityConflict):
+                h.ready_to_load("e2", ["e2-rank0"])
+        assert log.wait("released", 5, engine="e1")["reason"] == "unreachable"
+        with ka.handshake("10.0.0.1:1", declared=True) as h:
+            assert h.ready_to_load("e2", ["e2-rank0"]) is None
+            second = h.register([H("dl-e2")])
+        assert second.is_live and log.find("replaced") is None
+    finally:
+        ka.close()
+
+
 def test_an_engine_id_live_at_another_address_is_refused_and_kept(ka, agent):
     log = EventLog(ka)
     first = connect(ka, engine="e1", address="10.0.0.1:1")

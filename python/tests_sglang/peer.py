@@ -161,6 +161,7 @@ class Prefill(Rank):
             out["open_guards"] = m.agent.open_guards()
             out["given_up"] = m.agent.given_up
             out["refused_registrations"] = m.refused_registrations
+            out["declared_conflicts"] = m.declared_conflicts
         try:
             self.real_agent.send_notif(decode, b"probe")
             out["send_notif"] = "sent"
@@ -193,11 +194,24 @@ class Decode(Rank):
     def register_forged(self, prefill_rank_port: int, name: str) -> Dict[str, Any]:
         """Sends the prefill SGLang's own registration of this decode with
         the agent-name frame replaced by ``name`` (the metadata unchanged)."""
-        import zmq
-
         message = self.manager.build_receiver_registration_message()
         assert message[4] == self.manager.agent.name.encode("ascii"), "SGLang's registration layout changed"
         message[4] = name.encode("ascii")
+        return self._send_registration(prefill_rank_port, message)
+
+    def register_declaring(self, prefill_rank_port: int, rank_port: int) -> Dict[str, Any]:
+        """Sends the prefill SGLang's own registration of this decode
+        declaring ``rank_port`` as its own (another decode's, as two hosts
+        advertising one address would): the rest, its agent and metadata
+        among it, unchanged."""
+        message = self.manager.build_receiver_registration_message()
+        assert message[3] == str(self.manager.rank_port).encode("ascii"), "SGLang's registration layout changed"
+        message[3] = str(rank_port).encode("ascii")
+        return self._send_registration(prefill_rank_port, message)
+
+    def _send_registration(self, prefill_rank_port: int, message: list) -> Dict[str, Any]:
+        import zmq
+
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.connect(f"tcp://127.0.0.1:{prefill_rank_port}")
         sock.send_multipart(message)

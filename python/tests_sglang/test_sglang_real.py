@@ -166,6 +166,56 @@ def test_a_registration_naming_another_agent_is_refused_and_the_decode_drains_he
     assert notifs["heartbeats"] <= DRAIN_S / INTERVAL_S + 3, notifs
 
 
+def test_a_decode_declaring_a_live_decodes_address_is_refused_and_the_live_one_kept(ranks):
+    prefill, decode, bootstrap = _pair(ranks)
+    _room(prefill, decode, bootstrap, 1)
+    _send_verified(prefill, decode, 1)
+    # A second decode (its own agent and metadata) whose registration
+    # declares the live decode's rank_ip:rank_port as its own: two hosts
+    # advertising one address. Its word does not replace the live one.
+    other = ranks("decode", bootstrap_port=int(bootstrap.rsplit(":", 1)[1]), item=512).started()
+    sent_at = time.monotonic()
+    other.call("register_declaring", prefill_rank_port=prefill.info["rank_port"],
+               rank_port=decode.info["rank_port"])
+    refused = _state_once(prefill, other.agent, lambda st: st["refused_registrations"] > 0)
+    refused_after = time.monotonic() - sent_at
+    assert refused["refused_registrations"] == 1 and refused["declared_conflicts"] == 1, refused
+    assert not refused["in_table"] and not refused["metadata_loaded"], refused
+    assert list(refused["engines"]) == [decode.agent] and refused["released"] == [], refused
+    kept = prefill.call("state", decode=decode.agent)
+    assert kept["in_table"] and kept["metadata_loaded"] and kept["send_notif"] == "sent", kept
+    _room(prefill, decode, bootstrap, 2)
+    _send_verified(prefill, decode, 2)
+    sys.stderr.write(f"\nsglang: a registration declaring a live decode's address refused {1000 * refused_after:.0f} "
+                     "ms after it was sent (the live decode heartbeated, kept and written)\n")
+
+
+def test_a_decode_gone_from_the_address_another_declares_is_asked_released_and_the_new_one_taken(ranks):
+    # Heartbeats every 10 minutes: only the heartbeat the declaration makes
+    # the service send at once can find the dead decode within this test.
+    port = free_port()
+    prefill = ranks("prefill", bootstrap_port=port, keepalive=True, knobs={"interval": "600s"}, item=512)
+    first = ranks("decode", bootstrap_port=port, item=512)
+    second = ranks("decode", bootstrap_port=port, item=512)
+    prefill, first, second = prefill.started(), first.started(), second.started()
+    bootstrap = f"127.0.0.1:{port}"
+    _room(prefill, first, bootstrap, 1)
+    _send_verified(prefill, first, 1)
+    killed_at = first.kill()
+    second.call("register_declaring", prefill_rank_port=prefill.info["rank_port"],
+                rank_port=first.info["rank_port"])
+    taken = _state_once(prefill, second.agent, lambda st: st["in_table"])
+    taken_after = time.monotonic() - killed_at
+    assert taken["in_table"] and taken["metadata_loaded"] and taken["send_notif"] == "sent", taken
+    assert taken["declared_conflicts"] == 1 and taken["refused_registrations"] == 0, taken
+    assert taken["released"] == [first.agent] and list(taken["engines"]) == [second.agent], taken
+    assert taken_after < MARGIN_S, f"taken {taken_after:.1f} s after the kill (heartbeats every 600 s)"
+    gone = prefill.call("state", decode=first.agent)
+    assert not gone["in_table"] and not gone["metadata_loaded"], gone
+    sys.stderr.write(f"\nsglang: a dead decode's address declared by a new decode: the dead one released and "
+                     f"the new one registered {1000 * taken_after:.0f} ms after the SIGKILL (heartbeats every 600 s)\n")
+
+
 def _stopped(pid: int) -> bool:
     try:
         tasks = os.listdir(f"/proc/{pid}/task")

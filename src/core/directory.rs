@@ -16,6 +16,9 @@ use crate::transport::{AgentName, EngineId, PeerAddr};
 /// A handshake in progress.
 pub(super) struct Ticket {
     pub(super) address: PeerAddr,
+    /// The address is the peer's own word, not where the runtime reached
+    /// it ([`super::handshake`]'s rule for declared addresses).
+    pub(super) declared: bool,
     pub(super) stage: Stage,
 }
 
@@ -148,11 +151,16 @@ impl Directory {
     // ----- handshakes -----
 
     /// The handshake `ticket` started at `address`.
-    pub(super) fn ticket_started(&mut self, ticket: TicketId, address: PeerAddr) {
+    pub(super) fn ticket_started(&mut self, ticket: TicketId, address: PeerAddr, declared: bool) {
         self.newest_ticket = self.newest_ticket.max(ticket);
         *self.handshakes.entry(address.clone()).or_default() += 1;
         let stage = Stage::Started;
-        self.tickets.insert(ticket, Ticket { address, stage });
+        let t = Ticket {
+            address,
+            declared,
+            stage,
+        };
+        self.tickets.insert(ticket, t);
     }
 
     /// The handshake `ticket`, while it is in progress.

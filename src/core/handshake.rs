@@ -3,6 +3,18 @@
 //! one load in progress per engine id (later claims wait in order), and
 //! what a handshake that ends leaves to judge again (the releases its
 //! address held back).
+//!
+//! **A declared address is not evidence.** A handshake the runtime made by
+//! reaching an address (pull mode: the decode dials the prefill; the
+//! `decode --push` pair: the prefill dials the decode) learns who answers
+//! there, so a new engine id there replaces the old one. A peer that
+//! *declares* its address (SGLang's decode registers its own
+//! `rank_ip:rank_port`) says only what it claims: two hosts advertising one
+//! address would otherwise get a healthy engine released. Its claim at an
+//! address a live engine of another id holds is refused as
+//! [`Conflict::AddressInUse`], and the holder is asked at once (a
+//! heartbeat): a holder that is gone answers REMOTE_DISCONNECT and is
+//! released, and a claim after that is granted; a live one stays.
 
 use std::time::Instant;
 
@@ -15,8 +27,36 @@ use crate::registration::Claim;
 use crate::transport::{AgentName, EngineId, PeerAddr};
 
 impl<R> Core<R> {
-    pub(super) fn handshake_started(&mut self, ticket: TicketId, address: PeerAddr) {
-        self.directory.ticket_started(ticket, address);
+    pub(super) fn handshake_started(
+        &mut self,
+        ticket: TicketId,
+        address: PeerAddr,
+        declared: bool,
+    ) {
+        self.directory.ticket_started(ticket, address, declared);
+    }
+
+    /// The conflict of `engine` declaring `address` when a live engine of
+    /// another id holds it, if it does; the holder is asked at once (a
+    /// heartbeat, under its rate cap) whether it is still there.
+    pub(super) fn declared_address_conflict(
+        &mut self,
+        now: Instant,
+        address: &PeerAddr,
+        engine: &EngineId,
+    ) -> Option<Conflict> {
+        let holder = self.directory.serial_at(address)?;
+        let peer = self.peers.get(&holder)?;
+        if !peer.is_live() || peer.id() == engine {
+            return None;
+        }
+        let conflict = Conflict::AddressInUse {
+            address: address.clone(),
+            claimed_by: engine.clone(),
+            holder: peer.id().clone(),
+        };
+        self.renew(now, holder);
+        Some(conflict)
     }
 
     /// The handshake `ticket` found `claim` at its address.
@@ -83,10 +123,8 @@ impl<R> Core<R> {
         claim: Claim,
         request: RequestId,
     ) -> Judged {
-        let address = (self.directory.ticket(ticket))
-            .expect("judged tickets exist")
-            .address
-            .clone();
+        let t = self.directory.ticket(ticket).expect("judged tickets exist");
+        let (address, declared) = (t.address.clone(), t.declared);
         let engine = claim.engine.clone();
         let wait = |core: &mut Self, claim: Claim| {
             let stage = Stage::Waiting { claim, request };
@@ -147,7 +185,10 @@ impl<R> Core<R> {
             self.try_release(now, serial);
             return judged;
         }
-        if let Some(conflict) = self.agent_conflict(&engine, &claim.agents) {
+        let declared = declared
+            .then(|| self.declared_address_conflict(now, &address, &engine))
+            .flatten();
+        if let Some(conflict) = declared.or_else(|| self.agent_conflict(&engine, &claim.agents)) {
             return self.refuse_claim(ticket, request, conflict);
         }
         self.directory.grant(ticket, claim);

@@ -228,12 +228,16 @@ impl<R> Core<R> {
         registration: Registration<R>,
         cell: Arc<EngineCell>,
     ) {
-        let granted = match self.directory.ticket(ticket) {
+        let (granted, declared) = match self.directory.ticket(ticket) {
             Some(Ticket {
                 stage: Stage::Loading { claim, .. },
                 address,
-            }) => *claim == registration.claim() && *address == registration.address,
-            _ => false,
+                declared,
+            }) => (
+                *claim == registration.claim() && *address == registration.address,
+                *declared,
+            ),
+            _ => (false, false),
         };
         if !granted {
             let error = RegisterError::Invalid {
@@ -241,6 +245,23 @@ impl<R> Core<R> {
                 reason: "it is not what its handshake claimed".into(),
             };
             tracing::warn!(%error, "registration refused");
+            self.answer(request, Answer::Refused(error));
+            self.handshake_finished(now, ticket);
+            return;
+        }
+        // Another engine may have registered at a declared address since
+        // the claim was granted (two declaring it at once).
+        let conflict = declared
+            .then(|| {
+                self.declared_address_conflict(now, &registration.address, &registration.engine)
+            })
+            .flatten();
+        if let Some(conflict) = conflict {
+            self.conflict(conflict.clone(), "register");
+            let error = RegisterError::Conflict {
+                registration,
+                conflict,
+            };
             self.answer(request, Answer::Refused(error));
             self.handshake_finished(now, ticket);
             return;

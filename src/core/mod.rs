@@ -108,8 +108,13 @@ pub(crate) struct RequestId(pub(crate) u64);
 pub(crate) enum Input<R> {
     /// A handshake with `address` started: until it ends, the release of a
     /// marked engine there waits (the runtime may still be deciding whether
-    /// the engine there is new).
-    HandshakeStarted { ticket: TicketId, address: PeerAddr },
+    /// the engine there is new). `declared`: the address is the peer's own
+    /// word, not where the runtime reached it.
+    HandshakeStarted {
+        ticket: TicketId,
+        address: PeerAddr,
+        declared: bool,
+    },
     /// The handshake `ticket` found `claim` at its address and wants to
     /// load it. Answered under `request` ([`Answer::Load`],
     /// [`Answer::Current`] or [`Answer::ClaimRefused`]), at once or once
@@ -394,7 +399,11 @@ impl<R> Core<R> {
     /// Handles one input at `now`.
     pub(crate) fn handle(&mut self, now: Instant, input: Input<R>) {
         match input {
-            Input::HandshakeStarted { ticket, address } => self.handshake_started(ticket, address),
+            Input::HandshakeStarted {
+                ticket,
+                address,
+                declared,
+            } => self.handshake_started(ticket, address, declared),
             Input::Claim {
                 ticket,
                 request,

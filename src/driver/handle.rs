@@ -146,10 +146,30 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
     /// registered engine is refused without touching it. Dropping the
     /// handshake at any step ends it; nothing is registered.
     pub fn handshake(&self, address: PeerAddr) -> Handshake<R> {
+        self.start_handshake(address, false)
+    }
+
+    /// Starts a handshake with a peer at the address it *declares* (SGLang's
+    /// decode registers its own `rank_ip:rank_port` with the prefill), not
+    /// one the runtime reached: the same steps as
+    /// [`KeepaliveHandle::handshake`], but a declaration is not evidence
+    /// that the engine there was replaced. A claim of another engine id at
+    /// an address a live engine holds is refused
+    /// ([`Conflict::AddressInUse`](crate::Conflict::AddressInUse)) and the
+    /// holder is sent a heartbeat at once: when it is gone, it is released
+    /// on that heartbeat's REMOTE_DISCONNECT, and a handshake after the
+    /// release (wait for [`EngineRef::released`]) is granted. Two peers
+    /// declaring one address never get the healthy one released.
+    pub fn handshake_declared(&self, address: PeerAddr) -> Handshake<R> {
+        self.start_handshake(address, true)
+    }
+
+    fn start_handshake(&self, address: PeerAddr, declared: bool) -> Handshake<R> {
         let ticket = TicketId(NEXT_TICKET.fetch_add(1, Ordering::Relaxed));
         let _ = self.inbox.send(Msg::Input(Input::HandshakeStarted {
             ticket,
             address: address.clone(),
+            declared,
         }));
         Handshake {
             ticket: Some(ticket),

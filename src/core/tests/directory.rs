@@ -77,8 +77,8 @@ fn a_second_activation_at_an_address_names_the_one_it_replaces() {
 fn a_granted_load_holds_its_names_until_its_handshake_ends() {
     let mut d = Directory::default();
     let (t1, t2) = (TicketId(1), TicketId(2));
-    d.ticket_started(t2, at(1));
-    d.ticket_started(t1, at(1));
+    d.ticket_started(t2, at(1), false);
+    d.ticket_started(t1, at(1), false);
     assert_eq!(d.open_at(&at(1)), [t1, t2], "in ticket order");
     assert_eq!(d.newest_ticket(), t2);
     d.grant(t1, claim("p", &["p0"]));
@@ -116,7 +116,7 @@ fn a_granted_load_holds_its_names_until_its_handshake_ends() {
 fn a_registered_load_gives_back_only_its_extra_names() {
     let mut d = Directory::default();
     let t = TicketId(1);
-    d.ticket_started(t, at(1));
+    d.ticket_started(t, at(1), false);
     d.grant(t, claim("p", &["p0"]));
     d.claim_extra(t, AgentName::from("extra"));
     d.load_registered(t, &EngineId::from("p"));
@@ -139,7 +139,7 @@ fn claims_wait_in_arrival_order_and_one_put_back_goes_first() {
     let e = EngineId::from("p");
     let (t1, t2) = (TicketId(1), TicketId(2));
     for t in [t1, t2] {
-        d.ticket_started(t, at(1));
+        d.ticket_started(t, at(1), false);
         let (claim, request) = (claim("p", &["p0"]), RequestId(t.0));
         d.set_stage(t, Stage::Waiting { claim, request });
         d.queue(&e, t);

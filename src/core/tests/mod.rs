@@ -164,8 +164,21 @@ impl Harness {
     }
 
     fn handshake(&mut self, address: PeerAddr) -> TicketId {
+        self.start_handshake(address, false)
+    }
+
+    /// A handshake at an address the peer declares ([`Input::HandshakeStarted`]'s `declared`).
+    fn handshake_declared(&mut self, address: PeerAddr) -> TicketId {
+        self.start_handshake(address, true)
+    }
+
+    fn start_handshake(&mut self, address: PeerAddr, declared: bool) -> TicketId {
         let ticket = TicketId(self.next_id());
-        self.input(Input::HandshakeStarted { ticket, address });
+        self.input(Input::HandshakeStarted {
+            ticket,
+            address,
+            declared,
+        });
         ticket
     }
 
@@ -359,6 +372,7 @@ impl Harness {
     }
 }
 
+mod declared;
 mod directory;
 mod heartbeat;
 mod identity;
