@@ -244,6 +244,8 @@ def _dlist_key(handle: Any) -> Any:
 # every registration and room, waits this long only when a live decode
 # holds the declared address.
 _DECLARED_WAIT_MIN_S, _DECLARED_WAIT_MAX_S = 1.0, 5.0
+# How long a live decode that outlived a wait is refused at once.
+_DECLARED_REWAIT_S = 30.0
 
 
 def _declared_wait(config: Any) -> float:
@@ -279,7 +281,12 @@ class KeepaliveNixlKVManager(NixlKVManager):
         #: Registrations that declared the address of a live decode (each
         #: made the service heartbeat that decode at once).
         self.declared_conflicts = 0
+        #: Of those, the ones that waited for the live decode's fate (the
+        #: others came while it had outlived a wait lately: refused at once).
+        self.declared_waits = 0
         self._ka_declared_wait = _DECLARED_WAIT_MIN_S
+        # Live decodes that outlived a declaration's wait, and when.
+        self._ka_outlived: Dict[str, float] = {}
         #: On a decode-mode manager: the prefills' ``HB:`` notifications
         #: drained from the agent (see :meth:`_drain_notifications`).
         self.heartbeats_drained = 0
@@ -420,10 +427,24 @@ class KeepaliveNixlKVManager(NixlKVManager):
             # is released on that heartbeat's REMOTE_DISCONNECT, and this
             # registration is tried once more. A live one answers, and this
             # one is refused: two decodes declaring one address.
+            # A holder that outlived a wait lately is not waited for again:
+            # a stream of declarations (a hostile peer on the bootstrap
+            # port) must not keep SGLang's bootstrap thread waiting.
+            with self._ka_lock:
+                outlived = self._ka_outlived.get(holder)
+            if outlived is not None and time.monotonic() - outlived < _DECLARED_REWAIT_S:
+                self._ka_refused(name, address, f"decode {holder} is live at that address (it outlived a wait "
+                                 f"{time.monotonic() - outlived:.1f} s ago; accepted: a decode's own address, or "
+                                 "one whose holder is gone)")
+                return
+            with self._ka_lock:
+                self.declared_waits += 1
             if not self.wait_decode_released(holder, self._ka_declared_wait):
-                self._ka_refused(name, address, f"decode {holder} is live at that address and answered "
-                                 f"a heartbeat within {self._ka_declared_wait:.2f} s (two decodes declaring one "
-                                 "address; accepted: a decode's own, or one whose holder is gone)")
+                with self._ka_lock:
+                    self._ka_outlived[holder] = time.monotonic()
+                self._ka_refused(name, address, f"decode {holder} is live at that address and was not found "
+                                 f"gone within {self._ka_declared_wait:.2f} s (two decodes declaring one "
+                                 "address; accepted: a decode's own address, or one whose holder is gone)")
                 return
         with self._ka_lock:
             self._ka_by_agent[name] = engine
@@ -442,6 +463,7 @@ class KeepaliveNixlKVManager(NixlKVManager):
             for handle in [h for h, e in self._ka_by_dlist.items() if e is engine]:
                 del self._ka_by_dlist[handle]
             self._ka_released.append(name)
+            self._ka_outlived.pop(name, None)
             dropped = self._ka_dropped.get(name)
         if dropped is not None:
             dropped.set()

@@ -162,6 +162,7 @@ class Prefill(Rank):
             out["given_up"] = m.agent.given_up
             out["refused_registrations"] = m.refused_registrations
             out["declared_conflicts"] = m.declared_conflicts
+            out["declared_waits"] = m.declared_waits
         try:
             self.real_agent.send_notif(decode, b"probe")
             out["send_notif"] = "sent"

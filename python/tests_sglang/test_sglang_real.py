@@ -180,8 +180,16 @@ def test_a_decode_declaring_a_live_decodes_address_is_refused_and_the_live_one_k
     refused = _state_once(prefill, other.agent, lambda st: st["refused_registrations"] > 0)
     refused_after = time.monotonic() - sent_at
     assert refused["refused_registrations"] == 1 and refused["declared_conflicts"] == 1, refused
+    assert refused["declared_waits"] == 1, refused
     assert not refused["in_table"] and not refused["metadata_loaded"], refused
     assert list(refused["engines"]) == [decode.agent] and refused["released"] == [], refused
+    # Again at once: the live decode outlived a wait just now, so SGLang's
+    # bootstrap thread does not wait for it again.
+    other.call("register_declaring", prefill_rank_port=prefill.info["rank_port"],
+               rank_port=decode.info["rank_port"])
+    again = _state_once(prefill, other.agent, lambda st: st["refused_registrations"] > 1)
+    assert again["refused_registrations"] == 2 and again["declared_conflicts"] == 2, again
+    assert again["declared_waits"] == 1 and list(again["engines"]) == [decode.agent], again
     kept = prefill.call("state", decode=decode.agent)
     assert kept["in_table"] and kept["metadata_loaded"] and kept["send_notif"] == "sent", kept
     _room(prefill, decode, bootstrap, 2)
@@ -207,7 +215,8 @@ def test_a_decode_gone_from_the_address_another_declares_is_asked_released_and_t
     taken = _state_once(prefill, second.agent, lambda st: st["in_table"])
     taken_after = time.monotonic() - killed_at
     assert taken["in_table"] and taken["metadata_loaded"] and taken["send_notif"] == "sent", taken
-    assert taken["declared_conflicts"] == 1 and taken["refused_registrations"] == 0, taken
+    assert taken["declared_conflicts"] == 1 and taken["declared_waits"] == 1, taken
+    assert taken["refused_registrations"] == 0, taken
     assert taken["released"] == [first.agent] and list(taken["engines"]) == [second.agent], taken
     assert taken_after < MARGIN_S, f"taken {taken_after:.1f} s after the kill (heartbeats every 600 s)"
     gone = prefill.call("state", decode=first.agent)
