@@ -20,6 +20,18 @@ fn address_in_use(conflict: &Conflict, holder: &str, claimed_by: &str) -> bool {
         if hd.as_str() == holder && c.as_str() == claimed_by && *address == at(1))
 }
 
+/// `engine` declares at(1), held by "decode-a": refused, the handshake ended.
+fn refused_declaring(h: &mut Harness, engine: &str) {
+    let t = h.handshake_declared(at(1));
+    let request = h.claim(t, claim(engine, 2));
+    let conflict = h.refused_conflict(request);
+    assert!(
+        address_in_use(&conflict, "decode-a", engine),
+        "{conflict:?}"
+    );
+    h.finish(t);
+}
+
 #[test]
 fn a_declaration_of_a_live_engines_address_is_refused_and_the_engine_is_asked_and_kept() {
     let mut h = harness();
@@ -44,14 +56,8 @@ fn a_declaration_of_a_live_engines_address_is_refused_and_the_engine_is_asked_an
     assert!(!events.iter().any(|e| matches!(e, Event::Replaced { .. })));
     h.assert_no_ticket_state();
     // The same declaration again: refused again, the holder asked again.
-    let t = h.handshake_declared(at(1));
-    let request = h.claim(t, claim("decode-b", 2));
-    assert!(address_in_use(
-        &h.refused_conflict(request),
-        "decode-a",
-        "decode-b"
-    ));
-    h.finish(t);
+    refused_declaring(&mut h, "decode-b");
+    assert_eq!(probes(&mut h), 1);
     assert_eq!(healthy.state(), EngineState::Live);
 }
 
@@ -61,14 +67,7 @@ fn a_holder_that_is_gone_answers_the_probe_with_a_disconnect_and_the_next_claim_
     let dead = h.connect("decode-a", at(1), 1);
     dead.begin_read().unwrap();
     h.calls();
-    let t = h.handshake_declared(at(1));
-    let request = h.claim(t, claim("decode-b", 2));
-    assert!(address_in_use(
-        &h.refused_conflict(request),
-        "decode-a",
-        "decode-b"
-    ));
-    h.finish(t);
+    refused_declaring(&mut h, "decode-b");
     // The probe comes back REMOTE_DISCONNECT: marked, and released once
     // its read in flight ends, never before.
     h.complete(NixlStatus::ERR_REMOTE_DISCONNECT);
