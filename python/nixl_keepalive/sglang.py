@@ -284,7 +284,6 @@ class KeepaliveNixlKVManager(NixlKVManager):
         #: Of those, the ones that waited for the live decode's fate (the
         #: others came while it had outlived a wait lately: refused at once).
         self.declared_waits = 0
-        self._ka_declared_wait = _DECLARED_WAIT_MIN_S
         # Live decodes that outlived a declaration's wait, and when.
         self._ka_outlived: Dict[str, float] = {}
         #: On a decode-mode manager: the prefills' ``HB:`` notifications
@@ -321,7 +320,6 @@ class KeepaliveNixlKVManager(NixlKVManager):
         conf = next((c for a, c in recorder.made if a is real), None)
         try:
             self._ka = Keepalive(real, config, agent_config=conf)
-            self._ka_declared_wait = _declared_wait(config)
             self.agent = _GuardedAgent(real, self)
         finally:
             self._ka_ready.set()
@@ -402,12 +400,12 @@ class KeepaliveNixlKVManager(NixlKVManager):
                         # timeout.
                         self._ka_refused(name, address, str(e))
                         return
-                    holder = e.holder
+                    holder, wait = e.holder, _declared_wait(ka.config)
                     with self._ka_lock:
                         self.declared_conflicts += 1
                     logger.warning("nixl_keepalive: decode %s declares %s, where decode %s is live: not a "
                                    "replacement on its word; %s was heartbeated, waiting up to %.2f s for its fate",
-                                   name, address, holder, holder, self._ka_declared_wait)
+                                   name, address, holder, holder, wait)
                 if holder is None and engine is None:
                     super()._add_remote_peer(decode_kv_args)
                     dlists = self._ka_dlists(name)
@@ -425,11 +423,11 @@ class KeepaliveNixlKVManager(NixlKVManager):
             # the holder's release back): the service heartbeated the
             # holder; a decode that is gone (a restart at the same address)
             # is released on that heartbeat's REMOTE_DISCONNECT, and this
-            # registration is tried once more. A live one answers, and this
-            # one is refused: two decodes declaring one address.
-            # A holder that outlived a wait lately is not waited for again:
-            # a stream of declarations (a hostile peer on the bootstrap
-            # port) must not keep SGLang's bootstrap thread waiting.
+            # registration is tried once more. A live one stays, and this
+            # one is refused: two decodes declaring one address. A holder
+            # that outlived a wait lately is not waited for again: a stream
+            # of declarations (a hostile peer on the bootstrap port) must
+            # not keep SGLang's bootstrap thread waiting.
             with self._ka_lock:
                 outlived = self._ka_outlived.get(holder)
             if outlived is not None and time.monotonic() - outlived < _DECLARED_REWAIT_S:
@@ -439,11 +437,11 @@ class KeepaliveNixlKVManager(NixlKVManager):
                 return
             with self._ka_lock:
                 self.declared_waits += 1
-            if not self.wait_decode_released(holder, self._ka_declared_wait):
+            if not self.wait_decode_released(holder, wait):
                 with self._ka_lock:
                     self._ka_outlived[holder] = time.monotonic()
                 self._ka_refused(name, address, f"decode {holder} is live at that address and was not found "
-                                 f"gone within {self._ka_declared_wait:.2f} s (two decodes declaring one "
+                                 f"gone within {wait:.2f} s (two decodes declaring one "
                                  "address; accepted: a decode's own address, or one whose holder is gone)")
                 return
         with self._ka_lock:

@@ -185,10 +185,12 @@ impl<R> Core<R> {
             self.try_release(now, serial);
             return judged;
         }
-        let declared = declared
+        let address_conflict = declared
             .then(|| self.declared_address_conflict(now, &address, &engine))
             .flatten();
-        if let Some(conflict) = declared.or_else(|| self.agent_conflict(&engine, &claim.agents)) {
+        if let Some(conflict) =
+            address_conflict.or_else(|| self.agent_conflict(&engine, &claim.agents))
+        {
             return self.refuse_claim(ticket, request, conflict);
         }
         self.directory.grant(ticket, claim);

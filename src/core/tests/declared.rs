@@ -4,7 +4,7 @@
 
 use super::*;
 
-/// The heartbeat rounds decided since the last look, by engine.
+/// The heartbeat rounds decided since the last look (left for `complete`).
 fn probes(h: &mut Harness) -> usize {
     let calls = h.calls();
     let rounds = calls
