@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -78,9 +79,21 @@ def vllm_ready():
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. A port the kernel
+    hands out for port 0 is one the prefill's own sockets may take before
+    vLLM's side channel binds it (NIXL's agent, made first, opens UCX
+    sockets on ephemeral ports); then vLLM's listener thread dies and its
+    scheduler waits for it for good (seen once in a dry CI: a prefill
+    never READY)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(1024, low - 8192), low), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among 64 tried below the ephemeral range ({low})")
 
 
 class Prefill:
