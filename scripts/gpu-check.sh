@@ -61,6 +61,23 @@ fi
 export NIXL_PREFIX="${bundle}/runtime"
 # Loopback only (UCX's network transports; cuda_ipc is not a network device).
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
+# UCX's memory-type cache learns of device memory from its CUDA allocation
+# hooks (libucm_cuda), which the bundle cannot load (it needs libcudart.so.12,
+# docs/gpu-check.md); with the cache on, an address it has not seen is taken
+# as host memory, and NIXL refuses the VRAM registration ("VRAM memory is
+# detected as host by UCX", measured on the H200 on 2026-12-04). Off, UCX asks
+# the CUDA driver about each address (cuda_copy's detection).
+#
+# And UCX 1.23's cuda_ipc turns its READ (get zcopy) off when the GPU has no
+# NVLink ("cuda-ipc get zcopy disabled as no nvlinks detected": one PCIe
+# H200); the READs then go over TCP with host staging and map nothing of
+# the prefill's memory, which is what this check is about. On, the decode
+# reads over cuda_ipc as on an NVLink machine (measured: "zero-copy
+# cuda_ipc/cuda").
+if [[ "${memory}" == vram ]]; then
+    export UCX_MEMTYPE_CACHE="${UCX_MEMTYPE_CACHE:-n}"
+    export UCX_CUDA_IPC_ENABLE_GET_ZCOPY="${UCX_CUDA_IPC_ENABLE_GET_ZCOPY:-y}"
+fi
 export RUST_LOG="${RUST_LOG:-info}"
 # LD_LIBRARY_PATH is left as it is: the bundle's libraries find each other
 # through RPATH $ORIGIN (gpu-bundle.sh checked them with it unset), and the

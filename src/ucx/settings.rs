@@ -800,9 +800,10 @@ pub fn warnings(settings: &UcxSettings) -> Vec<String> {
     }
     if settings.cuda_ipc_cache.value {
         w.push(format!(
-            "UCX_CUDA_IPC_CACHE={} ({}): cached CUDA IPC / MNNVL mappings of a dead peer's GPU \
-             memory stay until its metadata is released; set UCX_CUDA_IPC_CACHE=n where MNNVL \
-             mappings matter",
+            "UCX_CUDA_IPC_CACHE={} ({}): UCX keeps its cached CUDA IPC / MNNVL mappings of a \
+             dead peer's GPU memory after the peer is released, until this process exits (so a \
+             restarted peer cannot get that memory back; measured, docs/gpu-check.md); set \
+             UCX_CUDA_IPC_CACHE=n for a release to give it back",
             settings.cuda_ipc_cache.raw, settings.cuda_ipc_cache.source
         ));
     }

@@ -223,9 +223,21 @@ fn start_and_run(args: DecodeArgs) -> Result<ExitCode, Refused> {
     let checked = check(&args)?;
     // The progress thread outlives the runtime (dropped after it).
     let (nixl, _progress) = load_nixl(&args)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.worker_threads(2).enable_all();
+    if let nixl_keepalive_cli::pd::prefill::Memory::Vram { device } = checked.memory {
+        // Every thread that may call NIXL (workers, the blocking pool) with
+        // the device's context current, as a framework's threads have it:
+        // UCX's CUDA transports ask for it (`Cuda::make_current`).
+        builder.on_thread_start(move || {
+            if let Ok(cuda) = nixl_agent::cuda::Cuda::get() {
+                if let Err(e) = cuda.make_current(device) {
+                    tracing::warn!(device, error = %e, "cannot make the CUDA context current on a runtime thread");
+                }
+            }
+        });
+    }
+    let runtime = builder
         .build()
         .map_err(|e| Refused::failed(format!("cannot start the tokio runtime: {e}")))?;
     runtime.block_on(serve(args, checked, nixl))

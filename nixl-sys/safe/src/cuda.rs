@@ -206,6 +206,17 @@ impl Cuda {
         })
     }
 
+    /// Makes `device`'s primary context current on the calling thread.
+    ///
+    /// For threads that call NIXL on device memory without touching CUDA
+    /// themselves: UCX's CUDA transports ask the driver for the current
+    /// context on the calling thread (its debug log on an H200 showed
+    /// `cuCtxGetDevice ... invalid device context` on such threads), as a
+    /// framework's threads would have one through its CUDA runtime.
+    pub fn make_current(&self, device: i32) -> Result<(), CudaError> {
+        self.enter(device)
+    }
+
     /// `device`'s free and total memory (`cuMemGetInfo`, in its primary
     /// context: the first call on a device creates that context, which
     /// itself takes some device memory).
