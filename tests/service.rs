@@ -191,6 +191,47 @@ async fn a_dead_peer_is_kept_while_a_read_from_it_is_in_flight_and_released_when
     w.stop().await.assert_nothing_leaked();
 }
 
+/// A runtime that finds a transfer running without a guard (posted by code
+/// that bypassed its own) adopts it: on an engine already marked, where a
+/// new read is refused, the adopted transfer still holds the release until
+/// it ends; once the engine is released, adopting is refused.
+#[tokio::test(start_paused = true)]
+async fn a_transfer_adopted_after_the_mark_holds_the_release_until_it_ends() {
+    let mut w = world(FakeConfig::default(), config());
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    let engine = w.connect(&addr(1)).await;
+    let read = engine.begin_read().unwrap();
+    w.ucx.crash(&p);
+    w.until(Duration::from_secs(6), |e| {
+        matches!(e, Event::Unreachable { .. }).then_some(())
+    })
+    .await;
+    assert!(
+        engine.begin_read().is_err(),
+        "no new read on a marked engine"
+    );
+    let adopted = engine
+        .adopt_posted_read()
+        .expect("a running transfer is adopted on a marked engine");
+    read.finish(w.ucx.read(&p));
+    w.run_for(Duration::from_secs(30)).await;
+    assert_eq!(
+        w.ucx.held_by(&p).remote_metadata,
+        1,
+        "not released under the adopted transfer"
+    );
+    let snap = w.handle.snapshot().await.unwrap();
+    assert_eq!(snap.engine(&p).unwrap().reads_in_flight, 1);
+
+    adopted.finish(w.ucx.read(&p));
+    w.released(&p, Duration::from_millis(1)).await;
+    let refused = engine
+        .adopt_posted_read()
+        .expect_err("nothing is adopted on a released engine");
+    assert_eq!(refused.state, EngineState::Released);
+    w.stop().await.assert_nothing_leaked();
+}
+
 /// Push mode: a write into a dead peer (a decode, the service embedded in
 /// the prefill) holds its release exactly as a read does; the fake's
 /// WRITE into the crashed peer fails, the guard's end releases it.

@@ -255,6 +255,13 @@ class Engine:
         """Starts a push-mode write into this engine (the same guard as a
         read: no release while it is open); raises :class:`ReadRefused`
         at once when the engine is not live."""
+    def adopt_posted_read(self) -> Read:
+        """Accounts for a transfer already running without a guard (posted
+        by code that bypassed :meth:`read`): the same guard, granted on a
+        marked engine too, so the engine is not released before the
+        transfer ends; raises :class:`ReadRefused` only once the engine is
+        released (``state == "released"``) or too many reads are in
+        flight. Never use it to start a transfer."""
     def report_transfer(self, status: Status) -> None:
         """Reports how a transfer not tracked with :meth:`read` ended."""
     def wait_released(self, timeout: Optional[float] = None) -> bool:

@@ -115,6 +115,17 @@ impl Engine {
         guarded(&self.inner, py, self.inner.begin_write_owned())
     }
 
+    /// Accounts for a transfer already running without a guard (posted
+    /// by code that bypassed yours): a guard like `read()`'s, granted on a
+    /// marked engine too, so that the engine is not released before the
+    /// transfer ends. Raises `ReadRefused` only when the engine is already
+    /// released (`state == "released"`: end the transfer at once, its
+    /// destination is not safe) or too many reads are in flight. Never
+    /// use it to start a transfer.
+    fn adopt_posted_read(&self, py: Python<'_>) -> PyResult<Read> {
+        guarded(&self.inner, py, self.inner.adopt_posted_read())
+    }
+
     /// Waits (GIL released) until this registration has been released:
     /// its NIXL state given back, the release call returned. `True` once
     /// released, `False` after `timeout` seconds (`None`: no limit).

@@ -161,6 +161,28 @@ impl EngineRef {
         self.begin_read().map(ReadGuard::into_owned)
     }
 
+    /// Accounts for a transfer from this engine that is already running
+    /// without a guard (posted by code that bypassed the runtime's own
+    /// guard, found later by the runtime), with an owned guard to end as
+    /// any read's. Unlike [`EngineRef::begin_read`] it is granted on a
+    /// marked engine too (unreachable, stalled, replaced, retiring): the
+    /// transfer runs whether or not it is counted, and counted it holds the
+    /// release until it ends, as the rule says. Refused only when the
+    /// engine is already released (state [`EngineState::Released`]: the
+    /// transfer ran on released state; end it at once and treat its
+    /// destination as unsafe) or when [`MAX_READS_IN_FLIGHT`] are in flight.
+    /// Never use it to start a transfer.
+    pub fn adopt_posted_read(&self) -> Result<OwnedReadGuard, ReadRefused> {
+        match self.cell.begin_posted() {
+            Ok(begun) => Ok(ReadGuard {
+                cell: &self.cell,
+                begun,
+            }
+            .into_owned()),
+            Err(refused) => Err(self.refused(refused)),
+        }
+    }
+
     #[cold]
     fn refused(&self, refused: BeginRefused) -> ReadRefused {
         ReadRefused {

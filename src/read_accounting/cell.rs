@@ -447,6 +447,37 @@ impl EngineCell {
         }
     }
 
+    /// Counts a transfer that is already running: a runtime found it
+    /// posted without a guard (by code that bypassed its own guard). Unlike
+    /// [`EngineCell::begin_read`], a marked engine counts it too: refusing
+    /// would not stop a transfer that is already running, it would only let
+    /// the release go ahead under it. Refused once the engine is released
+    /// (too late: the caller must treat the transfer as running on released
+    /// state) or when the count is full. Always on the shared word, one
+    /// compare-and-swap against [`EngineCell::try_release`]'s own: either
+    /// the release sees this count and waits for it to end, or the release
+    /// came first and this is refused.
+    pub(crate) fn begin_posted(&self) -> Result<u64, BeginRefused> {
+        let own = self.own.load(Ordering::Acquire);
+        let mut word = self.word.load(Ordering::Relaxed);
+        loop {
+            match state_of(word) {
+                EngineState::Released => return Err(BeginRefused::State(EngineState::Released)),
+                _ if word & COUNT_MASK == COUNT_MASK => return Err(BeginRefused::Full),
+                _ => {}
+            }
+            match self.word.compare_exchange_weak(
+                word,
+                word + 1,
+                Ordering::SeqCst,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Ok(total_done(own, word)),
+                Err(now) => word = now,
+            }
+        }
+    }
+
     /// Ends one read (`begun`: what [`EngineCell::begin_read`] returned).
     /// Wakes the core when the registration is marked and this may have
     /// been its last read: the core may be waiting for exactly this.
@@ -570,8 +601,10 @@ impl EngineCell {
                 return Err(owned + (word & COUNT_MASK));
             }
             let next = (word & !STATE_MASK) | state_bits(EngineState::Released);
-            // A read cannot start on a marked engine; only a read ending
-            // changes the word, and then the count is already zero.
+            // A read cannot start on a marked engine; a running transfer
+            // adopted by `begin_posted` changes the word (this exchange then
+            // fails and the loop sees its count), and so does a read
+            // ending, after which the count is already zero.
             match self
                 .word
                 .compare_exchange(word, next, Ordering::SeqCst, Ordering::Acquire)
@@ -767,6 +800,43 @@ pub(crate) mod tests {
             assert_eq!(cell.try_release(), Ok(()));
             assert_eq!(cell.state(), EngineState::Released);
         }
+    }
+
+    #[test]
+    fn a_posted_transfer_adopted_on_a_marked_engine_holds_its_release() {
+        for path in PATHS {
+            let sink = Arc::new(Collect::default());
+            let cell = cell_on(path, sink.clone());
+            let begun = begin(&cell, path);
+            assert_eq!(cell.mark(EngineState::Unreachable), Some(1), "{path:?}");
+            // A transfer the runtime finds running without a guard: counted,
+            // where a new read is refused.
+            let adopted = cell.begin_posted().expect("marked, not released");
+            assert_eq!(adopted & ON_OWNER, 0, "always the shared word");
+            assert!(cell.begin_read().is_err());
+            cell.end_read(begun);
+            assert_eq!(cell.try_release(), Err(1), "the adopted transfer holds it");
+            let _ = sink.take();
+            cell.end_read(adopted);
+            assert_eq!(sink.take(), vec![Wake::Drained(cell.serial())]);
+            assert_eq!(cell.try_release(), Ok(()));
+            // Released: too late to adopt anything.
+            assert_eq!(
+                cell.begin_posted(),
+                Err(BeginRefused::State(EngineState::Released))
+            );
+        }
+    }
+
+    #[test]
+    fn a_posted_transfer_adopted_on_a_live_engine_counts_like_a_read() {
+        let sink = Arc::new(Collect::default());
+        let cell = cell_on(Path::Shared, sink.clone());
+        let adopted = cell.begin_posted().expect("live");
+        assert_eq!(cell.progress(), (1, 0));
+        cell.end_read(adopted);
+        assert_eq!(cell.progress(), (0, 1));
+        assert!(sink.take().is_empty(), "a live engine's end wakes nobody");
     }
 
     #[test]
