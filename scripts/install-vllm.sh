@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
 # Makes the environment the vLLM tier runs in (scripts/test-vllm.sh): a venv
 # at <repo root>/.venv-vllm (ignored by git) with
-#   - vLLM 0.33.0 from PyPI (pins torch 2.14.0; about 4.6 GB downloaded, the
-#     venv about 11 GB, 5 minutes here),
+#   - vLLM ${VLLM_VERSION} from PyPI, one of the releases the tier is run on:
+#     0.34.0 (the default, the current release) or 0.33.0; both pin torch
+#     2.14.0 (about 4.6 GB downloaded, the venv about 11 GB, 5 minutes here),
 #   - NIXL's Python API as vLLM imports it: the meta package nixl==1.5.1 and,
 #     for this torch (CUDA 13), nixl-cu13==1.5.1, both with --no-deps (their
 #     declared dependencies would pull another torch),
 #   - the test extras: pytest, pytest-timeout, pytest-asyncio, tblib, and ray
 #     (vLLM's test_nixl_connector.py imports it at module level),
-#   - vLLM 0.33.0's own unit tests: the wheel has none, so its sdist is
+#   - that vLLM's own unit tests: the wheel has none, so its sdist is
 #     fetched with pip (vLLM's build requirements installed first, then
 #     `pip download --no-binary vllm --no-build-isolation` with
-#     VLLM_TARGET_DEVICE=empty and VLLM_VERSION_OVERRIDE=0.33.0, see
+#     VLLM_TARGET_DEVICE=empty and VLLM_VERSION_OVERRIDE=<version>, see
 #     docs/vllm.md) and its tests/ unpacked to <venv>/vllm-sdist/ (outside
 #     git). Nothing of it is edited on disk.
 # Idempotent: when the stamp says this exact set is installed, it exits at
 # once. Nothing else in the repository downloads anything for this tier.
 #
 # Environment:
+#   VLLM_VERSION  0.34.0 (default) or 0.33.0: the releases the tier is run on
+#                 (docs/vllm.md); any other value stops here
 #   VLLM_VENV   the venv to make or complete (default: <repo root>/.venv-vllm);
-#               an existing venv that already has vllm 0.33.0 is completed,
-#               not reinstalled
+#               an existing venv that already has that vLLM is completed,
+#               not reinstalled; one with another vLLM has it replaced
 #   PYTHON      the interpreter to make it with (default: python3, >= 3.10)
 set -euo pipefail
 # shellcheck source=scripts/tier-lib.sh
@@ -30,14 +33,36 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VLLM_VENV:-${repo_root}/.venv-vllm}"
 python="${PYTHON:-python3}"
 
-readonly VLLM_VERSION="0.33.0"
+# The releases the tier runs on: the ones python/nixl_keepalive/vllm.py
+# lists as tested (TESTED_VLLM).
+readonly TESTED_VLLM_VERSIONS="0.34.0 0.33.0"
+VLLM_VERSION="${VLLM_VERSION:-0.34.0}"
+if [[ " ${TESTED_VLLM_VERSIONS} " != *" ${VLLM_VERSION} "* ]]; then
+    echo "install-vllm.sh: VLLM_VERSION=${VLLM_VERSION} is not a release the tier runs on;" \
+        "accepted: ${TESTED_VLLM_VERSIONS}" >&2
+    exit 2
+fi
+readonly VLLM_VERSION
+# A requirement of a vLLM release that the package index cannot serve, and
+# what is installed in its place ("old=>new"). vLLM 0.34.0 pins
+# flashinfer-python==0.7.3, which is not on the index (2026-12-04: 0.7.2.post1,
+# 0.7.2 and 0.7.4 are), so `pip install vllm==0.34.0` fails to resolve;
+# 0.7.4 stands in. FlashInfer is CUDA attention kernels: the tier runs vLLM
+# on CPU and never loads it.
+declare -A REQUIREMENT_SUBSTITUTES=(
+    ["0.34.0"]="flashinfer-python==0.7.3=>flashinfer-python==0.7.4"
+)
 readonly NIXL_VERSION="1.5.1"
 # ray: vLLM's test_nixl_connector.py imports it at module level.
 readonly TEST_EXTRAS="pytest pytest-timeout pytest-asyncio tblib ray"
+# NVIDIA Dynamo's vLLM launcher, for its connector-name check only
+# (dynamo/vllm/kv_connector_protocols.py imports just the standard library):
+# --no-deps, its native runtime is not needed.
+readonly DYNAMO="ai-dynamo==1.6.1"
 readonly BUILD_REQUIREMENTS='cmake ninja setuptools>=77.0.3,<81 setuptools-scm>=8 setuptools-rust>=1.9 wheel jinja2 packaging'
 
 stamp="${venv}/.nixl-keepalive-vllm-installed"
-expected_stamp="vllm==${VLLM_VERSION} nixl==${NIXL_VERSION} nixl-cu13==${NIXL_VERSION} extras=${TEST_EXTRAS} sdist-tests=${VLLM_VERSION}"
+expected_stamp="vllm==${VLLM_VERSION} nixl==${NIXL_VERSION} nixl-cu13==${NIXL_VERSION} extras=${TEST_EXTRAS} ${DYNAMO} sdist-tests=${VLLM_VERSION}"
 sdist_dir="${venv}/vllm-sdist"
 if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${expected_stamp}" && -x "${venv}/bin/python" \
       && -f "${sdist_dir}/tests/v1/kv_connector/unit/test_nixl_connector.py" ]]; then
@@ -53,15 +78,50 @@ pip=("${venv}/bin/python" -m pip --disable-pip-version-check)
 
 installed_vllm="$("${venv}/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null || true)"
 if [[ "${installed_vllm}" != "${VLLM_VERSION}" ]]; then
+    if [[ -n "${installed_vllm}" ]]; then
+        # Another release's tests would be left beside this one's.
+        echo "install-vllm.sh: ${venv} has vLLM ${installed_vllm}; replacing it with ${VLLM_VERSION}"
+        rm -rf "${sdist_dir}"
+    fi
     tier_need_disk install-vllm.sh "vLLM ${VLLM_VERSION}" "${venv}" 11 5
     echo "Installing vllm==${VLLM_VERSION} into ${venv} (about 4.6 GB downloaded)"
-    "${pip[@]}" install --quiet "vllm==${VLLM_VERSION}"
+    substitute="${REQUIREMENT_SUBSTITUTES[${VLLM_VERSION}]:-}"
+    if [[ -z "${substitute}" ]]; then
+        "${pip[@]}" install --quiet "vllm==${VLLM_VERSION}"
+    else
+        # vLLM itself without its requirements, then its requirements as its
+        # metadata lists them (markers evaluated by pip, extras left out),
+        # with the one pin the index cannot serve replaced.
+        echo "install-vllm.sh: vLLM ${VLLM_VERSION}'s requirement ${substitute%%=>*} is not on the index;" \
+            "installing ${substitute##*=>} in its place"
+        "${pip[@]}" install --quiet --no-deps "vllm==${VLLM_VERSION}"
+        requirements="$(mktemp "${TMPDIR:-/tmp}/install-vllm-req.XXXXXX")"
+        SUBSTITUTE="${substitute}" "${venv}/bin/python" - >"${requirements}" <<'PYEOF'
+import importlib.metadata as m
+import os
+
+old, new = os.environ["SUBSTITUTE"].split("=>")
+found = False
+for req in m.requires("vllm") or []:
+    if "extra ==" in req:
+        continue
+    if req.split(";")[0].strip().replace(" ", "") == old:
+        req, found = new + (";" + req.split(";", 1)[1] if ";" in req else ""), True
+    print(req)
+if not found:
+    raise SystemExit(f"install-vllm.sh: vLLM's metadata has no requirement {old}: update REQUIREMENT_SUBSTITUTES")
+PYEOF
+        "${pip[@]}" install --quiet -r "${requirements}"
+        rm -f "${requirements}"
+    fi
 fi
 echo "Installing nixl==${NIXL_VERSION} and nixl-cu13==${NIXL_VERSION} (--no-deps)"
 "${pip[@]}" install --quiet --no-deps "nixl==${NIXL_VERSION}" "nixl-cu13==${NIXL_VERSION}"
 echo "Installing the test extras: ${TEST_EXTRAS}"
 # shellcheck disable=SC2086 # a list of requirement names
 "${pip[@]}" install --quiet ${TEST_EXTRAS}
+echo "Installing ${DYNAMO} (--no-deps: its vLLM connector check only)"
+"${pip[@]}" install --quiet --no-deps "${DYNAMO}"
 
 if [[ ! -f "${sdist_dir}/tests/v1/kv_connector/unit/test_nixl_connector.py" ]]; then
     echo "Fetching vLLM ${VLLM_VERSION}'s sdist for its unit tests"
@@ -101,7 +161,7 @@ want = {"vllm": os.environ["CHECK_VLLM_VERSION"], "nixl": os.environ["CHECK_NIXL
         "nixl-cu13": os.environ["CHECK_NIXL_VERSION"]}
 bad = [f"{name} {m.version(name)} (want {v})" for name, v in want.items() if m.version(name) != v]
 missing = [mod for mod in ("vllm.distributed.kv_transfer.kv_connector.v1.nixl", "pytest", "pytest_timeout",
-                           "pytest_asyncio", "tblib", "ray") if importlib.util.find_spec(mod) is None]
+                           "pytest_asyncio", "tblib", "ray", "dynamo") if importlib.util.find_spec(mod) is None]
 sdist = os.environ["CHECK_SDIST_DIR"]
 tests = [t for t in ("test_nixl_connector.py", "test_nixl_heartbeat.py", "utils.py")
          if not os.path.isfile(os.path.join(sdist, "tests/v1/kv_connector/unit", t))]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM tier: our out-of-tree connector (nixl_keepalive.vllm) against
-# vLLM 0.33.0's real code and NIXL 1.5.1's real runtime, on DRAM.
+# one vLLM release's real code (VLLM_VERSION: 0.34.0, the default, or
+# 0.33.0) and NIXL 1.5.1's real runtime, on DRAM.
 #
 #   1. the environment (scripts/install-vllm.sh: <repo>/.venv-vllm, idempotent)
 #   2. our wheel built (maturin, abi3) and installed there
@@ -8,17 +9,20 @@
 #      Hugging Face cache (no hub, no weights)
 #   4. (a) our real scenarios, python/tests_vllm/ (real vLLM prefill
 #      processes, our decode worker)
-#      (b) vLLM's own NixlConnector unit tests from its 0.33.0 sdist
+#      (b) vLLM's own NixlConnector unit tests from that release's sdist
 #      (tests/v1/kv_connector/unit/test_nixl_connector.py and
 #      test_nixl_heartbeat.py) with our connector substituted for
-#      NixlConnector (python/tests_vllm/vllm_unit_plugin.py), deselecting
-#      only the tests listed in docs/vllm.md (they need model files from a
-#      hub, or assert what the keepalive deliberately does differently)
+#      NixlConnector (python/tests_vllm/vllm_unit_plugin.py, which counts
+#      the tests that ran our worker and fails the run below the recorded
+#      count), deselecting only the tests listed in docs/vllm.md (model
+#      weights from a hub, or what the keepalive deliberately does
+#      differently)
 #
 # Exit non-zero on any failure. Without vLLM or NIXL the real tests print
 # SKIPPED; under CI=true or NIXL_KEEPALIVE_REQUIRE_REAL=1 that is a failure.
-# Environment: VLLM_VENV (default <repo>/.venv-vllm); VLLM_UNIT=0 skips (b);
-# extra arguments go to pytest of (a).
+# Environment: VLLM_VERSION (0.34.0 or 0.33.0; default 0.34.0), VLLM_VENV
+# (default <repo>/.venv-vllm); VLLM_UNIT=0 skips (b); extra arguments go to
+# pytest of (a).
 set -euo pipefail
 # shellcheck source=scripts/tier-lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/tier-lib.sh"
@@ -28,6 +32,7 @@ start=$(date +%s)
 
 venv="${VLLM_VENV:-${repo}/.venv-vllm}"
 export VLLM_VENV="${venv}"
+export VLLM_VERSION="${VLLM_VERSION:-0.34.0}"
 bash scripts/install-vllm.sh
 py="${venv}/bin/python"
 
@@ -37,6 +42,9 @@ stamp "building the nixl_keepalive wheel"
 tier_install_wheel "${repo}" "${py}" "${repo}/target/vllm-wheel"
 
 export HF_HUB_CACHE="${venv}/hf-cache/hub"
+# CUDA_VISIBLE_DEVICES empty: see python/tests_vllm/vllm_env.py (vLLM 0.34's
+# CPU platform and its Triton check).
+export CUDA_VISIBLE_DEVICES=""
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_TARGET_DEVICE=cpu
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 "${py}" python/tests_vllm/tiny_model.py "${HF_HUB_CACHE}" >/dev/null
@@ -44,7 +52,7 @@ export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 status=0
 stamp "(a) our real scenarios: python/tests_vllm"
 a_start=$(date +%s)
-"${py}" -m pytest -p no:cacheprovider -rs --durations=0 -o asyncio_default_fixture_loop_scope=function \
+"${py}" -m pytest -p no:cacheprovider -rsfE --durations=0 -o asyncio_default_fixture_loop_scope=function \
     --timeout=600 python/tests_vllm "$@" || status=1
 stamp "(a) took $(( $(date +%s) - a_start ))s"
 
@@ -52,9 +60,6 @@ if [[ "${VLLM_UNIT:-1}" != "0" ]]; then
     sdist="${venv}/vllm-sdist"
     # Each deselection and its reason: docs/vllm.md, "vLLM's own unit tests".
     deselect=(
-        # want facebook/opt-350m's config from the hub
-        "tests/v1/kv_connector/unit/test_nixl_connector.py::test_compatibility_hash_validation[model_name-config_overrides2-version_override2-True-True]"
-        "tests/v1/kv_connector/unit/test_nixl_connector.py::test_compatibility_hash_validation[escape_hatch-config_overrides10-version_override10-False-False]"
         # builds a full LLM(...): model weights from the hub ([ray] and [None])
         "tests/v1/kv_connector/unit/test_nixl_connector.py::test_abort_timeout_on_prefiller"
         # The deliberate differences of the keepalive (docs/vllm.md, "Deliberate
@@ -66,10 +71,10 @@ if [[ "${VLLM_UNIT:-1}" != "0" ]]; then
     )
     args=()
     for d in "${deselect[@]}"; do args+=(--deselect "${d}"); done
-    stamp "(b) vLLM's own NixlConnector unit tests with KeepaliveNixlConnector substituted"
+    stamp "(b) vLLM ${VLLM_VERSION}'s own NixlConnector unit tests with KeepaliveNixlConnector substituted"
     b_start=$(date +%s)
     (cd "${sdist}" && PYTHONPATH="${repo}/python/tests_vllm:${sdist}" VLLM_ENABLE_V1_MULTIPROCESSING=0 \
-        "${py}" -m pytest -p no:cacheprovider -p vllm_unit_plugin -q -rfE --timeout=600 \
+        "${py}" -m pytest -p no:cacheprovider -p vllm_unit_plugin -q -rsfE --timeout=600 \
         -o asyncio_default_fixture_loop_scope=function "${args[@]}" \
         tests/v1/kv_connector/unit/test_nixl_connector.py tests/v1/kv_connector/unit/test_nixl_heartbeat.py) \
         || status=1

@@ -92,7 +92,8 @@ pub struct Knob {
 /// tests instead of skipping them; `BIN`: the prefill binary the Python
 /// tests start; the rest: sizes and roles of the Python tests' child
 /// processes), the UCX loader (`UCX_LIB`: an explicit `libucp` to load) and
-/// the Python package's SGLang plugin (`SGLANG`: its on/off switch).
+/// the Python package's SGLang and vLLM plugins (`SGLANG`, `VLLM`: their
+/// on/off switches).
 /// Hidden for the reason [`Knob`] is.
 #[doc(hidden)]
 pub const NOT_SERVICE_KNOBS: &[&str] = &[
@@ -104,6 +105,7 @@ pub const NOT_SERVICE_KNOBS: &[&str] = &[
     "NIXL_KEEPALIVE_FROZEN_CHILD",
     "NIXL_KEEPALIVE_BUFFER_CHILD",
     "NIXL_KEEPALIVE_SGLANG",
+    "NIXL_KEEPALIVE_VLLM",
 ];
 
 const INTERVAL: &str = "NIXL_KEEPALIVE_INTERVAL";

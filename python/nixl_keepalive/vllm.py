@@ -1,12 +1,17 @@
-"""The keepalive service inside vLLM 0.33's pull-mode NIXL connector.
+"""The keepalive service inside vLLM's pull-mode NIXL connector (vLLM 0.33
+and 0.34).
 
-Enable it with one flag (both the prefill and the decode may run it; its
-work is on the decode side)::
+Enable it on the decode with one flag (a prefill may run it too; its work
+is on the decode side)::
 
     --kv-transfer-config '{"kv_connector": "KeepaliveNixlConnector",
                            "kv_connector_module_path": "nixl_keepalive.vllm",
-                           "kv_role": "kv_both",
+                           "kv_role": "kv_consumer",
                            "kv_connector_extra_config": {"keepalive": {"interval": "1s"}}}'
+
+or, under the name launchers write (``"kv_connector": "NixlConnector"``),
+with ``NIXL_KEEPALIVE_VLLM=1`` in the environment (the plugin in
+``nixl_keepalive_plugins``).
 
 :class:`KeepaliveNixlConnector` is vLLM's ``NixlConnector`` (the pull
 connector, ``NixlPullConnector``) with its worker replaced by
@@ -41,12 +46,17 @@ the ``NIXL_KEEPALIVE_*`` variables are read under them) and this module's
 own ``read_timeout`` (UCX time or seconds; default none, as in vLLM). See
 docs/vllm.md.
 
-Supported: vLLM 0.33.x (checked when the connector is built).
+Tested on vLLM 0.33.x and 0.34.x; on another release every private name
+of vLLM's it relies on (:mod:`nixl_keepalive.vllm_hooks`) is checked when
+the connector is built: one missing refuses, all present run with a
+WARNING.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
+import json
 import logging
 import queue
 import re
@@ -58,10 +68,13 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import nixl_keepalive
 from nixl_keepalive import Keepalive, parse_agent_name
 
-SUPPORTED_VLLM = ("0.33",)
-"""The vLLM release series this module is written against (``0.33.x``)."""
+from nixl_keepalive import vllm_hooks
+from nixl_keepalive.vllm_hooks import TESTED_VLLM
 
-_SUPPORTED_TEXT = ", ".join(f"{s}.x" for s in SUPPORTED_VLLM)
+SUPPORTED_VLLM = TESTED_VLLM
+"""The older name of :data:`nixl_keepalive.vllm_hooks.TESTED_VLLM`."""
+
+_TESTED_TEXT = ", ".join(f"{s}.x" for s in TESTED_VLLM)
 
 
 def _vllm_version() -> Optional[str]:
@@ -71,22 +84,37 @@ def _vllm_version() -> Optional[str]:
         return None
 
 
-def _supported(version: Optional[str]) -> bool:
-    if version is None:
-        return False
-    return any(version == s or version.startswith(s + ".") for s in SUPPORTED_VLLM)
+_untested_warned: Set[str] = set()
 
 
 def check_vllm_version(version: Optional[str] = None) -> str:
-    """Raises ``RuntimeError`` naming the vLLM version found and the
-    supported ones unless it is supported; returns the version."""
+    """Checks the installed vLLM's NIXL connector for every hook this
+    module relies on (:mod:`nixl_keepalive.vllm_hooks`): raises
+    ``RuntimeError`` naming each one missing or reshaped, with the version
+    found and the tested ones. On a version outside the tested series
+    (``version``, default the installed one) with every hook in place it
+    logs one WARNING naming it. Returns the version."""
     found = _vllm_version() if version is None else version
-    if not _supported(found):
+    if found is None:
         raise RuntimeError(
-            f"nixl_keepalive.vllm supports vLLM {_SUPPORTED_TEXT}; found "
-            f"{'no vLLM' if found is None else 'vLLM ' + found}. Install vllm==0.33.0 "
-            "(scripts/install-vllm.sh), or use vLLM's own NixlConnector without the keepalive."
+            f"nixl_keepalive.vllm needs vLLM (tested: {_TESTED_TEXT}); vLLM is not installed"
         )
+    wrong = (vllm_hooks.problems("worker", NixlPullConnectorWorker)
+             + vllm_hooks.problems("base_worker", _base_worker)
+             + vllm_hooks.problems("connector", NixlBaseConnector))
+    if wrong:
+        raise RuntimeError(
+            f"nixl_keepalive.vllm cannot run on vLLM {found}: its NIXL connector lacks what the keepalive "
+            f"relies on: {'; '.join(wrong)}. Tested on vLLM {_TESTED_TEXT}; use one of those, or vLLM's own "
+            "NixlConnector without the keepalive."
+        )
+    if not vllm_hooks.tested(found) and found not in _untested_warned:
+        _untested_warned.add(found)
+        logger.warning(
+            "nixl_keepalive.vllm: vLLM %s is not a tested release (tested: %s). Every hook the keepalive "
+            "uses is present with the parameters it expects (%d checked), so it runs; what they do may "
+            "have changed, which only the tier's tests on that release can tell.",
+            found, _TESTED_TEXT, len(vllm_hooks.HOOKS))
     return found
 
 
@@ -106,7 +134,7 @@ try:
 except ImportError as _e:  # vLLM missing, or a layout this module does not know
     _found = _vllm_version()
     raise ImportError(
-        f"nixl_keepalive.vllm needs vLLM {_SUPPORTED_TEXT} (its pull-mode NIXL connector, "
+        f"nixl_keepalive.vllm needs vLLM's pull-mode NIXL connector (tested: {_TESTED_TEXT}; "
         "vllm.distributed.kv_transfer.kv_connector.v1.nixl); "
         f"{'vLLM is not installed' if _found is None else 'found vLLM ' + _found}: {_e}"
     ) from _e
@@ -126,8 +154,24 @@ __all__ = [
 #: (the rest are :class:`nixl_keepalive.Config` keywords).
 _OWN_KNOBS = ("read_timeout",)
 
+#: The :class:`nixl_keepalive.Config` keywords that are knobs here (its
+#: ``env`` and ``seed`` are options of the Python API, not knobs).
+_CONFIG_KNOBS = ("interval", "jitter", "rate_period", "rate_burst", "event_capacity", "shutdown_drain",
+                 "metrics_period", "read_stall", "read_stall_action")
+
+_KNOBS = _CONFIG_KNOBS + _OWN_KNOBS
+
 _TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ns|us|ms|s|m)?\s*$")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def _did_you_mean(name: str, choices: Tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _squashed(key: str) -> str:
+    return re.sub(r"[^a-z]", "", key.lower())
 
 
 def _seconds(name: str, value: Any) -> Optional[float]:
@@ -157,8 +201,25 @@ def _seconds(name: str, value: Any) -> Optional[float]:
 def keepalive_knobs(kv_transfer_config: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Splits ``kv_connector_extra_config["keepalive"]`` into
     (:class:`nixl_keepalive.Config` keywords, this module's own knobs).
-    Raises ``ValueError`` naming what was wrong."""
+    Raises ``ValueError`` naming what was wrong and what is accepted: an
+    unknown knob (with the nearest accepted name), a knob placed at the top
+    of ``kv_connector_extra_config`` (where vLLM would ignore it), or a
+    misspelt ``keepalive`` key."""
     extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    accepted = ", ".join(_KNOBS)
+    for key in extra:
+        if not isinstance(key, str) or key == "keepalive":
+            continue
+        if key in _KNOBS:
+            raise ValueError(
+                f"kv_connector_extra_config[{key!r}] is a keepalive knob at the top level, where vLLM ignores "
+                f"it; put it under \"keepalive\": {{\"keepalive\": {{{json.dumps(key)}: ...}}}}"
+            )
+        if "keepalive" in _squashed(key) or difflib.get_close_matches(key.lower(), ["keepalive"], cutoff=0.8):
+            raise ValueError(
+                f"kv_connector_extra_config[{key!r}] is not read by the keepalive: its knobs go under the key "
+                f"\"keepalive\" (e.g. {{\"keepalive\": {{\"interval\": \"1s\"}}}}); accepted knobs: {accepted}"
+            )
     knobs = extra.get("keepalive", {})
     if knobs is None:
         knobs = {}
@@ -166,6 +227,13 @@ def keepalive_knobs(kv_transfer_config: Any) -> Tuple[Dict[str, Any], Dict[str, 
         raise ValueError(
             "kv_connector_extra_config['keepalive'] must be a JSON object of keepalive knobs "
             f"(e.g. {{\"interval\": \"1s\", \"read_timeout\": \"10s\"}}); got {type(knobs).__name__}"
+        )
+    unknown = [k for k in knobs if k not in _KNOBS]
+    if unknown:
+        raise ValueError(
+            "kv_connector_extra_config['keepalive'] has unknown knob(s): "
+            + ", ".join(f"{k!r}{_did_you_mean(str(k), _KNOBS)}" for k in unknown)
+            + f"; accepted: {accepted}"
         )
     config = {k: v for k, v in knobs.items() if k not in _OWN_KNOBS}
     own = {"read_timeout": _seconds("read_timeout", knobs.get("read_timeout"))}
@@ -279,8 +347,8 @@ _BACKEND = -3  # nixl_status_t NIXL_ERR_BACKEND, for a test double's "ERR"
 
 
 class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
-    """vLLM 0.33's pull-mode NIXL connector worker with the keepalive
-    service embedded (see the module docs)."""
+    """vLLM's pull-mode NIXL connector worker with the keepalive service
+    embedded (see the module docs)."""
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         check_vllm_version()
@@ -299,6 +367,11 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
         # guarded again.
         self._ka_ended: Set[Any] = set()
         self._ka_held: Dict[str, _Held] = {}
+        # Engines read from without a registration in the service (vLLM's
+        # own), each said once; READs found unguarded after their engine's
+        # release (should stay 0).
+        self._ka_own_engines: Set[str] = set()
+        self._ka_unguarded = 0
         self._ka_leases: Dict[Tuple[str, str], Set[str]] = {}
         self._ka_hb_seen: Dict[Tuple[str, str], float] = {}
         self._ka_local = threading.local()
@@ -319,6 +392,16 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
                 super().__init__(vllm_config, engine_id, kv_cache_config)
             finally:
                 _base_worker.nixl_agent_config = real_config
+        missing = vllm_hooks.problems("worker instance", self)
+        if missing:
+            try:  # the agent vLLM made is given back before the refusal
+                NixlPullConnectorWorker.shutdown(self)
+            except Exception:  # noqa: BLE001 - the refusal below says what matters
+                logger.debug("vLLM's shutdown after the refused construction failed", exc_info=True)
+            raise RuntimeError(
+                f"nixl_keepalive.vllm cannot run on vLLM {_vllm_version()}: its NIXL worker lacks what the "
+                f"keepalive relies on: {'; '.join(missing)} (tested on vLLM {_TESTED_TEXT})"
+            )
 
         agent = self.nixl_wrapper
         # The config the agent was made with (the last one vLLM built):
@@ -448,9 +531,21 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
                     if handle in self._ka_reads or handle in self._ka_ended:
                         continue
                     try:
-                        read = engine.read()
-                    except nixl_keepalive.ReadRefused:
-                        break  # marked already: polled as vLLM does
+                        # Already posted: adopted even on a marked engine,
+                        # whose release then waits for it as for any read.
+                        read = engine.adopt_posted_read()
+                    except nixl_keepalive.ReadRefused as refused:
+                        # Released before this pass saw the READ (it was
+                        # posted after the last pass, by code that bypassed
+                        # our _read_blocks): nothing can hold that release
+                        # any more. Said loudly; vLLM polls it as it does.
+                        self._ka_ended.add(handle)
+                        self._ka_unguarded += 1
+                        logger.error(
+                            "nixl_keepalive.vllm: request %s's READ from engine %s was posted without a read guard "
+                            "and found after the engine was %s: its transfer ran on released state (posted by "
+                            "code other than this connector's _read_blocks)", req_id, engine.id, refused.state)
+                        continue
                     self._ka_reads[handle] = _Tracked(read, engine, req_id)
 
     def _ka_process_releases(self) -> None:
@@ -681,6 +776,19 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
                     expected_consumers=expected_consumers, awaiting_kvs=awaiting_kvs)
         engine = self._ka_engines.get(dst_engine_id) if self._ka_on() else None
         notify_only = not any(len(group) > 0 for group in read_spec.local_block_ids)
+        if engine is None and self._ka_on() and not notify_only:
+            # Not in this worker's table: the service may still hold a
+            # registration of it (then the READ is guarded, or refused on a
+            # marked engine); otherwise it is vLLM's own engine (loaded
+            # outside the service, or refused by it), released by vLLM's
+            # own rules, which wait for its READs.
+            engine = self._ka.engine(dst_engine_id)
+            if engine is None and dst_engine_id not in self._ka_own_engines:
+                self._ka_own_engines.add(dst_engine_id)
+                logger.warning(
+                    "nixl_keepalive.vllm: READs from engine %s are vLLM's own: the keepalive holds no "
+                    "registration of it (it was loaded outside the service's handshake or refused by it), so "
+                    "they carry no read guard and vLLM's own cleanup releases it", dst_engine_id)
         if engine is None or notify_only:
             return super()._read_blocks(**args)
         try:

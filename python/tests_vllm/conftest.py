@@ -1,4 +1,4 @@
-"""The vLLM tier's fixtures: vLLM 0.33 with NIXL's Python API (or a loud
+"""The vLLM tier's fixtures: vLLM (0.33 or 0.34) with NIXL's Python API (or a loud
 skip; a failure under ``CI=true`` / ``NIXL_KEEPALIVE_REQUIRE_REAL=1``),
 real vLLM prefill workers as processes (``vllm_peer.py``), and the decode
 (ours) in this process. Waits poll with deadlines, never sleep-then-assert.
@@ -47,8 +47,10 @@ def _missing() -> Optional[str]:
         version = m.version("vllm")
     except Exception:  # noqa: BLE001
         return "vLLM is not installed (bash scripts/install-vllm.sh)"
-    if not version.startswith("0.33"):
-        return f"vLLM {version} is installed; this tier is for 0.33.x"
+    from nixl_keepalive.vllm_hooks import TESTED_VLLM, tested
+
+    if not tested(version):
+        return f"vLLM {version} is installed; this tier is for {', '.join(s + '.x' for s in TESTED_VLLM)}"
     try:
         import nixl._api  # noqa: F401
     except ImportError as e:

@@ -26,12 +26,14 @@ class Decode:
     """One decode worker (its own NIXL agent and keepalive)."""
 
     def __init__(self, engine_id: str = "decode", blocks: int = 64, keepalive: Optional[Dict[str, Any]] = None,
-                 failure_policy: str = "fail", extra: Optional[Dict[str, Any]] = None) -> None:
+                 failure_policy: str = "fail", extra: Optional[Dict[str, Any]] = None,
+                 connector: Tuple[str, Optional[str]] = vllm_env.KEEPALIVE_CONNECTOR) -> None:
         from vllm.config import set_current_vllm_config
 
         conf_extra = dict(extra or {})
         conf_extra["keepalive"] = dict(keepalive or {})
-        self.config = vllm_env.vllm_config(vllm_env.KEEPALIVE_CONNECTOR, engine_id, conf_extra,
+        # A decode's role as vLLM recommends it (kv_both is deprecated).
+        self.config = vllm_env.vllm_config(connector, engine_id, conf_extra, kv_role="kv_consumer",
                                            failure_policy=failure_policy)
         self._scope = set_current_vllm_config
         self.connector, self.caches = vllm_env.make_worker_connector(self.config, blocks)
@@ -99,19 +101,14 @@ class Decode:
         """vLLM's own per-engine tables (every one ``_cleanup_remote_engine``
         clears), for ``engine_id`` or all."""
         w = self.worker
-        names = {
-            "_remote_agents": w._remote_agents,
-            "dst_xfer_side_handles": w.dst_xfer_side_handles,
-            "kv_caches_base_addr": w.kv_caches_base_addr,
-            "dst_num_blocks": w.dst_num_blocks,
-            "dst_region_num_blocks": w.dst_region_num_blocks,
-            "dst_region_group_ids": w.dst_region_group_ids,
-            "dst_uses_region_group_mapping": w.dst_uses_region_group_mapping,
-            "dst_region_mem_types": w.dst_region_mem_types,
-            "tp_mappings": w.tp_mappings,
-            "_engine_clock_offset": w._engine_clock_offset,
-            "_engine_last_active": w._engine_last_active,
-        }
+        # Per-engine tables of vLLM 0.33 and 0.34 (0.34 replaced
+        # dst_uses_region_group_mapping with _dst_pairs): those this vLLM has.
+        names = {name: getattr(w, name) for name in (
+            "_remote_agents", "dst_xfer_side_handles", "kv_caches_base_addr", "dst_num_blocks",
+            "dst_region_num_blocks", "dst_region_group_ids", "dst_uses_region_group_mapping", "_dst_pairs",
+            "dst_region_mem_types", "tp_mappings", "draft_tp_mappings", "_engine_clock_offset",
+            "_engine_last_active",
+        ) if isinstance(getattr(w, name, None), dict)}
         out = {}
         for name, table in names.items():
             keys = [k for k in table if (engine_id is None or k == engine_id) and k != w.engine_id]

@@ -5,16 +5,49 @@ from __future__ import annotations
 import pytest
 
 
-def test_other_vllm_versions_are_refused_naming_both(vllm_ready):
+def test_an_untested_vllm_runs_with_one_warning_when_every_hook_is_there(vllm_ready, caplog):
     from nixl_keepalive import vllm as kv
 
-    with pytest.raises(RuntimeError) as e:
-        kv.check_vllm_version("0.32.1")
-    assert "0.32.1" in str(e.value) and "0.33.x" in str(e.value)
     assert kv.check_vllm_version("0.33.0") == "0.33.0"
-    assert kv.check_vllm_version("0.33.7") == "0.33.7"
-    with pytest.raises(RuntimeError):
-        kv.check_vllm_version("0.330.0")
+    assert kv.check_vllm_version("0.34.2") == "0.34.2"
+    assert not [r for r in caplog.records if "not a tested release" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="nixl_keepalive.vllm"):
+        assert kv.check_vllm_version("0.35.0") == "0.35.0"
+        assert kv.check_vllm_version("0.35.0") == "0.35.0"
+    warned = [r.getMessage() for r in caplog.records if "not a tested release" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "0.35.0" in warned[0] and "0.33.x, 0.34.x" in warned[0]
+
+
+def test_a_vllm_missing_a_hook_is_refused_naming_it(vllm_ready, monkeypatch):
+    from nixl_keepalive import vllm as kv
+
+    # Defined on vLLM's base worker class, inherited by the pull worker.
+    monkeypatch.delattr(kv._base_worker.NixlBaseConnectorWorker, "_try_release_xfer_handle")
+    with pytest.raises(RuntimeError) as e:
+        kv.check_vllm_version("0.33.0")
+    assert "_try_release_xfer_handle is missing" in str(e.value), e.value
+
+
+def test_a_vllm_hook_with_other_parameters_is_refused_naming_both(vllm_ready, monkeypatch):
+    from nixl_keepalive import vllm as kv
+
+    def reshaped(self, req_id, handle, why):  # a parameter more than the keepalive calls it with
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(kv.NixlPullConnectorWorker, "_try_release_xfer_handle", reshaped)
+    with pytest.raises(RuntimeError) as e:
+        kv.check_vllm_version()
+    assert "takes (req_id, handle, why), not (req_id, handle)" in str(e.value), e.value
+
+
+def test_every_hook_is_there_on_the_installed_vllm(vllm_ready):
+    from nixl_keepalive import vllm_hooks
+    from nixl_keepalive import vllm as kv
+
+    assert vllm_hooks.problems("worker", kv.NixlPullConnectorWorker) == []
+    assert vllm_hooks.problems("base_worker", kv._base_worker) == []
+    assert vllm_hooks.problems("connector", kv.NixlBaseConnector) == []
 
 
 def test_knobs_from_extra_config(vllm_ready):
@@ -33,6 +66,50 @@ def test_knobs_from_extra_config(vllm_ready):
     Kv.kv_connector_extra_config = {"keepalive": ["interval"]}
     with pytest.raises(ValueError, match="JSON object"):
         kv.keepalive_knobs(Kv)
+
+
+@pytest.mark.parametrize("extra, said", [
+    # A typo of the connector's own knob: named, with the fix.
+    ({"keepalive": {"read_timout": "10s"}}, "'read_timout' (did you mean 'read_timeout'?)"),
+    ({"keepalive": {"intervall": "1s"}}, "'intervall' (did you mean 'interval'?)"),
+    # The Python API's options are not knobs here.
+    ({"keepalive": {"seed": 3}}, "unknown knob(s): 'seed'"),
+    # A knob at the top level, where vLLM ignores it.
+    ({"interval": "1s"}, "at the top level, where vLLM ignores it"),
+    # A misspelt container key.
+    ({"keep_alive": {"interval": "1s"}}, "is not read by the keepalive"),
+    ({"keepAlive": {"interval": "1s"}}, "is not read by the keepalive"),
+    ({"nixl_keepalive": {"interval": "1s"}}, "is not read by the keepalive"),
+])
+def test_knob_mistakes_are_refused_naming_the_fix(vllm_ready, extra, said):
+    from nixl_keepalive import vllm as kv
+
+    class Kv:
+        kv_connector_extra_config = extra
+
+    with pytest.raises(ValueError) as e:
+        kv.keepalive_knobs(Kv)
+    assert said in str(e.value), e.value
+    if "unknown knob" in said or "top level" in said or "not read" in said:
+        assert "read_timeout" in str(e.value) or "keepalive" in str(e.value)
+
+
+def test_vllms_own_extra_config_keys_pass(vllm_ready):
+    from nixl_keepalive import vllm as kv
+
+    class Kv:
+        kv_connector_extra_config = {"kv_lease_duration": 30, "transfer_mode": "pull", "backends": ["UCX"],
+                                     "keepalive": {"interval": "1s"}}
+
+    assert kv.keepalive_knobs(Kv)[0] == {"interval": "1s"}
+
+
+def test_the_knob_list_is_the_configs(vllm_ready):
+    import nixl_keepalive
+    from nixl_keepalive import vllm as kv
+
+    # as_dict also reports the jitter's seed, an option of the Python API.
+    assert set(kv._CONFIG_KNOBS) | {"seed"} == set(nixl_keepalive.Config(env=False).as_dict())
 
 
 def test_bad_knob_refused_when_the_worker_is_built(decode):

@@ -46,16 +46,42 @@ OPT_125M = {
 }
 
 
+#: OPT-350m's architecture (published shape): 24 layers, 16 heads of 64,
+#: hidden 1024, FFN 4096, embeddings projected from 512, layer norm after.
+#: vLLM's compatibility-hash unit tests name this model.
+OPT_350M = dict(
+    OPT_125M,
+    ffn_dim=4096,
+    hidden_size=1024,
+    num_attention_heads=16,
+    num_hidden_layers=24,
+    word_embed_proj_dim=512,
+    do_layer_norm_before=False,
+)
+
+#: Every model config written, by hub name.
+MODELS = {MODEL: OPT_125M, "facebook/opt-350m": OPT_350M}
+
+
 def write_hf_cache(hub_cache: Path) -> Path:
-    """Writes ``facebook/opt-125m``'s config.json into ``hub_cache`` (a
-    ``HF_HUB_CACHE`` directory); returns the snapshot directory. Idempotent."""
-    repo = hub_cache / ("models--" + MODEL.replace("/", "--"))
+    """Writes the config.json of every model in :data:`MODELS` into
+    ``hub_cache`` (a ``HF_HUB_CACHE`` directory); returns
+    ``facebook/opt-125m``'s snapshot directory. Idempotent."""
+    first = None
+    for name, config in MODELS.items():
+        snapshot = _write_one(hub_cache, name, config)
+        first = first or snapshot
+    return first
+
+
+def _write_one(hub_cache: Path, model: str, model_config: dict) -> Path:
+    repo = hub_cache / ("models--" + model.replace("/", "--"))
     snapshot = repo / "snapshots" / REVISION
     snapshot.mkdir(parents=True, exist_ok=True)
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / "main").write_text(REVISION)
     config = snapshot / "config.json"
-    text = json.dumps(OPT_125M, indent=2, sort_keys=True) + "\n"
+    text = json.dumps(model_config, indent=2, sort_keys=True) + "\n"
     if not config.exists() or config.read_text() != text:
         config.write_text(text)
     gen = snapshot / "generation_config.json"

@@ -33,6 +33,12 @@ def setup_environment(hub_cache: Optional[str] = None) -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # No GPU is visible (there is none): vLLM 0.34's CPU platform refuses to
+    # start on x86 without Triton ("vLLM on x86 CPUs requires Triton
+    # (triton-cpu)"), and its Triton check counts the CUDA wheel's Triton
+    # as usable only when no CUDA device is visible (its distributed-start
+    # case). No Triton kernel runs in the tier (no model is executed).
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     if hub_cache:
         os.environ["HF_HUB_CACHE"] = hub_cache
     from tiny_model import write_hf_cache  # noqa: E402 - beside this file
