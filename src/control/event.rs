@@ -9,7 +9,8 @@
 //! - `releasing`: registered; told it is gone (its release follows once
 //!   its reads end, at once with none in flight);
 //! - `released`: not registered any more, released since the server
-//!   started (the last [`RECENT`] releases are remembered): nothing to do;
+//!   started (the last [`RECENT`](super::recent::RECENT) releases are
+//!   remembered): nothing to do;
 //! - `unknown`: neither: nothing to do;
 //! - `unresolved` (addresses only): the name did not resolve to one
 //!   address here (the lookup failed, or gave several): nothing was done,
@@ -19,8 +20,6 @@
 //! not know, an address that is not `host:port`) is refused whole with a
 //! `400` naming what is accepted, before anything is done.
 
-use std::collections::{HashMap, VecDeque};
-
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, Method, StatusCode};
@@ -28,14 +27,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::broadcast;
 
-use super::routes::{authorize, error, gone_mode, read_body, stopped, Client, Control, Refusal};
-use crate::{EngineId, Event, GoneMode, KeepaliveHandle, PeerAddr, PeerRef, RegistrationId};
-use crate::{ResolveError, Snapshot};
-
-/// Releases remembered, to answer `released` rather than `unknown`.
-pub(super) const RECENT: usize = 1024;
+use super::routes::{error, gone_mode, malformed, post_body, stopped, Client, Control, Refusal};
+use crate::{EngineId, GoneMode, PeerAddr, PeerRef, ResolveError, Snapshot};
 
 /// The event types accepted.
 const EVENT_TYPES: &str = r#""peer_gone""#;
@@ -89,81 +83,6 @@ enum Address {
     Unresolved(String),
 }
 
-/// The engines released since the server started (the last [`RECENT`]),
-/// with their addresses where their registration was seen: read from the
-/// service's events when a request needs them, so a release the service
-/// has announced is seen by the next request.
-pub(crate) struct Recent {
-    events: broadcast::Receiver<Event>,
-    /// Registrations seen registering and not yet released: their
-    /// addresses (a release's event names none).
-    addresses: HashMap<RegistrationId, (EngineId, PeerAddr)>,
-    /// Oldest first.
-    released: VecDeque<(EngineId, Option<PeerAddr>)>,
-}
-
-impl Recent {
-    /// Subscribed to `handle`'s events from now on.
-    pub(crate) fn new<R: Send + 'static>(handle: &KeepaliveHandle<R>) -> Recent {
-        Recent {
-            events: handle.subscribe(),
-            addresses: HashMap::new(),
-            released: VecDeque::new(),
-        }
-    }
-
-    /// Reads the events announced since the last call.
-    fn catch_up<R: Send + 'static>(&mut self, handle: &KeepaliveHandle<R>) {
-        let mut lagged = false;
-        loop {
-            match self.events.try_recv() {
-                Ok(Event::Registered {
-                    engine,
-                    registration,
-                    address,
-                    ..
-                }) => {
-                    self.addresses.insert(registration, (engine, address));
-                }
-                Ok(Event::Released {
-                    engine,
-                    registration,
-                    ..
-                }) => {
-                    let address = self.addresses.remove(&registration).map(|(_, a)| a);
-                    if self.released.len() == RECENT {
-                        self.released.pop_front();
-                    }
-                    self.released.push_back((engine, address));
-                }
-                Ok(_) => {}
-                Err(broadcast::error::TryRecvError::Lagged(_)) => lagged = true,
-                Err(_) => break,
-            }
-        }
-        if lagged {
-            // Releases were missed: forget the registrations that are no
-            // longer registered (their release cannot be told any more),
-            // so the table holds live registrations only.
-            self.addresses.retain(|registration, (engine, _)| {
-                handle
-                    .engine(engine)
-                    .is_some_and(|e| e.registration() == *registration)
-            });
-        }
-    }
-
-    fn engine_released(&self, engine: &EngineId) -> bool {
-        self.released.iter().any(|(e, _)| e == engine)
-    }
-
-    fn address_released(&self, address: &PeerAddr) -> bool {
-        self.released
-            .iter()
-            .any(|(_, a)| a.as_ref() == Some(address))
-    }
-}
-
 /// The event's type, read before the rest of the body: another type is
 /// refused by name, whatever else its body holds.
 fn event_type(body: &Value) -> Result<&str, Refusal> {
@@ -185,15 +104,9 @@ fn event_type(body: &Value) -> Result<&str, Refusal> {
 /// The request read whole, and each address resolved: nothing is done
 /// until every part of it is accepted.
 async fn parse(body: &[u8]) -> Result<(Nodes, GoneMode, Vec<(String, Address)>), Refusal> {
-    let malformed = |e: serde_json::Error| {
-        (
-            StatusCode::BAD_REQUEST,
-            format!("malformed JSON body ({e}); {SHAPE}"),
-        )
-    };
-    let value: Value = serde_json::from_slice(body).map_err(malformed)?;
+    let value: Value = serde_json::from_slice(body).map_err(malformed(SHAPE))?;
     event_type(&value)?;
-    let event: PeerGoneEvent = serde_json::from_value(value).map_err(malformed)?;
+    let event: PeerGoneEvent = serde_json::from_value(value).map_err(malformed(SHAPE))?;
     let mode = gone_mode(event.mode.as_deref())?;
     let nodes = event.nodes;
     if nodes.engine_ids.is_empty() && nodes.addresses.is_empty() {
@@ -236,8 +149,7 @@ pub(super) async fn fault_tolerance<R: Send + 'static>(
     body: Body,
 ) -> Response {
     let answered = async {
-        authorize(&state, &method, &headers)?;
-        let body = read_body(&state, body, SHAPE).await?;
+        let body = post_body(&state, &method, &headers, body, SHAPE).await?;
         let (nodes, mode, addresses) = parse(&body).await?;
         act(&state, nodes.engine_ids, addresses, mode).await
     };

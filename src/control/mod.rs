@@ -66,6 +66,7 @@
 //! once per client and status per 10 s, with the count it stands for.
 
 mod event;
+mod recent;
 mod routes;
 mod server;
 
@@ -75,6 +76,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::routing::{get, post};
+use axum::Router;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -360,7 +363,7 @@ impl ControlServer {
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let state = routes::Control {
             // Subscribed now, not when the future is first polled.
-            recent: Arc::new(std::sync::Mutex::new(event::Recent::new(&handle))),
+            recent: Arc::new(std::sync::Mutex::new(recent::Recent::new(&handle))),
             handle,
             // Off loopback, every request carries the token (the bind was
             // refused without one, unless metrics are public).
@@ -370,9 +373,23 @@ impl ControlServer {
             control: self.config.control,
             body_timeout: self.config.limits.body_timeout,
         };
-        let router = routes::router(state);
+        let router = router(state);
         server::accept_loop(self.listener, router, shutdown, self.config.limits)
     }
+}
+
+/// The routes.
+fn router<R: Send + 'static>(state: routes::Control<R>) -> Router {
+    let mut r = Router::new().route("/metrics", get(routes::metrics::<R>));
+    if state.control {
+        r = r
+            .route("/v1/peer_gone", post(routes::peer_gone::<R>))
+            .route("/fault_tolerance/event", post(event::fault_tolerance::<R>))
+            .route("/v1/snapshot", get(routes::snapshot::<R>));
+    }
+    r.fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .with_state(state)
 }
 
 /// Binds `config`'s address ([`ControlServer::bind`]) and serves the

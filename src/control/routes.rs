@@ -9,12 +9,11 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Extension, Router};
+use axum::Extension;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::event::{self, Recent};
+use super::recent::Recent;
 use super::{ControlToken, MetricsRender, MAX_BODY};
 use crate::log_limit::LogLimiter;
 use crate::{EngineId, GoneMode, KeepaliveHandle, PeerAddr, PeerRef, Snapshot};
@@ -62,20 +61,6 @@ impl<R> Clone for Control<R> {
     }
 }
 
-/// The routes.
-pub(super) fn router<R: Send + 'static>(state: Control<R>) -> Router {
-    let mut r = Router::new().route("/metrics", get(metrics::<R>));
-    if state.control {
-        r = r
-            .route("/v1/peer_gone", post(peer_gone::<R>))
-            .route("/fault_tolerance/event", post(event::fault_tolerance::<R>))
-            .route("/v1/snapshot", get(snapshot::<R>));
-    }
-    r.fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .with_state(state)
-}
-
 /// Counts and logs (once per client and status per period) a refusal.
 pub(super) fn refused(client: IpAddr, status: StatusCode, message: &str) {
     metrics::counter!("nixl_keepalive_control_errors_total", "status" => status.as_str().to_string())
@@ -108,11 +93,7 @@ pub(super) fn stopped() -> Refusal {
 }
 
 /// Checks the bearer token when this request needs one.
-pub(super) fn authorize<R>(
-    state: &Control<R>,
-    method: &Method,
-    headers: &HeaderMap,
-) -> Result<(), Refusal> {
+fn authorize<R>(state: &Control<R>, method: &Method, headers: &HeaderMap) -> Result<(), Refusal> {
     let Some(token) = &state.token else {
         return Ok(());
     };
@@ -154,33 +135,30 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn not_found(
+pub(super) async fn not_found(
     Extension(client): Extension<Client>,
     method: Method,
     uri: axum::http::Uri,
 ) -> Response {
-    let path = uri.path();
-    error(
-        client,
-        StatusCode::NOT_FOUND,
-        format!("no route {method} {path}; routes: {ROUTES}"),
-    )
+    let what = format!("no route {method} {}", uri.path());
+    unrouted(client, StatusCode::NOT_FOUND, what)
 }
 
-async fn method_not_allowed(
+pub(super) async fn method_not_allowed(
     Extension(client): Extension<Client>,
     method: Method,
     uri: axum::http::Uri,
 ) -> Response {
-    let path = uri.path();
-    error(
-        client,
-        StatusCode::METHOD_NOT_ALLOWED,
-        format!("{method} is not accepted on {path}; routes: {ROUTES}"),
-    )
+    let what = format!("{method} is not accepted on {}", uri.path());
+    unrouted(client, StatusCode::METHOD_NOT_ALLOWED, what)
 }
 
-async fn metrics<R>(
+/// A request no route takes: what was wrong, and every route.
+fn unrouted(client: Client, status: StatusCode, what: String) -> Response {
+    error(client, status, format!("{what}; routes: {ROUTES}"))
+}
+
+pub(super) async fn metrics<R>(
     State(state): State<Control<R>>,
     Extension(client): Extension<Client>,
     method: Method,
@@ -210,7 +188,7 @@ struct PeerGoneRequest {
 
 const PEER_GONE_SHAPE: &str = r#"expected {"engine": "<engine id>"} or {"address": "host:port"}, with optional "mode": "drain" | "fail""#;
 
-async fn peer_gone<R: Send + 'static>(
+pub(super) async fn peer_gone<R: Send + 'static>(
     State(state): State<Control<R>>,
     Extension(client): Extension<Client>,
     method: Method,
@@ -219,14 +197,9 @@ async fn peer_gone<R: Send + 'static>(
 ) -> Response {
     let asked = async {
         // The steps, each refusing with its status and message.
-        authorize(&state, &method, &headers)?;
-        let body = read_body(&state, body, PEER_GONE_SHAPE).await?;
-        let request: PeerGoneRequest = serde_json::from_slice(&body).map_err(|e| {
-            (
-                StatusCode::BAD_REQUEST,
-                format!("malformed JSON body ({e}); {PEER_GONE_SHAPE}"),
-            )
-        })?;
+        let body = post_body(&state, &method, &headers, body, PEER_GONE_SHAPE).await?;
+        let request: PeerGoneRequest =
+            serde_json::from_slice(&body).map_err(malformed(PEER_GONE_SHAPE))?;
         let mode = gone_mode(request.mode.as_deref())?;
         let (peer, engine) = find_peer(&state, request.engine, request.address).await?;
         Ok((peer, engine, mode))
@@ -248,13 +221,17 @@ async fn peer_gone<R: Send + 'static>(
         .into_response()
 }
 
-/// The request's body, at most `MAX_BODY` bytes within the body timeout;
-/// `shape` is what the route accepts, for the refusals.
-pub(super) async fn read_body<R>(
+/// A POST's body, once its token is checked: at most `MAX_BODY` bytes
+/// within the body timeout. `shape` is what the route accepts, for the
+/// refusals.
+pub(super) async fn post_body<R>(
     state: &Control<R>,
+    method: &Method,
+    headers: &HeaderMap,
     body: Body,
     shape: &str,
 ) -> Result<axum::body::Bytes, Refusal> {
+    authorize(state, method, headers)?;
     match tokio::time::timeout(state.body_timeout, axum::body::to_bytes(body, MAX_BODY)).await {
         Ok(Ok(body)) => Ok(body),
         Ok(Err(_)) => Err((
@@ -268,6 +245,17 @@ pub(super) async fn read_body<R>(
                 state.body_timeout
             ),
         )),
+    }
+}
+
+/// The refusal of a body that is not the JSON a route accepts: `400`
+/// with serde's words and the route's `shape`.
+pub(super) fn malformed(shape: &str) -> impl Fn(serde_json::Error) -> Refusal + '_ {
+    move |e| {
+        (
+            StatusCode::BAD_REQUEST,
+            format!("malformed JSON body ({e}); {shape}"),
+        )
     }
 }
 
@@ -325,7 +313,7 @@ async fn find_peer<R: Send + 'static>(
     }
 }
 
-async fn snapshot<R: Send + 'static>(
+pub(super) async fn snapshot<R: Send + 'static>(
     State(state): State<Control<R>>,
     Extension(client): Extension<Client>,
     method: Method,

@@ -347,9 +347,9 @@ mod tests {
 
     use std::time::Instant;
 
-    use crate::control::event::Recent;
-    use crate::control::routes::{router, Control};
-    use crate::control::ControlToken;
+    use crate::control::recent::Recent;
+    use crate::control::routes::Control;
+    use crate::control::{router, ControlToken};
     use crate::transport::nixl::RemoteDlists;
     use crate::{AgentName, Config, EngineId, Keepalive, ReleaseStep, Transport, TransportError};
 
