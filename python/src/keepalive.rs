@@ -342,10 +342,16 @@ impl Service {
         let task = self.shared.begin_close();
         if let Some(server) = self.control.as_ref().and_then(control::Running::take_task) {
             // Its listener closed before close returns (the shutdown
-            // stopped it).
-            runtime::wait(py, async {
+            // stopped it); interrupted, a later close still has the
+            // service to wait for.
+            if let Err(interrupted) = runtime::wait(py, async {
                 let _ = server.await;
-            })?;
+            }) {
+                if let Some(task) = task {
+                    *self.shared.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
+                }
+                return Err(interrupted);
+            }
         }
         let Some(mut task) = task else {
             return stopped_dict(py, None);

@@ -126,12 +126,11 @@ async fn parse(body: &[u8]) -> Result<(Nodes, GoneMode, Vec<(String, Address)>),
         let resolved = match PeerAddr::resolve(given).await {
             Ok(a) => Address::Resolved(a),
             Err(e @ (ResolveError::Form(_) | ResolveError::NumericHost(_))) => {
+                let accepted = "accepted: host:port, as the decode reached the prefill";
                 return Err((
                     StatusCode::BAD_REQUEST,
-                    format!(
-                    "addresses[{i}]: {e}; accepted: host:port, as the decode reached the prefill"
-                ),
-                ))
+                    format!("addresses[{i}]: {e}; {accepted}"),
+                ));
             }
             Err(e) => Address::Unresolved(e.to_string()),
         };
