@@ -105,7 +105,9 @@
 //! (`nixl_keepalive::fake`), for tests. `membership`: cluster membership
 //! (`nixl_keepalive::membership`: the source trait, the in-memory store,
 //! the reconciler). `etcd`: the etcd source and prefill registration (its
-//! build runs `protoc`). `serde`: `Serialize` for [`Event`].
+//! build runs `protoc`). `serde`: `Serialize` for [`Event`]. `control`: the
+//! control server (`nixl_keepalive::control`): the router's endpoint, the
+//! snapshot and `/metrics` over HTTP, on axum.
 //!
 //! # An API that grows
 //!
@@ -133,6 +135,8 @@
 #![deny(missing_docs, unreachable_pub)]
 
 pub mod config;
+#[cfg(feature = "control")]
+pub mod control;
 mod core;
 mod driver;
 mod error;

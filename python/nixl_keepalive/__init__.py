@@ -305,6 +305,44 @@ def _report_unknown_env() -> None:
         )
 
 
+#: The keys a ``control`` mapping may have.
+_CONTROL_KEYS = ("addr", "token", "token_file")
+
+
+def _control_settings(
+    control: Union[str, Mapping[str, Any], None], control_token: Optional[str]
+) -> "tuple[Optional[str], Optional[str], Optional[str]]":
+    """``Keepalive``'s ``control`` and ``control_token`` as the native
+    service takes them: ``(addr, token, token_file)``. Its values are
+    checked natively (the address, the token, loopback or not)."""
+    if control is None:
+        if control_token is not None:
+            raise ConfigError("control_token without control: give the address to serve on too")
+        return None, None, None
+    if isinstance(control, str):
+        settings: dict = {"addr": control}
+    elif isinstance(control, Mapping):
+        unknown = sorted(str(k) for k in control if k not in _CONTROL_KEYS)
+        if unknown:
+            raise ConfigError(f"control: unknown key(s) {', '.join(unknown)}; accepted: {', '.join(_CONTROL_KEYS)}")
+        if "addr" not in control:
+            raise ConfigError("control: no \"addr\" (the \"host:port\" to serve on, e.g. \"127.0.0.1:0\")")
+        settings = dict(control)
+    else:
+        raise TypeError(
+            f"control must be a \"host:port\" string or a mapping with {', '.join(_CONTROL_KEYS)}; "
+            f"got {type(control).__name__}"
+        )
+    if control_token is not None:
+        if settings.get("token") is not None:
+            raise ConfigError("control: a token twice (control_token= and control[\"token\"]); give one")
+        settings["token"] = control_token
+    for key in _CONTROL_KEYS:
+        if settings.get(key) is not None and not isinstance(settings[key], str):
+            raise TypeError(f"control {key} must be a str; got {type(settings[key]).__name__}")
+    return settings["addr"], settings.get("token"), settings.get("token_file")
+
+
 #: One Keepalive per agent: id(agent) -> the live Keepalive (weakly).
 _by_agent: "dict[int, weakref.ref[Keepalive]]" = {}
 _by_agent_lock = threading.Lock()
@@ -426,6 +464,17 @@ class Keepalive:
             heartbeats on the wire) or ``"caller"`` (you progress the agent:
             ``get_new_notifs()`` or transfer polls, at least once per
             heartbeat interval).
+        control: serve the control endpoint for a router here (the
+            library's server: ``POST /fault_tolerance/event``, ``POST
+            /v1/peer_gone``, ``GET /v1/snapshot``; see the operations
+            guide): ``"host:port"`` (an IP literal or ``localhost``; port 0
+            picks a free one, read back from :attr:`control_addr`), or a
+            mapping with ``addr`` and ``token`` or ``token_file``. Stopped
+            by :meth:`close`.
+        control_token: the bearer token every POST to it (and, off
+            loopback, every request) must carry. An address that is not
+            loopback needs one. A bad address, token or bind raises
+            :class:`ConfigError` before the service starts.
 
     One Keepalive per agent: a second one on an agent whose first is
     still running raises :class:`KeepaliveError`.
@@ -441,8 +490,11 @@ class Keepalive:
         *,
         agent_config: Any = None,
         progress: str = "thread",
+        control: Union[str, Mapping[str, Any], None] = None,
+        control_token: Optional[str] = None,
         **knobs: Any,
     ) -> None:
+        control_addr, token, token_file = _control_settings(control, control_token)
         if config is not None and knobs:
             raise TypeError("pass either a Config or keyword arguments, not both")
         if config is not None and not isinstance(config, Config):
@@ -462,7 +514,7 @@ class Keepalive:
                     "one per agent (two would release each other's engines' state twice); share it, "
                     "or close() the first"
                 )
-            self._service = _native.Service(agent, config)
+            self._service = _native.Service(agent, config, control_addr, token, token_file)
             _by_agent[id(agent)] = weakref.ref(self)
         closing = endpoint_close_mode()
         if closing["mode"] == "unavailable":
@@ -583,6 +635,12 @@ class Keepalive:
     def config(self) -> Config:
         """The configuration in force."""
         return self._config
+
+    @property
+    def control_addr(self) -> Optional[str]:
+        """Where the control server listens (``"host:port"``, with the port
+        the system picked for port 0), or ``None`` without one."""
+        return self._service.control_addr
 
     @property
     def closed(self) -> bool:

@@ -347,11 +347,21 @@ class Events:
 class Service:
     """The running service (wrapped by :class:`nixl_keepalive.Keepalive`)."""
 
-    def __init__(self, agent: Any, config: Config) -> None: ...
+    def __init__(
+        self,
+        agent: Any,
+        config: Config,
+        control_addr: Optional[str] = None,
+        control_token: Optional[str] = None,
+        control_token_file: Optional[str] = None,
+    ) -> None: ...
     @property
     def agent(self) -> Any: ...
     @property
     def stopped(self) -> bool: ...
+    @property
+    def control_addr(self) -> Optional[str]:
+        """The control server's ``host:port``, or ``None`` without one."""
     def handshake(self, address: str, declared: bool = False) -> Handshake: ...
     def register(
         self,

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::args;
 use crate::config::Config;
+use crate::control;
 use crate::engine::Engine;
 use crate::errors;
 use crate::protocol::{self, Events, Handshake};
@@ -29,6 +30,8 @@ use crate::transport::{PyResources, PyTransport};
 #[pyclass(module = "nixl_keepalive._native", frozen)]
 pub(crate) struct Service {
     shared: Arc<Shared>,
+    /// The control server, when asked for: stopped with the service.
+    control: Option<control::Running>,
 }
 
 impl Drop for Service {
@@ -84,9 +87,20 @@ pub(crate) fn canonical_address(py: Python<'_>, address: &str) -> PyResult<Strin
 #[pymethods]
 impl Service {
     /// Starts the service over `agent` (a `nixl_agent`, made with a
-    /// locking thread-sync mode) with `config`.
+    /// locking thread-sync mode) with `config`; with `control_addr`, the
+    /// control server there too (a bearer token from `control_token` or
+    /// `control_token_file`), checked and bound before the service
+    /// starts.
     #[new]
-    fn new(py: Python<'_>, agent: Py<PyAny>, config: &Config) -> PyResult<Service> {
+    #[pyo3(signature = (agent, config, control_addr = None, control_token = None, control_token_file = None))]
+    fn new(
+        py: Python<'_>,
+        agent: Py<PyAny>,
+        config: &Config,
+        control_addr: Option<&str>,
+        control_token: Option<&str>,
+        control_token_file: Option<&str>,
+    ) -> PyResult<Service> {
         for method in ["send_notif", "release_dlist_handle", "remove_remote_agent"] {
             if !agent.bind(py).hasattr(method)? {
                 return Err(PyTypeError::new_err(format!(
@@ -99,6 +113,15 @@ impl Service {
         if let Some(bad) = crate::endpoints::bad_setting() {
             return Err(errors::ConfigError::new_err(bad.to_string()));
         }
+        let server = match control_addr {
+            Some(addr) => Some(control::bind(py, addr, control_token, control_token_file)?),
+            None if control_token.is_some() || control_token_file.is_some() => {
+                return Err(errors::ConfigError::new_err(
+                    "control: a token without an address to serve on; give control too".into(),
+                ))
+            }
+            None => None,
+        };
         let transport = Arc::new(PyTransport::new(py, agent));
         let rt = runtime::get();
         let _enter = rt.enter();
@@ -116,7 +139,10 @@ impl Service {
                 out
             })
         };
+        let control =
+            server.map(|s| control::Running::start(s, handle.clone(), shutdown.child_token()));
         Ok(Service {
+            control,
             shared: Arc::new(Shared {
                 handle,
                 transport,
@@ -138,6 +164,13 @@ impl Service {
     #[getter]
     fn stopped(&self) -> bool {
         self.shared.stopped.is_cancelled()
+    }
+
+    /// The control server's address (`host:port`, the port the system
+    /// picked for port 0), or `None` without one.
+    #[getter]
+    fn control_addr(&self) -> Option<String> {
+        self.control.as_ref().map(control::Running::addr)
     }
 
     /// Starts a handshake with the peer at `address` (`host:port`);
@@ -307,6 +340,19 @@ impl Service {
     /// nothing left.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let task = self.shared.begin_close();
+        if let Some(server) = self.control.as_ref().and_then(control::Running::take_task) {
+            // Its listener closed before close returns (the shutdown
+            // stopped it); interrupted, a later close still has the
+            // service to wait for.
+            if let Err(interrupted) = runtime::wait(py, async {
+                let _ = server.await;
+            }) {
+                if let Some(task) = task {
+                    *self.shared.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
+                }
+                return Err(interrupted);
+            }
+        }
         let Some(mut task) = task else {
             return stopped_dict(py, None);
         };
@@ -322,8 +368,12 @@ impl Service {
     /// `close` as an awaitable.
     fn close_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let task = self.shared.begin_close();
+        let server = self.control.as_ref().and_then(control::Running::take_task);
         runtime::for_async();
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            if let Some(server) = server {
+                let _ = server.await;
+            }
             let joined = match task {
                 Some(task) => task.await.ok(),
                 None => None,

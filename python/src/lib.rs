@@ -21,6 +21,7 @@ mod args;
 #[cfg(feature = "bench")]
 mod bench;
 mod config;
+mod control;
 mod endpoints;
 mod engine;
 mod errors;

@@ -270,6 +270,82 @@ def test_peer_gone_fail_fails_reads_at_once_and_releases_when_they_end(ka, agent
         ka.peer_gone()
 
 
+def _post(addr, path, body, token=None):
+    """POSTs JSON to the control server; its status and JSON answer (an
+    error status is an answer too)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(f"http://{addr}{path}", data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_router_event_to_control_addr_releases_by_engine_id_and_by_address(agent):
+    ka = nk.Keepalive(agent, control="127.0.0.1:0", control_token="s3cret", **FAST)
+    try:
+        log = EventLog(ka)
+        host, port = ka.control_addr.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0, ka.control_addr
+        connect(ka, engine="e1", address="10.0.0.1:1", agents=("e1-rank0",))
+        connect(ka, engine="e2", address="10.0.0.2:2", agents=("e2-rank0",), handles=("dl-2",))
+        by_id = {"event_type": "peer_gone", "nodes": {"engine_ids": ["e1", "nobody"]}}
+        by_address = {"event_type": "peer_gone", "nodes": {"addresses": ["10.0.0.2:2"]}, "mode": "fail"}
+        status, answer = _post(ka.control_addr, "/fault_tolerance/event", by_id)
+        assert status == 401, answer
+        assert ka.engine("e1").state == "live"
+        status, answer = _post(ka.control_addr, "/fault_tolerance/event", by_id, token="s3cret")
+        assert status == 200, answer
+        assert [n["outcome"] for n in answer["nodes"]] == ["releasing", "unknown"], answer
+        assert log.wait("released", 5, engine="e1")["reason"] == "peer_gone"
+        status, answer = _post(ka.control_addr, "/fault_tolerance/event", by_address, token="s3cret")
+        assert status == 200, answer
+        assert answer["nodes"] == [{"address": "10.0.0.2:2", "outcome": "releasing", "engine_ids": ["e2"]}]
+        assert log.wait("released", 5, engine="e2")["reason"] == "peer_gone"
+        assert "dl-2" in [c[1] for c in agent.of("release_dlist_handle")]
+        # Again: a broadcast is idempotent, and says so.
+        status, answer = _post(ka.control_addr, "/fault_tolerance/event", by_id, token="s3cret")
+        assert [n["outcome"] for n in answer["nodes"]] == ["released", "unknown"], answer
+        status, answer = _post(ka.control_addr, "/fault_tolerance/event", {"event_type": "reboot"}, token="s3cret")
+        assert status == 400 and "peer_gone" in answer["error"], answer
+    finally:
+        ka.close()
+    # close() stopped the server: its port is closed.
+    import socket
+
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=2).close()
+
+
+def test_bad_control_settings_raise_at_construction_before_anything_runs(agent):
+    for control, token, needle in [
+        ("nowhere", None, "not an address to listen on"),
+        ("0.0.0.0:0", None, "not a loopback address"),
+        ({"addr": "127.0.0.1:0", "tokn": "x"}, None, "unknown key(s) tokn; accepted: addr, token, token_file"),
+        ({"token": "x"}, None, 'no "addr"'),
+        ("127.0.0.1:0", "two words", "visible ASCII"),
+        ({"addr": "127.0.0.1:0", "token_file": "/nonexistent/token"}, None, "/nonexistent/token"),
+        (None, "s3cret", "without control"),
+    ]:
+        with pytest.raises(nk.ConfigError) as e:
+            nk.Keepalive(agent, control=control, control_token=token, **FAST)
+        assert needle in str(e.value), (control, str(e.value))
+    assert not agent.calls, "nothing ran"
+    with pytest.raises(TypeError, match="host:port"):
+        nk.Keepalive(agent, control=9091, **FAST)
+    with nk.Keepalive(agent, control={"addr": "localhost:0"}, **FAST) as ka:
+        assert ka.control_addr.startswith("127.0.0.1:"), ka.control_addr
+    with nk.Keepalive(agent, **FAST) as ka:
+        assert ka.control_addr is None
+
+
 def test_the_snapshot_is_plain_dicts(ka, agent):
     connect(ka)
     wait_for("a heartbeat back", lambda: ka.snapshot()["engines"][0]["last_heartbeat"], 5)

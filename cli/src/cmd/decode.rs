@@ -7,7 +7,8 @@
 //! etcd (`--etcd-endpoint`: every engine registered under the prefix;
 //! removals retire the engine), or both. One HTTP server (axum) serves the
 //! router's control endpoint with `--control-addr` (`POST /v1/peer_gone`,
-//! `GET /v1/snapshot`, `GET /metrics`; see `control.rs`), and
+//! `POST /fault_tolerance/event`, `GET /v1/snapshot`, `GET /metrics`: the
+//! library's `nixl_keepalive::control`; see `control.rs`), and
 //! `--metrics-addr` serves `/metrics` alone. Service settings come from
 //! the `NIXL_KEEPALIVE_*` environment variables; UCX's from `UCX_*`.
 //!
@@ -26,6 +27,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use nixl_agent::{Agent, AgentConfig};
+use nixl_keepalive::control::ControlServer;
 use nixl_keepalive::log_limit::LogLimiter;
 use nixl_keepalive::membership::{self, MembershipUpdate};
 use nixl_keepalive::text::Escaped;
@@ -36,7 +38,7 @@ use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder, Direction};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::control::{self, Control};
+use super::control;
 
 /// What a membership removal does to reads in flight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -247,8 +249,7 @@ fn start_and_run(args: DecodeArgs) -> Result<ExitCode, Refused> {
 /// starts or loads: a bad value stops here.
 struct Checked {
     config: Config,
-    token: Option<Arc<str>>,
-    metrics_token: Option<Arc<str>>,
+    servers: Vec<control::Server>,
     memory: nixl_keepalive_cli::pd::prefill::Memory,
 }
 
@@ -262,16 +263,13 @@ fn check(args: &DecodeArgs) -> Result<Checked, Refused> {
             "--control-token-file needs --control-addr or --metrics-addr",
         ));
     }
-    let token = control::load_token(
+    let servers = control::servers(
         args.run.control_addr,
         args.run.control_token_file.as_deref(),
+        args.run.metrics_addr,
+        args.run.metrics_public,
     )
     .map_err(Refused::usage)?;
-    let metrics_token = match args.run.metrics_addr {
-        Some(addr) => control::metrics_token(addr, token.as_ref(), args.run.metrics_public)
-            .map_err(Refused::usage)?,
-        None => None,
-    };
     // Before NIXL loads: `--memory vram` without a GPU stops here, at once.
     let memory = args
         .run
@@ -280,8 +278,7 @@ fn check(args: &DecodeArgs) -> Result<Checked, Refused> {
         .map_err(Refused::usage)?;
     Ok(Checked {
         config,
-        token,
-        metrics_token,
+        servers,
         memory,
     })
 }
@@ -337,8 +334,7 @@ fn load_nixl(
 async fn serve(args: DecodeArgs, checked: Checked, nixl: Nixl) -> Result<ExitCode, Refused> {
     let Checked {
         config,
-        token,
-        metrics_token,
+        servers,
         memory,
     } = checked;
     let shutdown = CancellationToken::new();
@@ -351,14 +347,8 @@ async fn serve(args: DecodeArgs, checked: Checked, nixl: Nixl) -> Result<ExitCod
     if let Some(handle) = &nixl.metrics {
         spawn_upkeep(handle.clone(), shutdown.clone());
     }
-    let servers = [
-        (args.run.control_addr, token),
-        (args.run.metrics_addr, metrics_token),
-    ];
-    for (control, (addr, token)) in [true, false].into_iter().zip(servers) {
-        if let Some(addr) = addr {
-            serve_http(&args, addr, control, token, &keepalive, &nixl, &shutdown).await?;
-        }
+    for server in servers {
+        serve_http(&args, server, &keepalive, &nixl, &shutdown).await?;
     }
     // Its start-up line (stderr) gives the detection bound.
     let task = tokio::spawn(
@@ -447,31 +437,21 @@ async fn serve(args: DecodeArgs, checked: Checked, nixl: Nixl) -> Result<ExitCod
     Ok(code)
 }
 
-/// One HTTP server: the control endpoint (with `/metrics`) when
-/// `control`, else `/metrics` alone, on `addr`, until `shutdown`.
+/// One HTTP server (the library's): the control endpoint (with
+/// `/metrics`) when `control`, else `/metrics` alone, until `shutdown`.
 async fn serve_http(
     args: &DecodeArgs,
-    addr: SocketAddr,
-    control: bool,
-    token: Option<Arc<str>>,
+    (control, config): control::Server,
     keepalive: &nixl_keepalive::KeepaliveHandle<nixl_keepalive::transport::nixl::RemoteDlists>,
     nixl: &Nixl,
     shutdown: &CancellationToken,
 ) -> Result<(), Refused> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| Refused::failed(format!("cannot listen on {addr}: {e}")))?;
-    let local = listener.local_addr().map_or(addr, |a| a);
-    let state = Control {
-        handle: keepalive.clone(),
-        // Off loopback, every request carries the token (the bind was
-        // refused without one, unless --metrics-public).
-        token_for_reads: token.is_some() && !local.ip().is_loopback(),
-        token,
-        metrics: nixl.metrics.clone(),
-        control,
-        body_timeout: control::LIMITS.body_timeout,
+    let config = match nixl.metrics.clone() {
+        Some(handle) => config.metrics(Arc::new(move || handle.render())),
+        None => config,
     };
+    let server = ControlServer::bind(config).await.map_err(Refused::failed)?;
+    let local = server.local_addr();
     let what = if control {
         println!("control on http://{local}/v1/ (and /metrics)");
         "control"
@@ -486,12 +466,7 @@ async fn serve_http(
         "metrics"
     };
     tracing::info!(%local, what, "HTTP server listening");
-    tokio::spawn(control::serve(
-        listener,
-        control::router(state),
-        shutdown.clone(),
-        control::LIMITS,
-    ));
+    tokio::spawn(server.run(keepalive.clone(), shutdown.clone()));
     Ok(())
 }
 
