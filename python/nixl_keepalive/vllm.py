@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata
+import inspect
 import json
 import logging
 import queue
@@ -152,7 +153,7 @@ __all__ = [
 
 #: This module's own knobs in ``kv_connector_extra_config["keepalive"]``
 #: (the rest are :class:`nixl_keepalive.Config` keywords).
-_OWN_KNOBS = ("read_timeout",)
+_OWN_KNOBS = ("read_timeout", "control_addr", "control_token_file")
 
 #: The :class:`nixl_keepalive.Config` keywords that are knobs here (its
 #: ``env`` and ``seed`` are options of the Python API, not knobs).
@@ -236,8 +237,43 @@ def keepalive_knobs(kv_transfer_config: Any) -> Tuple[Dict[str, Any], Dict[str, 
             + f"; accepted: {accepted}"
         )
     config = {k: v for k, v in knobs.items() if k not in _OWN_KNOBS}
-    own = {"read_timeout": _seconds("read_timeout", knobs.get("read_timeout"))}
+    own = {
+        "read_timeout": _seconds("read_timeout", knobs.get("read_timeout")),
+        "control_addr": _control_addr(knobs.get("control_addr")),
+        "control_token_file": knobs.get("control_token_file"),
+    }
+    if own["control_token_file"] is not None and not isinstance(own["control_token_file"], str):
+        raise ValueError(f"keepalive knob control_token_file={own['control_token_file']!r}: expected a file path")
+    if own["control_token_file"] is not None and own["control_addr"] is None:
+        raise ValueError("keepalive knob control_token_file without control_addr: give the address to serve on too")
     return config, own
+
+
+def _control_addr(value: Any) -> Optional[Tuple[str, int]]:
+    """``control_addr``: ``"host:port"`` (the first rank's port; each rank
+    serves on port + its tensor-parallel rank; port 0: each rank picks a
+    free one). Returns (host, port)."""
+    if value is None:
+        return None
+    wrong = (f"keepalive knob control_addr={value!r}: expected \"host:port\" (an IP address or localhost; "
+             "rank r serves on port + r; port 0 picks a free port per rank)")
+    if not isinstance(value, str) or ":" not in value:
+        raise ValueError(wrong)
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(wrong)
+    return host, int(port)
+
+
+def control_addr_of_rank(addr: Tuple[str, int], rank: int) -> str:
+    """The address rank ``rank`` serves the control endpoint on."""
+    host, port = addr
+    if port == 0:
+        return f"{host}:0"
+    if port + rank > 65535:
+        raise ValueError(f"keepalive knob control_addr={host}:{port}: rank {rank} would serve on port "
+                         f"{port + rank}, past 65535; choose a lower first port")
+    return f"{host}:{port + rank}"
 
 
 def _is_nixl_agent(agent: Any) -> bool:
@@ -265,13 +301,26 @@ def _rw_sync_mode() -> Any:
     return nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
 
 
+def _takes(fn: Any, name: str) -> bool:
+    """Whether ``fn`` takes a keyword argument ``name`` (``True`` when its
+    signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 class _RwAgentConfig:
     """Stands for base_worker's ``nixl_agent_config`` during our
     constructor: the same class, with ``sync_mode`` RW unless set."""
 
     def __init__(self, real: Any, sync_mode: Any) -> None:
         self._real = real
-        self._sync_mode = sync_mode
+        # A stand-in that takes no sync_mode (vLLM 0.34's unit tests patch
+        # nixl_agent_config with one) is called as vLLM calls it; the
+        # service then sees the mode it was made with.
+        self._sync_mode = sync_mode if _takes(real, "sync_mode") else None
         self.made: List[Any] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -357,6 +406,8 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
         ka_config = nixl_keepalive.Config(**config_knobs)
         self._ka: Optional[Keepalive] = None
         self._ka_read_timeout: Optional[float] = own["read_timeout"]
+        self._ka_control = own["control_addr"]
+        self._ka_control_token_file = own["control_token_file"]
         self._ka_engines: Dict[str, Any] = {}
         self._ka_reads: Dict[Any, _Tracked] = {}
         # Guards _ka_reads against the handshake thread's
@@ -394,10 +445,7 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
                 _base_worker.nixl_agent_config = real_config
         missing = vllm_hooks.problems("worker instance", self)
         if missing:
-            try:  # the agent vLLM made is given back before the refusal
-                NixlPullConnectorWorker.shutdown(self)
-            except Exception:  # noqa: BLE001 - the refusal below says what matters
-                logger.debug("vLLM's shutdown after the refused construction failed", exc_info=True)
+            self._ka_undo_construction()
             raise RuntimeError(
                 f"nixl_keepalive.vllm cannot run on vLLM {_vllm_version()}: its NIXL worker lacks what the "
                 f"keepalive relies on: {'; '.join(missing)} (tested on vLLM {_TESTED_TEXT})"
@@ -412,10 +460,17 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
         # may swap for a spy after construction) is reached through the
         # worker: the service then calls whatever `nixl_wrapper` is.
         service_agent = agent if _is_nixl_agent(agent) else _WorkerAgent(self)
+        control = None
+        if self._ka_control is not None:
+            # One port per rank: a router reaches every rank of the decode.
+            control = {"addr": control_addr_of_rank(self._ka_control, int(getattr(self, "tp_rank", 0) or 0))}
+            if self._ka_control_token_file is not None:
+                control["token_file"] = self._ka_control_token_file
         try:
-            self._ka = Keepalive(service_agent, ka_config, agent_config=agent_conf)
+            self._ka = Keepalive(service_agent, ka_config, agent_config=agent_conf, control=control)
         except Exception as e:
-            if _is_nixl_agent(agent):
+            if _is_nixl_agent(agent) or control is not None:
+                self._ka_undo_construction()
                 raise
             # A test double of vLLM's own unit tests, which the service
             # cannot run over: vLLM's behaviour, said loudly.
@@ -429,8 +484,21 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
             self._ka_events = self._ka.events()
             logger.info("nixl_keepalive.vllm: keepalive on (%r, read_timeout=%s)", self._ka.config,
                         self._ka_read_timeout)
+            if self._ka.control_addr is not None:
+                logger.info("nixl_keepalive.vllm: rank %s serves the router's control endpoint on %s "
+                            "(POST /fault_tolerance/event, POST /v1/peer_gone, GET /v1/snapshot)",
+                            getattr(self, "tp_rank", 0), self._ka.control_addr)
 
     # -- helpers -----------------------------------------------------------
+
+    def _ka_undo_construction(self) -> None:
+        """A construction refused after vLLM's own ran: what vLLM made (its
+        agent, its threads) given back before the refusal propagates."""
+        self._ka = None
+        try:
+            NixlPullConnectorWorker.shutdown(self)
+        except Exception:  # noqa: BLE001 - the refusal being raised says what matters
+            logger.debug("vLLM's shutdown after the refused construction failed", exc_info=True)
 
     def _ka_on(self) -> bool:
         ka = getattr(self, "_ka", None)

@@ -98,6 +98,7 @@ HOOKS: Tuple[Hook, ...] = (
     Hook("worker instance", "_engine_last_active", use="vLLM's TTL stamp kept current"),
     Hook("worker instance", "_hb_handshake_notif_only", use="vLLM's heartbeat handshake mode"),
     Hook("worker instance", "xfer_stats", use="failed and given-up READs counted as vLLM counts them"),
+    Hook("worker instance", "tp_rank", use="the rank's control-endpoint port (control_addr)"),
     Hook("base_worker", "nixl_agent_config", use="the agent made with NIXL_THREAD_SYNC_RW"),
     Hook("connector", "__init__", ("vllm_config", "role", "kv_cache_config"),
          "NixlBaseConnector's constructor, then our worker"),

@@ -58,7 +58,8 @@ def test_knobs_from_extra_config(vllm_ready):
         kv_connector_extra_config = {"keepalive": {"interval": "1s", "read_timeout": "250ms"}}
 
     config, own = kv.keepalive_knobs(Kv)
-    assert config == {"interval": "1s"} and own == {"read_timeout": 0.25}
+    assert config == {"interval": "1s"}
+    assert own == {"read_timeout": 0.25, "control_addr": None, "control_token_file": None}
     assert nixl_keepalive.Config(**config).as_dict()["interval"] == 1.0
     Kv.kv_connector_extra_config = {"keepalive": {"read_timeout": "soon"}}
     with pytest.raises(ValueError, match="read_timeout"):

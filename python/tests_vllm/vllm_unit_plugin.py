@@ -143,7 +143,7 @@ def pytest_runtest_logreport(report):
     if report.when == "call" or (report.when == "setup" and report.skipped):
         kind = next((k for k in _ORDER if k in _used), "no worker")
         _per_test[report.nodeid] = kind
-        if report.skipped:
+        if report.skipped and not hasattr(report, "wasxfail"):
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             _skipped[report.nodeid] = reason
             _per_test[report.nodeid] = "skipped"
