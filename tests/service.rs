@@ -83,6 +83,16 @@ impl World {
         .await
     }
 
+    /// Crashes prefill `p` and waits for the service to find it
+    /// unreachable (its next heartbeat, within the interval and jitter).
+    async fn crash_and_find(&mut self, p: &EngineId) {
+        self.ucx.crash(p);
+        self.until(Duration::from_secs(6), |e| {
+            matches!(e, Event::Unreachable { .. }).then_some(())
+        })
+        .await;
+    }
+
     /// Lets the service run for `d` of virtual time.
     async fn run_for(&self, d: Duration) {
         tokio::time::sleep(d).await;
@@ -153,11 +163,7 @@ async fn a_dead_peer_is_kept_while_a_read_from_it_is_in_flight_and_released_when
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
     let read = engine.begin_read().unwrap();
-    w.ucx.crash(&p);
-    w.until(Duration::from_secs(6), |e| {
-        matches!(e, Event::Unreachable { .. }).then_some(())
-    })
-    .await;
+    w.crash_and_find(&p).await;
     // Many heartbeat periods later: still held, and the snapshot says why.
     w.run_for(Duration::from_secs(60)).await;
     assert!(
@@ -201,11 +207,7 @@ async fn a_transfer_adopted_after_the_mark_holds_the_release_until_it_ends() {
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
     let read = engine.begin_read().unwrap();
-    w.ucx.crash(&p);
-    w.until(Duration::from_secs(6), |e| {
-        matches!(e, Event::Unreachable { .. }).then_some(())
-    })
-    .await;
+    w.crash_and_find(&p).await;
     assert!(
         engine.begin_read().is_err(),
         "no new read on a marked engine"
@@ -251,11 +253,7 @@ async fn a_dead_peer_is_kept_while_a_push_write_into_it_is_in_flight() {
         1,
         "a write counts as a transfer in flight"
     );
-    w.ucx.crash(&p);
-    w.until(Duration::from_secs(6), |e| {
-        matches!(e, Event::Unreachable { .. }).then_some(())
-    })
-    .await;
+    w.crash_and_find(&p).await;
     w.run_for(Duration::from_secs(60)).await;
     assert!(
         write.is_failed(),
@@ -303,11 +301,7 @@ async fn owned_reads_moved_to_other_tasks_hold_a_dead_peer_until_they_end() {
         owned.finish(ucx.read(&id));
         drop(converted);
     });
-    w.ucx.crash(&p);
-    w.until(Duration::from_secs(6), |e| {
-        matches!(e, Event::Unreachable { .. }).then_some(())
-    })
-    .await;
+    w.crash_and_find(&p).await;
     w.run_for(Duration::from_secs(30)).await;
     assert_eq!(engine.reads_in_flight(), 2);
     assert_eq!(

@@ -421,19 +421,32 @@ impl EngineCell {
     /// A begin on any other thread: one compare-and-swap.
     #[inline]
     fn begin_shared(&self) -> Result<u64, BeginRefused> {
+        self.count_shared(|word| {
+            // Live is state 0: one comparison finds both a marked engine
+            // (state bits set) and a full count.
+            (word & (STATE_MASK | COUNT_MASK) >= COUNT_MASK).then(|| match state_of(word) {
+                EngineState::Live => BeginRefused::Full,
+                state => BeginRefused::State(state),
+            })
+        })
+    }
+
+    /// Counts one more transfer on the shared word unless `refuse` says
+    /// why not, in one compare-and-swap loop. Returns what a begin
+    /// returns.
+    #[inline]
+    fn count_shared(
+        &self,
+        refuse: impl Fn(u64) -> Option<BeginRefused>,
+    ) -> Result<u64, BeginRefused> {
         // The owner's completions, read before this read counts: one that
         // lands in between is seen as a completion during the read (the
         // safe side: a give-up then does not count against the engine).
         let own = self.own.load(Ordering::Acquire);
         let mut word = self.word.load(Ordering::Relaxed);
         loop {
-            // Live is state 0: one comparison finds both a marked engine
-            // (state bits set) and a full count.
-            if word & (STATE_MASK | COUNT_MASK) >= COUNT_MASK {
-                return Err(match state_of(word) {
-                    EngineState::Live => BeginRefused::Full,
-                    state => BeginRefused::State(state),
-                });
+            if let Some(refused) = refuse(word) {
+                return Err(refused);
             }
             match self.word.compare_exchange_weak(
                 word,
@@ -458,24 +471,11 @@ impl EngineCell {
     /// the release sees this count and waits for it to end, or the release
     /// came first and this is refused.
     pub(crate) fn begin_posted(&self) -> Result<u64, BeginRefused> {
-        let own = self.own.load(Ordering::Acquire);
-        let mut word = self.word.load(Ordering::Relaxed);
-        loop {
-            match state_of(word) {
-                EngineState::Released => return Err(BeginRefused::State(EngineState::Released)),
-                _ if word & COUNT_MASK == COUNT_MASK => return Err(BeginRefused::Full),
-                _ => {}
-            }
-            match self.word.compare_exchange_weak(
-                word,
-                word + 1,
-                Ordering::SeqCst,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return Ok(total_done(own, word)),
-                Err(now) => word = now,
-            }
-        }
+        self.count_shared(|word| match state_of(word) {
+            EngineState::Released => Some(BeginRefused::State(EngineState::Released)),
+            _ if word & COUNT_MASK == COUNT_MASK => Some(BeginRefused::Full),
+            _ => None,
+        })
     }
 
     /// Ends one read (`begun`: what [`EngineCell::begin_read`] returned).
