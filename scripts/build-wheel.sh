@@ -7,8 +7,9 @@
 #
 #   - its tag is cp310-abi3-manylinux_2_28_x86_64 (file name and WHEEL);
 #   - the extension, and the endpoint-close interposer it embeds, need no
-#     glibc symbol version above GLIBC_2.28 (objdump -T, read here, beside
-#     maturin's own manylinux check);
+#     glibc symbol version above GLIBC_2.28, nor a libstdc++ one above
+#     RHEL 8's (GLIBCXX_3.4.25, CXXABI_1.3.11) (objdump -T, read here,
+#     beside maturin's own manylinux check);
 #   - the extension has no .debug_* section (readelf -S);
 #   - the wheel is under WHEEL_MAX_BYTES (default 3 MiB; measured 1.5 MB)
 #     and unpacks to under UNPACKED_MAX_BYTES (default 8 MiB; measured
@@ -30,7 +31,9 @@
 # compiled by zig c++ against this machine's GCC headers (g++ is required)
 # and glibc 2.28's headers (zig's), and linked to libstdc++.so.6. The shim
 # itself refuses any other standard library (#error).
-set -euo pipefail
+set -Eeuo pipefail
+# Whatever else stops it says where.
+trap 'echo "build-wheel.sh: FAILED at line ${LINENO}: ${BASH_COMMAND}" >&2' ERR
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 repo="$(pwd)"
 out="${1:-${repo}/target/wheelhouse}"
@@ -73,7 +76,7 @@ done < <(g++ -E -x c++ -v - </dev/null 2>&1 | sed -n '/^#include <...> search st
 ((${#cxx_includes[@]} > 0)) || fail "cannot find libstdc++'s headers in g++'s include path (g++ -E -x c++ -v -)"
 libstdcxx="$(g++ -print-file-name=libstdc++.so)"
 [[ "${libstdcxx}" == /* && -e "${libstdcxx}" ]] \
-    || fail "g++ has no libstdc++.so (got '${libstdcxx}'; Debian: apt-get install libstdc++-dev of g++'s version)"
+    || fail "g++ has no libstdc++.so (got '${libstdcxx}'; Debian: apt-get install libstdc++-<N>-dev for g++ <N>)"
 
 # cc-rs (nixl-sys/build.rs) reads these for the target: zig c++ against
 # GCC's headers, glibc 2.28's stand-ins first (nixl-sys/shim/compat-glibc-2.28),
@@ -120,7 +123,7 @@ so="${work}/unpacked/nixl_keepalive/_native.abi3.so"
 
 # The highest version of one family (GLIBC, GLIBCXX, CXXABI) a file needs.
 max_version() {
-    objdump -T "$2" | grep -oE "\b$1_[0-9]+(\.[0-9]+)+\b" | sed "s/^$1_//" | sort -uV | tail -n 1
+    objdump -T "$2" | { grep -oE "\b$1_[0-9]+(\.[0-9]+)+\b" || true; } | sed "s/^$1_//" | sort -uV | tail -n 1
 }
 # The interposer is embedded in the extension (nixl-sys/build.rs builds it
 # in OUT_DIR; runtime.rs loads it from a memfd), where no manylinux check
@@ -130,14 +133,24 @@ for file in target/"${triple}"/wheel/build/nixl-sys-*/out/libnixl_sys_ep_close.s
     if [[ -f "${file}" && ( -z "${interposer}" || "${file}" -nt "${interposer}" ) ]]; then interposer="${file}"; fi
 done
 [[ -n "${interposer}" ]] || problems+=("the endpoint-close interposer (target/${triple}/wheel/build/nixl-sys-*/out/libnixl_sys_ep_close.so) was not found to check")
+# Each family's ceiling: glibc 2.28's, and for the C++ runtime RHEL 8's
+# libstdc++ (GCC 8: GLIBCXX_3.4.25, CXXABI_1.3.11), the oldest that a
+# glibc 2.28 host has.
+check_max() {
+    local family="$1" ceiling="$2" file="$3" v
+    v="$(max_version "${family}" "${file}")"
+    [[ -n "${v}" ]] || return 0
+    if [[ "$(printf '%s\n%s\n' "${v}" "${ceiling}" | sort -V | tail -n 1)" != "${ceiling}" ]]; then
+        problems+=("$(basename "${file}") needs ${family}_${v}, above ${family}_${ceiling}: $(objdump -T "${file}" | grep -E "${family}_${v//./\\.}\b" | awk '{print $NF}' | tr '\n' ' ')")
+    fi
+}
 glibc_max="$(max_version GLIBC "${so}")"
 for file in "${so}" ${interposer:+"${interposer}"}; do
-    v="$(max_version GLIBC "${file}")"
-    if [[ -z "${v}" ]]; then
-        problems+=("$(basename "${file}") has no GLIBC_ symbol versions: objdump -T read nothing")
-    elif [[ "$(printf '%s\n%s\n' "${v}" "${glibc_floor}" | sort -V | tail -n 1)" != "${glibc_floor}" ]]; then
-        problems+=("$(basename "${file}") needs GLIBC_${v}, above GLIBC_${glibc_floor}: $(objdump -T "${file}" | grep -E "GLIBC_${v//./\\.}\b" | awk '{print $NF}' | tr '\n' ' ')")
-    fi
+    [[ -n "$(max_version GLIBC "${file}")" ]] \
+        || problems+=("$(basename "${file}") has no GLIBC_ symbol versions: objdump -T read nothing")
+    check_max GLIBC "${glibc_floor}" "${file}"
+    check_max GLIBCXX 3.4.25 "${file}"
+    check_max CXXABI 1.3.11 "${file}"
 done
 
 debug_sections="$(readelf -S -W "${so}" | grep -oE '\.(debug|zdebug)[_a-z.]*' | sort -u | tr '\n' ' ' || true)"
