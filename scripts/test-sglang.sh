@@ -4,7 +4,8 @@
 # NIXL 1.5.1's real runtime, on DRAM, every rank its own process.
 #
 #   1. the environment (scripts/install-sglang.sh: <repo>/.venv-sglang, idempotent)
-#   2. our wheel built (maturin, abi3) and installed there
+#   2. the wheel users install (scripts/build-wheel.sh: release, abi3,
+#      manylinux_2_28) built and installed there
 #   3. python/tests_sglang/ (real SGLang prefill and decode ranks, killed
 #      and frozen for real)
 #

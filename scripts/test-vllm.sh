@@ -4,7 +4,8 @@
 # 0.33.0) and NIXL 1.5.1's real runtime, on DRAM.
 #
 #   1. the environment (scripts/install-vllm.sh: <repo>/.venv-vllm, idempotent)
-#   2. our wheel built (maturin, abi3) and installed there
+#   2. the wheel users install (scripts/build-wheel.sh: release, abi3,
+#      manylinux_2_28) built and installed there
 #   3. the model config the connector needs, written by us into a local
 #      Hugging Face cache (no hub, no weights)
 #   4. (a) our real scenarios, python/tests_vllm/ (real vLLM prefill

@@ -27,19 +27,18 @@ cargo_status=0
 cargo test --workspace --locked --no-fail-fast --features nixl-keepalive-cli/etcd "$@" || cargo_status=$?
 
 # The Python package (python/, `nixl_keepalive`): a venv under the checkout
-# with NIXL's Python API (the same pinned wheel), the package built as a
-# wheel with maturin and installed there, then its pytest suite: the API's
-# rules over a recording agent, and the vLLM-shaped example decode against
-# real prefill processes (the binary cargo test just built). Real tests
-# print SKIPPED without the runtime, and fail under
-# NIXL_KEEPALIVE_REQUIRE_REAL=1 or CI=true.
+# with NIXL's Python API (the same pinned wheel), the wheel users install
+# (scripts/build-wheel.sh: release, manylinux_2_28, checked) installed
+# there, then its pytest suite: the API's rules over a recording agent, and
+# the vLLM-shaped example decode against real prefill processes (the
+# binary cargo test just built). Real tests print SKIPPED without the
+# runtime, and fail under NIXL_KEEPALIVE_REQUIRE_REAL=1 or CI=true.
 python_status=0
 python_part() {
     set -e
     bash scripts/install-python.sh
-    local wheels="target/python-wheel"
-    rm -rf "${wheels}"
-    .venv/bin/maturin build --locked --manifest-path python/Cargo.toml --out "${wheels}"
+    local wheels="target/wheelhouse"
+    bash scripts/build-wheel.sh "${wheels}"
     .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "${wheels}"/nixl_keepalive-*.whl
     .venv/bin/python -m pytest python/tests
 }

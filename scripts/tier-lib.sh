@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by the framework tiers' scripts (install-vllm.sh, test-vllm.sh,
 # install-sglang.sh, test-sglang.sh); sourced, never run. Each tier has a
 # venv of its own, because vLLM and SGLang pin different torch builds.
@@ -25,17 +26,13 @@ tier_make_venv() {
     fi
 }
 
-# tier_install_wheel REPO PY WHEELS: builds our wheel (maturin, abi3, from
-# REPO's .venv; scripts/install-python.sh makes it if missing) into WHEELS
+# tier_install_wheel REPO PY WHEELS: builds the wheel users install
+# (scripts/build-wheel.sh: release, cp310-abi3-manylinux_2_28, checked;
+# cargo reuses the build when scripts/test.sh already made it) into WHEELS
 # and installs it, no dependencies, into the interpreter PY.
 tier_install_wheel() {
     local repo="$1" py="$2" wheels="$3"
-    local maturin="${repo}/.venv/bin/maturin"
-    if [[ ! -x "${maturin}" ]]; then
-        bash "${repo}/scripts/install-python.sh"
-    fi
-    rm -rf "${wheels}"
-    "${maturin}" build --locked --manifest-path "${repo}/python/Cargo.toml" --out "${wheels}"
+    bash "${repo}/scripts/build-wheel.sh" "${wheels}"
     "${py}" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "${wheels}"/nixl_keepalive-*.whl
 }
 

@@ -24,6 +24,13 @@
 #include <string>
 #include <vector>
 
+// libnixl.so takes libstdc++'s std::string and std::vector: a shim built
+// against another standard library (zig c++ and clang default to libc++)
+// would hand it objects of another layout. The ABI macro alone proves
+// nothing, since build.rs defines it on the command line.
+#if !defined(__GLIBCXX__)
+#error "nixl-sys shim must be built against libstdc++ (libnixl.so's std::string); with zig c++ or clang, point it at GCC's headers (scripts/build-wheel.sh does)"
+#endif
 #if !defined(_GLIBCXX_USE_CXX11_ABI) || !_GLIBCXX_USE_CXX11_ABI
 #error "nixl-sys shim must be built with the cxx11 std::string ABI (as libnixl.so is)"
 #endif
@@ -76,6 +83,15 @@ using make_xfer_fn = status_t (*)(const Agent *, const xfer_op_t &, const DlistH
                                   const std::vector<int> &, const DlistH *,
                                   const std::vector<int> &, XferReqH *&, const OptionalArgs *);
 
+// A member's address, resolved in libnixl.so, as the function pointer it
+// is called through (a cast from `const void *` would cast away a
+// qualifier, which clang refuses).
+template <typename Fn>
+Fn
+member(const void *fn) noexcept {
+    return reinterpret_cast<Fn>(const_cast<void *>(fn));
+}
+
 template <typename F>
 status_t guarded(F &&f) noexcept {
     try {
@@ -96,33 +112,33 @@ nks_gen_notif(const void *fn, const void *agent, const char *remote, size_t remo
     return guarded([&] {
         const std::string r(remote, remote_len);
         const std::string m(msg, msg_len);
-        return reinterpret_cast<gen_notif_fn>(fn)(static_cast<const Agent *>(agent), r, m,
-                                                  static_cast<const OptionalArgs *>(opt_args));
+        return member<gen_notif_fn>(fn)(static_cast<const Agent *>(agent), r, m,
+                                        static_cast<const OptionalArgs *>(opt_args));
     });
 }
 
 int
 nks_post_xfer_req(const void *fn, const void *agent, void *req, const void *opt_args) {
     return guarded([&] {
-        return reinterpret_cast<post_xfer_fn>(fn)(static_cast<const Agent *>(agent),
-                                                  static_cast<XferReqH *>(req),
-                                                  static_cast<const OptionalArgs *>(opt_args));
+        return member<post_xfer_fn>(fn)(static_cast<const Agent *>(agent),
+                                        static_cast<XferReqH *>(req),
+                                        static_cast<const OptionalArgs *>(opt_args));
     });
 }
 
 int
 nks_get_xfer_status(const void *fn, const void *agent, void *req) {
     return guarded([&] {
-        return reinterpret_cast<xfer_status_fn>(fn)(static_cast<const Agent *>(agent),
-                                                    static_cast<XferReqH *>(req));
+        return member<xfer_status_fn>(fn)(static_cast<const Agent *>(agent),
+                                          static_cast<XferReqH *>(req));
     });
 }
 
 int
 nks_release_xfer_req(const void *fn, const void *agent, void *req) {
     return guarded([&] {
-        return reinterpret_cast<release_xfer_fn>(fn)(static_cast<const Agent *>(agent),
-                                                     static_cast<XferReqH *>(req));
+        return member<release_xfer_fn>(fn)(static_cast<const Agent *>(agent),
+                                           static_cast<XferReqH *>(req));
     });
 }
 
@@ -130,15 +146,15 @@ int
 nks_invalidate_remote_md(const void *fn, void *agent, const char *remote, size_t remote_len) {
     return guarded([&] {
         const std::string r(remote, remote_len);
-        return reinterpret_cast<invalidate_fn>(fn)(static_cast<Agent *>(agent), r);
+        return member<invalidate_fn>(fn)(static_cast<Agent *>(agent), r);
     });
 }
 
 int
 nks_release_dlist_handle(const void *fn, const void *agent, void *dlist) {
     return guarded([&] {
-        return reinterpret_cast<release_dlist_fn>(fn)(static_cast<const Agent *>(agent),
-                                                      static_cast<DlistH *>(dlist));
+        return member<release_dlist_fn>(fn)(static_cast<const Agent *>(agent),
+                                            static_cast<DlistH *>(dlist));
     });
 }
 
@@ -152,7 +168,7 @@ nks_load_remote_md(const void *fn, void *agent, const void *md, size_t md_len, c
     return guarded([&] {
         const std::string blob(static_cast<const char *>(md), md_len);
         std::string name;
-        status_t st = reinterpret_cast<load_md_fn>(fn)(static_cast<Agent *>(agent), blob, name);
+        status_t st = member<load_md_fn>(fn)(static_cast<Agent *>(agent), blob, name);
         if (st == 0) {
             char *copy = static_cast<char *>(std::malloc(name.size() + 1));
             if (!copy) throw std::bad_alloc();
@@ -174,7 +190,7 @@ nks_get_local_md(const void *fn, const void *agent, char **out, size_t *len) {
     *len = 0;
     return guarded([&] {
         std::string md;
-        status_t st = reinterpret_cast<get_local_md_fn>(fn)(static_cast<const Agent *>(agent), md);
+        status_t st = member<get_local_md_fn>(fn)(static_cast<const Agent *>(agent), md);
         if (st == 0) {
             char *copy = static_cast<char *>(std::malloc(md.size() + 1));
             if (!copy) throw std::bad_alloc();
@@ -193,7 +209,7 @@ nks_prep_local_dlist(const void *fn, const void *agent, const void *descs, void 
     *dlist_out = nullptr;
     return guarded([&] {
         DlistH *h = nullptr;
-        status_t st = reinterpret_cast<prep_local_fn>(fn)(
+        status_t st = member<prep_local_fn>(fn)(
             static_cast<const Agent *>(agent), *static_cast<const XferDescList *>(descs), h,
             static_cast<const OptionalArgs *>(opt_args));
         *dlist_out = h;
@@ -208,7 +224,7 @@ nks_prep_remote_dlist(const void *fn, const void *agent, const char *remote, siz
     return guarded([&] {
         const std::string r(remote, remote_len);
         DlistH *h = nullptr;
-        status_t st = reinterpret_cast<prep_remote_fn>(fn)(
+        status_t st = member<prep_remote_fn>(fn)(
             static_cast<const Agent *>(agent), r, *static_cast<const XferDescList *>(descs), h,
             static_cast<const OptionalArgs *>(opt_args));
         *dlist_out = h;
@@ -227,7 +243,7 @@ nks_make_xfer_req(const void *fn, const void *agent, int op, const void *local,
         const std::vector<int> ri(remote_idx, remote_idx + remote_count);
         const xfer_op_t o = op;
         XferReqH *req = nullptr;
-        status_t st = reinterpret_cast<make_xfer_fn>(fn)(
+        status_t st = member<make_xfer_fn>(fn)(
             static_cast<const Agent *>(agent), o, static_cast<const DlistH *>(local), li,
             static_cast<const DlistH *>(remote), ri, req,
             static_cast<const OptionalArgs *>(opt_args));
@@ -254,6 +270,9 @@ nks_free(void *p) {
 // ucs_string_buffer_t is a ucs_array of char: { char *buffer; size_t
 // length; size_t capacity; }, 24 bytes; 64 bytes are reserved for it.
 
+} // extern "C"
+
+// C++ linkage: the helpers return a struct, which C linkage cannot.
 namespace {
 
 using vfs_list_cb = void (*)(const char *name, void *arg);
@@ -318,6 +337,8 @@ vfs() {
 }
 
 } // namespace
+
+extern "C" {
 
 // Calls `cb(name, arg)` for each child of the VFS directory `path`.
 // Returns 0 (UCS_OK) or UCX's status; -12 (UCS_ERR_NO_ELEM) when no libucs
