@@ -237,7 +237,11 @@ impl Service {
         self.shared
             .handle
             .add_leases(&engine_id(engine)?, requests, renew_now)
-            .map_err(|e| PyValueError::new_err(e.to_string()))
+            .map_err(|e| match e {
+                // As every other call on a stopped service says it.
+                nixl_keepalive::LeaseError::Stopped(_) => stopped(),
+                other => PyValueError::new_err(other.to_string()),
+            })
     }
 
     /// Stops renewing these lease request ids.
@@ -396,6 +400,22 @@ impl Service {
             .get_item("engine")?
             .ok_or_else(|| PyValueError::new_err("registration has no 'engine'"))?
             .extract()?;
+        // A registration as the service hands it back (a refusal's
+        // `registration`, `close()`'s "unreleased") holds both lists; a
+        // dict without them is not one, and giving back nothing from it
+        // would hide the caller's mistake.
+        let missing: Vec<&str> = ["agents", "dlist_handles"]
+            .into_iter()
+            .filter(|key| !matches!(registration.get_item(*key), Ok(Some(_))))
+            .collect();
+        if !missing.is_empty() {
+            return Err(PyValueError::new_err(format!(
+                "registration of engine {engine:?} has no {}: give back the registration the \
+                 service handed you (RegistrationRefused.registration, or close()'s \
+                 \"unreleased\"), which holds engine, agents and dlist_handles",
+                missing.join(" or ")
+            )));
+        }
         let agents: Vec<String> = match registration.get_item("agents")? {
             Some(a) => a.extract()?,
             None => Vec::new(),

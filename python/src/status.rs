@@ -113,6 +113,14 @@ pub(crate) fn status_of(value: &Bound<'_, PyAny>) -> PyResult<NixlStatus> {
     if let Ok(raw) = value.extract::<i32>() {
         return Ok(NixlStatus::from_raw(raw));
     }
+    if value.is_instance_of::<pyo3::types::PyInt>() {
+        // An int, but not one a nixl_status_t can hold.
+        return Err(PyValueError::new_err(format!(
+            "status {value} is out of range: a raw nixl_status_t is a 32-bit int              ({} to {}; NIXL's are 0 and the small negative codes)",
+            i32::MIN,
+            i32::MAX
+        )));
+    }
     if let Ok(index) = value.call_method0("__index__") {
         if let Ok(raw) = index.extract::<i32>() {
             return Ok(NixlStatus::from_raw(raw));

@@ -505,6 +505,31 @@ def test_close_drains_then_hands_back_what_still_has_reads(agent):
         ka.snapshot()
 
 
+def test_calls_on_a_closed_service_raise_service_stopped_leases_included(agent):
+    ka = nk.Keepalive(agent, interval="50ms", env=False)
+    engine = connect(ka)
+    ka.close()
+    for call in (lambda: ka.add_leases(engine, ["r1"]), lambda: ka.remove_leases(engine, ["r1"]),
+                 lambda: ka.renew_leases(engine), ka.snapshot):
+        with pytest.raises(nk.ServiceStopped):
+            call()
+
+
+def test_a_status_out_of_range_is_refused_saying_why(ka):
+    engine = connect(ka)
+    for status in (-10**30, 2**31, -2**31 - 1):
+        with pytest.raises(ValueError, match="out of range: a raw nixl_status_t is a 32-bit int"):
+            engine.report_transfer(status)
+    engine.report_transfer(-2**31)  # the edge itself is a status
+
+
+def test_give_back_refuses_a_dict_that_is_not_a_registration(ka):
+    with pytest.raises(ValueError, match="has no agents or dlist_handles: give back the registration"):
+        ka.give_back({"engine": "x"})
+    with pytest.raises(ValueError, match="has no dlist_handles"):
+        ka.give_back({"engine": "x", "agents": ["x-0"]})
+
+
 def test_a_non_nixl_exception_is_a_transport_panic_and_the_engine_is_kept(ka, agent):
     log = EventLog(ka)
     engine = connect(ka)
