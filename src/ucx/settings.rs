@@ -157,6 +157,19 @@ pub enum ErrorHandling {
     None,
 }
 
+/// How UCX's `rc_gda` transport (GPU-initiated RDMA, `libuct_ib_mlx5_gda`)
+/// gives an endpoint its channel: `UCX_RC_GDA_EP_ALLOC_MODE`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GdaEpAllocMode {
+    /// `pool` (UCX's default): from pooled chunks. A new endpoint can get a
+    /// channel still connected to a dead peer, and its connection to that
+    /// peer's replacement fails (`INIT2RTR`, seen on GB200).
+    Pool,
+    /// `direct`: a channel per endpoint.
+    Direct,
+}
+
 /// The UCX settings in force.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -183,6 +196,8 @@ pub struct UcxSettings {
     pub tcp_user_timeout: Setting<UcxTime>,
     /// `UCX_CUDA_IPC_CACHE` (default y).
     pub cuda_ipc_cache: Setting<bool>,
+    /// `UCX_RC_GDA_EP_ALLOC_MODE` (default pool).
+    pub rc_gda_ep_alloc_mode: Setting<GdaEpAllocMode>,
     /// `UCX_TLS` (default `all`), as a list.
     pub tls: Setting<Vec<String>>,
     /// Not a UCX variable: NIXL's UCX backend uses `peer`.
@@ -326,6 +341,23 @@ impl UcxSettings {
             raw,
             source,
         };
+        let (raw, source) = pick("UCX_RC_GDA_EP_ALLOC_MODE", None, "pool");
+        let rc_gda_ep_alloc_mode = Setting {
+            // UCX reads its enum values without regard to case.
+            value: match raw.to_ascii_lowercase().as_str() {
+                "pool" => GdaEpAllocMode::Pool,
+                "direct" => GdaEpAllocMode::Direct,
+                _ => {
+                    return Err(SettingsError::Value {
+                        var: "UCX_RC_GDA_EP_ALLOC_MODE",
+                        value: raw.clone(),
+                        expected: "pool or direct",
+                    })
+                }
+            },
+            raw,
+            source,
+        };
         let (raw, source) = pick("UCX_TLS", Some("TLS"), "all");
         let tls = Setting {
             value: raw
@@ -354,6 +386,7 @@ impl UcxSettings {
             tcp_keepcnt,
             tcp_user_timeout: time("UCX_TCP_USER_TIMEOUT", None, "auto", TimeField::TimeUnits)?,
             cuda_ipc_cache,
+            rc_gda_ep_alloc_mode,
             tls,
             error_handling: Setting {
                 value: ErrorHandling::Peer,
@@ -386,7 +419,7 @@ impl UcxSettings {
             "KEEPALIVE_INTERVAL={}({}) KEEPALIVE_NUM_EPS={}({}) UD_TIMEOUT={}({}) \
              RC_TIMEOUT={}({}) RC_RETRY_COUNT={}({}) TCP_KEEPIDLE={}({}) \
              TCP_KEEPINTVL={}({}) TCP_KEEPCNT={}({}) TCP_USER_TIMEOUT={}({}) \
-             CUDA_IPC_CACHE={}({}) TLS={}({}) \
+             CUDA_IPC_CACHE={}({}) RC_GDA_EP_ALLOC_MODE={}({}) TLS={}({}) \
              ERR_MODE={}({}) RDMA_DEVICES={}({})",
             self.keepalive_interval.value,
             self.keepalive_interval.source,
@@ -408,6 +441,11 @@ impl UcxSettings {
             self.tcp_user_timeout.source,
             if self.cuda_ipc_cache.value { "y" } else { "n" },
             self.cuda_ipc_cache.source,
+            match self.rc_gda_ep_alloc_mode.value {
+                GdaEpAllocMode::Pool => "pool",
+                GdaEpAllocMode::Direct => "direct",
+            },
+            self.rc_gda_ep_alloc_mode.source,
             self.tls.raw,
             self.tls.source,
             match self.error_handling.value {
@@ -424,6 +462,12 @@ impl UcxSettings {
     /// enabled by `UCX_TLS` and an RDMA device present.
     pub fn ib_in_use(&self) -> bool {
         self.rdma_devices.value && self.tl_enabled(IB_TRANSPORTS)
+    }
+
+    /// Whether the GPU-initiated RDMA transport `rc_gda` may be in use:
+    /// enabled by `UCX_TLS` (`all`, or named) and an RDMA device present.
+    pub fn gda_in_use(&self) -> bool {
+        self.rdma_devices.value && self.tl_enabled(&["rc_gda", "gda"])
     }
 
     /// Whether TCP is in use (enabled by `UCX_TLS`).
@@ -807,6 +851,14 @@ pub fn warnings(settings: &UcxSettings) -> Vec<String> {
             settings.cuda_ipc_cache.raw, settings.cuda_ipc_cache.source
         ));
     }
+    if settings.gda_in_use() && settings.rc_gda_ep_alloc_mode.value == GdaEpAllocMode::Pool {
+        w.push(format!(
+            "UCX_RC_GDA_EP_ALLOC_MODE={} ({}): the rc_gda transport hands a new endpoint a pooled \
+             channel that may still be connected to a dead peer, and the connection to its \
+             replacement then fails (INIT2RTR, seen on GB200); set UCX_RC_GDA_EP_ALLOC_MODE=direct",
+            settings.rc_gda_ep_alloc_mode.raw, settings.rc_gda_ep_alloc_mode.source
+        ));
+    }
     w
 }
 
@@ -1063,6 +1115,7 @@ mod tests {
                 env,
                 ("UCX_CUDA_IPC_CACHE", "n"),
                 ("UCX_TCP_USER_TIMEOUT", "10s"),
+                ("UCX_RC_GDA_EP_ALLOC_MODE", "direct"),
             ])
             .unwrap();
             let b = detection_bound(&s, secs(2.0));
@@ -1079,15 +1132,19 @@ mod tests {
         let mut s = UcxSettings::defaults();
         s.error_handling.value = ErrorHandling::None;
         let w = warnings(&s);
-        assert_eq!(w.len(), 3, "{w:?}");
+        assert_eq!(w.len(), 4, "{w:?}");
         assert!(w.iter().any(|l| l.contains("mode is none")));
         assert!(w.iter().any(|l| l.contains("UCX_CUDA_IPC_CACHE=y")));
         assert!(w.iter().any(|l| l.contains("UCX_TCP_USER_TIMEOUT=auto")));
+        assert!(w
+            .iter()
+            .any(|l| l.contains("UCX_RC_GDA_EP_ALLOC_MODE=pool")));
         assert_eq!(detection_bound(&s, secs(1.0)).silent, None);
         assert!(warnings(
             &with_env(&[
                 ("UCX_CUDA_IPC_CACHE", "no"),
-                ("UCX_TCP_USER_TIMEOUT", "10s")
+                ("UCX_TCP_USER_TIMEOUT", "10s"),
+                ("UCX_RC_GDA_EP_ALLOC_MODE", "direct"),
             ])
             .unwrap()
         )
@@ -1116,6 +1173,50 @@ mod tests {
         assert!(warnings(&s).is_empty());
         let s = with_env(&[quiet[0], ("UCX_TLS", "rc,ud,sm")]).unwrap();
         assert!(warnings(&s).is_empty());
+    }
+
+    #[test]
+    fn the_rc_gda_pool_warns_where_that_transport_can_run_and_a_bad_value_is_refused() {
+        let quiet = [("UCX_CUDA_IPC_CACHE", "n"), ("UCX_TCP_USER_TIMEOUT", "10s")];
+        for (tls, mode, warned) in [
+            ("all", "pool", true),
+            ("all", "POOL", true),
+            ("rc_gda,tcp", "pool", true),
+            ("^tcp", "pool", true),
+            ("all", "direct", false),
+            ("rc,ud,tcp", "pool", false),
+            ("^rc_gda", "pool", false),
+        ] {
+            let s = with_env(&[
+                quiet[0],
+                quiet[1],
+                ("UCX_TLS", tls),
+                ("UCX_RC_GDA_EP_ALLOC_MODE", mode),
+            ])
+            .unwrap();
+            let w = warnings(&s);
+            assert_eq!(!w.is_empty(), warned, "{tls} {mode}: {w:?}");
+            if warned {
+                assert!(
+                    w[0].contains("set UCX_RC_GDA_EP_ALLOC_MODE=direct"),
+                    "{w:?}"
+                );
+            }
+        }
+        // No RDMA device on this host: rc_gda cannot run.
+        let mut s = with_env(&[quiet[0], quiet[1]]).unwrap();
+        s.rdma_devices.value = false;
+        assert!(warnings(&s).is_empty(), "{:?}", warnings(&s));
+        let e = with_env(&[("UCX_RC_GDA_EP_ALLOC_MODE", "pooled")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("UCX_RC_GDA_EP_ALLOC_MODE") && e.contains("pool or direct"),
+            "{e}"
+        );
+        assert!(UcxSettings::defaults()
+            .summary()
+            .contains("RC_GDA_EP_ALLOC_MODE=pool(default)"));
     }
 
     #[test]
