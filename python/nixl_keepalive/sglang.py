@@ -50,7 +50,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import nixl_keepalive
 from nixl_keepalive import GiveUp, Keepalive
@@ -130,13 +130,40 @@ class _GuardedAgent:
         self._guards: Dict[Any, Any] = {}
         self._guards_lock = threading.Lock()
         self.given_up = 0
+        #: Transfers refused because no registered decode holds their remote
+        #: dlist or agent (a released decode's, or one the service never
+        #: registered): nothing reached NIXL.
+        self.refused_unguarded = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
-    def _guarded(self, engine: Any, operation: Any, make: Any) -> Any:
+    def prep_xfer_dlist(self, agent_name: Any, *args: Any, **kwargs: Any) -> Any:
+        # A dlist SGLang preps for a registered decode after its
+        # registration (the prepared state plans): writes to it are that
+        # decode's, under its guard.
+        handle = self._real.prep_xfer_dlist(agent_name, *args, **kwargs)
+        if handle is not None and agent_name not in ("", b""):
+            self._manager._ka_adopt_dlist(agent_name, handle)
+        return handle
+
+    def _guarded(self, engine: Any, operation: Any, make: Any, target: Tuple[str, Any] = ("", None)) -> Any:
         if engine is None:
-            return make()
+            # No registered decode holds this transfer's remote side: a
+            # released decode's stale dlist or agent, or one the service
+            # never registered. Posting it would write with no guard, where
+            # a release may already have taken the keys (docs/push-mode.md:
+            # a released decode's dlists are never used): refused, nothing
+            # reaches NIXL, the room fails in SGLang's own error path.
+            with self._guards_lock:
+                self.refused_unguarded += 1
+            kind, key = target
+            why = self._manager._ka_why_unknown(kind, key)
+            logger.warning("nixl_keepalive: a %s to %s %s refused: %s", operation, kind, key, why)
+            raise nixl_keepalive.ReadRefused(
+                f"nixl_keepalive: {operation} refused: its remote {kind} {key} belongs to no registered "
+                f"decode ({why}); nothing was posted"
+            )
         # Refused (ReadRefused) at once when the decode is not live: nothing
         # reaches NIXL, the room fails in SGLang's own error path.
         guard = engine.write() if str(operation).upper() == "WRITE" else engine.read()
@@ -157,13 +184,14 @@ class _GuardedAgent:
         engine = self._manager._ka_engine_of_dlist(remote_xfer_side_handle)
         return self._guarded(engine, operation, lambda: self._real.make_prepped_xfer(
             operation, local_xfer_side_handle, local_indices, remote_xfer_side_handle, remote_indices,
-            *args, **kwargs))
+            *args, **kwargs), ("dlist", _dlist_key(remote_xfer_side_handle)))
 
     def initialize_xfer(self, operation: Any, local_descs: Any, remote_descs: Any, remote_agent: Any,
                         *args: Any, **kwargs: Any) -> Any:
         engine = self._manager._ka_engine_of_agent(remote_agent)
+        name = remote_agent.decode() if isinstance(remote_agent, bytes) else str(remote_agent)
         return self._guarded(engine, operation, lambda: self._real.initialize_xfer(
-            operation, local_descs, remote_descs, remote_agent, *args, **kwargs))
+            operation, local_descs, remote_descs, remote_agent, *args, **kwargs), ("agent", name))
 
     def _take(self, handle: Any) -> Any:
         with self._guards_lock:
@@ -229,6 +257,10 @@ class _GuardedAgent:
             return len(self._guards)
 
 
+#: Released decodes' dlists remembered, to say whose a stale one was.
+_STALE_KEPT = 4096
+
+
 def _dlist_key(handle: Any) -> Any:
     """A prepped dlist's identity: NIXL's handle number (the Python
     ``nixl_prepped_dlist_handle`` wraps it in ``_handle``), or the value."""
@@ -274,6 +306,9 @@ class KeepaliveNixlKVManager(NixlKVManager):
         self._ka_lock = threading.Lock()
         self._ka_by_agent: Dict[str, Any] = {}
         self._ka_by_dlist: Dict[Any, Any] = {}
+        # The dlists of released decodes, by handle: a transfer naming one
+        # is refused, saying whose it was.
+        self._ka_stale: Dict[Any, str] = {}
         self._ka_released: List[str] = []
         self._ka_dropped: Dict[str, threading.Event] = {}
         #: Decode registrations refused before anything was loaded.
@@ -355,6 +390,28 @@ class KeepaliveNixlKVManager(NixlKVManager):
     def _ka_engine_of_dlist(self, handle: Any) -> Any:
         with self._ka_lock:
             return self._ka_by_dlist.get(_dlist_key(handle))
+
+    def _ka_adopt_dlist(self, agent_name: Any, handle: Any) -> None:
+        """A dlist prepped for a registered decode after its registration:
+        its writes are that decode's (guarded as its others)."""
+        name = agent_name.decode() if isinstance(agent_name, bytes) else str(agent_name)
+        with self._ka_lock:
+            engine = self._ka_by_agent.get(name)
+            if engine is not None:
+                self._ka_by_dlist[_dlist_key(handle)] = engine
+                self._ka_stale.pop(_dlist_key(handle), None)
+
+    def _ka_why_unknown(self, kind: str, key: Any) -> str:
+        """Why no registered decode holds this ``dlist`` (by its key) or
+        ``agent`` (by name), as far as this manager knows."""
+        with self._ka_lock:
+            if kind == "dlist":
+                gone = self._ka_stale.get(key)
+            else:
+                gone = key if key in self._ka_released else None
+        if gone is not None:
+            return f"decode {gone} was released"
+        return "not a dlist or agent of a decode the service registered"
 
     def _ka_dlists(self, name: str) -> List[Any]:
         """The dlists SGLang prepped for decode ``name`` (released with it)."""
@@ -460,6 +517,9 @@ class KeepaliveNixlKVManager(NixlKVManager):
                 del self._ka_by_agent[name]
             for handle in [h for h, e in self._ka_by_dlist.items() if e is engine]:
                 del self._ka_by_dlist[handle]
+                self._ka_stale[handle] = name
+            while len(self._ka_stale) > _STALE_KEPT:  # the oldest said less precisely
+                del self._ka_stale[next(iter(self._ka_stale))]
             self._ka_released.append(name)
             self._ka_outlived.pop(name, None)
             dropped = self._ka_dropped.get(name)

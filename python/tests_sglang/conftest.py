@@ -11,7 +11,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,10 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests_common"))
+
+from ports import free_port  # noqa: E402,F401  (below the ephemeral range; the tests import it from here)
+
 #: How long a rank may take to start (SGLang imports in 12-14 s here, idle).
 START_WITHIN = 240.0
 
@@ -48,12 +51,6 @@ def _missing() -> Optional[str]:
 
 
 MISSING = _missing()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Peer:

@@ -160,6 +160,7 @@ class Prefill(Rank):
             out["released"] = m.released_decodes
             out["open_guards"] = m.agent.open_guards()
             out["given_up"] = m.agent.given_up
+            out["refused_unguarded"] = m.agent.refused_unguarded
             out["refused_registrations"] = m.refused_registrations
             out["declared_conflicts"] = m.declared_conflicts
             out["declared_waits"] = m.declared_waits
@@ -168,6 +169,23 @@ class Prefill(Rank):
             out["send_notif"] = "sent"
         except Exception as e:
             out["send_notif"] = type(e).__name__
+        return out
+
+    def keep_dlists(self, decode: str) -> Dict[str, Any]:
+        """Keeps the dlists SGLang prepped for ``decode`` (and its own), as
+        a stale reference would outlive the decode's release."""
+        self.kept = (self.manager.prep_handles[""], self.manager.prep_handles[decode])
+        return {}
+
+    def write_kept(self) -> Dict[str, Any]:
+        """A WRITE through SGLang's agent with the kept dlists."""
+        local, remote = self.kept
+        try:
+            handle = self.manager.agent.make_prepped_xfer("WRITE", local, [0], remote, [0])
+            out: Dict[str, Any] = {"posted": bool(handle)}
+        except Exception as e:  # noqa: BLE001 - what was raised is the answer
+            out = {"refused": type(e).__name__, "message": str(e)}
+        out["refused_unguarded"] = self.manager.agent.refused_unguarded
         return out
 
     def wait_released(self, decode: str, within: float) -> Dict[str, Any]:

@@ -102,6 +102,7 @@ def test_a_killed_decode_is_released_its_tables_dropped_and_not_reloaded(ranks):
     prefill, decode, bootstrap = _pair(ranks)
     _room(prefill, decode, bootstrap, 1)
     _send_verified(prefill, decode, 1)
+    prefill.call("keep_dlists", decode=decode.agent)  # a reference that outlives the release
     _room(prefill, decode, bootstrap, 2)  # bootstrapped, not sent: the decode dies first
     killed_at = decode.kill()
     released = prefill.call("wait_released", decode=decode.agent, within=1.1 * INTERVAL_S + MARGIN_S)
@@ -116,6 +117,16 @@ def test_a_killed_decode_is_released_its_tables_dropped_and_not_reloaded(ranks):
     # path, whose _reload_invalidated_peers then skips the released decode.
     sent = prefill.call("send", room=2, within=60)
     assert sent["status"] == "failed", sent
+    sys.stderr.write(f"\nsglang: the released decode's room failed with: {sent['failure']}\n")
+    assert "KVTransferError(bootstrap_room=2)" in str(sent["failure"]), sent
+    # A WRITE with the released decode's dlist: refused, saying whose it
+    # was, before anything reaches NIXL (it ran unguarded before).
+    before = prefill.call("state", decode=decode.agent)["refused_unguarded"]
+    assert before == 0, "room 2 failed in SGLang's own path (its tables dropped), not by a stale write"
+    stale = prefill.call("write_kept")
+    assert stale.get("refused") == "ReadRefused", stale
+    assert f"decode {decode.agent} was released" in stale["message"], stale
+    assert "nothing was posted" in stale["message"] and stale["refused_unguarded"] == before + 1, stale
     after = prefill.call("state", decode=decode.agent)
     assert not after["metadata_loaded"] and not after["in_table"] and not after["reloaded"], after
     again = prefill.call("reload", decode=decode.agent)

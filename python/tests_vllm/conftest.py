@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +23,9 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests_common"))
+
+from ports import free_port  # noqa: E402  (shared with the SGLang tier)
 
 #: What a deadline adds to the bound under test on a loaded 2-core machine.
 MARGIN = 10.0
@@ -78,24 +79,6 @@ def vllm_ready():
     vllm_env.patch_cpu_block_sizes()
     vllm_env.init_distributed(vllm_env.vllm_config(vllm_env.KEEPALIVE_CONNECTOR, "dist-init"))
     return vllm_env
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range. A port the kernel
-    hands out for port 0 is one the prefill's own sockets may take before
-    vLLM's side channel binds it (NIXL's agent, made first, opens UCX
-    sockets on ephemeral ports); then vLLM's listener thread dies and its
-    scheduler waits for it for good (seen once in a dry CI: a prefill
-    never READY)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(max(1024, low - 8192), low), 64):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port among 64 tried below the ephemeral range ({low})")
 
 
 class Prefill:
