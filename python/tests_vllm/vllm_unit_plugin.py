@@ -65,7 +65,7 @@ VLLM_VERSION = importlib.metadata.version("vllm")
 #: The tests that must have run with the service on, per vLLM release:
 #: measured (docs/vllm.md, "vLLM's own unit tests"), so that a change that
 #: quietly turns the service off in vLLM's tests fails the run.
-MIN_SERVICE_ON: Dict[str, int] = {"0.33.0": 139, "0.34.0": 140}
+MIN_SERVICE_ON: Dict[str, int] = {"0.33.0": 139, "0.34.0": 141}
 
 SUBSTITUTED = {
     "nixl.NixlConnector": (_nixl, "NixlConnector", KeepaliveNixlConnector),
