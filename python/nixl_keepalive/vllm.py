@@ -155,10 +155,10 @@ __all__ = [
 #: (the rest are :class:`nixl_keepalive.Config` keywords).
 _OWN_KNOBS = ("read_timeout", "control_addr", "control_token_file")
 
-#: The :class:`nixl_keepalive.Config` keywords that are knobs here (its
-#: ``env`` and ``seed`` are options of the Python API, not knobs).
-_CONFIG_KNOBS = ("interval", "jitter", "rate_period", "rate_burst", "event_capacity", "shutdown_drain",
-                 "metrics_period", "read_stall", "read_stall_action")
+#: The :class:`nixl_keepalive.Config` keywords, from the service's own
+#: table of knobs (its ``env`` and ``seed`` are options of the Python API,
+#: not knobs).
+_CONFIG_KNOBS = tuple(k["keyword"] for k in nixl_keepalive.knobs())
 
 _KNOBS = _CONFIG_KNOBS + _OWN_KNOBS
 

@@ -40,6 +40,15 @@ SGLANG_SWITCH = "NIXL_KEEPALIVE_SGLANG"
 """The switch of the SGLang plugin: ``1`` on, ``0`` or unset off."""
 
 
+def _switch(name: str, what: str) -> bool:
+    value = os.environ.get(name, "").strip()
+    if value in ("", "0"):
+        return False
+    if value != "1":
+        raise SystemExit(f"nixl_keepalive: {name}={value!r} is not accepted: 1 ({what}) or 0 / unset (off)")
+    return True
+
+
 def sglang() -> None:
     """SGLang's plugin hook. A value other than ``0``/``1``, or, while the
     switch is on, an SGLang this package does not support or a refused
@@ -61,15 +70,6 @@ def sglang() -> None:
         nixl_keepalive.Config()
     except Exception as e:
         raise SystemExit(f"nixl_keepalive: {SGLANG_SWITCH}=1, but the SGLang plugin cannot start: {e}") from e
-
-
-def _switch(name: str, what: str) -> bool:
-    value = os.environ.get(name, "").strip()
-    if value in ("", "0"):
-        return False
-    if value != "1":
-        raise SystemExit(f"nixl_keepalive: {name}={value!r} is not accepted: 1 ({what}) or 0 / unset (off)")
-    return True
 
 
 def _keepalive_connector() -> Any:
