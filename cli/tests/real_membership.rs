@@ -982,10 +982,14 @@ fn etcd_restarted_empty_retires_no_healthy_prefill_and_only_the_one_that_never_c
         ms(left_at - killed_at),
         ms(grace)
     );
-    d.wait_nth(1, &["event: released", &frozen.engine], PATIENCE);
-    // Two more grace periods: no healthy prefill is retired or released.
+    // Fail mode fails its reads at once, but they stay in flight while the
+    // prefill is frozen (the fence, docs/design/given-up-transfers.md): it
+    // is not released under them.
+    d.wait_nth(1, &["event: reads_failed", &frozen.engine], PATIENCE);
+    // Two more grace periods: no healthy prefill is retired or released,
+    // and the frozen one is held by its given-up reads.
     std::thread::sleep(2 * grace);
-    assert_eq!(d.released(), vec![frozen.engine.clone()]);
+    assert_eq!(d.released(), Vec::<String>::new());
     assert_eq!(d.lines_of("membership: left ", &[]).len(), 1);
     assert_eq!(d.member_set(), healthy_set);
     d.wait_metric("nixl_keepalive_membership_members", PATIENCE, |v| v == 3.0);
@@ -1001,14 +1005,19 @@ fn etcd_restarted_empty_retires_no_healthy_prefill_and_only_the_one_that_never_c
     }
     let before = d.verified_reads();
     d.wait_verified(before + 3, PATIENCE);
+    // Resumed, its reads end and the retired engine is released.
     frozen.signal("CONT");
+    let resumed_at = Instant::now();
+    let (released_at, _) = d.wait_nth(1, &["event: released", &frozen.engine], PATIENCE);
+    assert_eq!(d.released(), vec![frozen.engine.clone()]);
     report(&format!(
-        "etcd wiped and restarted (serving again {} after the kill): store reset seen {} after, {awaited} of 4 awaited; the 3 healthy prefills registered again {} after the restart, none retired; the frozen one retired (missing_after_reset) {} after the reset was seen (grace {})",
+        "etcd wiped and restarted (serving again {} after the kill): store reset seen {} after, {awaited} of 4 awaited; the 3 healthy prefills registered again {} after the restart, none retired; the frozen one retired (missing_after_reset) {} after the reset was seen (grace {}), held by its given-up reads while frozen, released {} after SIGCONT",
         ms(wiped_at - killed_at),
         ms(reset_at - wiped_at),
         ms(reregistered_at - wiped_at),
         ms(left_at - reset_at),
-        ms(grace)
+        ms(grace),
+        ms(released_at.saturating_duration_since(resumed_at))
     ));
     d.stop();
 }

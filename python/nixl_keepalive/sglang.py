@@ -140,6 +140,8 @@ class _GuardedAgent:
         self._watcher: Optional[threading.Thread] = None
         #: Given-up writes seen to end, and how they ended (NIXL status names).
         self.given_up_ended: Dict[str, int] = {}
+        #: Decodes a write to which ended in an error: not frozen but failing.
+        self._failing: set = set()
         #: Transfers refused because no registered decode holds their remote
         #: dlist or agent (a released decode's, or one the service never
         #: registered): nothing reached NIXL.
@@ -239,7 +241,7 @@ class _GuardedAgent:
         with self._guards_lock:
             watched = self._watched.pop(handle, None)
         if watched is not None:
-            watched.abandon()
+            watched[0].abandon()
         return self._real.release_xfer_handle(handle, *args, **kwargs)
 
     def _raw_status(self, handle: Any) -> Any:
@@ -252,6 +254,9 @@ class _GuardedAgent:
         guard = self._take(handle)
         if guard is None:
             return
+        if outcome != "DONE" and outcome != 0:
+            with self._guards_lock:
+                self._failing.add(guard.engine)
         try:
             nixl_keepalive._end_transfer_guard(guard, outcome)
         except (TypeError, ValueError) as e:
@@ -269,8 +274,10 @@ class _GuardedAgent:
             guard = self._take(handle)
             if guard is not None:
                 given_up = guard.give_up(why)
+                ka = getattr(self._manager, "_ka", None)
+                engine = ka.engine(given_up.engine) if ka is not None else None
                 with self._guards_lock:
-                    self._watched[handle] = given_up
+                    self._watched[handle] = (given_up, engine)
                 n += 1
         self.given_up += n
         if n:
@@ -284,8 +291,26 @@ class _GuardedAgent:
             self._watcher = threading.Thread(target=self._watch, name="nixl-keepalive-given-up", daemon=True)
             self._watcher.start()
 
+    def _gone(self, engine_id: str, now: float, probed: Dict[str, float]) -> bool:
+        """Whether UCX says the decode ``engine_id`` is gone: an idle
+        heartbeat (``HB:``, what the service sends) through the real agent
+        answers REMOTE_DISCONNECT. At most one per ``_PROBE_EVERY_S`` per
+        decode. Needed because a marked decode gets no more heartbeats from
+        the service, and a write into a decode SIGKILLed while frozen was
+        measured to stay in progress for as long as it was watched (90 s)
+        while a notification to it failed at once (test_sglang_real.py)."""
+        if now - probed.get(engine_id, float("-inf")) < _PROBE_EVERY_S:
+            return False
+        probed[engine_id] = now
+        try:
+            self._real.send_notif(engine_id, b"HB:")
+        except Exception as e:  # noqa: BLE001 - NIXL's errors, classified
+            return nixl_keepalive.classify_exception(e) == nixl_keepalive.REMOTE_DISCONNECT
+        return False
+
     def _watch(self) -> None:
         """Polls the given-up writes until none is left."""
+        probed: Dict[str, float] = {}
         while True:
             time.sleep(0.01)
             with self._guards_lock:
@@ -293,7 +318,35 @@ class _GuardedAgent:
                 if not watched:
                     self._watcher = None
                     return
-            for handle, given_up in watched:
+            gone: Dict[str, bool] = {}
+            now = time.monotonic()
+            for handle, (given_up, engine) in watched:
+                with self._guards_lock:
+                    failing = given_up.engine in self._failing
+                state = engine.state if engine is not None else None
+                if given_up.engine not in gone:
+                    # A live decode is heartbeated by the service, which
+                    # marks it unreachable on REMOTE_DISCONNECT.
+                    gone[given_up.engine] = state not in (None, "live", "unreachable") and self._gone(
+                        given_up.engine, now, probed)
+                if failing or state == "unreachable" or gone[given_up.engine]:
+                    # The decode's writes fail (a frozen one's stay in
+                    # progress) or UCX says it is gone: a WRITE into a
+                    # SIGKILLed decode was measured to stay in progress
+                    # past SGLang's settle timeout while its sibling failed
+                    # at once, and both to stay in progress for 90 s when
+                    # it was killed while frozen (test_sglang_real.py).
+                    # Abandoned: its keys are released now, as before the
+                    # fence (SGLang already freed the source pages when it
+                    # gave the room up).
+                    given_up.abandon()
+                    with self._guards_lock:
+                        self._watched.pop(handle, None)
+                        self.given_up_ended["abandoned_unreachable"] = (
+                            self.given_up_ended.get("abandoned_unreachable", 0) + 1)
+                    logger.info("nixl_keepalive: a given-up write to unreachable decode %s abandoned",
+                                given_up.engine)
+                    continue
                 try:
                     state = self._real.check_xfer_state(handle)
                 except Exception:  # noqa: BLE001 - unreadable: still running, as SGLang counts it
@@ -321,6 +374,10 @@ class _GuardedAgent:
         with self._guards_lock:
             return len(self._guards)
 
+
+#: How often a watched decode the service no longer heartbeats is asked,
+#: with an idle heartbeat, whether UCX still reaches it.
+_PROBE_EVERY_S = 0.5
 
 #: Released decodes' dlists remembered, to say whose a stale one was.
 _STALE_KEPT = 4096
@@ -598,6 +655,10 @@ class KeepaliveNixlKVManager(NixlKVManager):
         logger.error("nixl_keepalive: decode %s at %s refused: %s", name, address, why)
 
     def _ka_forget(self, name: str) -> None:
+        agent = getattr(self, "agent", None)
+        if isinstance(agent, _GuardedAgent):
+            with agent._guards_lock:
+                agent._failing.discard(name)  # a new registration starts afresh
         self.decode_kv_args_table.pop(name, None)
         self.prep_handles.pop(name, None)
         self.prep_handles_slice_dst.pop(name, None)

@@ -160,6 +160,7 @@ class Prefill(Rank):
             out["released"] = m.released_decodes
             out["open_guards"] = m.agent.open_guards()
             out["given_up"] = m.agent.given_up
+            out["given_up_ended"] = dict(m.agent.given_up_ended)
             out["refused_unguarded"] = m.agent.refused_unguarded
             out["refused_registrations"] = m.refused_registrations
             out["declared_conflicts"] = m.declared_conflicts
