@@ -185,7 +185,8 @@ pub use registration::{
     Claim, Departure, GoneMode, Incarnation, PeerRef, Registration, RegistrationId,
 };
 pub use snapshot::{
-    CallInFlight, DetectionSummary, EngineSnapshot, HeartbeatSnapshot, Snapshot, TransportSnapshot,
+    CallInFlight, DetectionSummary, EngineSnapshot, GivenUpSnapshot, HeartbeatSnapshot, Snapshot,
+    TransportSnapshot,
 };
 pub use state::EngineState;
 pub use text::NameError;

@@ -20,6 +20,17 @@ pub struct HeartbeatSnapshot {
     pub status: NixlStatus,
 }
 
+/// A given-up transfer still running (see `GivenUpRead`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GivenUpSnapshot {
+    /// Since its read was given up.
+    pub held_for: Duration,
+    /// The destination blocks it holds, in the runtime's unit (0: not
+    /// said).
+    pub blocks: u64,
+}
+
 /// One engine of the table.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -34,8 +45,12 @@ pub struct EngineSnapshot {
     pub agents: Vec<AgentName>,
     /// State.
     pub state: EngineState,
-    /// Reads in flight.
+    /// Reads in flight (given-up transfers still running included).
     pub reads_in_flight: u64,
+    /// Given-up transfers still running, oldest first: their requests were
+    /// failed, their destinations are held, and the engine is not released
+    /// until each ends.
+    pub given_up: Vec<GivenUpSnapshot>,
     /// Lease request ids renewed with each heartbeat.
     pub leases: Vec<String>,
     /// The last heartbeat round, if any came back.

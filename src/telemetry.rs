@@ -26,6 +26,16 @@ pub(crate) const READ_STALLS: &str = "nixl_keepalive_read_stalls_total";
 /// `why` (`timed_out`, `cancelled`) and `answered` (`false`: no read of the
 /// engine completed meanwhile, evidence against it).
 pub(crate) const READS_GIVEN_UP: &str = "nixl_keepalive_reads_given_up_total";
+/// Given-up transfers still running: their requests failed, their
+/// destinations held, their engines not released until each ends.
+pub(crate) const GIVEN_UP_TRANSFERS: &str = "nixl_keepalive_given_up_transfers";
+/// The destination blocks those transfers hold, in the runtime's unit
+/// (`ReadGuard::give_up_holding`).
+pub(crate) const GIVEN_UP_BLOCKS: &str = "nixl_keepalive_given_up_blocks";
+/// Seconds a given-up transfer's destination was held, from the give-up to
+/// its end, by `end` (`over`: seen to end; `abandoned`: the runtime
+/// stopped watching it).
+pub(crate) const GIVEN_UP_HELD: &str = "nixl_keepalive_given_up_held_seconds";
 /// Episodes in which engines' reads stopped completing while no engine's
 /// completed: the decoder itself looked stuck and nobody was blamed.
 pub(crate) const DECODER_STALLS: &str = "nixl_keepalive_decoder_stalls_total";
@@ -109,6 +119,15 @@ pub(crate) fn record(count: Count) {
             "answered" => if unanswered { "false" } else { "true" }
         )
         .increment(1),
+        Count::GivenUpEnded { over, held_for } => histogram!(
+            GIVEN_UP_HELD,
+            "end" => if over { "over" } else { "abandoned" }
+        )
+        .record(held_for.as_secs_f64()),
+        Count::GivenUpHeld { transfers, blocks } => {
+            gauge!(GIVEN_UP_TRANSFERS).set(transfers as f64);
+            gauge!(GIVEN_UP_BLOCKS).set(blocks as f64);
+        }
         Count::DecoderStuck => counter!(DECODER_STALLS).increment(1),
         Count::TransportPanicked(call) => counter!(TRANSPORT_PANICS, "call" => call).increment(1),
         Count::Released { reason, since_mark } => {

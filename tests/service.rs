@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
-    AgentName, Config, Destination, EngineId, EngineRef, EngineState, Event, GiveUp, GoneMode,
-    Keepalive, KeepaliveHandle, NixlStatus, PeerAddr, PeerRef, ReleaseReason, ReleaseStep,
-    Transport, TransportError, UcsStatus, HEARTBEAT_SLOT,
+    AgentName, Config, Destination, EngineId, EngineRef, EngineState, Event, GiveUp, GivenUpRead,
+    GoneMode, Keepalive, KeepaliveHandle, NixlStatus, PeerAddr, PeerRef, ReleaseReason,
+    ReleaseStep, Transport, TransportError, UcsStatus, HEARTBEAT_SLOT,
 };
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
@@ -828,55 +828,118 @@ fn keep_reading(engine: EngineRef, ucx: FakeUcx) -> tokio::task::JoinHandle<()> 
     })
 }
 
+/// What a runtime does with a given-up read: keeps polling its transfer
+/// (every 100 ms here) and says when it ended.
+async fn watch_to_its_end(ucx: &FakeUcx, engine: &EngineId, given_up: &GivenUpRead) -> Destination {
+    loop {
+        let status = ucx.read(engine);
+        if status != NixlStatus::IN_PROG {
+            return given_up.ended(status);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A frozen prefill's reads time out: the requests fail at once (the
+/// stall), the engine is fenced while its given-up transfers may run, and
+/// when it resumes (`thaw`) or dies (`crash`) the transfers end, their
+/// buffers are reusable and the engine is released: never under them.
 #[tokio::test(start_paused = true)]
-async fn a_frozen_prefill_whose_read_times_out_is_stalled_released_and_the_buffer_retired() {
+async fn a_frozen_prefill_is_fenced_until_its_given_up_reads_end_then_released_and_buffers_reused()
+{
+    for resumes in [true, false] {
+        let mut w = world(FakeConfig::default(), config());
+        let frozen = w.ucx.spawn_prefill(addr(1), 1);
+        let healthy = w.ucx.spawn_prefill(addr(2), 1);
+        let engine = w.connect(&addr(1)).await;
+        let other = w.connect(&addr(2)).await;
+        let reader = keep_reading(other, w.ucx.clone());
+        w.ucx.freeze(&frozen);
+        let read = engine.begin_read().unwrap();
+        let second = engine.begin_read().unwrap();
+        // The runtime's read timeout, 5 s (the read-stall bound is 10 s).
+        w.run_for(Duration::from_secs(5)).await;
+        assert_eq!(
+            engine.state(),
+            EngineState::Live,
+            "not before the runtime gave up"
+        );
+        let given_up = read.give_up_holding(GiveUp::TimedOut, 3);
+        assert_eq!(given_up.try_destination(), None, "still running");
+        let (reads, given) = w
+            .until(Duration::from_millis(100), |e| match e {
+                Event::Stalled {
+                    engine,
+                    reads_in_flight,
+                    given_up,
+                    failed: true,
+                    ..
+                } if *engine == frozen => Some((*reads_in_flight, *given_up)),
+                _ => None,
+            })
+            .await;
+        assert_eq!((reads, given), (2, 1), "the given-up read still counts");
+        assert!(second.is_failed(), "its other read is failed");
+        let cancelled = second.give_up(GiveUp::Cancelled);
+        // Fenced for as long as it stays frozen: no release under the
+        // transfers, the snapshot says what it waits for.
+        w.run_for(Duration::from_secs(60)).await;
+        assert_eq!(engine.state(), EngineState::Stalled);
+        let snap = w.handle.snapshot().await.unwrap();
+        let e = snap.engines.iter().find(|e| e.engine == frozen).unwrap();
+        assert_eq!(e.given_up.len(), 2, "{e:?}");
+        assert_eq!(e.given_up[0].blocks, 3);
+        assert!(e.given_up[0].held_for >= Duration::from_secs(60));
+        assert!(e.why.contains("given-up transfer(s) to end"), "{}", e.why);
+        if resumes {
+            w.ucx.thaw(&frozen);
+        } else {
+            w.ucx.crash(&frozen);
+        }
+        let (a, b) = tokio::join!(
+            watch_to_its_end(&w.ucx, &frozen, &given_up),
+            watch_to_its_end(&w.ucx, &frozen, &cancelled)
+        );
+        assert_eq!((a, b), (Destination::Reusable, Destination::Reusable));
+        assert_eq!(given_up.try_destination(), Some(Destination::Reusable));
+        let reason = released_reason(&w.released(&frozen, Duration::from_millis(100)).await);
+        assert_eq!(reason, ReleaseReason::Stalled, "resumes: {resumes}");
+        assert_eq!(
+            w.handle.engine(&healthy).map(|e| e.state()),
+            Some(EngineState::Live)
+        );
+        reader.abort();
+        let _ = reader.await;
+        w.stop().await.assert_nothing_leaked();
+    }
+}
+
+/// A runtime that stops watching (it released NIXL's request): the engine
+/// is released under the transfer, and with a transport that cannot prove
+/// the release ended it (NIXL 1.5.1, the fake by default) the buffer is
+/// retired. A token dropped unsaid does the same.
+#[tokio::test(start_paused = true)]
+async fn an_abandoned_given_up_read_lets_the_release_go_and_its_buffer_is_retired() {
     let mut w = world(FakeConfig::default(), config());
     let frozen = w.ucx.spawn_prefill(addr(1), 1);
-    let healthy = w.ucx.spawn_prefill(addr(2), 1);
     let engine = w.connect(&addr(1)).await;
-    let other = w.connect(&addr(2)).await;
-    let reader = keep_reading(other, w.ucx.clone());
     w.ucx.freeze(&frozen);
     let read = engine.begin_read().unwrap();
     let second = engine.begin_read().unwrap();
-    // The runtime's read timeout, 5 s (the read-stall bound is 10 s).
     w.run_for(Duration::from_secs(5)).await;
-    assert_eq!(
-        engine.state(),
-        EngineState::Live,
-        "not before the runtime gave up"
-    );
     let given_up = read.give_up(GiveUp::TimedOut);
-    assert_eq!(given_up.try_destination(), None, "not released yet");
-    let (reads, given) = w
-        .until(Duration::from_millis(100), |e| match e {
-            Event::Stalled {
-                engine,
-                reads_in_flight,
-                given_up,
-                failed: true,
-                ..
-            } if *engine == frozen => Some((*reads_in_flight, *given_up)),
-            _ => None,
-        })
-        .await;
-    assert_eq!((reads, given), (1, 1));
-    assert!(second.is_failed(), "its other read is failed");
-    let abandoned = second.give_up(GiveUp::Cancelled);
+    w.run_for(Duration::from_millis(100)).await;
+    assert_eq!(engine.state(), EngineState::Stalled);
+    drop(second.give_up(GiveUp::Cancelled));
+    given_up.abandon();
+    given_up.abandon();
     assert_eq!(
         released_reason(&w.released(&frozen, Duration::from_millis(100)).await),
         ReleaseReason::Stalled
     );
-    // The fake's release, like NIXL 1.5.1's, does not end a transfer in
-    // flight: the buffers are retired, never reused.
     assert_eq!(given_up.destination().await, Destination::Retire);
-    assert_eq!(abandoned.destination().await, Destination::Retire);
-    assert_eq!(
-        w.handle.engine(&healthy).map(|e| e.state()),
-        Some(EngineState::Live)
-    );
-    reader.abort();
-    let _ = reader.await;
+    // Said to end after all: over is over (counted once, above).
+    assert_eq!(given_up.ended(NixlStatus::SUCCESS), Destination::Reusable);
     w.ucx.thaw(&frozen);
     w.stop().await.assert_nothing_leaked();
 }
@@ -896,6 +959,7 @@ async fn a_given_up_reads_buffer_is_reusable_once_a_release_that_ends_transfers_
     let read = engine.begin_read().unwrap();
     tokio::time::sleep(Duration::from_secs(5)).await;
     let given_up = read.give_up(GiveUp::TimedOut);
+    given_up.abandon();
     let destination = tokio::time::timeout(Duration::from_secs(1), given_up.destination())
         .await
         .expect("released within the second");

@@ -354,7 +354,7 @@ fn a_decode_restarted_with_a_new_id_and_with_the_same_id_is_released_and_loaded_
 }
 
 #[test]
-fn a_decode_sigstopped_with_writes_in_flight_is_released_only_once_they_were_given_up() {
+fn a_decode_sigstopped_with_writes_in_flight_is_fenced_and_released_once_they_ended() {
     let Some(rt) = runtime_or_skip() else { return };
     let _serial = serial();
     common::block_on(async move {
@@ -376,10 +376,39 @@ fn a_decode_sigstopped_with_writes_in_flight_is_released_only_once_they_were_giv
         d.signal("STOP");
         let stopped = Instant::now();
         let in_flight = c.engine.reads_in_flight();
-        // Held while its writes are in flight; released once they were
-        // given up (the runtime's timeout) and the stall was judged.
+        // The writes are given up (the runtime's timeout) and the stall is
+        // judged; their transfers fence the decode: not released while it
+        // stays stopped.
+        p.wait_for(Duration::from_secs(20) + MARGIN, |e| match e {
+            Event::Stalled { engine: id, .. } if *id == engine => Some(()),
+            _ => None,
+        })
+        .await;
+        let mut given_up = 0;
+        for w in writers {
+            let (_, outcome) = w.await.expect("writer");
+            if outcome.lent_slot().is_some() {
+                given_up += 1;
+            }
+        }
+        assert!(given_up >= 1, "no write was in flight at the stop");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let fenced = p.drain();
+        assert!(
+            !fenced
+                .iter()
+                .any(|e| matches!(e, Event::Released { engine: id, .. } if *id == engine)),
+            "released while stopped, under its given-up writes: {fenced:?}"
+        );
+        assert!(
+            c.engine.reads_in_flight() >= 1,
+            "the given-up writes still count"
+        );
+        // Resumed: the writes end, the decode is released.
+        d.signal("CONT");
+        let resumed = Instant::now();
         let ((reason, at_mark), released) = p
-            .wait_for(Duration::from_secs(20) + MARGIN, |e| match e {
+            .wait_for(MARGIN, |e| match e {
                 Event::Released {
                     engine: id,
                     reason,
@@ -389,14 +418,6 @@ fn a_decode_sigstopped_with_writes_in_flight_is_released_only_once_they_were_giv
                 _ => None,
             })
             .await;
-        let mut given_up = 0;
-        for w in writers {
-            let (_, outcome) = w.await.expect("writer");
-            if outcome.lent_slot().is_some() {
-                given_up += 1;
-            }
-        }
-        assert!(given_up >= 1, "no write was in flight at the stop");
         assert_eq!(reason, ReleaseReason::Stalled);
         assert_eq!(
             c.engine.reads_in_flight(),
@@ -409,10 +430,10 @@ fn a_decode_sigstopped_with_writes_in_flight_is_released_only_once_they_were_giv
             .gen_notif(c.remote.agents[0].as_str(), b"HB:")
             .unwrap_err();
         assert_eq!(e.status, NixlStatus::ERR_NOT_FOUND, "metadata gone");
-        d.signal("CONT");
         report(&format!(
-            "SIGSTOP of a decode with {in_flight} WRITE(s) in flight: {given_up} given up (2 s timeout), released as stalled after {} ({at_mark} in flight at the mark), never before the guards ended",
-            ms(released - stopped)
+            "SIGSTOP of a decode with {in_flight} WRITE(s) in flight: {given_up} given up (2 s timeout) and stalled, fenced while stopped ({} watched), released {} after SIGCONT ({at_mark} in flight at the mark), never before the writes ended",
+            ms(resumed - stopped),
+            ms(released - resumed)
         ));
         p.stop().await;
     })

@@ -102,12 +102,18 @@ impl Drop for Lateness {
     }
 }
 
+/// How long a frozen, stalled prefill is watched for a release that must
+/// not come (its given-up reads fence it).
+const FENCE_WATCH: Duration = Duration::from_secs(2);
+
 /// Freezes `frozen` while both prefills are read; waits for its stall
-/// and release (within `bound` of the SIGSTOP plus twice the worst timer
-/// lateness of the service's runtime meanwhile, printing what it saw
-/// otherwise), then SIGCONT and waits until it is registered and read
-/// again. Returns (stop -> stalled, stop -> released, reads at the mark,
-/// stalled_for, given_up, resume -> registered again).
+/// (within `bound` of the SIGSTOP plus twice the worst timer lateness of
+/// the service's runtime meanwhile, printing what it saw otherwise) and
+/// its reads given up, checks that it is fenced (not released) while
+/// frozen, then SIGCONT: its given-up READs complete, it is released, and
+/// it is registered and read again. Returns (stop -> stalled, resume ->
+/// released, reads at the mark, stalled_for, given_up, resume ->
+/// registered again).
 async fn freeze_and_thaw(
     d: &mut DecodeSide,
     frozen: &PrefillProc,
@@ -151,22 +157,14 @@ async fn freeze_and_thaw(
             _ => None,
         })
         .await;
-    let (reason, released_at) = d
-        .wait_for(MARGIN, |e| match e {
-            Event::Released { engine, reason, .. } if *engine == id => Some(*reason),
-            _ => None,
-        })
-        .await;
-    assert_eq!(reason, ReleaseReason::Stalled);
     let late = lateness.worst();
     drop(lateness);
     let allowed = bound + late * 2;
     assert!(
-        released_at - t0 <= allowed,
-        "stalled {:?} and released {:?} after the freeze: over the bound {bound:?} plus twice \
-         the service runtime's worst timer lateness {late:?} meanwhile",
+        stalled_at - t0 <= allowed,
+        "stalled {:?} after the freeze: over the bound {bound:?} plus twice the service \
+         runtime's worst timer lateness {late:?} meanwhile",
         stalled_at - t0,
-        released_at - t0,
     );
     if late > Duration::from_millis(100) {
         report(&format!(
@@ -176,18 +174,19 @@ async fn freeze_and_thaw(
             ms(bound)
         ));
     }
-    // `decode` counts a given-up read before its guard ends, and the last
-    // guard's end is what released the engine: the count is there at the
-    // event (the guarantee), and waited for all the same.
-    let at_event = abandoned(d) - abandoned_before;
-    let counted = until_async("the hung reads counted as given up", MARGIN, || {
+    // The hung reads are given up at the stall (their requests failed
+    // now), and their transfers fence the engine: no release while it
+    // stays frozen, their landing slots lent.
+    let counted = until_async("the hung reads given up", MARGIN, || {
         let n = abandoned(d) - abandoned_before;
         check(n >= 1, n).map(|()| n)
     })
     .await;
+    d.assert_fenced_for(&id, FENCE_WATCH, "frozen").await;
+    let lent = d.decoder.stats().slots_lent.load(Ordering::Relaxed);
     assert!(
-        at_event >= 1,
-        "the engine was released before its given-up reads were counted ({at_event} at the event, {counted} later): decode must count a read before its guard ends"
+        lent >= 1,
+        "no landing slot lent to a given-up read ({counted} given up)"
     );
     until_async(
         "the healthy prefill's reads went on meanwhile",
@@ -197,6 +196,24 @@ async fn freeze_and_thaw(
     .await;
     frozen.signal("CONT");
     let t1 = Instant::now();
+    // Resumed: the given-up READs complete, the engine is released.
+    let (reason, released_at) = d
+        .wait_for(MARGIN, |e| match e {
+            Event::Released { engine, reason, .. } if *engine == id => Some(*reason),
+            _ => None,
+        })
+        .await;
+    assert_eq!(reason, ReleaseReason::Stalled);
+    until_async("the given-up reads' slots handed back", MARGIN, || {
+        let lent = d.decoder.stats().slots_lent.load(Ordering::Relaxed);
+        check(lent == 0, lent)
+    })
+    .await;
+    let ended = d.decoder.stats().given_up_ended.lock().unwrap().clone();
+    assert!(
+        ended.keys().all(|raw| *raw == 0),
+        "a given-up READ to a resumed prefill ended with {ended:?}, not SUCCESS"
+    );
     // The reader handshakes again at its next try: an attempt begun while
     // frozen ends (at most one handshake timeout), then at most one retry
     // pause and one handshake.
@@ -217,7 +234,7 @@ async fn freeze_and_thaw(
     assert_eq!(d.decoder.stats().corrupt.load(Ordering::Relaxed), 0);
     (
         stalled_at - t0,
-        released_at - t0,
+        released_at - t1,
         reads,
         stalled_for,
         given_up,
@@ -226,7 +243,7 @@ async fn freeze_and_thaw(
 }
 
 #[test]
-fn a_frozen_prefill_with_reads_in_flight_is_stalled_released_and_read_again_after_sigcont() {
+fn a_frozen_prefill_with_reads_in_flight_is_stalled_fenced_released_on_sigcont_and_read_again() {
     let Some(rt) = runtime_or_skip() else { return };
     let _serial = serial();
     common::block_on(async move {
@@ -248,24 +265,17 @@ fn a_frozen_prefill_with_reads_in_flight_is_stalled_released_and_read_again_afte
             "marked {stalled:?} after the freeze, before the bound"
         );
         assert_eq!(given_up, 0, "decode's reads do not time out here");
-        let releases = d.decoder.stats().abandoned_release.lock().unwrap().clone();
-        let named: Vec<String> = releases
+        let ended = d.decoder.stats().given_up_ended.lock().unwrap().clone();
+        let named: Vec<String> = ended
             .iter()
             .map(|(raw, n)| format!("{}x{n}", nixl_agent::NixlStatus::from_raw(*raw).name()))
             .collect();
-        // Measured with nixl-cu12 1.5.1: releasing a READ in progress to a
-        // frozen peer is accepted (see real_buffer.rs for what it does).
-        assert!(
-            releases.keys().all(|raw| *raw == 0),
-            "releaseXferReq of a READ to a frozen peer: {named:?}"
-        );
         report(&format!(
-            "bound {}: SIGSTOP with {reads} read(s) in flight: stalled after {} (no completion for {}), released after {} (bound x 1.25 + 1 s = {}); releaseXferReq said {named:?}; after SIGCONT registered again {} later, reads verified",
+            "bound {}: SIGSTOP with {reads} read(s) in flight: stalled after {} (no completion for {}), requests failed then, engine fenced while frozen; after SIGCONT the given-up READs ended {named:?} and it was released {} later, registered again {} later, reads verified",
             ms(STALL),
             ms(stalled),
             ms(stalled_for),
             ms(released),
-            ms(bound),
             ms(again)
         ));
         stop.cancel();
@@ -277,7 +287,7 @@ fn a_frozen_prefill_with_reads_in_flight_is_stalled_released_and_read_again_afte
 }
 
 #[test]
-fn with_every_default_a_frozen_prefill_with_reads_in_flight_is_released_within_the_frozen_bound() {
+fn with_every_default_a_frozen_prefill_with_reads_in_flight_is_stalled_within_the_frozen_bound() {
     let Some(rt) = runtime_or_skip() else { return };
     let _serial = serial();
     common::block_on(async move {
@@ -300,13 +310,13 @@ fn with_every_default_a_frozen_prefill_with_reads_in_flight_is_released_within_t
         let (stalled, released, reads, stalled_for, given_up, again) =
             freeze_and_thaw(&mut d, &frozen, &healthy, bound, &options).await;
         report(&format!(
-            "every default (read stall {}, decode read timeout {}): SIGSTOP -> stalled {} ({reads} read(s) in flight, {given_up} given up as timed out, quiet for {}), released {} (documented bound {}); after SIGCONT registered again {} later, reads verified",
+            "every default (read stall {}, decode read timeout {}): SIGSTOP -> stalled {} ({reads} read(s) in flight, {given_up} given up as timed out, quiet for {}; documented bound {}), fenced while frozen; SIGCONT -> released {}, registered again {} later, reads verified",
             ms(config.read_stall().unwrap()),
             ms(options.read_timeout),
             ms(stalled),
             ms(stalled_for),
-            ms(released),
             ms(bound),
+            ms(released),
             ms(again)
         ));
         // With the defaults decode's timed-out reads decide (the report

@@ -25,10 +25,11 @@ place is marked ``# KEEPALIVE``:
    read; a read that timed out, or that the service failed, is *given up*
    (``give_up(GiveUp.TIMED_OUT)`` / ``GiveUp.CANCELLED``): a timed-out read
    is the runtime's own evidence that the prefill is hung, so a frozen
-   prefill is released with every default; its landing slot is retired
-   until the release says the transfer is provably over (with NIXL 1.5.1:
-   never, so the slot stays out of the free list for good, where a late
-   transfer may still write it). On completion the lease is removed.
+   prefill is stalled with every default. Its request fails now, but the
+   transfer may still write the slot: the handle is kept (not released:
+   that does not end it) and polled, and when it ends (the prefill resumed
+   or died) ``given.ended(status)`` frees the slot; the engine is not
+   released before. On completion the lease is removed.
 5. ``shutdown``: ``keepalive.close()`` drains and releases.
 
 Run it against a prefill::
@@ -46,7 +47,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -131,10 +132,11 @@ class NixlConnectorWorker:
             "NIXL_INIT_AGENT", [(base + i * block_size, block_size, 0) for i in range(slots)], "DRAM"
         )
         self._free_slots = list(range(slots))
-        # Slots of given-up reads: a late transfer may still write them.
-        # Back in the free list only when the release says "reusable";
-        # "retire" moves them to `retired_slots` for good.
-        self._given_up: Dict[int, nixl_keepalive.GivenUpRead] = {}
+        # Slots of given-up reads, with their kept handles: a late transfer
+        # may still write them. Back in the free list once the handle says
+        # the transfer ended; `retired_slots` would hold any whose transfer
+        # was abandoned unwatched and released as "retire" (none here).
+        self._given_up: Dict[int, Tuple[Any, nixl_keepalive.GivenUpRead]] = {}
         self.retired_slots: List[int] = []
         self._remote: Dict[str, RemoteEngine] = {}  # engine id -> engine
         self._by_address: Dict[str, str] = {}  # address -> engine id
@@ -271,6 +273,7 @@ class NixlConnectorWorker:
         ``_pop_done_transfers``); returns the requests that ended."""
         done: List[Outcome] = []
         with self._lock:
+            self._reclaim_slots()
             transfers = list(self._recving.values())
         for t in transfers:
             status = xfer_status(self.nixl_wrapper, t.handle)
@@ -283,15 +286,10 @@ class NixlConnectorWorker:
             given: Optional[nixl_keepalive.GivenUpRead] = None
             if status == 1:
                 result = "abandoned" if t.read.failed else "timed_out"
-                try:
-                    self.nixl_wrapper.release_xfer_handle(t.handle)  # asks the backend to cancel
-                except Exception as e:  # noqa: BLE001 - reported, not raised
-                    detail = f"release_xfer_handle: {type(e).__name__}"
-                else:
-                    detail = ""
                 why = nixl_keepalive.GiveUp.CANCELLED if t.read.failed else nixl_keepalive.GiveUp.TIMED_OUT
-                given = t.read.give_up(why)
-                outcome = Outcome(t.request_id, t.remote.engine.id, result, None, detail)
+                # The handle is kept and polled to its end (reclaim_slots).
+                given = t.read.give_up(why, 1)
+                outcome = Outcome(t.request_id, t.remote.engine.id, result, None, "")
             else:
                 t.read.finish(status)
                 self.nixl_wrapper.release_xfer_handle(t.handle)
@@ -310,31 +308,40 @@ class NixlConnectorWorker:
                 if given is None:
                     self._free_slots.append(t.slot)
                 else:
-                    self._given_up[t.slot] = given
+                    self._given_up[t.slot] = (t.handle, given)
             done.append(outcome)
         return done
 
     def reclaim_slots(self) -> None:
-        """Settles the given-up slots whose engine's release has come back
-        (reusable ones freed, the rest retired). ``read_blocks`` does it
-        before it takes a slot; a runtime that allocates rarely calls it
-        from its scheduler loop (vLLM: where it frees blocks)."""
+        """Polls the given-up reads' kept handles: a transfer that ended
+        (the prefill resumed or died) is told to the service
+        (``given.ended``: its engine may be released now) and its slot goes
+        back to the free list. ``read_blocks`` does it before it takes a
+        slot, ``get_finished`` each call; vLLM: each step."""
         with self._lock:
             self._reclaim_slots()
 
     def _reclaim_slots(self) -> None:
-        """Given-up slots whose release has come back: reusable ones go
-        back to the free list, the rest are retired for good (with the lock
-        held)."""
-        for slot, given in list(self._given_up.items()):
-            verdict = given.try_destination()
-            if verdict is None:
-                continue  # the engine is not released yet: the transfer may still land
+        """(With the lock held.)"""
+        for slot, (handle, given) in list(self._given_up.items()):
+            status = xfer_status(self.nixl_wrapper, handle)
+            if status == 1:
+                continue  # still running: it may still write the slot
             del self._given_up[slot]
+            verdict = given.ended(status)
+            try:
+                self.nixl_wrapper.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - the transfer is over either way
+                pass
             if verdict == nixl_keepalive.Destination.REUSABLE:
                 self._free_slots.append(slot)
             else:
                 self.retired_slots.append(slot)
+
+    def held_slots(self) -> int:
+        """Slots held by given-up reads still running."""
+        with self._lock:
+            return len(self._given_up)
 
     def _verify(self, t: Transfer) -> Optional[int]:
         start = t.slot * self.block_size

@@ -71,6 +71,10 @@ except ImportError as _e:  # SGLang missing, or a layout this module does not kn
 
 logger = logging.getLogger("nixl_keepalive.sglang")
 
+#: nixl_status_t NIXL_ERR_BACKEND: a given-up write over with a status that
+#: is not NIXL's.
+_BACKEND = -3
+
 __all__ = ["SUPPORTED_SGLANG", "KeepaliveNixlKVManager", "check_sglang_version", "install"]
 
 
@@ -130,6 +134,12 @@ class _GuardedAgent:
         self._guards: Dict[Any, Any] = {}
         self._guards_lock = threading.Lock()
         self.given_up = 0
+        #: Given-up writes still running, polled to their end (they fence
+        #: their decode: not released under them), by handle.
+        self._watched: Dict[Any, Any] = {}
+        self._watcher: Optional[threading.Thread] = None
+        #: Given-up writes seen to end, and how they ended (NIXL status names).
+        self.given_up_ended: Dict[str, int] = {}
         #: Transfers refused because no registered decode holds their remote
         #: dlist or agent (a released decode's, or one the service never
         #: registered): nothing reached NIXL.
@@ -219,10 +229,17 @@ class _GuardedAgent:
         return state
 
     def release_xfer_handle(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        # A released request can no longer be watched: its write is
+        # abandoned (the decode may then be released under it, see
+        # nixl_keepalive.GivenUpRead).
         guard = self._take(handle)
         if guard is not None:
-            guard.give_up(GiveUp.CANCELLED)
+            guard.give_up(GiveUp.CANCELLED).abandon()
             self.given_up += 1
+        with self._guards_lock:
+            watched = self._watched.pop(handle, None)
+        if watched is not None:
+            watched.abandon()
         return self._real.release_xfer_handle(handle, *args, **kwargs)
 
     def _raw_status(self, handle: Any) -> Any:
@@ -242,15 +259,63 @@ class _GuardedAgent:
             logger.warning("nixl_keepalive: a transfer's end was not a NIXL status: %s", e)
 
     def give_up_open(self, handles: List[Any], why: GiveUp) -> int:
-        """Gives up every still-open guard of ``handles``; returns how many."""
+        """Gives up every still-open guard of ``handles`` (SGLang stopped
+        waiting for them); returns how many. Each write is then polled to
+        its end in a thread of ours: it completes when a frozen decode
+        resumes and fails when it dies, and until then its decode is not
+        released (the write may still use the decode's keys)."""
         n = 0
         for handle in handles:
             guard = self._take(handle)
             if guard is not None:
-                guard.give_up(why)
+                given_up = guard.give_up(why)
+                with self._guards_lock:
+                    self._watched[handle] = given_up
                 n += 1
         self.given_up += n
+        if n:
+            self._start_watcher()
         return n
+
+    def _start_watcher(self) -> None:
+        with self._guards_lock:
+            if self._watcher is not None and self._watcher.is_alive():
+                return
+            self._watcher = threading.Thread(target=self._watch, name="nixl-keepalive-given-up", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        """Polls the given-up writes until none is left."""
+        while True:
+            time.sleep(0.01)
+            with self._guards_lock:
+                watched = list(self._watched.items())
+                if not watched:
+                    self._watcher = None
+                    return
+            for handle, given_up in watched:
+                try:
+                    state = self._real.check_xfer_state(handle)
+                except Exception:  # noqa: BLE001 - unreadable: still running, as SGLang counts it
+                    continue
+                if state not in ("DONE", "ERR"):
+                    continue
+                status = "DONE" if state == "DONE" else self._raw_status(handle)
+                try:
+                    given_up.ended(status)
+                except (TypeError, ValueError):
+                    given_up.ended(_BACKEND)  # over, with a status that is not NIXL's
+                name = "DONE" if state == "DONE" else (
+                    nixl_keepalive.status_name(status) if isinstance(status, int) else type(status).__name__)
+                with self._guards_lock:
+                    self._watched.pop(handle, None)
+                    self.given_up_ended[name] = self.given_up_ended.get(name, 0) + 1
+                logger.info("nixl_keepalive: a given-up write ended (%s): its decode is no longer held by it", name)
+
+    def watched(self) -> int:
+        """Given-up writes still running."""
+        with self._guards_lock:
+            return len(self._watched)
 
     def open_guards(self) -> int:
         with self._guards_lock:

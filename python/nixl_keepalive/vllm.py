@@ -27,10 +27,15 @@ agent:
 - every READ runs under a read guard with its request's lease, and ends
   with the transfer's raw status (``REMOTE_DISCONNECT`` marks the engine);
   reads that time out (``read_timeout``) or that the service failed
-  (stalled or gone engine) are given up, and their requests held (their
-  destination blocks stay allocated to them) until the destination is
-  reusable; with NIXL 1.5.1 a released engine's given-up reads are
-  ``retire``: held for good;
+  (stalled or gone engine) are given up: their requests are reported
+  failed at once (vLLM's ``kv_load_failure_policy`` ``fail``, its default;
+  with ``recompute`` they are reported once the transfer is over, as vLLM
+  would reuse their blocks at the retry), while their READs are kept and
+  polled to their end (they complete when a frozen prefill resumes, fail
+  when it dies) and the engine is not released before; the scheduler side
+  (:class:`KeepaliveNixlConnectorScheduler`) keeps a failed request's
+  blocks allocated until every worker says its READs are over
+  (``docs/design/given-up-transfers.md``);
 - an engine the service released is dropped from vLLM's own tables on
   vLLM's thread (each step), without calling NIXL a second time; an engine
   vLLM retires itself (TTL, replaced, invalid, re-registered) is handed to
@@ -102,7 +107,8 @@ def check_vllm_version(version: Optional[str] = None) -> str:
         )
     wrong = (vllm_hooks.problems("worker", NixlPullConnectorWorker)
              + vllm_hooks.problems("base_worker", _base_worker)
-             + vllm_hooks.problems("connector", NixlBaseConnector))
+             + vllm_hooks.problems("connector", NixlBaseConnector)
+             + vllm_hooks.problems("scheduler", NixlPullConnectorScheduler))
     if wrong:
         raise RuntimeError(
             f"nixl_keepalive.vllm cannot run on vLLM {found}: its NIXL connector lacks what the keepalive "
@@ -375,14 +381,22 @@ class _Tracked:
 
 @dataclass
 class _Held:
-    """A request whose read was given up: not reported to the scheduler
-    (its destination blocks stay allocated to it) until every given-up
-    read's destination is reusable."""
+    """A request with given-up READs still running (its blocks stay
+    allocated until every one ended)."""
 
     given_up: List[Any]
     engine_id: str
+    blocks: int = 0
     since: float = field(default_factory=time.monotonic)
-    retired_logged: bool = False
+
+
+@dataclass
+class _Fenced:
+    """A given-up READ's handle, kept (not released: that does not end the
+    transfer) and polled to its end."""
+
+    given_up: Any
+    req_id: str
 
 
 #: How long vLLM's cleanup of an engine with no read in flight waits for
@@ -418,6 +432,16 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
         # guarded again.
         self._ka_ended: Set[Any] = set()
         self._ka_held: Dict[str, _Held] = {}
+        # Given-up READs polled to their end, by handle.
+        self._ka_fenced: Dict[Any, _Fenced] = {}
+        # Requests whose blocks the scheduler keeps until this worker says
+        # their given-up READs are over (in finished_sending).
+        self._ka_over_wanted: Set[str] = set()
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
+        # With "recompute" vLLM frees a failed request's blocks at its retry
+        # (no connector call): such requests are reported once their READs
+        # are over instead.
+        self._ka_report_at_once = policy != "recompute"
         # Engines read from without a registration in the service (vLLM's
         # own), each said once; READs found unguarded after their engine's
         # release (should stay 0).
@@ -509,18 +533,24 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
         return getattr(self, "_ka", None)
 
     def held_requests(self) -> Dict[str, Dict[str, Any]]:
-        """Requests held because a read of theirs was given up: per request
-        id, its engine, the reasons and the destinations so far (``None``:
-        not decided yet)."""
+        """Requests whose blocks are held because a read of theirs was given
+        up and may still run: per request id, its engine, the reasons, the
+        destinations so far (``None``: the READ is still running), its
+        blocks, and since when (``time.monotonic()``)."""
         out = {}
         for req_id, h in getattr(self, "_ka_held", {}).items():
             out[req_id] = {
                 "engine": h.engine_id,
                 "why": [g.why for g in h.given_up],
                 "destinations": [g.try_destination() for g in h.given_up],
+                "blocks": h.blocks,
                 "since": h.since,
             }
         return out
+
+    def held_blocks(self) -> int:
+        """The KV blocks held by given-up READs still running."""
+        return sum(h.blocks for h in getattr(self, "_ka_held", {}).values())
 
     def _ka_raw_status(self, handle: Any) -> Any:
         """The transfer's raw status (an int), or the exception asking for
@@ -831,6 +861,9 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
         return super()._log_failure(failure_type, req_id, msg, error, meta, **extra_context)
 
     def start_load_kv(self, metadata: Any) -> None:
+        wanted = getattr(metadata, "ka_free_when_over", None)
+        if wanted and hasattr(self, "_ka_over_wanted"):  # built without our __init__ in vLLM's unit tests
+            self._ka_over_wanted |= set(wanted)
         self._ka_guard_untracked()
         self._ka_process_releases()
         return super().start_load_kv(metadata)
@@ -927,23 +960,26 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
                         left.append(handle)
                         continue
                     self._log_failure("transfer_given_up", req_id,
-                                      msg=f"read given up ({why}) after {now - t.started:.1f} s; its blocks are "
-                                          "held until the keepalive says they are reusable",
+                                      msg=f"read given up ({why}) after {now - t.started:.1f} s; the request "
+                                          "fails, its blocks are held until the READ ends",
                                       dst_engine_id=t.engine.id)
                     del self._ka_reads[handle]
-                    released = self._try_release_xfer_handle(req_id, handle)  # asks the backend to cancel
-                    given_up = t.read.give_up(why)
+                    meta = self._recving_metadata.get(req_id)
+                    blocks = sum(len(g) for g in meta.local_block_ids) if meta is not None else 0
+                    # Kept, not released: releasing does not end a READ in
+                    # progress (its bytes still land when the prefill
+                    # resumes), it only hides its end. Polled to its end.
+                    given_up = t.read.give_up(why, blocks)
+                    self._ka_fenced[handle] = _Fenced(given_up, req_id)
                     self._ka_drop_read_leases(req_id)  # P may free them: we will not read them
                     self.xfer_stats.record_failed_transfer()
                     held = self._ka_held.get(req_id)
                     if held is None:
-                        self._ka_held[req_id] = _Held([given_up], t.engine.id)
+                        self._ka_held[req_id] = _Held([given_up], t.engine.id, blocks)
                     else:
                         held.given_up.append(given_up)
+                        held.blocks = max(held.blocks, blocks)
                     failed.add(req_id)
-                    if not released:
-                        left.append(handle)  # vLLM's rule: retried until released
-                        self._ka_ended.add(handle)
                     continue
                 del self._ka_reads[handle]
                 if isinstance(status, int) and status == _SUCCESS:
@@ -972,40 +1008,68 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
         if untracked:
             u_done, u_failed = super()._pop_done_transfers(untracked)
             failed |= u_failed
+        self._ka_poll_fenced()
         for req_id in list(transfers):
             remaining = tracked_left.get(req_id, []) + untracked.get(req_id, [])
             if remaining:
                 transfers[req_id] = remaining
                 continue
-            held = self._ka_held.get(req_id)
-            if held is not None and not self._ka_release_hold(req_id, held):
-                transfers[req_id] = []  # held: not reported, its blocks stay its own
+            if req_id in self._ka_held and not self._ka_report_at_once:
+                # "recompute": vLLM would hand the blocks to the retry at
+                # once: reported when the READs are over.
+                transfers[req_id] = []
                 failed.add(req_id)
                 continue
+            if req_id in self._ka_held:
+                failed.add(req_id)
             done.add(req_id)
             del transfers[req_id]
         return done, failed
 
+    def _ka_poll_fenced(self) -> None:
+        """Polls the given-up READs: one that stopped being in progress
+        ended (the prefill resumed or died): the service hears it (the
+        engine may be released now), its handle is released, and a request
+        whose READs all ended has its blocks back."""
+        for handle, f in list(getattr(self, "_ka_fenced", {}).items()):
+            status = self._ka_raw_status(handle)
+            if isinstance(status, int) and status == _IN_PROG:
+                continue
+            del self._ka_fenced[handle]
+            f.given_up.ended(status if not isinstance(status, BaseException) else _BACKEND)
+            try:
+                self.nixl_wrapper.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - an ended transfer's handle; logged
+                logger.warning("release_xfer_handle of an ended given-up READ failed", exc_info=True)
+            if not any(o.req_id == f.req_id for o in self._ka_fenced.values()):
+                held = self._ka_held.pop(f.req_id, None)
+                if held is not None:
+                    logger.info("nixl_keepalive.vllm: request %s's given-up READs from engine %s ended after "
+                                "%.1f s: its %d block(s) are free again", f.req_id, held.engine_id,
+                                time.monotonic() - held.since, held.blocks)
+                if not self._ka_report_at_once:
+                    # Held back from the scheduler until now ("recompute").
+                    transfers = self._recving_transfers
+                    if f.req_id in transfers and not transfers[f.req_id]:
+                        del transfers[f.req_id]
+                        self._recv_failures.add(f.req_id)
+
+    def _ka_over(self, results: Any) -> Any:
+        """Adds to ``finished_sending`` every request the scheduler keeps
+        the blocks of (``ka_free_when_over``) whose given-up READs on this
+        worker are over: the scheduler frees its blocks once every worker
+        said so."""
+        over = {r for r in getattr(self, "_ka_over_wanted", ()) if r not in self._ka_held}
+        if over:
+            self._ka_over_wanted -= over
+            sending = set(results.finished_sending or ())
+            sending |= over
+            results.finished_sending = sending
+        return results
+
     def _ka_drop_read_leases(self, req_id: str) -> None:
         for key in [k for k, r in self._ka_leases.items() if ("read:" + req_id) in r]:
             self._ka_drop_lease(key[0], key[1], "read:" + req_id)
-
-    def _ka_release_hold(self, req_id: str, held: _Held) -> bool:
-        """Whether a held request may be reported now: every given-up read's
-        destination is reusable."""
-        dests = [g.try_destination() for g in held.given_up]
-        if all(d == nixl_keepalive.Destination.REUSABLE for d in dests):
-            del self._ka_held[req_id]
-            return True
-        if any(d == nixl_keepalive.Destination.RETIRE for d in dests) and not held.retired_logged:
-            held.retired_logged = True
-            meta = self._recving_metadata.get(req_id)
-            blocks = sum(len(g) for g in meta.local_block_ids) if meta is not None else "?"
-            logger.warning(
-                "nixl_keepalive.vllm: request %s's READ from engine %s was given up and its destination "
-                "is RETIRE: the transfer may still write its %s blocks, so the request stays held and its "
-                "blocks are never reused (abort it to end it)", req_id, held.engine_id, blocks)
-        return False
 
     def get_transfer_results(self) -> Any:
         if not self._ka_on():
@@ -1013,9 +1077,9 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
         self._ka_guard_untracked()
         self._ka_process_releases()
         results = super().get_transfer_results()
-        for req_id in set(results.finished_recving or ()) | set(results.failed_recving or ()):
+        for req_id in set(results.finished_recving or ()) | set(getattr(results, "failed_recving", ()) or ()):
             self._ka_drop_read_leases(req_id)
-        return results
+        return self._ka_over(results)
 
     # -- stopping --------------------------------------------------------------
 
@@ -1035,11 +1099,20 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
                 except Exception:  # noqa: BLE001
                     logger.warning("release_xfer_handle failed at shutdown", exc_info=True)
                 if t is not None:
-                    t.read.give_up(nixl_keepalive.GiveUp.CANCELLED)
+                    t.read.give_up(nixl_keepalive.GiveUp.CANCELLED).abandon()
         self._recving_transfers.clear()
         for t in self._ka_reads.values():
-            t.read.give_up(nixl_keepalive.GiveUp.CANCELLED)
+            t.read.give_up(nixl_keepalive.GiveUp.CANCELLED).abandon()
         self._ka_reads.clear()
+        # Given-up READs still running: no longer watched (the release
+        # decides their blocks; vLLM frees the KV cache with the process).
+        for handle, f in self._ka_fenced.items():
+            f.given_up.abandon()
+            try:
+                self.nixl_wrapper.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001
+                logger.warning("release_xfer_handle failed at shutdown", exc_info=True)
+        self._ka_fenced.clear()
         # The service first: it drains and releases every engine it holds,
         # while the agent is whole.
         left = ka.close()
@@ -1062,6 +1135,87 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
         super().shutdown()
 
 
+class KeepaliveNixlConnectorScheduler(NixlPullConnectorScheduler):
+    """vLLM's pull-mode scheduler side, keeping a request's KV blocks
+    allocated while a READ into them that the worker gave up may still run.
+
+    A given-up READ fails its request at once (the worker reports it in
+    ``failed_recving``), and vLLM then frees the request's blocks in the
+    same step (the ``finished_recving`` of a finished request). Here that
+    free is withheld for every failed load of a request that is already
+    finished (failed by vLLM's ``fail`` policy, or aborted while loading):
+    the request id is announced to the workers (``ka_free_when_over`` in the
+    step's metadata), each reports it in ``finished_sending`` once none of
+    its given-up READs into those blocks is running (at once when it had
+    none), and when every worker has said so (vLLM's own aggregation of
+    ``finished_sending``) the id is handed back to vLLM as
+    ``finished_recving``, which frees the blocks as it would have. A failed
+    load costs one step more; a READ into a frozen prefill keeps its blocks
+    until the prefill resumes or dies."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Loads started (blocks allocated for a remote prefill), not ended.
+        self._ka_loading: Set[str] = set()
+        # Of those, the requests vLLM already finished (error or abort).
+        self._ka_finished: Set[str] = set()
+        # Failed loads whose free is withheld until the workers say over.
+        self._ka_withheld: Set[str] = set()
+        # Withheld ids not yet announced to the workers.
+        self._ka_announce: Set[str] = set()
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and num_external_tokens > 0:
+            self._ka_loading.add(request.request_id)
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(self, request: Any, block_ids: Any) -> Any:
+        if request.request_id in self._ka_loading:
+            self._ka_finished.add(request.request_id)
+        return super().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        recving = connector_output.finished_recving
+        for req_id in list(recving or ()):
+            if req_id not in self._ka_loading:
+                continue
+            if req_id in failed and req_id in self._ka_finished:
+                # vLLM would free the blocks now: withheld until over.
+                recving.discard(req_id)
+                self._ka_withheld.add(req_id)
+                self._ka_announce.add(req_id)
+                continue
+            self._ka_loading.discard(req_id)
+            self._ka_finished.discard(req_id)
+        sending = connector_output.finished_sending
+        over = {r for r in (sending or ()) if r in self._ka_withheld}
+        if over:
+            sending.difference_update(over)
+            self._ka_withheld -= over
+            self._ka_loading -= over
+            self._ka_finished -= over
+            if connector_output.finished_recving is None:
+                connector_output.finished_recving = set()
+            connector_output.finished_recving.update(over)
+            logger.info("nixl_keepalive.vllm: the given-up READs of %d failed request(s) are over: their "
+                        "blocks are freed", len(over))
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._ka_announce:
+            meta.ka_free_when_over = self._ka_announce
+            self._ka_announce = set()
+        return meta
+
+    def withheld_requests(self) -> Set[str]:
+        """Failed requests whose blocks are kept until their given-up READs
+        are over."""
+        return set(self._ka_withheld)
+
+
 class KeepaliveNixlConnector(NixlPullConnector):
     """vLLM's ``NixlConnector`` (pull mode) with the keepalive service on
     its worker side. Load it by configuration:
@@ -1073,7 +1227,7 @@ class KeepaliveNixlConnector(NixlPullConnector):
         # NixlPullConnector's own constructor, with our worker.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_scheduler = KeepaliveNixlConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None

@@ -42,7 +42,8 @@ class Hook:
     ``NixlPullConnectorWorker``), ``"worker instance"`` (an attribute its
     constructor sets), ``"base_worker"`` (a global of the module
     ``kv_connector.v1.nixl.base_worker``), ``"connector"``
-    (``NixlBaseConnector``), ``"push_worker"`` (a method of
+    (``NixlBaseConnector``), ``"scheduler"`` (a method of
+    ``NixlPullConnectorScheduler``), ``"push_worker"`` (a method of
     ``NixlPushConnectorWorker``) or ``"push_worker instance"`` (an
     attribute its constructor sets). ``params``: for a method, the parameters after
     ``self`` as vLLM names them (the connector overrides it or calls it with
@@ -90,7 +91,6 @@ HOOKS: Tuple[Hook, ...] = (
          "vLLM's proactive handshake for heartbeated engines"),
     Hook("worker", "_handle_failed_transfer", ("req_id", "handle", "failed_req_ids", "record_failed_transfer"),
          "a refused READ fails its request"),
-    Hook("worker", "_try_release_xfer_handle", ("req_id", "handle"), "a given-up READ's handle released"),
     # Tables the connector reads or writes.
     Hook("worker instance", "nixl_wrapper", use="the agent the service runs over"),
     Hook("worker instance", "_remote_agents", use="the agents vLLM loaded per engine"),
@@ -139,6 +139,15 @@ HOOKS: Tuple[Hook, ...] = (
     Hook("push_worker instance", "_push_writer_stop", use="the writer stopped first at shutdown"),
     Hook("push_worker instance", "_push_writer_thread", use="the writer joined at shutdown"),
     Hook("push_worker instance", "xfer_stats", use="refused WRITEs counted as vLLM counts failed ones"),
+    # The scheduler side (NixlPullConnectorScheduler): a failed load's
+    # blocks kept until its given-up READs are over.
+    Hook("scheduler", "update_state_after_alloc", ("request", "blocks", "num_external_tokens"),
+         "the loads started"),
+    Hook("scheduler", "request_finished", ("request", "block_ids"), "the loads of finished requests"),
+    Hook("scheduler", "update_connector_output", ("connector_output",),
+         "a failed load's free withheld until the workers say its READs are over"),
+    Hook("scheduler", "build_connector_meta", ("scheduler_output",),
+         "the withheld requests announced to the workers"),
 )
 """Every hook, checked on each release of :data:`CHECKED_ON`."""
 

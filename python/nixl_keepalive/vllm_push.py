@@ -657,14 +657,14 @@ class KeepaliveNixlPushConnectorWorker(NixlPushConnectorWorker):
                     if w is None:
                         continue
                     if isinstance(status, int) and status == _pull._IN_PROG:
-                        w.guard.give_up(nixl_keepalive.GiveUp.CANCELLED)
+                        w.guard.give_up(nixl_keepalive.GiveUp.CANCELLED).abandon()
                     else:
                         nixl_keepalive._end_transfer_guard(w.guard, status)
             self._sending_transfers.clear()
             self._send_failures.clear()
         with self._ka_lock:
             for w in self._ka_writes.values():
-                w.guard.give_up(nixl_keepalive.GiveUp.CANCELLED)
+                w.guard.give_up(nixl_keepalive.GiveUp.CANCELLED).abandon()
             self._ka_writes.clear()
         # The service: it releases every decode it holds, while the agent
         # is whole.

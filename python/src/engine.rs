@@ -273,20 +273,24 @@ impl Read {
         }
     }
 
-    /// Ends the read as given up: the runtime stopped waiting for a
-    /// transfer still in progress (its timeout passed: `"timed_out"`, or
-    /// the request was aborted: `"cancelled"`; `nixl_keepalive.GiveUp`).
-    /// Not a completion: a read given up as timed out, with no other read
-    /// of the engine completing meanwhile, marks the engine stalled (as if
-    /// the read-stall bound had passed). Returns a `GivenUpRead`: the
-    /// token of the read's destination buffer, which the transfer may
-    /// still write; reuse the buffer only once it says `"reusable"`, and
-    /// never when it says `"retire"`.
-    fn give_up(&self, why: &Bound<'_, PyAny>) -> PyResult<GivenUpRead> {
+    /// Gives the read up: the runtime stopped waiting for a transfer still
+    /// in progress (its timeout passed: `"timed_out"`, or the request was
+    /// aborted: `"cancelled"`; `nixl_keepalive.GiveUp`) and fails its
+    /// request now. Not a completion: a read given up as timed out, with no
+    /// other read of the engine completing meanwhile, marks the engine
+    /// stalled (as if the read-stall bound had passed). The transfer still
+    /// counts as in flight (the engine is not released under it): keep
+    /// polling it (do not release NIXL's handle: that does not end it) and
+    /// call `ended(status)` on the returned `GivenUpRead` when it stops
+    /// being in progress; the destination is reusable then. `blocks`: how
+    /// many destination blocks it holds, in your unit (for the snapshot and
+    /// the `nixl_keepalive_given_up_blocks` gauge).
+    #[pyo3(signature = (why, blocks = 0))]
+    fn give_up(&self, why: &Bound<'_, PyAny>, blocks: u64) -> PyResult<GivenUpRead> {
         let why = give_up_of(why)?;
         match self.take() {
             Some(guard) => Ok(GivenUpRead {
-                inner: Arc::new(guard.give_up(why)),
+                inner: Arc::new(guard.give_up_holding(why, blocks)),
             }),
             None => Err(PyValueError::new_err(
                 "this read has already ended (finish, close or give_up): nothing to give up",
@@ -362,12 +366,13 @@ fn destination_str(d: Destination) -> &'static str {
 }
 
 /// A read given up while its transfer was in progress (`Read.give_up`):
-/// the token of its destination buffer. Until it says `"reusable"`, the
-/// buffer belongs to the transfer, which may still write it; `"retire"`
-/// means never reuse it (keep it allocated for as long as the agent
-/// lives). It is decided once the engine's release has come back (a
-/// given-up read does not hold the release back); an engine still held
-/// when the service stops never decides: retire the buffer.
+/// the token of its destination buffer, and the fence on its engine (not
+/// released while the transfer may run). Call `ended(status)` when the
+/// transfer stops being in progress: the buffer is `"reusable"` then.
+/// `abandon()` (or dropping the last reference) stops watching it: the
+/// engine may then be released under the transfer, and the buffer is
+/// decided when that release comes back (`"retire"`: never reuse it, keep
+/// it allocated for as long as the agent lives).
 #[pyclass(module = "nixl_keepalive._native", frozen)]
 pub(crate) struct GivenUpRead {
     inner: Arc<nixl_keepalive::GivenUpRead>,
@@ -387,8 +392,41 @@ impl GivenUpRead {
         self.inner.why().as_str()
     }
 
-    /// `"reusable"` or `"retire"` once the engine's release has come
-    /// back; `None` before (the buffer is not yours yet).
+    /// The transfer ended with this raw status (an int from
+    /// `xfer_status`, `"DONE"`, or the NIXL exception it raised): no byte
+    /// can land any more. Returns `"reusable"`. An error reaches the
+    /// service as a read's does. Only the first call (or `abandon`)
+    /// counts. `"PROC"` is refused: the transfer is still running.
+    fn ended(&self, status: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+        if let Ok(text) = status.cast::<pyo3::types::PyString>() {
+            if text.to_cow()?.as_ref() == "PROC" {
+                return Err(PyValueError::new_err(
+                    "status \"PROC\" means the transfer is still in progress: call ended() once it \
+                     has ended (DONE, or the raw error status), or abandon() to stop watching it",
+                ));
+            }
+        }
+        let status = status_of(status)?;
+        Ok(destination_str(self.inner.ended(status)))
+    }
+
+    /// Stops watching the transfer without seeing it end (its handle was
+    /// released, or the runtime is stopping): the engine may be released
+    /// under it, and the buffer is decided when that release comes back.
+    fn abandon(&self) {
+        self.inner.abandon();
+    }
+
+    /// Whether the transfer is still watched (neither `ended` nor
+    /// `abandon` was called).
+    #[getter]
+    fn watched(&self) -> bool {
+        self.inner.is_watched()
+    }
+
+    /// `"reusable"` once the transfer ended; after `abandon`, `"reusable"`
+    /// or `"retire"` once the engine's release has come back; `None`
+    /// before (the buffer is not yours yet).
     fn try_destination(&self) -> Option<&'static str> {
         self.inner.try_destination().map(destination_str)
     }
@@ -420,9 +458,10 @@ impl GivenUpRead {
 
     fn __repr__(&self) -> String {
         format!(
-            "GivenUpRead(engine={:?}, why={:?}, destination={:?})",
+            "GivenUpRead(engine={:?}, why={:?}, watched={}, destination={:?})",
             self.engine(),
             self.why(),
+            self.inner.is_watched(),
             self.try_destination()
         )
     }

@@ -540,6 +540,14 @@ fn snapshot_dict<'py>(py: Python<'py>, s: &Snapshot) -> PyResult<Bound<'py, PyDi
         )?;
         x.set_item("state", e.state.as_str())?;
         x.set_item("reads_in_flight", e.reads_in_flight)?;
+        let given_up = PyList::empty(py);
+        for g in &e.given_up {
+            let one = PyDict::new(py);
+            one.set_item("held_for", g.held_for.as_secs_f64())?;
+            one.set_item("blocks", g.blocks)?;
+            given_up.append(one)?;
+        }
+        x.set_item("given_up", given_up)?;
         x.set_item("leases", PyList::new(py, &e.leases)?)?;
         match &e.last_heartbeat {
             Some(h) => {

@@ -16,8 +16,8 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
+import threading
 
 import pytest
 
@@ -621,21 +621,52 @@ def test_a_refused_finish_ends_the_read_and_says_so(ka, agent, status, error, sa
     log.wait("released", 5, engine="e1", reason="unreachable")
 
 
-def test_a_read_given_up_as_timed_out_stalls_the_engine_and_retires_its_buffer(ka, agent):
+def test_a_read_given_up_as_timed_out_stalls_the_engine_and_fences_it_until_the_transfer_ends(ka, agent):
     log = EventLog(ka)
     engine = connect(ka)
     r = engine.read()
-    given = r.give_up(nk.GiveUp.TIMED_OUT)
-    assert not r.open and (given.engine, given.why) == ("e1", "timed_out")
-    assert given.try_destination() is None, "decided only by the release"
+    given = r.give_up(nk.GiveUp.TIMED_OUT, 3)
+    assert not r.open and (given.engine, given.why, given.watched) == ("e1", "timed_out", True)
+    assert given.try_destination() is None, "the transfer may still run"
     stalled = log.wait("stalled", 5, engine="e1")
     assert stalled["given_up"] >= 1
+    # Fenced: still counted, in the snapshot, never released under it.
+    time.sleep(0.3)
+    assert not log.find("released", engine="e1") and engine.reads_in_flight == 1
+    snap = ka.snapshot()["engines"][0]
+    assert [g["blocks"] for g in snap["given_up"]] == [3] and "given-up transfer" in snap["why"], snap
+    with pytest.raises(ValueError, match="still in progress"):
+        given.ended("PROC")
+    assert given.watched
+    # The transfer ended (the prefill resumed): the buffer is yours, the
+    # engine goes.
+    assert given.ended("DONE") == nk.Destination.REUSABLE == "reusable"
+    assert given.ended(0) == "reusable", "a second end changes nothing"
+    assert not given.watched and given.try_destination() == "reusable"
     log.wait("released", 5, engine="e1")
-    # NIXL 1.5.1 cannot prove the transfer over: never reuse the buffer.
-    assert given.wait_destination(5) == nk.Destination.RETIRE == "retire"
-    assert given.try_destination() == "retire"
     with pytest.raises(ValueError, match="already ended"):
         r.give_up("cancelled")
+
+
+def test_an_abandoned_given_up_read_lets_the_release_go_and_its_buffer_is_retired(ka, agent):
+    log = EventLog(ka)
+    engine = connect(ka)
+    given = engine.read().give_up(nk.GiveUp.TIMED_OUT)
+    log.wait("stalled", 5, engine="e1")
+    given.abandon()
+    given.abandon()
+    log.wait("released", 5, engine="e1")
+    # NIXL 1.5.1 cannot prove an unwatched transfer over: never reuse it.
+    assert given.wait_destination(5) == nk.Destination.RETIRE == "retire"
+    assert given.try_destination() == "retire"
+
+
+def test_a_given_up_read_dropped_unsaid_is_abandoned(ka, agent):
+    log = EventLog(ka)
+    engine = connect(ka)
+    engine.read().give_up(nk.GiveUp.TIMED_OUT)
+    log.wait("released", 5, engine="e1")
+    assert engine.reads_in_flight == 0
 
 
 def test_give_up_names_what_is_accepted(ka):
@@ -654,6 +685,7 @@ def test_a_cancelled_read_is_not_a_completion_and_its_destination_is_awaitable(k
     engine = connect(ka)
     given = engine.read().give_up("cancelled")
     ka.peer_gone(engine, mode="fail")
+    given.abandon()
     log.wait("released", 5, engine="e1")
 
     async def main():

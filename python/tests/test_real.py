@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 
@@ -163,9 +164,9 @@ READ_STALL = 1.0
 
 class Frozen:
     """A worker reading from two prefills, one of them SIGSTOPped with two
-    reads in flight; :meth:`until_released` keeps the healthy one read
-    meanwhile (the stall check needs it: a whole decoder that stopped
-    reading is not a hung peer) and collects every outcome."""
+    reads in flight; :meth:`drive` keeps the healthy one read meanwhile
+    (the stall check needs it: a whole decoder that stopped reading is not
+    a hung peer) and collects every outcome."""
 
     def __init__(self, prefills, w, healthy_reads: int) -> None:
         self.w = w
@@ -176,77 +177,157 @@ class Frozen:
         read_verified(w, self.frozen)
         self.stopped_at = self.frozen_p.signal(signal.SIGSTOP)
         self.stuck = [w.read_blocks(self.frozen.id, 0, b) for b in (2, 3)]
+        self.stuck_slots = {w._recving[r].slot for r in self.stuck}
         self.outcomes = {}
         self._in_flight = 2 + healthy_reads
 
+    def _step(self) -> None:
+        if self.w.reads_in_flight() < self._in_flight:
+            self.w.read_blocks(self.healthy.id, 0, 4)
+        for o in self.w.get_finished():
+            self.outcomes[o.request_id] = o
+
+    def until(self, what: str, check, within: float) -> Any:
+        def step():
+            self._step()
+            return check()
+
+        return wait_for(what, step, within, seen=lambda: (self.log.all(), self.outcomes, self.w.held_slots()))
+
+    def until_failed(self, within: float) -> dict:
+        """The frozen prefill stalled and both its requests failed."""
+        return self.until("the frozen prefill's requests failed", lambda: all(
+            r in self.outcomes for r in self.stuck) and self.log.find("stalled", engine=self.frozen.id), within)
+
+    def fenced(self, watch: float = 1.0) -> None:
+        """Not released while frozen: its given-up READs may still run; their
+        slots held."""
+        end = time.monotonic() + watch
+        while time.monotonic() < end:
+            self._step()
+            time.sleep(0.01)
+        assert not self.log.find("released", engine=self.frozen.id), self.log.all()
+        assert self.w.held_slots() >= 1 and not self.stuck_slots & set(self.w._free_slots)
+
     def until_released(self, within: float) -> dict:
-        def released():
-            if self.w.reads_in_flight() < self._in_flight:
-                self.w.read_blocks(self.healthy.id, 0, 4)
-            for o in self.w.get_finished():
-                self.outcomes[o.request_id] = o
-            return self.log.find("released", engine=self.frozen.id)
-
-        return wait_for("the frozen prefill released", released, within,
-                        seen=lambda: (self.log.all(), self.outcomes))
+        return self.until("the frozen prefill released", lambda: self.log.find(
+            "released", engine=self.frozen.id), within)
 
 
-def test_a_sigstopped_prefill_with_reads_in_flight_is_stalled_and_released(prefills, make_worker):
+def test_a_sigstopped_prefill_with_reads_in_flight_is_stalled_fenced_and_released_on_resume(prefills, make_worker):
     w = make_worker(interval=HEARTBEAT, read_stall=f"{READ_STALL:g}s", read_timeout=30.0)
     f = Frozen(prefills, w, healthy_reads=2)
     log, frozen, healthy, frozen_p = f.log, f.frozen, f.healthy, f.frozen_p
     stopped_at, stuck, outcomes = f.stopped_at, f.stuck, f.outcomes
     # The stall bound: 1.25 read-stall bounds plus a second of slack (the
-    # frozen bound the library documents), then released at once.
-    released = f.until_released(1.25 * READ_STALL + 1.0 + MARGIN)
+    # frozen bound the library documents): the requests fail then.
+    f.until_failed(1.25 * READ_STALL + 1.0 + MARGIN)
     stalled = log.find("stalled", engine=frozen.id)
     assert stalled and stalled["failed"] and stalled["reads_in_flight"] == 2, log.all()
-    assert released["reason"] == "stalled"
     assert all(outcomes[r].result == "abandoned" for r in stuck), outcomes
+    failed_at = time.monotonic()
+    f.fenced()
     assert any(o.result == "verified" and o.engine_id == healthy.id for o in outcomes.values())
-    report(f"SIGSTOP with 2 reads in flight: stalled after {(stalled['at'] - stopped_at) * 1000:.0f} ms, "
-           f"released {(released['at'] - stalled['at']) * 1000:.1f} ms later")
-    frozen_p.signal(signal.SIGCONT)
+    resumed_at = frozen_p.signal(signal.SIGCONT)
+    released = f.until_released(MARGIN)
+    assert released["reason"] == "stalled"
+    f.until("the slots back", lambda: w.held_slots() == 0, MARGIN)
+    assert not w.retired_slots and not f.stuck_slots & set(w._given_up)
+    report(f"SIGSTOP with 2 reads in flight: stalled and both requests failed "
+           f"{(failed_at - stopped_at) * 1000:.0f} ms after the stop, fenced while frozen; released "
+           f"{(released['at'] - resumed_at) * 1000:.1f} ms after SIGCONT, slots back")
     again = w.add_remote_agent(frozen_p.address)
     assert again.is_live and again.incarnation == frozen.incarnation
     read_verified(w, again, 0, 5)
 
 
-def test_the_example_releases_a_sigstopped_prefill_with_every_default_and_retires_its_slots(prefills, make_worker):
+def test_the_example_stalls_a_sigstopped_prefill_with_every_default_and_frees_its_slots_on_resume(
+        prefills, make_worker):
     """Every default: the worker's 5 s read timeout is shorter than the
-    10 s read-stall bound, so the release rests on the timed-out reads
-    being given up as such (before, closing them counted as completions
-    and restarted the stall clock: never released)."""
+    10 s read-stall bound, so the stall rests on the timed-out reads being
+    given up as such (before, closing them counted as completions and
+    restarted the stall clock: never stalled)."""
     w = make_worker()
     assert w.keepalive.config.as_dict()["read_stall"] == 10.0 and w.read_timeout == 5.0
     f = Frozen(prefills, w, healthy_reads=1)
     log, frozen, healthy, frozen_p = f.log, f.frozen, f.healthy, f.frozen_p
     stopped_at, stuck, outcomes = f.stopped_at, f.stuck, f.outcomes
-    stuck_slots = {w._recving[r].slot for r in stuck}
-    got = f.until_released(w.read_timeout + 1.0 + MARGIN)
-    assert got["reason"] == "stalled", got
+    f.until_failed(w.read_timeout + 1.0 + MARGIN)
+    failed_at = time.monotonic()
     # The first to time out is given up as such and stalls the engine; the
     # rest are then failed by the service (abandoned).
     results = sorted(outcomes[r].result for r in stuck)
     assert "timed_out" in results and set(results) <= {"timed_out", "abandoned"}, outcomes
     stalled = log.find("stalled", engine=frozen.id)
     assert stalled and stalled["given_up"] >= 1, log.all()
-    # The timed-out reads' slots never return to the free list (NIXL 1.5.1
-    # cannot prove a given-up READ over: it may still land). They are
-    # settled when the worker next looks (the release may come back after
-    # the last read above was started): the wait drives that look.
-    def retired():
-        w.reclaim_slots()
-        return stuck_slots <= set(w.retired_slots)
-
-    wait_for("the given-up slots retired", retired, MARGIN,
-             seen=lambda: (w.retired_slots, w._free_slots, sorted(w._given_up)))
-    assert not stuck_slots & set(w._free_slots)
+    f.fenced()
     for _ in range(4):  # the healthy prefill is read on, from the other slots
         read_verified(w, healthy, 0, 6)
-    report(f"SIGSTOP, every default: released {(got['at'] - stopped_at):.2f} s after the stop "
-           f"(read timeout {w.read_timeout:g} s), {len(w.retired_slots)} slots retired")
     frozen_p.signal(signal.SIGCONT)
+    got = f.until_released(MARGIN)
+    assert got["reason"] == "stalled", got
+    f.until("the slots back", lambda: w.held_slots() == 0, MARGIN)
+    assert not w.retired_slots and not f.stuck_slots & set(w._given_up)
+    report(f"SIGSTOP, every default: requests failed {(failed_at - stopped_at):.2f} s after the stop "
+           f"(read timeout {w.read_timeout:g} s), fenced while frozen, released and slots back after SIGCONT")
+
+
+def test_the_example_through_freeze_cycles_fails_at_once_and_gets_every_slot_back(prefills, make_worker):
+    """Issue 43 with the example worker: cycles (``NIXL_KEEPALIVE_FREEZE_CYCLES``,
+    20 by default) of a prefill SIGSTOPped with two reads in flight, then
+    resumed or (every fourth) SIGKILLed and started again at its address:
+    the requests fail within the stall bound, the engine is released only
+    once their READs ended, every slot comes back, and reads into the
+    reused slots verify."""
+    cycles = int(os.environ.get("NIXL_KEEPALIVE_FREEZE_CYCLES", "20"))
+    w = make_worker(interval=HEARTBEAT, read_stall=f"{READ_STALL:g}s", read_timeout=30.0)
+    healthy = w.add_remote_agent(prefills().address)
+    p = prefills()
+    free_before = len(w._free_slots)
+    held = []
+    for cycle in range(cycles):
+        log = EventLog(w.keepalive)
+        frozen = w.add_remote_agent(p.address)
+        read_verified(w, frozen)
+        stopped_at = p.signal(signal.SIGSTOP)
+        stuck = [w.read_blocks(frozen.id, 0, b) for b in (2, 3)]
+        outcomes = {}
+
+        def step():
+            if w.reads_in_flight() < 3:
+                w.read_blocks(healthy.id, 0, 4)
+            for o in w.get_finished():
+                outcomes[o.request_id] = o
+
+        def until(what, check, within):
+            return wait_for(what, lambda: (step(), check())[1], within,
+                            seen=lambda: (cycle, log.all(), outcomes, w.held_slots()))
+
+        until("the requests failed", lambda: all(r in outcomes for r in stuck), 1.25 * READ_STALL + 1.0 + MARGIN)
+        failed_in = time.monotonic() - stopped_at
+        assert all(outcomes[r].result == "abandoned" for r in stuck), (cycle, outcomes)
+        held.append(w.held_slots())
+        assert held[-1] >= 1 and not log.find("released", engine=frozen.id), (cycle, log.all())
+        resume = cycle % 4 != 3
+        if resume:
+            p.signal(signal.SIGCONT)
+        else:
+            p.kill()
+        until("released once the READs ended", lambda: log.find("released", engine=frozen.id), MARGIN)
+        until("every slot back", lambda: w.held_slots() == 0
+              and len(w._free_slots) + w.reads_in_flight() == free_before, MARGIN)
+        if not resume:
+            p = prefills(listen=p.address)
+        assert not w.retired_slots
+        report(f"freeze cycle {cycle + 1}/{cycles} ({'SIGCONT' if resume else 'SIGKILL'}): requests failed "
+               f"{failed_in:.2f} s after SIGSTOP, {held[-1]} slot(s) held while frozen, back after the "
+               f"{'resume' if resume else 'kill'}")
+    # Every slot reused: reads into all of them verify.
+    frozen = w.add_remote_agent(p.address)
+    for _ in range(free_before):
+        read_verified(w, frozen, 0, 5)
+    report(f"{cycles} freeze cycles with the example worker: slots held per cycle {held}, all back after each, "
+           f"0 retired, reads into the reused slots verified")
 
 
 def test_a_hundred_kill_restart_cycles_leak_no_metadata_threads_or_fds(prefills, make_worker, nixl_api):

@@ -42,6 +42,12 @@ class Decode:
         self.free: List[int] = list(range(blocks))
         self.outcomes: Dict[str, Outcome] = {}
         self.local_of: Dict[str, List[int]] = {}
+        # What KeepaliveNixlConnectorScheduler does for vLLM's scheduler
+        # (tested with vLLM's real Scheduler in test_vllm_given_up.py): a
+        # failed request's blocks are withheld, announced to the worker,
+        # and freed when it reports the request in finished_sending.
+        self.withheld: Set[str] = set()
+        self._announce: Set[str] = set()
 
     @property
     def ka(self) -> Any:
@@ -52,14 +58,27 @@ class Decode:
         """One engine step: new reads (and vLLM's heartbeat package) handed
         to the worker, then its transfer results collected."""
         meta = vllm_env.recv_metadata(reqs or {}, host, port, heartbeat)
+        if self._announce:
+            meta.ka_free_when_over = self._announce
+            self._announce = set()
         with self._scope(self.config):
             self.worker.start_load_kv(meta)
             results = self.worker.get_transfer_results()
         failed = set(results.failed_recving or ())
         for req_id in results.finished_recving or ():
             self.outcomes[req_id] = Outcome(req_id, req_id not in failed, time.monotonic())
+            if req_id in failed:
+                # Failed (vLLM's "fail" policy finishes it now): its
+                # blocks wait for the worker's word.
+                self.withheld.add(req_id)
+                self._announce.add(req_id)
+                continue
             # The scheduler frees a finished request's blocks.
             self.free.extend(self.local_of.pop(req_id, []))
+        for req_id in results.finished_sending or ():
+            if req_id in self.withheld:
+                self.withheld.discard(req_id)
+                self.free.extend(self.local_of.pop(req_id, []))
 
     def read(self, engine_id: str, port: int, remote_blocks: List[int], host: str = "127.0.0.1") -> Tuple[str, List[int]]:
         """Starts one request reading these remote blocks into free local

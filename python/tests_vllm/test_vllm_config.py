@@ -23,22 +23,34 @@ def test_a_vllm_missing_a_hook_is_refused_naming_it(vllm_ready, monkeypatch):
     from nixl_keepalive import vllm as kv
 
     # Defined on vLLM's base worker class, inherited by the pull worker.
-    monkeypatch.delattr(kv._base_worker.NixlBaseConnectorWorker, "_try_release_xfer_handle")
+    monkeypatch.delattr(kv._base_worker.NixlBaseConnectorWorker, "_handle_failed_transfer")
     with pytest.raises(RuntimeError) as e:
         kv.check_vllm_version("0.33.0")
-    assert "_try_release_xfer_handle is missing" in str(e.value), e.value
+    assert "_handle_failed_transfer is missing" in str(e.value), e.value
+
+
+def test_a_vllm_whose_scheduler_side_lacks_a_hook_is_refused_naming_it(vllm_ready, monkeypatch):
+    from nixl_keepalive import vllm as kv
+
+    # The scheduler side's: defined on vLLM's base scheduler class.
+    base = kv.NixlPullConnectorScheduler.__mro__[1]
+    monkeypatch.delattr(base, "update_connector_output")
+    with pytest.raises(RuntimeError) as e:
+        kv.check_vllm_version()
+    assert "scheduler update_connector_output is missing" in str(e.value), e.value
 
 
 def test_a_vllm_hook_with_other_parameters_is_refused_naming_both(vllm_ready, monkeypatch):
     from nixl_keepalive import vllm as kv
 
-    def reshaped(self, req_id, handle, why):  # a parameter more than the keepalive calls it with
+    def reshaped(self, req_id, handle, why):  # not what the keepalive calls it with
         raise AssertionError("never called")
 
-    monkeypatch.setattr(kv.NixlPullConnectorWorker, "_try_release_xfer_handle", reshaped)
+    monkeypatch.setattr(kv.NixlPullConnectorWorker, "_handle_failed_transfer", reshaped)
     with pytest.raises(RuntimeError) as e:
         kv.check_vllm_version()
-    assert "takes (req_id, handle, why), not (req_id, handle)" in str(e.value), e.value
+    assert ("takes (req_id, handle, why), not (req_id, handle, failed_req_ids, record_failed_transfer)"
+            in str(e.value)), e.value
 
 
 def test_every_hook_is_there_on_the_installed_vllm(vllm_ready):
@@ -48,6 +60,7 @@ def test_every_hook_is_there_on_the_installed_vllm(vllm_ready):
     assert vllm_hooks.problems("worker", kv.NixlPullConnectorWorker) == []
     assert vllm_hooks.problems("base_worker", kv._base_worker) == []
     assert vllm_hooks.problems("connector", kv.NixlBaseConnector) == []
+    assert vllm_hooks.problems("scheduler", kv.NixlPullConnectorScheduler) == []
 
 
 def test_knobs_from_extra_config(vllm_ready):

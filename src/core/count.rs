@@ -27,6 +27,12 @@ pub(crate) enum Count {
     ReadStall(&'static str),
     /// A read the runtime gave up.
     ReadGivenUp { why: GiveUp, unanswered: bool },
+    /// A given-up transfer stopped being held: seen to end (`over`) or
+    /// abandoned, `held_for` after its give-up.
+    GivenUpEnded { over: bool, held_for: Duration },
+    /// The gauges of given-up transfers still running, and the blocks
+    /// their destinations hold.
+    GivenUpHeld { transfers: u64, blocks: u64 },
     /// A decoder-wide stall began.
     DecoderStuck,
     /// The transport panicked in `call`.

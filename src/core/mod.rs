@@ -44,6 +44,7 @@ mod calls;
 mod classify;
 mod count;
 mod directory;
+mod given_up;
 mod handshake;
 mod heartbeat;
 mod identity;
@@ -83,6 +84,7 @@ use crate::read_accounting::cell::{EngineCell, Wake};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::transport::{AgentName, EngineId, PeerAddr};
 use directory::Directory;
+use given_up::GivenUpBook;
 use heartbeat::Heartbeats;
 use identity::ConflictLog;
 use peer::PeerTable;
@@ -258,6 +260,8 @@ pub(crate) struct Core<R> {
     stalls: StallWatch,
     /// Releases in flight and the shutdown (`release.rs`).
     releases: Releases,
+    /// Given-up transfers still running (`given_up.rs`).
+    given_up: GivenUpBook,
 }
 
 impl<R> Core<R> {
@@ -298,6 +302,7 @@ impl<R> Core<R> {
             calls: Vec::new(),
             silent_peer_note: "UCX settings not given to the service".to_string(),
             releases: Releases::default(),
+            given_up: GivenUpBook::default(),
             transient_log: LogLimiter::standard(),
         }
     }
@@ -431,9 +436,18 @@ impl<R> Core<R> {
                 why,
                 unanswered,
                 done,
+                token,
+                blocks,
             }) => {
                 self.transfer_may_be_running(serial);
+                let gauges = self.given_up.given_up(now, serial, token, blocks);
+                self.count(gauges);
                 self.read_given_up(now, serial, why, unanswered, done)
+            }
+            Input::Read(Wake::GivenUpEnded { token, over, .. }) => {
+                for count in self.given_up.ended(now, token, over).into_iter().flatten() {
+                    self.count(count);
+                }
             }
             Input::AddLeases {
                 engine,

@@ -68,6 +68,11 @@ impl<R> Core<R> {
                 if reads > 0 {
                     held.push(format!("{reads} read(s) in flight"));
                 }
+                if let Some((n, oldest)) = self.given_up.oldest(now, p.cell.serial()) {
+                    held.push(format!(
+                        "{n} given-up transfer(s) to end (they complete if it resumes, fail if it dies; the oldest held {oldest:?})"
+                    ));
+                }
                 if let Some(n) = self.directory.holding(&p.address, p.cell.serial()) {
                     held.push(format!("{n} handshake(s) pending at {}", p.address));
                 }
@@ -89,6 +94,7 @@ impl<R> Core<R> {
             agents: p.agents.to_vec(),
             state: p.cell.state(),
             reads_in_flight: reads,
+            given_up: self.given_up.of(now, p.cell.serial()),
             leases: p.leases.iter().cloned().collect(),
             last_heartbeat,
             next_heartbeat_in: p.next_heartbeat.map(|at| at.saturating_duration_since(now)),

@@ -17,7 +17,7 @@
 //! and [`OwnedWriteGuard`] are the same types); "read" in their docs and
 //! in [`EngineRef::reads_in_flight`] means any transfer.
 //!
-//! # A read ends one of three ways
+//! # A read ends one of two ways
 //!
 //! - [`ReadGuard::finish`] with the status the transfer ended with
 //!   (`SUCCESS`, or an error): the transfer is over, its destination
@@ -25,18 +25,23 @@
 //!   (a completion).
 //! - [`ReadGuard::give_up`]: the runtime stopped waiting for a transfer
 //!   still in progress (its read timeout, a cancelled request, or the
-//!   service failed the engine's reads). Not a completion: a read given up
-//!   unanswered is evidence that the engine is hung (see
-//!   [`GiveUp::TimedOut`]). And the transfer is not provably over: NIXL
+//!   service failed the engine's reads) and fails its request now. Not a
+//!   completion: a read given up unanswered is evidence that the engine is
+//!   hung (see [`GiveUp::TimedOut`]). And the transfer is not over: NIXL
 //!   1.5.1 answers `releaseXferReq` on a READ in progress with SUCCESS,
 //!   yet over TCP the bytes still land in the destination when the
 //!   prefill resumes, even after the engine's remote metadata was
-//!   invalidated (measured, `cli/tests/real_buffer.rs`). So the runtime
-//!   gets a [`GivenUpRead`] and may reuse the destination buffer only when
-//!   it says [`Destination::Reusable`].
+//!   invalidated (measured, `cli/tests/real_buffer.rs`). So the given-up
+//!   read keeps counting as in flight, fencing the engine (no release
+//!   under it), and the runtime keeps its destination until the transfer
+//!   is seen to end ([`GivenUpRead::ended`]: it completes when a frozen
+//!   prefill resumes, fails when it dies).
 
 use std::fmt;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
+
+use event_listener::Event;
 
 use crate::error::ReadRefused;
 use crate::give_up::GiveUp;
@@ -311,20 +316,37 @@ macro_rules! read_guard {
                 drop(self);
             }
 
-            /// Ends the read as given up: the runtime stopped waiting for a
-            /// transfer still in progress (and released or abandoned the
-            /// request). Not a completion: see [`GiveUp`] for what the
-            /// service makes of it.
+            /// Gives the read up: the runtime stopped waiting for a transfer
+            /// still in progress (its read timeout, a cancelled request, the
+            /// service failed the engine's reads) and fails its request now.
+            /// Not a completion: see [`GiveUp`] for what the service makes
+            /// of it.
             ///
-            /// The transfer may still write the read's destination buffer:
-            /// keep the returned [`GivenUpRead`] with the buffer, and reuse
-            /// the buffer only once it says [`Destination::Reusable`].
-            pub fn give_up(mut self, why: GiveUp) -> GivenUpRead {
+            /// The transfer is not over: it may still write the read's
+            /// destination and touch the engine's memory, so it still counts
+            /// as in flight (the engine is not released under it). Keep the
+            /// returned [`GivenUpRead`] with the destination, keep polling
+            /// the transfer (do not release NIXL's request: that does not
+            /// end it, see the module docs), and say when it ends with
+            /// [`GivenUpRead::ended`]: the destination is then reusable.
+            pub fn give_up(self, why: GiveUp) -> GivenUpRead {
+                self.give_up_holding(why, 0)
+            }
+
+            /// [`Self::give_up`], saying how many destination blocks the
+            /// transfer holds (in the runtime's own unit: KV blocks, pages,
+            /// slots), for the snapshot and the
+            /// `nixl_keepalive_given_up_blocks` gauge.
+            pub fn give_up_holding(mut self, why: GiveUp, blocks: u64) -> GivenUpRead {
                 let begun = std::mem::replace(&mut self.begun, GIVEN_UP);
-                self.cell().give_up(why, begun);
+                let token = self.cell().give_up(why, begun, blocks);
                 GivenUpRead {
                     cell: Arc::clone(self.cell()),
                     why,
+                    begun,
+                    token,
+                    watch: AtomicU8::new(WATCHED),
+                    changed: Event::new(),
                 }
             }
         }
@@ -355,33 +377,64 @@ read_guard!(OwnedReadGuard, "OwnedReadGuard", |this| &this.cell);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Destination {
-    /// The engine was released and the transport's release ended every
-    /// transfer still running to it ([`crate::Transport::release_ends_transfers`]):
-    /// no byte can land any more; the buffer is the runtime's again.
+    /// The transfer is over: it was seen to end ([`GivenUpRead::ended`]),
+    /// or it was abandoned and the engine's release, with a transport whose
+    /// release ends every transfer still running to it
+    /// ([`crate::Transport::release_ends_transfers`]), came back. No byte
+    /// can land any more; the buffer is the runtime's again.
     Reusable,
-    /// The engine was released, but the transport cannot prove that the
-    /// release ended the transfer: never reuse the buffer, and keep it
+    /// The transfer was abandoned ([`GivenUpRead::abandon`]: nobody watches
+    /// it end) and the engine was released, but the transport cannot prove
+    /// that the release ended it: never reuse the buffer, and keep it
     /// allocated (and its memory mapped) for as long as the agent lives.
     /// What the NIXL 1.5.1 transport answers: measured over TCP, a READ
     /// given up with `releaseXferReq` wrote its destination when the
     /// prefill resumed, even after the release had invalidated the
-    /// engine's remote metadata (`cli/tests/real_buffer.rs`).
+    /// engine's remote metadata (`cli/tests/real_buffer.rs`). A watched
+    /// transfer never ends here.
     Retire,
 }
 
+/// A given-up transfer still watched: it counts as in flight.
+const WATCHED: u8 = 0;
+/// Seen to end ([`GivenUpRead::ended`]).
+const OVER: u8 = 1;
+/// No longer watched ([`GivenUpRead::abandon`], or dropped).
+const ABANDONED: u8 = 2;
+
 /// A read given up while its transfer was in progress
 /// ([`ReadGuard::give_up`]): the runtime's token for the read's destination
-/// buffer. Until it says [`Destination::Reusable`], the buffer belongs to
-/// the transfer, which may still write it.
+/// buffer, and the fence on the engine while the transfer may still run.
 ///
-/// It resolves when the engine's release has come back from the transport
-/// (a given-up read does not hold the release back: the release is what
-/// may end the transfer). Engines still held when the service stops never
-/// resolve: retire their buffers.
-#[must_use = "the destination buffer of a given-up read must not be reused before `destination` says so"]
+/// The request is failed at once, but the transfer is not over, so until
+/// it is the engine is not released (its memory may still be read) and
+/// the destination is not reused (its bytes may still land). The runtime
+/// keeps polling the transfer (NIXL's `getXferStatus`) and calls
+/// [`GivenUpRead::ended`] with the status it ended with: it completes
+/// when a frozen prefill resumes and fails when it dies (measured on
+/// NIXL 1.5.1, `cli/tests/real_buffer.rs`). The destination is then
+/// reusable, and a marked engine is released once its last transfer
+/// ends. This is the design in `docs/design/given-up-transfers.md`: it
+/// needs no proof from the transport that a transfer is over.
+///
+/// A runtime that cannot watch the transfer any more (it released NIXL's
+/// request, or it is stopping) calls [`GivenUpRead::abandon`] (dropping
+/// the token does the same): the engine may then be released under the
+/// transfer, and the destination is decided when that release comes back
+/// (see [`Destination`]). Engines still held when the service stops
+/// never decide: retire their buffers.
+#[must_use = "dropping a given-up read abandons its transfer: call `ended` when it ends, or its buffer may have to be retired"]
 pub struct GivenUpRead {
     cell: Arc<EngineCell>,
     why: GiveUp,
+    /// What the read's begin returned: its end is counted with it.
+    begun: u64,
+    /// The give-up, as the core knows it.
+    token: u64,
+    /// [`WATCHED`], [`OVER`] or [`ABANDONED`]; changes once.
+    watch: AtomicU8,
+    /// Wakes [`GivenUpRead::destination`] when `watch` changes.
+    changed: Event,
 }
 
 impl GivenUpRead {
@@ -395,17 +448,79 @@ impl GivenUpRead {
         self.why
     }
 
-    /// What may become of the destination buffer, once the engine's
-    /// release has come back; `None` before.
-    pub fn try_destination(&self) -> Option<Destination> {
-        self.cell.release_done().is_set().then(|| self.decided())
+    /// The transfer ended, with this raw NIXL status (what
+    /// `getXferStatus` said once it stopped saying in progress, or the
+    /// error it returned): no byte can land any more, and the destination
+    /// is reusable. An error reaches the service as any read's does (a
+    /// REMOTE_DISCONNECT marks the engine) before the read stops counting.
+    /// Only the first call (or `abandon`) counts; a later call still says
+    /// [`Destination::Reusable`]: the transfer is over.
+    pub fn ended(&self, status: NixlStatus) -> Destination {
+        if self.settle(OVER) {
+            self.cell.report(status);
+            self.cell
+                .end_given_up(self.begun, self.token, true, status.is_ok());
+        }
+        Destination::Reusable
     }
 
-    /// Resolves when the engine's release has come back, with what may
-    /// become of the destination buffer. Cancel safe.
+    /// Stops watching the transfer without seeing it end (the runtime
+    /// released NIXL's request, or is stopping): it stops counting as in
+    /// flight, so the engine may be released under it, and the destination
+    /// is decided when that release comes back ([`Destination`]). Does
+    /// nothing after [`GivenUpRead::ended`].
+    pub fn abandon(&self) {
+        if self.settle(ABANDONED) {
+            self.cell.end_given_up(self.begun, self.token, false, false);
+        }
+    }
+
+    /// Moves a watched read to `to`; false when it was settled already.
+    fn settle(&self, to: u8) -> bool {
+        let moved = self
+            .watch
+            .compare_exchange(WATCHED, to, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if moved {
+            self.changed.notify(usize::MAX);
+        }
+        moved
+    }
+
+    /// Whether the transfer is still watched (neither `ended` nor
+    /// `abandon` was called).
+    pub fn is_watched(&self) -> bool {
+        self.watch.load(Ordering::Acquire) == WATCHED
+    }
+
+    /// What may become of the destination buffer: [`Destination::Reusable`]
+    /// once the transfer ended; for an abandoned transfer, the answer once
+    /// the engine's release has come back; `None` before.
+    pub fn try_destination(&self) -> Option<Destination> {
+        match self.watch.load(Ordering::Acquire) {
+            OVER => Some(Destination::Reusable),
+            ABANDONED => self.cell.release_done().is_set().then(|| self.decided()),
+            _ => None,
+        }
+    }
+
+    /// Resolves with what may become of the destination buffer: when
+    /// [`GivenUpRead::ended`] is called, or, after
+    /// [`GivenUpRead::abandon`], when the engine's release has come back.
+    /// Cancel safe.
     pub async fn destination(&self) -> Destination {
-        self.cell.release_done().wait().await;
-        self.decided()
+        loop {
+            // Registered before the look: a change in between is not missed.
+            let listener = self.changed.listen();
+            match self.watch.load(Ordering::Acquire) {
+                OVER => return Destination::Reusable,
+                ABANDONED => {
+                    self.cell.release_done().wait().await;
+                    return self.decided();
+                }
+                _ => listener.await,
+            }
+        }
     }
 
     fn decided(&self) -> Destination {
@@ -417,11 +532,18 @@ impl GivenUpRead {
     }
 }
 
+impl Drop for GivenUpRead {
+    fn drop(&mut self) {
+        self.abandon();
+    }
+}
+
 impl fmt::Debug for GivenUpRead {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GivenUpRead")
             .field("engine", self.engine())
             .field("why", &self.why)
+            .field("watched", &self.is_watched())
             .field("destination", &self.try_destination())
             .finish()
     }

@@ -169,7 +169,8 @@ pub(crate) enum Wake {
     /// (only errors are sent).
     TransferResult(RegistrationId, NixlStatus),
     /// The runtime gave up a read of this registration while its transfer
-    /// was in progress.
+    /// was in progress. The transfer still counts as in flight until
+    /// [`Wake::GivenUpEnded`].
     GivenUp {
         /// The registration.
         serial: RegistrationId,
@@ -180,8 +181,27 @@ pub(crate) enum Wake {
         unanswered: bool,
         /// The engine's completed count when it was given up.
         done: u64,
+        /// This give-up, among every give-up of the process.
+        token: u64,
+        /// The destination blocks the transfer holds, in the runtime's
+        /// own unit (0: not said).
+        blocks: u64,
+    },
+    /// A given-up read's transfer stopped counting as in flight: it ended
+    /// (`over`), or the runtime stopped watching it (the transfer may
+    /// still run: see `GivenUpRead::abandon`).
+    GivenUpEnded {
+        /// The registration.
+        serial: RegistrationId,
+        /// The give-up, as [`Wake::GivenUp`] named it.
+        token: u64,
+        /// The transfer was seen to end.
+        over: bool,
     },
 }
+
+/// Give-up tokens: unique per process.
+static NEXT_GIVE_UP: AtomicU64 = AtomicU64::new(1);
 
 /// Why a read was not started.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -525,21 +545,39 @@ impl EngineCell {
         }
     }
 
-    /// Ends one read that the runtime gave up while its transfer was in
-    /// progress: one less in flight, no completion counted. The core hears
-    /// of it (with whether the engine completed anything since the read
-    /// began, `begun` being what [`EngineCell::begin_read`] returned), and,
-    /// as for any read, of the last read of a marked registration ending.
-    pub(crate) fn give_up(&self, why: GiveUp, begun: u64) {
-        let drained = self.end(begun, false);
+    /// Records that the runtime gave up a read while its transfer was in
+    /// progress. The read stays in flight (the engine is not released
+    /// under it) until [`EngineCell::end_given_up`]: a given-up transfer
+    /// may still write its destination, and may still touch the engine's
+    /// memory. The core hears of it (with whether the engine completed
+    /// anything since the read began, `begun` being what
+    /// [`EngineCell::begin_read`] returned). Returns the give-up's token.
+    pub(crate) fn give_up(&self, why: GiveUp, begun: u64, blocks: u64) -> u64 {
         let (_, done) = self.progress();
+        let token = NEXT_GIVE_UP.fetch_add(1, Ordering::Relaxed);
         self.sink.wake(Wake::GivenUp {
             serial: self.serial,
             why,
             unanswered: done == begun & DONE_MASK,
             done,
+            token,
+            blocks,
         });
-        // After the give-up: the core counts it before it may release.
+        token
+    }
+
+    /// Ends a given-up read (`token`: what [`EngineCell::give_up`]
+    /// returned): its transfer was seen to end (`over`, a completion when
+    /// `completed`), or the runtime stopped watching it. As for any read,
+    /// the core hears of the last read of a marked registration ending,
+    /// after it heard of this end.
+    pub(crate) fn end_given_up(&self, begun: u64, token: u64, over: bool, completed: bool) {
+        let drained = self.end(begun, completed);
+        self.sink.wake(Wake::GivenUpEnded {
+            serial: self.serial,
+            token,
+            over,
+        });
         if drained {
             self.sink.wake(Wake::Drained(self.serial));
         }
@@ -853,24 +891,25 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_given_up_read_ends_without_counting_a_completion_and_says_whether_it_was_answered() {
+    fn a_given_up_read_counts_until_it_ends_and_says_whether_it_was_answered() {
         for path in PATHS {
             let sink = Arc::new(Collect::default());
             let cell = cell_on(path, sink.clone());
             let first = begin(&cell, path);
             let second = begin(&cell, path);
-            cell.give_up(GiveUp::TimedOut, first);
+            let t1 = cell.give_up(GiveUp::TimedOut, first, 3);
             assert_eq!(
                 cell.progress(),
-                (1, 0),
-                "one less in flight, none completed ({path:?})"
+                (2, 0),
+                "still in flight, none completed ({path:?})"
             );
             let third = begin(&cell, path);
             cell.end_read(third);
             // `second` began before that completion, `third`'s completion
             // is the one that ended: `second` was answered meanwhile.
-            cell.give_up(GiveUp::Cancelled, second);
-            assert_eq!(cell.progress(), (0, 1));
+            let t2 = cell.give_up(GiveUp::Cancelled, second, 0);
+            assert_ne!(t1, t2);
+            assert_eq!(cell.progress(), (2, 1));
             assert_eq!(
                 sink.take(),
                 vec![
@@ -878,25 +917,45 @@ pub(crate) mod tests {
                         serial: cell.serial(),
                         why: GiveUp::TimedOut,
                         unanswered: true,
-                        done: 0
+                        done: 0,
+                        token: t1,
+                        blocks: 3,
                     },
                     Wake::GivenUp {
                         serial: cell.serial(),
                         why: GiveUp::Cancelled,
                         unanswered: false,
-                        done: 1
+                        done: 1,
+                        token: t2,
+                        blocks: 0,
                     },
                 ]
             );
-            // The last read of a marked registration given up drains it.
-            let last = begin(&cell, path);
+            // A marked registration is fenced by its given-up reads: the
+            // first is seen to end with a completion, the second is
+            // abandoned, and only then may it be released.
             cell.mark(EngineState::Stalled).unwrap();
-            cell.give_up(GiveUp::Cancelled, last);
+            assert_eq!(cell.try_release(), Err(2));
+            cell.end_given_up(first, t1, true, true);
+            assert_eq!(cell.progress(), (1, 2), "{path:?}");
+            assert_eq!(cell.try_release(), Err(1));
+            cell.end_given_up(second, t2, false, false);
             assert_eq!(
-                sink.take().last(),
-                Some(&Wake::Drained(cell.serial())),
-                "drained after the give-up is known"
+                cell.progress(),
+                (0, 2),
+                "an abandoned read completes nothing"
             );
+            let wakes = sink.take();
+            assert_eq!(
+                wakes.last(),
+                Some(&Wake::Drained(cell.serial())),
+                "drained after its end is known: {wakes:?}"
+            );
+            assert!(wakes.contains(&Wake::GivenUpEnded {
+                serial: cell.serial(),
+                token: t2,
+                over: false
+            }));
             assert_eq!(cell.try_release(), Ok(()));
         }
     }
@@ -946,7 +1005,10 @@ pub(crate) mod tests {
         });
         assert_eq!(cell.progress(), (2, 1));
         std::thread::scope(|s| {
-            s.spawn(|| cell.give_up(GiveUp::Cancelled, b));
+            s.spawn(|| {
+                let token = cell.give_up(GiveUp::Cancelled, b, 0);
+                cell.end_given_up(b, token, false, false);
+            });
         });
         assert_eq!(cell.progress(), (1, 1), "a give-up completes nothing");
         assert_eq!(cell.mark(EngineState::Retiring), Some(1));
@@ -1179,22 +1241,18 @@ pub(crate) mod tests {
             let mine = begin(&cell, Path::Owner);
             cell.end_read(mine);
         }
-        let unanswered = |expected_done: u64| Wake::GivenUp {
-            serial: cell.serial(),
-            why: GiveUp::TimedOut,
-            unanswered: true,
-            done: expected_done,
-        };
+        let unanswered = |wake: &Wake, expected_done: u64| matches!(wake, Wake::GivenUp { why: GiveUp::TimedOut, unanswered: true, done, .. } if *done == expected_done);
         // Another thread begins after the owner's three completions and
         // gives up with none since: unanswered.
         std::thread::scope(|s| {
             s.spawn(|| {
                 let theirs = cell.begin_read().unwrap();
                 assert_eq!(theirs & ON_OWNER, 0);
-                cell.give_up(GiveUp::TimedOut, theirs);
+                cell.give_up(GiveUp::TimedOut, theirs, 0);
             });
         });
-        assert_eq!(sink.take(), vec![unanswered(3)]);
+        let wakes = sink.take();
+        assert!(wakes.len() == 1 && unanswered(&wakes[0], 3), "{wakes:?}");
         // The owner gives up with none since its begin either, after the
         // other thread completed one: unanswered; and one begun before
         // the other thread's completion is answered.
@@ -1206,10 +1264,10 @@ pub(crate) mod tests {
             });
         });
         let after = begin(&cell, Path::Owner);
-        cell.give_up(GiveUp::TimedOut, after);
-        cell.give_up(GiveUp::TimedOut, before);
+        cell.give_up(GiveUp::TimedOut, after, 0);
+        cell.give_up(GiveUp::TimedOut, before, 0);
         let wakes = sink.take();
-        assert_eq!(wakes[0], unanswered(4));
+        assert!(unanswered(&wakes[0], 4), "{wakes:?}");
         assert!(
             matches!(
                 wakes[1],

@@ -10,11 +10,10 @@
 //!   checked;
 //! - landing slots: a READ given up in progress keeps its slot (see
 //!   [`ReadOutcome::lent_slot`]): NIXL 1.5.1 may still write it (measured,
-//!   `cli/tests/real_buffer.rs`). The [`Decoder`] hands it back only when
-//!   the service's [`GivenUpRead`] says [`Destination::Reusable`]; with the
-//!   NIXL 1.5.1 transport it says [`Destination::Retire`], and the slot is
-//!   never reused (its memory is kept, mapped, for the life of the
-//!   process);
+//!   `cli/tests/real_buffer.rs`). The [`Decoder`] keeps the READ's request
+//!   and watches it to its end (it completes when a frozen prefill resumes,
+//!   fails when it dies), tells the service ([`GivenUpRead::ended`]: the
+//!   engine is not released before) and hands the slot back;
 //! - [`Decoder`]: the above with the service, through the library's
 //!   handshake protocol (`handshake`, `ready_to_load`, `register`),
 //!   read guards reporting each transfer's status; [`Decoder::spawn`] runs
@@ -240,22 +239,18 @@ pub enum ReadOutcome {
     },
     /// NIXL refused or failed the transfer with this raw status.
     Failed(NixlStatus),
-    /// Still in progress at the deadline; the request was released
-    /// (`releaseXferReq`: NIXL 1.5.1 answers SUCCESS, which stops the
-    /// read's `RD:` notification but not its bytes), with this raw status.
-    /// Its landing slot stays lent to the transfer.
+    /// Still in progress at the deadline: given up, its request kept (not
+    /// released: `releaseXferReq` does not end a READ in progress, it only
+    /// stops its `RD:`, measured in `cli/tests/real_buffer.rs`) to be
+    /// watched to its end ([`RemoteEngine::take_running`]). Its landing
+    /// slot stays lent to the transfer until then.
     TimedOut {
-        /// What `releaseXferReq` returned for the request in progress.
-        release: NixlStatus,
         /// The landing slot the transfer may still write.
         slot: usize,
     },
     /// The service failed the engine's reads (unreachable, stalled, gone in
-    /// fail mode); the request was released, with this raw status. Its
-    /// landing slot stays lent to the transfer.
+    /// fail mode): given up as [`ReadOutcome::TimedOut`] is.
     Abandoned {
-        /// What `releaseXferReq` returned for the request in progress.
-        release: NixlStatus,
         /// The landing slot the transfer may still write.
         slot: usize,
     },
@@ -363,6 +358,9 @@ struct LocalSlots {
     free: Mutex<std::collections::VecDeque<usize>>,
     /// Slots lent to transfers given up in progress, not proven over.
     lent: Mutex<BTreeSet<usize>>,
+    /// The transfers given up in progress, by slot, not released: kept to
+    /// be watched to their end ([`RemoteEngine::take_running`]).
+    running: Mutex<std::collections::BTreeMap<usize, nixl_agent::XferRequest>>,
 }
 
 impl LocalSlots {
@@ -532,6 +530,7 @@ impl RemoteEngine {
                 dlist: Some(dlist),
                 free: Mutex::new((0..regions.len()).collect()),
                 lent: Mutex::default(),
+                running: Mutex::default(),
                 regions,
             })
         })();
@@ -624,9 +623,19 @@ impl RemoteEngine {
         outcome
     }
 
+    /// The request of the transfer given up in progress into `slot`, kept
+    /// to be watched to its end (see [`ReadOutcome::TimedOut`]); `None`
+    /// when there is none.
+    pub fn take_running(&self, slot: usize) -> Option<nixl_agent::XferRequest> {
+        self.local
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&slot)
+    }
+
     /// Hands back a slot a given-up read left lent, once its transfer is
-    /// proven over ([`Destination::Reusable`]). A slot not lent is left
-    /// alone.
+    /// over ([`Destination::Reusable`]). A slot not lent is left alone.
     pub fn return_slot(&self, slot: usize) {
         let was_lent = self
             .local
@@ -715,26 +724,25 @@ impl RemoteEngine {
             Err(e) => return ReadOutcome::Failed(e.status),
         };
         let mut pause = Duration::from_micros(50);
-        // Giving up on a READ in progress: release the request and keep
-        // what NIXL said. Measured with NIXL 1.5.1: SUCCESS, and the READ's
-        // `RD:` notification is never sent, but over TCP its bytes still
-        // land when the prefill resumes: the slot stays lent.
-        let give_up = |req: nixl_agent::XferRequest| match req.release() {
-            Ok(()) => NixlStatus::SUCCESS,
-            Err(e) => e.status,
+        // Giving up on a READ in progress: the request is kept, not
+        // released (that does not end the transfer: over TCP its bytes
+        // still land when the prefill resumes, measured with NIXL 1.5.1),
+        // to be watched to its end; the slot stays lent until then.
+        let keep = |req: nixl_agent::XferRequest| {
+            self.local
+                .running
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(slot, req);
         };
         while state == XferState::InProgress {
             if abandon() {
-                return ReadOutcome::Abandoned {
-                    release: give_up(req),
-                    slot,
-                };
+                keep(req);
+                return ReadOutcome::Abandoned { slot };
             }
             if start.elapsed() >= timeout {
-                return ReadOutcome::TimedOut {
-                    release: give_up(req),
-                    slot,
-                };
+                keep(req);
+                return ReadOutcome::TimedOut { slot };
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_micros(100));
@@ -835,16 +843,8 @@ fn count(
             tracing::debug!(%engine, %status, "read failed");
             &stats.failed
         }
-        ReadOutcome::TimedOut { release, .. } | ReadOutcome::Abandoned { release, .. } => {
-            tracing::info!(%engine, request, %release, raw = release.raw(), outcome = outcome.as_str(), "read given up: its request released");
-            metrics::counter!("nixl_keepalive_pd_abandoned_release_total", "status" => release.name())
-                .increment(1);
-            *stats
-                .abandoned_release
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .entry(release.raw())
-                .or_default() += 1;
+        ReadOutcome::TimedOut { .. } | ReadOutcome::Abandoned { .. } => {
+            tracing::info!(%engine, request, outcome = outcome.as_str(), "read given up: its request failed now, its transfer watched to its end");
             let mut ids = stats
                 .given_up_requests
                 .lock()
@@ -921,9 +921,10 @@ pub struct ReadStats {
     pub failed: AtomicU64,
     /// Reads abandoned (timed out, or failed by the service).
     pub abandoned: AtomicU64,
-    /// What `releaseXferReq` returned for abandoned reads: raw status ->
-    /// count.
-    pub abandoned_release: Mutex<std::collections::BTreeMap<i32, u64>>,
+    /// What the given-up reads' transfers ended with, once watched to
+    /// their end (`SUCCESS`: the prefill resumed; an error: it died): raw
+    /// status -> count.
+    pub given_up_ended: Mutex<std::collections::BTreeMap<i32, u64>>,
     /// The ids of the requests whose reads were given up (the first
     /// [`GIVEN_UP_KEPT`]), so that a prefill's late completions can be
     /// matched to them.
@@ -932,12 +933,14 @@ pub struct ReadStats {
     /// with when `decode` saw them done (their `RD:` had been handed to
     /// the prefill by then), to match a prefill's late completions.
     pub completions: Mutex<std::collections::VecDeque<(String, Instant)>>,
-    /// Landing slots of given-up reads handed back (the service proved
-    /// the transfer over).
+    /// Landing slots of given-up reads handed back (their transfer was
+    /// seen to end).
     pub slots_returned: AtomicU64,
-    /// Landing slots of given-up reads retired for good (the transfer may
-    /// still write them: NIXL 1.5.1).
+    /// Landing slots of given-up reads retired for good (their transfer
+    /// was abandoned unwatched and may still write them).
     pub slots_retired: AtomicU64,
+    /// Landing slots lent to given-up transfers now (still running).
+    pub slots_lent: AtomicU64,
     /// Reads refused before posting (engine not live, released, no slot).
     pub refused: AtomicU64,
     /// Handshakes that registered an engine.
@@ -1263,8 +1266,8 @@ impl Decoder {
                 remote.transfer_block(&agent, direction, &id, at, timeout, &|| guard.is_failed());
             count(&stats, &who, &id, at.rank, at.block, outcome);
             let given_up = match outcome {
-                ReadOutcome::TimedOut { .. } => Some(guard.give_up(GiveUp::TimedOut)),
-                ReadOutcome::Abandoned { .. } => Some(guard.give_up(GiveUp::Cancelled)),
+                ReadOutcome::TimedOut { .. } => Some(guard.give_up_holding(GiveUp::TimedOut, 1)),
+                ReadOutcome::Abandoned { .. } => Some(guard.give_up_holding(GiveUp::Cancelled, 1)),
                 _ => {
                     match outcome.status() {
                         Some(status) => guard.finish(status),
@@ -1285,13 +1288,49 @@ impl Decoder {
         outcome
     }
 
-    /// Waits (in a task) for the service to say what becomes of a
-    /// given-up read's landing slot: handed back when the transfer is
-    /// proven over, else retired for good.
+    /// Watches a given-up read's transfer to its end (in a task: its
+    /// request polled every few milliseconds, as `getXferStatus` must be
+    /// for UCX to progress it): it completes when a frozen prefill resumes
+    /// and fails when it dies. Then the service hears of its end (the
+    /// engine is no longer fenced by it), its request is released and its
+    /// landing slot handed back. A slot whose request is missing (never
+    /// kept) is abandoned and retired unless the release proves it over.
     fn reclaim_when_over(&self, remote: Arc<RemoteEngine>, slot: usize, given_up: GivenUpRead) {
         let stats = self.stats.clone();
+        stats.slots_lent.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
-            match given_up.destination().await {
+            let destination = match remote.take_running(slot) {
+                Some(mut req) => {
+                    let mut pause = Duration::from_millis(1);
+                    let status = loop {
+                        match req.status() {
+                            Ok(XferState::InProgress) => {}
+                            Ok(_) => break NixlStatus::SUCCESS,
+                            Err(e) => break e.status,
+                        }
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_millis(20));
+                    };
+                    *stats
+                        .given_up_ended
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .entry(status.raw())
+                        .or_default() += 1;
+                    metrics::counter!("nixl_keepalive_pd_given_up_ended_total", "status" => status.name())
+                        .increment(1);
+                    tracing::info!(engine = %remote.engine, slot, %status, "a given-up READ ended: its landing slot is free again");
+                    let destination = given_up.ended(status);
+                    drop(req);
+                    destination
+                }
+                None => {
+                    given_up.abandon();
+                    given_up.destination().await
+                }
+            };
+            stats.slots_lent.fetch_sub(1, Ordering::Relaxed);
+            match destination {
                 Destination::Reusable => {
                     remote.return_slot(slot);
                     stats.slots_returned.fetch_add(1, Ordering::Relaxed);
@@ -1300,7 +1339,7 @@ impl Decoder {
                 // safe answer is never to reuse the slot.
                 _ => {
                     stats.slots_retired.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(engine = %remote.engine, slot, "landing slot retired: the given-up READ may still write it (NIXL's release does not end it); never reused");
+                    tracing::info!(engine = %remote.engine, slot, "landing slot retired: the given-up READ was abandoned and may still write it; never reused");
                 }
             }
         });

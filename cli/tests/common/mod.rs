@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use nixl_agent::{Agent, AgentConfig, Runtime};
 use nixl_keepalive::transport::nixl::{NixlTransport, ProgressPoller};
-use nixl_keepalive::{Config, Event, PeerAddr};
+use nixl_keepalive::{Config, EngineId, Event, PeerAddr};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
@@ -520,6 +520,19 @@ impl DecodeSide {
         }
         self.seen.extend(v.iter().cloned());
         v
+    }
+
+    /// Waits `watch` and asserts that `engine` was not released meanwhile
+    /// (a frozen peer fenced by its given-up transfers), saying `what`.
+    pub async fn assert_fenced_for(&mut self, engine: &EngineId, watch: Duration, what: &str) {
+        tokio::time::sleep(watch).await;
+        let seen = self.drain();
+        assert!(
+            !seen
+                .iter()
+                .any(|e| matches!(e, Event::Released { engine: id, .. } if id == engine)),
+            "{what}: released under its given-up transfers: {seen:?}"
+        );
     }
 
     /// Stops the service; asserts it released everything.

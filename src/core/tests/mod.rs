@@ -358,9 +358,19 @@ impl Harness {
     }
 
     /// Gives a read up the way the guard does (`begun` is what its
-    /// `begin_read` returned), then delivers the wake-ups.
-    fn give_up(&mut self, cell: &EngineCell, why: GiveUp, begun: u64) {
-        cell.give_up(why, begun);
+    /// `begin_read` returned), then delivers the wake-ups. Returns the
+    /// give-up's token: the read still counts until it is ended.
+    fn give_up(&mut self, cell: &EngineCell, why: GiveUp, begun: u64) -> u64 {
+        let token = cell.give_up(why, begun, 0);
+        self.deliver();
+        token
+    }
+
+    /// Ends a given-up read the way `GivenUpRead` does: `over` when its
+    /// transfer was seen to end (with `SUCCESS`: a completion), else
+    /// abandoned.
+    fn end_given_up(&mut self, cell: &EngineCell, begun: u64, token: u64, over: bool) {
+        cell.end_given_up(begun, token, over, over);
         self.deliver();
     }
 

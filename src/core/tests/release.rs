@@ -186,7 +186,8 @@ fn a_release_may_cut_connections_only_when_every_transfer_ended_here_with_succes
     given_up.begin_read().unwrap();
     h.end_read(&given_up);
     let begun = given_up.begin_read().unwrap();
-    h.give_up(&given_up, GiveUp::Cancelled, begun);
+    let token = h.give_up(&given_up, GiveUp::Cancelled, begun);
+    h.end_given_up(&given_up, begun, token, false);
     // failed: a read that ended with an error that is not a disconnect
     // (the engine stays live).
     failed.begin_read().unwrap();
@@ -278,9 +279,84 @@ fn a_read_given_up_after_the_mark_still_keeps_the_connections() {
         h.released().is_empty(),
         "a read in flight holds the release"
     );
-    h.give_up(&cell, GiveUp::TimedOut, begun);
+    let token = h.give_up(&cell, GiveUp::TimedOut, begun);
+    assert!(
+        h.released().is_empty(),
+        "a given-up transfer still fences it"
+    );
+    h.end_given_up(&cell, begun, token, false);
     assert_eq!(h.released(), vec![1]);
     assert_eq!(h.release_transfers, vec![(1, Transfers::MayBeRunning)]);
+}
+
+#[test]
+fn given_up_transfers_fence_their_engine_are_in_its_snapshot_and_counted_once() {
+    let mut h = harness();
+    let cell = h.live("frozen", at(1), 1);
+    let other = h.live("other", at(2), 2);
+    let a = cell.begin_read().unwrap();
+    let b = cell.begin_read().unwrap();
+    let c = other.begin_read().unwrap();
+    let ta = cell.give_up(GiveUp::TimedOut, a, 4);
+    h.deliver();
+    h.advance(Duration::from_secs(2));
+    let tb = cell.give_up(GiveUp::Cancelled, b, 2);
+    let tc = other.give_up(GiveUp::Cancelled, c, 1);
+    h.deliver();
+    let counts = std::mem::take(&mut h.counts);
+    assert!(
+        counts.contains(&Count::GivenUpHeld {
+            transfers: 3,
+            blocks: 7
+        }),
+        "{counts:?}"
+    );
+    let snap = h.core.snapshot(h.now);
+    let frozen = snap
+        .engines
+        .iter()
+        .find(|e| e.engine == id("frozen"))
+        .unwrap();
+    assert_eq!(frozen.reads_in_flight, 2);
+    assert_eq!(frozen.given_up.len(), 2);
+    assert_eq!(frozen.given_up[0].blocks, 4, "oldest first");
+    assert_eq!(frozen.given_up[0].held_for, Duration::from_secs(2));
+    assert_eq!(frozen.given_up[1].held_for, Duration::ZERO);
+    // Retired by the router: fenced, and the snapshot says by what.
+    h.input(Input::PeerGone {
+        peer: PeerRef::Engine(id("frozen")),
+        mode: GoneMode::Drain,
+    });
+    assert!(h.released().is_empty());
+    let why = &h.core.snapshot(h.now).engines[0].why;
+    assert!(why.contains("2 given-up transfer(s) to end"), "{why}");
+    // One ends (the prefill resumed), twice: counted once.
+    h.advance(Duration::from_secs(1));
+    cell.end_given_up(a, ta, true, true);
+    h.deliver();
+    let counts = std::mem::take(&mut h.counts);
+    assert!(counts.contains(&Count::GivenUpEnded {
+        over: true,
+        held_for: Duration::from_secs(3)
+    }));
+    assert!(counts.contains(&Count::GivenUpHeld {
+        transfers: 2,
+        blocks: 3
+    }));
+    assert!(h.released().is_empty(), "the other still runs");
+    cell.end_given_up(b, tb, false, false);
+    h.deliver();
+    assert_eq!(h.released(), vec![1]);
+    // The other engine's given-up transfer is untouched by all this.
+    assert_eq!(other.state(), EngineState::Live);
+    assert_eq!(other.reads_in_flight(), 1);
+    other.end_given_up(c, tc, true, true);
+    h.deliver();
+    assert_eq!(other.reads_in_flight(), 0);
+    assert!(std::mem::take(&mut h.counts).contains(&Count::GivenUpHeld {
+        transfers: 0,
+        blocks: 0
+    }));
 }
 
 #[test]

@@ -388,7 +388,7 @@ fn a_read_given_up_as_timed_out_unanswered_while_others_complete_stalls_its_engi
     );
     assert_eq!(hung.state(), EngineState::Live);
     h.events();
-    h.give_up(&hung, GiveUp::TimedOut, begun);
+    let first = h.give_up(&hung, GiveUp::TimedOut, begun);
     h.advance(Duration::ZERO);
     assert_eq!(hung.state(), EngineState::Stalled, "judged at once");
     assert!(hung.reads_failed().is_set(), "its other reads are failed");
@@ -397,8 +397,15 @@ fn a_read_given_up_as_timed_out_unanswered_while_others_complete_stalls_its_engi
     let (engine, stalled_for, given_up) = &events[0];
     assert_eq!((engine, *given_up), (&id("hung"), 1));
     assert!(*stalled_for <= Duration::from_secs(5), "{stalled_for:?}");
-    // The other read is given up too (the service failed it): released.
-    h.give_up(&hung, GiveUp::Cancelled, second);
+    // The other read is given up too (the service failed it). Both
+    // transfers may still run: the engine is fenced, not released, until
+    // each ends (the prefill resumed: the first completes) or is
+    // abandoned.
+    let other = h.give_up(&hung, GiveUp::Cancelled, second);
+    assert!(h.released().is_empty(), "fenced by its given-up transfers");
+    h.end_given_up(&hung, begun, first, true);
+    assert!(h.released().is_empty(), "one still running");
+    h.end_given_up(&hung, second, other, false);
     assert_eq!(h.released(), vec![1]);
     assert_eq!(fine.state(), EngineState::Live);
 }
@@ -415,12 +422,19 @@ fn a_timed_out_read_that_began_after_the_last_completion_is_evidence_before_any_
     complete_one(&hung);
     let begun = hung.begin_read().unwrap();
     h.advance(Duration::from_secs(2));
-    h.give_up(&hung, GiveUp::TimedOut, begun);
+    let token = h.give_up(&hung, GiveUp::TimedOut, begun);
     h.advance(Duration::ZERO);
     let stalled = stalled_events(&mut h);
     assert_eq!(stalled.len(), 1, "judged at once");
     assert_eq!(stalled[0].2, 1, "on the evidence of the one timed-out read");
-    assert_eq!(h.released(), vec![1], "no read in flight: released at once");
+    assert!(
+        h.released().is_empty(),
+        "fenced: the given-up READ may still run"
+    );
+    assert_eq!(hung.state(), EngineState::Stalled);
+    // The prefill died: the READ fails, and the engine goes.
+    h.end_given_up(&hung, begun, token, false);
+    assert_eq!(h.released(), vec![1]);
     assert_eq!(hung.state(), EngineState::Released);
 }
 
@@ -466,9 +480,9 @@ fn reads_given_up_cancelled_are_not_completions_the_stall_clock_keeps_running() 
         &hung,
         |_, _| complete_one(&fine),
     );
-    // Cancelled by the runtime: no verdict, and no read in flight any
-    // more, but no completion either.
-    h.give_up(&hung, GiveUp::Cancelled, begun);
+    // Cancelled by the runtime: no verdict, no completion either; the
+    // transfer still counts until it ends.
+    let token = h.give_up(&hung, GiveUp::Cancelled, begun);
     assert_eq!(hung.state(), EngineState::Live);
     let marked = step_until(
         &mut h,
@@ -480,7 +494,10 @@ fn reads_given_up_cancelled_are_not_completions_the_stall_clock_keeps_running() 
     .expect("the given-up read still counts against it");
     assert!(marked - begun_at >= bound);
     assert!(marked - begun_at <= bound + bound / 4);
-    // Nothing in flight: released at once.
+    // Fenced until the given-up transfer is abandoned (or ends).
+    assert_eq!(hung.state(), EngineState::Stalled);
+    h.end_given_up(&hung, begun, token, false);
+    assert_eq!(h.released(), vec![1]);
     assert_eq!(hung.state(), EngineState::Released);
     assert!(h.events().iter().any(|e| matches!(
         e,
@@ -520,11 +537,12 @@ fn a_single_engine_whose_read_timed_out_unanswered_is_stalled_there_is_nothing_t
     let only = h.live("only", at(1), 1);
     let r = only.begin_read().unwrap();
     h.advance(Duration::from_secs(5));
-    h.give_up(&only, GiveUp::TimedOut, r);
+    let token = h.give_up(&only, GiveUp::TimedOut, r);
     h.advance(Duration::ZERO);
-    // Marked stalled and, nothing being in flight, handed to the release.
-    assert_eq!(only.state(), EngineState::Released);
+    // Marked stalled; handed to the release once the transfer ended.
+    assert_eq!(only.state(), EngineState::Stalled);
     assert_eq!(stalled_events(&mut h).len(), 1);
+    h.end_given_up(&only, r, token, true);
     assert_eq!(h.released(), vec![1]);
 }
 
@@ -549,8 +567,11 @@ fn a_given_up_reads_destination_is_decided_when_the_release_comes_back() {
         let only = h.live("only", at(1), 1);
         let r = only.begin_read().unwrap();
         h.advance(Duration::from_secs(5));
-        h.give_up(&only, GiveUp::TimedOut, r);
+        let token = h.give_up(&only, GiveUp::TimedOut, r);
         h.advance(Duration::ZERO);
+        assert_eq!(only.state(), EngineState::Stalled, "fenced while watched");
+        // Abandoned: nobody watches it end; the release decides.
+        h.end_given_up(&only, r, token, false);
         assert_eq!(
             only.state(),
             EngineState::Released,
