@@ -8,8 +8,9 @@
 #      manylinux_2_28) built and installed there
 #   3. the model config the connector needs, written by us into a local
 #      Hugging Face cache (no hub, no weights)
-#   4. (a) our real scenarios, python/tests_vllm/ (real vLLM prefill
-#      processes, our decode worker)
+#   4. (a) our real scenarios, python/tests_vllm/ (pull: real vLLM prefill
+#      processes, our decode worker; push, test_vllm_push.py: real vLLM
+#      push decode processes, our push prefill worker)
 #      (b) vLLM's own NixlConnector unit tests from that release's sdist
 #      (tests/v1/kv_connector/unit/test_nixl_connector.py and
 #      test_nixl_heartbeat.py) with our connector substituted for
@@ -18,11 +19,16 @@
 #      count), deselecting only the tests listed in docs/vllm.md (model
 #      weights from a hub, or what the keepalive deliberately does
 #      differently)
+#      (c) vLLM's own NixlPushConnector unit tests from the same sdist
+#      (tests/v1/kv_connector/unit/test_nixl_push_connector.py) with our
+#      push connector substituted (python/tests_vllm/vllm_push_unit_plugin.py,
+#      which counts the tests that ran our push worker's methods and fails
+#      the run below the recorded count)
 #
 # Exit non-zero on any failure. Without vLLM or NIXL the real tests print
 # SKIPPED; under CI=true or NIXL_KEEPALIVE_REQUIRE_REAL=1 that is a failure.
 # Environment: VLLM_VERSION (0.34.0 or 0.33.0; default 0.34.0), VLLM_VENV
-# (default <repo>/.venv-vllm); VLLM_UNIT=0 skips (b); extra arguments go to
+# (default <repo>/.venv-vllm); VLLM_UNIT=0 skips (b) and (c); extra arguments go to
 # pytest of (a).
 set -euo pipefail
 # shellcheck source=scripts/tier-lib.sh
@@ -80,6 +86,28 @@ if [[ "${VLLM_UNIT:-1}" != "0" ]]; then
         tests/v1/kv_connector/unit/test_nixl_connector.py tests/v1/kv_connector/unit/test_nixl_heartbeat.py) \
         || status=1
     stamp "(b) took $(( $(date +%s) - b_start ))s"
+
+    # Each deselection and its reason: docs/vllm.md, "vLLM's own unit tests".
+    push_deselect=(
+        # These patch `NixlPushConnectorWorker.__mro__[1]`, which they take
+        # for the base worker; with ours substituted it is vLLM's push
+        # worker, so the patch replaces the very get_transfer_results the
+        # test checks (they pass on vLLM's own worker).
+        "tests/v1/kv_connector/unit/test_nixl_push_connector.py::TestPushWriterNotifs::test_get_transfer_results_evicts_completed_state"
+        "tests/v1/kv_connector/unit/test_nixl_push_connector.py::TestPushWriterNegative::test_get_transfer_results_enqueues_each_completed_request"
+        "tests/v1/kv_connector/unit/test_nixl_push_connector.py::TestPushWriterNegative::test_empty_transfer_results_do_not_enqueue_eviction"
+        "tests/v1/kv_connector/unit/test_nixl_push_connector.py::TestPushWriterNegative::test_failed_push_transfer_does_not_evict_writer_state"
+    )
+    push_args=()
+    for d in "${push_deselect[@]}"; do push_args+=(--deselect "${d}"); done
+    stamp "(c) vLLM ${VLLM_VERSION}'s own NixlPushConnector unit tests with KeepaliveNixlPushConnector substituted"
+    c_start=$(date +%s)
+    (cd "${sdist}" && PYTHONPATH="${repo}/python/tests_vllm:${sdist}" VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+        "${py}" -m pytest -p no:cacheprovider -p vllm_push_unit_plugin -q -rsfE --timeout=600 \
+        -o asyncio_default_fixture_loop_scope=function "${push_args[@]}" \
+        tests/v1/kv_connector/unit/test_nixl_push_connector.py) \
+        || status=1
+    stamp "(c) took $(( $(date +%s) - c_start ))s"
 fi
 
 stamp "total $(( $(date +%s) - start ))s"

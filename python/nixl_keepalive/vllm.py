@@ -1234,3 +1234,15 @@ class KeepaliveNixlConnector(NixlPullConnector):
             self.connector_worker = KeepaliveNixlConnectorWorker(vllm_config, self.engine_id, kv_cache_config)
         else:
             raise ValueError(f"KeepaliveNixlConnector: unsupported KVConnectorRole {role!r} (SCHEDULER or WORKER)")
+
+
+def __getattr__(name: str) -> Any:
+    # Push mode's connector is in nixl_keepalive.vllm_push; it is named here
+    # too, so one module path ("kv_connector_module_path":
+    # "nixl_keepalive.vllm") loads either mode. Imported on first use: the
+    # pull connector does not pay for vLLM's push worker.
+    if name in ("KeepaliveNixlPushConnector", "KeepaliveNixlPushConnectorWorker"):
+        from nixl_keepalive import vllm_push
+
+        return getattr(vllm_push, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,8 +42,10 @@ class Hook:
     ``NixlPullConnectorWorker``), ``"worker instance"`` (an attribute its
     constructor sets), ``"base_worker"`` (a global of the module
     ``kv_connector.v1.nixl.base_worker``), ``"connector"``
-    (``NixlBaseConnector``) or ``"scheduler"``
-    (``NixlPullConnectorScheduler``). ``params``: for a method, the parameters after
+    (``NixlBaseConnector``), ``"scheduler"`` (a method of
+    ``NixlPullConnectorScheduler``), ``"push_worker"`` (a method of
+    ``NixlPushConnectorWorker``) or ``"push_worker instance"`` (an
+    attribute its constructor sets). ``params``: for a method, the parameters after
     ``self`` as vLLM names them (the connector overrides it or calls it with
     these). ``use``: what the keepalive does with it."""
 
@@ -56,6 +58,11 @@ class Hook:
 READ_BLOCKS_PARAMS = (
     "read_spec", "dst_engine_id", "request_id", "remote_request_id", "local_xfer_side_handle",
     "local_dram_handle", "remote_xfer_side_handle", "expected_consumers", "awaiting_kvs",
+)
+
+PUSH_XFER_BLOCKS_PARAMS = (
+    "read_spec", "dst_engine_id", "request_id", "remote_request_id", "local_xfer_side_handle",
+    "remote_xfer_side_handle",
 )
 
 HOOKS: Tuple[Hook, ...] = (
@@ -102,6 +109,36 @@ HOOKS: Tuple[Hook, ...] = (
     Hook("base_worker", "nixl_agent_config", use="the agent made with NIXL_THREAD_SYNC_RW"),
     Hook("connector", "__init__", ("vllm_config", "role", "kv_cache_config"),
          "NixlBaseConnector's constructor, then our worker"),
+    # Push mode (nixl_keepalive.vllm_push, the prefill side): methods of
+    # NixlPushConnectorWorker it overrides or calls. The base worker's
+    # hooks above (_nixl_handshake, add_remote_agent, _cleanup_remote_engine,
+    # _log_failure, _pop_done_transfers, _handle_failed_transfer, shutdown,
+    # nixl_agent_config) are its too.
+    Hook("push_worker", "_xfer_blocks_for_req", ("req_id", "meta"),
+         "a WRITE to a decode that is not live refused before vLLM's tables are read"),
+    Hook("push_worker", "_xfer_blocks", PUSH_XFER_BLOCKS_PARAMS, "every WRITE posted under a write guard"),
+    Hook("push_worker", "get_transfer_results", (), "each step: released decodes dropped, WRITEs polled"),
+    Hook("push_worker", "start_load_kv", ("metadata",), "each step: released decodes dropped"),
+    Hook("push_worker", "shutdown", (), "the writer thread stopped, then the service, before the agent goes"),
+    Hook("push_worker", "_pop_done_transfers", ("transfers",), "each WRITE ended with its raw NIXL status"),
+    Hook("push_worker", "_handle_failed_transfer", ("req_id", "handle", "failed_req_ids", "record_failed_transfer"),
+         "a failed WRITE's handle released as vLLM does"),
+    # Tables the push connector reads or writes.
+    Hook("push_worker instance", "nixl_wrapper", use="the agent the service runs over"),
+    Hook("push_worker instance", "_remote_agents", use="the agents vLLM loaded per decode"),
+    Hook("push_worker instance", "dst_xfer_side_handles", use="the decode's dlist handles the service releases"),
+    Hook("push_worker instance", "_handshake_lock", use="vLLM's lock over its engine tables"),
+    Hook("push_worker instance", "_handshake_futures", use="decodes still handshaking are not purged"),
+    Hook("push_worker instance", "_handshake_initiation_executor", use="stopped first at shutdown"),
+    Hook("push_worker instance", "_sending_transfers", use="the WRITEs vLLM polls"),
+    Hook("push_worker instance", "_sending_transfers_lock", use="vLLM's lock over its WRITEs"),
+    Hook("push_worker instance", "_send_failures", use="a refused WRITE's request failed"),
+    Hook("push_worker instance", "_pending_d_registrations", use="a released decode's unmatched registrations"),
+    Hook("push_worker instance", "_evict_finished_inbox", use="those registrations evicted by the writer"),
+    Hook("push_worker instance", "_push_writer_wake", use="the writer woken for the eviction"),
+    Hook("push_worker instance", "_push_writer_stop", use="the writer stopped first at shutdown"),
+    Hook("push_worker instance", "_push_writer_thread", use="the writer joined at shutdown"),
+    Hook("push_worker instance", "xfer_stats", use="refused WRITEs counted as vLLM counts failed ones"),
     # The scheduler side (NixlPullConnectorScheduler): a failed load's
     # blocks kept until its given-up READs are over.
     Hook("scheduler", "update_state_after_alloc", ("request", "blocks", "num_external_tokens"),
@@ -140,7 +177,7 @@ def problems(where: str, obj: Any, hooks: Iterable[Hook] = HOOKS) -> List[str]:
     for hook in hooks:
         if hook.where != where:
             continue
-        if where == "worker instance":
+        if where.endswith(" instance"):
             present = hook.name in getattr(obj, "__dict__", {}) or hasattr(type(obj), hook.name)
         else:
             present = hasattr(obj, hook.name)

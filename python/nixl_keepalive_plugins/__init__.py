@@ -8,8 +8,12 @@ Here nothing is imported until the operator turns the plugin on.
   ``vllm.general_plugins``, run by vLLM in every process it starts, before
   any KV connector is built). ``NIXL_KEEPALIVE_VLLM=1`` makes the name
   launchers write, ``"kv_connector": "NixlConnector"`` (pull mode, vLLM's
-  default), build ``nixl_keepalive.vllm.KeepaliveNixlConnector``; ``0`` or
-  unset leaves vLLM as it is.
+  default), build ``nixl_keepalive.vllm.KeepaliveNixlConnector``, and
+  vLLM's push-mode name, ``"NixlPushConnector"`` (on vLLM 0.34 also
+  ``"NixlConnector"`` with ``"transfer_mode": "push"``, which vLLM's
+  factory resolves to that name), build
+  ``nixl_keepalive.vllm_push.KeepaliveNixlPushConnector``; ``0`` or unset
+  leaves vLLM as it is.
 - ``sglang``: SGLang's general plugin (entry-point group
   ``sglang.srt.plugins``, run by ``load_plugins()`` in SGLang's main
   process and at the start of every scheduler process, before its NIXL
@@ -33,7 +37,8 @@ VLLM_SWITCH = "NIXL_KEEPALIVE_VLLM"
 #: ``NixlPullConnector``.
 VLLM_PULL_NAMES = ("NixlConnector", "NixlPullConnector")
 
-#: The push-mode name, which the keepalive does not cover yet.
+#: vLLM's connector-factory name of the push-mode NIXL connector (vLLM 0.34
+#: resolves ``NixlConnector`` with ``transfer_mode: push`` to it).
 VLLM_PUSH_NAME = "NixlPushConnector"
 
 SGLANG_SWITCH = "NIXL_KEEPALIVE_SGLANG"
@@ -80,12 +85,11 @@ def _keepalive_connector() -> Any:
     return KeepaliveNixlConnector
 
 
-def _push_refused() -> Any:
-    raise ValueError(
-        f"nixl_keepalive: {VLLM_SWITCH}=1, but this vLLM is configured for NIXL push mode "
-        f"({VLLM_PUSH_NAME}, or kv_connector_extra_config transfer_mode \"push\"), which the keepalive does not "
-        f"cover yet; unset {VLLM_SWITCH} to run vLLM's push connector without it, or use pull mode"
-    )
+def _keepalive_push_connector() -> Any:
+    # As _keepalive_connector, for push mode.
+    from nixl_keepalive.vllm_push import KeepaliveNixlPushConnector
+
+    return KeepaliveNixlPushConnector
 
 
 def _ours(loader: Callable[[], Any]) -> bool:
@@ -95,12 +99,12 @@ def _ours(loader: Callable[[], Any]) -> bool:
 def vllm() -> None:
     """vLLM's plugin hook. With the switch on, vLLM's connector factory
     builds the keepalive connector for the pull-mode NIXL names
-    (:data:`VLLM_PULL_NAMES`) and refuses push mode with a message naming
-    the switch. A value other than ``0``/``1``, a vLLM whose factory lacks
+    (:data:`VLLM_PULL_NAMES`) and the push-mode keepalive connector for
+    :data:`VLLM_PUSH_NAME`. A value other than ``0``/``1``, a vLLM whose factory lacks
     those names, or a refused ``NIXL_KEEPALIVE_*`` knob stops the process
     (``SystemExit``). Safe to call again (vLLM loads plugins once per
     process; tests may call it more)."""
-    if not _switch(VLLM_SWITCH, "the keepalive in vLLM's NixlConnector"):
+    if not _switch(VLLM_SWITCH, "the keepalive in vLLM's NIXL connectors, pull and push"):
         return
     try:
         # nixl_keepalive first: its endpoint-close shim must be in place
@@ -116,7 +120,7 @@ def vllm() -> None:
             raise RuntimeError(f"vLLM's connector factory does not register {', '.join(missing)}")
         for name in VLLM_PULL_NAMES:
             registry[name] = _keepalive_connector
-        registry[VLLM_PUSH_NAME] = _push_refused
+        registry[VLLM_PUSH_NAME] = _keepalive_push_connector
         # The knobs (NIXL_KEEPALIVE_*) checked now, before vLLM starts
         # anything, not when the first worker is built.
         nixl_keepalive.Config()

@@ -2,7 +2,8 @@
 ``vllm.general_plugins``): off by default and importing nothing of ours;
 with ``NIXL_KEEPALIVE_VLLM=1`` the name launchers write,
 ``"kv_connector": "NixlConnector"``, builds the keepalive connector through
-vLLM's own factory; a bad switch and push mode fail loudly; NVIDIA Dynamo's
+vLLM's own factory, and vLLM's push-mode name, ``NixlPushConnector``,
+builds the push keepalive connector; a bad switch fails loudly; NVIDIA Dynamo's
 argument check accepts that configuration."""
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ _FACTORY = """
     load_general_plugins()  # vLLM's own loader, as every vLLM process runs it
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    def cls(**extra):
-        kv = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer",
+    def cls(name="NixlConnector", **extra):
+        kv = KVTransferConfig(kv_connector=name, kv_role="kv_consumer",
                               kv_connector_extra_config=extra)
         try:
             c = KVConnectorFactory.get_connector_class(kv)
@@ -68,6 +69,7 @@ def test_on_nixlconnector_is_the_keepalive_connector_through_vllms_factory(vllm_
     print("PULL", cls())
     print("PULL_EXPLICIT", cls(transfer_mode="pull"))
     print("PUSH", cls(transfer_mode="push"))
+    print("PUSH_NAME", cls("NixlPushConnector"))
     """, **{SWITCH: "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
@@ -77,10 +79,11 @@ def test_on_nixlconnector_is_the_keepalive_connector_through_vllms_factory(vllm_
     assert lines["PULL_EXPLICIT"] == "nixl_keepalive.vllm.KeepaliveNixlConnector", out.stdout
     import importlib.metadata as m
 
+    # Push mode: vLLM's own name builds the push keepalive connector; 0.34
+    # resolves NixlConnector with transfer_mode "push" to that name.
+    assert lines["PUSH_NAME"] == "nixl_keepalive.vllm_push.KeepaliveNixlPushConnector", out.stdout
     if not m.version("vllm").startswith("0.33"):
-        # Push mode is not covered: refused, naming the switch, never run
-        # silently without the keepalive the operator asked for.
-        assert lines["PUSH"].startswith("refused:") and SWITCH in lines["PUSH"], out.stdout
+        assert lines["PUSH"] == "nixl_keepalive.vllm_push.KeepaliveNixlPushConnector", out.stdout
 
 
 @pytest.mark.parametrize("value", ["yes", "true", "2", "on"])
