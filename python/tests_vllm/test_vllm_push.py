@@ -203,7 +203,8 @@ def test_decode_restarted_with_the_same_engine_id(push_prefill, push_decodes):
           "after the kill; the new one registered and written to")
 
 
-def test_sigstopped_decode_with_writes_open_stalled_never_released_under_a_write(push_prefill, push_decodes):
+@pytest.mark.parametrize("then", ["resumed", "killed"])
+def test_sigstopped_decode_with_writes_open_stalled_never_released_under_a_write(push_prefill, push_decodes, then):
     read_stall = 3.0
     p = push_prefill(keepalive={"interval": "500ms", "read_stall": f"{read_stall}s"})
     d = push_decodes("D-stopped")
@@ -245,10 +246,13 @@ def test_sigstopped_decode_with_writes_open_stalled_never_released_under_a_write
         assert not released_with
         assert not any(r in p.sent for r in reqs)
     finally:
-        d.signal(signal.SIGCONT)
-    # Resumed: the WRITEs end, and only then is the stalled decode released.
-    p.poll("the resumed decode's WRITEs ended and the stalled decode released",
+        ended = d.kill() if then == "killed" else d.signal(signal.SIGCONT)
+    # Resumed or killed while frozen: the WRITEs end, and only then is the
+    # stalled decode released.
+    p.poll(f"the {then} decode's WRITEs ended and the stalled decode released",
            lambda: p.worker.writes_in_flight() == 0 and p.released(d.engine_id), MARGIN + 5)
+    took = time.monotonic() - ended
     assert released_with == [0], released_with
     print(f"MEASURED push: SIGSTOP with {open_writes} WRITEs open -> stalled {stalled:.2f} s after the stop "
-          f"(read_stall {read_stall:.1f} s), never released under a WRITE; released after SIGCONT once they ended")
+          f"(read_stall {read_stall:.1f} s), never released under a WRITE; {then}: released {took:.2f} s "
+          "after, once they ended")
