@@ -204,6 +204,76 @@ fn a_frozen_idle_prefill_is_retired_when_its_lease_expires_and_picked_up_again_u
     d.stop();
 }
 
+/// Issue 47, item 1: a record under another key naming a healthy
+/// prefill's address (stale or hostile) must not lock that prefill out
+/// once its own record expired and came back: it is read again as soon as
+/// it is back, as without the other record. Idle (one round of reads,
+/// then an hour's pause: released while frozen) and reading (reads in
+/// flight when it froze: given up, and the release waits for the resume).
+#[test]
+fn a_record_naming_a_frozen_idle_prefills_address_does_not_lock_it_out() {
+    record_at_a_frozen_prefills_address(false);
+}
+
+#[test]
+fn a_record_naming_a_frozen_reading_prefills_address_does_not_lock_it_out() {
+    record_at_a_frozen_prefills_address(true);
+}
+
+fn record_at_a_frozen_prefills_address(reading: bool) {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    let _serial = serial();
+    let p = prefill_with_etcd(&etcd);
+    prefill_line(&p, "ETCD registered");
+    let url = etcd.url();
+    let mut args = vec!["--etcd-endpoint", &url, "--control-addr", "127.0.0.1:0"];
+    if !reading {
+        args.extend(["--read-pause-ms", "3600000"]);
+    }
+    let mut d = decode(&args, &[]);
+    d.wait_nth(1, &["event: registered", &p.engine], PATIENCE);
+    d.wait_verified(2, PATIENCE);
+    let imposter =
+        serde_json::json!({"engine_id": "imposter", "address": p.addr.as_str(), "ranks": 1});
+    with_etcd(&etcd, async |c| {
+        c.put(key_of("imposter"), imposter.to_string(), None)
+            .await
+            .expect("put");
+    });
+    d.wait_nth(1, &["membership: joined", "engine=imposter"], PATIENCE);
+    p.signal("STOP");
+    d.wait_nth(1, &["membership: left", &p.engine], PATIENCE);
+    if !reading {
+        d.wait_nth(1, &["event: released", &p.engine], PATIENCE);
+    }
+    // Frozen past its lease and then some (issue 47 froze it for 13 s
+    // with a 5 s lease): the decode's handshakes at its address time out.
+    std::thread::sleep(Duration::from_secs(3 * TTL_SECS));
+    let before = d.verified_reads();
+    p.signal("CONT");
+    let resumed = Instant::now();
+    prefill_line(&p, "ETCD lease_lost");
+    d.wait_nth(2, &["membership: joined", &p.engine], PATIENCE);
+    let (released, _) = d.wait_nth(1, &["event: released", &p.engine], PATIENCE);
+    let (registered, _) = d.wait_nth(2, &["event: registered", &p.engine], PATIENCE);
+    d.wait_verified(before + 1, PATIENCE);
+    assert_eq!(d.engine_state(&p.engine).as_deref(), Some("live"));
+    assert!(
+        d.lines_of("event: registered ", &["imposter"]).is_empty(),
+        "nothing registered as the imposter"
+    );
+    report(&format!(
+        "a record naming the prefill's address under another engine id; the prefill frozen past its lease ({}): released {}, registered again {} after SIGCONT",
+        if reading { "reads in flight" } else { "idle" },
+        if reading { format!("{} after SIGCONT", ms(released.saturating_duration_since(resumed))) } else { "while frozen".to_string() },
+        ms(registered - resumed)
+    ));
+    d.stop();
+}
+
 #[test]
 fn etcd_stopped_for_longer_than_the_lease_releases_nothing_and_is_reconciled_when_back() {
     let Some(_rt) = runtime_or_skip() else { return };

@@ -1490,9 +1490,15 @@ impl Decoder {
                 reads.spawn(async move { me.transfer(&c, direction, at).await });
             }
             while reads.join_next().await.is_some() {}
+            // The pause ends early when this registration is released (by
+            // membership, the router or the service): the reader then
+            // handshakes for whoever is at the address. Without that, a
+            // reader kept running by another record naming the address
+            // slept out its whole pause (issue 47, item 1).
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(self.options.read_pause) => {}
+                _ = c.engine.released() => {}
             }
         }
     }
