@@ -672,6 +672,122 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
     });
 }
 
+/// Issue 47, item 4: after a watch response of at least
+/// `WATCH_RESTART_BYTES` (here a prefix delete of 1,000 records, one
+/// response), the source starts its watch again from the next revision,
+/// to give back the gRPC stream's decode buffer. Nothing is lost and
+/// nothing repeated: the deletions once each, then the puts written right
+/// behind the delete (during the restart), then a sentinel, in revision
+/// order.
+#[test]
+fn after_a_large_watch_response_the_source_watches_again_losing_and_repeating_nothing() {
+    large_delete_seen_once_across_a_restart(1_000);
+}
+
+/// The same with a revision too large for one response (25,000 deletions,
+/// about 2.3 MB: etcd fragments what is over its 1.5 MiB request limit):
+/// the watch starts again only after the last fragment.
+#[test]
+fn a_fragmented_revision_is_seen_whole_before_the_source_watches_again() {
+    large_delete_seen_once_across_a_restart(25_000);
+}
+
+fn large_delete_seen_once_across_a_restart(n: usize) {
+    use nixl_keepalive::membership::etcd::etcd_client::{Client, DeleteOptions};
+    use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdSource, WATCH_RESTART_BYTES};
+    use nixl_keepalive::membership::{MembershipSource, SourceEvent};
+
+    let Some(etcd) = EtcdServer::start_or_skip() else {
+        return;
+    };
+    async fn next(source: &mut EtcdSource) -> SourceEvent {
+        tokio::time::timeout(PATIENCE, source.next())
+            .await
+            .expect("an event in time")
+            .expect("source running")
+    }
+    let prefix = "/t/large/";
+    // A deletion's event carries its key and no value: long keys make the
+    // prefix delete weigh more than the threshold.
+    let key = |i: usize| format!("{prefix}{i:05}-{}", "k".repeat(70));
+    assert!(n * key(0).len() >= WATCH_RESTART_BYTES);
+    common::block_on(async move {
+        let mut client = Client::connect([etcd.url()], None).await.expect("etcd");
+        put_in_transactions(
+            &mut client,
+            (0..n).map(|i| (key(i), "v".into())).collect(),
+            None,
+        )
+        .await;
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let mut source =
+            EtcdSource::spawn(EtcdOptions::new(vec![etcd.url()], prefix), shutdown.clone());
+        let listed = next(&mut source).await;
+        assert!(
+            matches!(&listed, SourceEvent::Listed { entries, .. } if entries.len() == n),
+            "a list of {n}"
+        );
+        assert_eq!(source.watch_restarts(), 0);
+        let deleted = client
+            .delete(prefix, Some(DeleteOptions::new().with_prefix()))
+            .await
+            .unwrap();
+        assert_eq!(deleted.deleted() as usize, n);
+        let delete_rev = deleted.header().unwrap().revision();
+        let mut behind = Vec::new();
+        for k in ["after-1", "after-2", "after-3"] {
+            let r = client.put(format!("{prefix}{k}"), "x", None).await.unwrap();
+            behind.push((format!("{prefix}{k}"), r.header().unwrap().revision()));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..n {
+            match next(&mut source).await {
+                SourceEvent::Deleted { key, revision } => {
+                    assert_eq!(revision, delete_rev, "{key}");
+                    assert!(seen.insert(key.clone()), "{key} deleted twice");
+                }
+                e => panic!("a deletion expected: {e:?}"),
+            }
+        }
+        for (key, rev) in &behind {
+            match next(&mut source).await {
+                SourceEvent::Put {
+                    key: k, revision, ..
+                } => assert_eq!((&k, revision), (key, *rev)),
+                e => panic!("the put of {key} expected: {e:?}"),
+            }
+        }
+        let restarts = source.watch_restarts();
+        assert_eq!(restarts, 1, "one large revision, one restart");
+        let sentinel = client
+            .put(format!("{prefix}sentinel"), "x", None)
+            .await
+            .unwrap()
+            .header()
+            .unwrap()
+            .revision();
+        match next(&mut source).await {
+            SourceEvent::Put { key, revision, .. } => {
+                assert_eq!(
+                    (key.as_str(), revision),
+                    (&*format!("{prefix}sentinel"), sentinel)
+                )
+            }
+            e => panic!("the sentinel expected, nothing repeated: {e:?}"),
+        }
+        assert_eq!(
+            source.watch_restarts(),
+            restarts,
+            "small responses restart nothing"
+        );
+        report(&format!(
+            "a prefix delete of {n} records ({} KiB of keys) in one revision: the watch started again once; {n} deletions, 3 puts written behind it and a sentinel, each once, in order",
+            n * key(0).len() / 1024
+        ));
+        shutdown.cancel();
+    });
+}
+
 // etcd as it really behaves: transactions (one revision, several events),
 // revoked leases, a paused etcd, a wiped etcd, large prefixes, records
 // written by anyone. Each test asserts the member set (the decode's

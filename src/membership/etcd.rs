@@ -50,6 +50,8 @@
 //! watches the key, and claims it as soon as it is free (the owner
 //! stopped, or its lease expired).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
@@ -57,7 +59,7 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 pub use etcd_client;
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KvClient, PutOptions, Txn,
-    TxnOp, WatchOptions,
+    TxnOp, WatchOptions, WatchStream,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -174,6 +176,7 @@ impl Backoff {
 pub struct EtcdSource {
     rx: mpsc::UnboundedReceiver<SourceEvent>,
     prefix: String,
+    restarts: Arc<AtomicU64>,
 }
 
 impl MembershipSource for EtcdSource {
@@ -191,10 +194,38 @@ impl EtcdSource {
     pub fn spawn(options: EtcdOptions, shutdown: CancellationToken) -> EtcdSource {
         let (tx, rx) = mpsc::unbounded_channel();
         let prefix = options.prefix.clone();
-        tokio::spawn(watch_loop(options, tx, shutdown));
-        EtcdSource { rx, prefix }
+        let restarts = Arc::new(AtomicU64::new(0));
+        tokio::spawn(watch_loop(options, tx, restarts.clone(), shutdown));
+        EtcdSource {
+            rx,
+            prefix,
+            restarts,
+        }
+    }
+
+    /// How many times the watch was started again, from the revision after
+    /// a large response, to give back the stream's decode buffer
+    /// ([`WATCH_RESTART_BYTES`]).
+    pub fn watch_restarts(&self) -> u64 {
+        self.restarts.load(Ordering::Relaxed)
     }
 }
+
+/// A watch response whose events carry at least this many bytes (keys and
+/// values) makes the source start its watch again, on the same connection,
+/// from the revision after the response's last event (after the last
+/// fragment of a fragmented revision). The gRPC stream
+/// (tonic's `Streaming`) keeps a decode buffer as large as the largest
+/// message it decoded, for the stream's life: 591 KiB after a prefix
+/// delete of 10,000 members, most of what the membership held once they
+/// had all left (`membership_scale`, docs/benchmarks.md). A new stream
+/// starts small. Never after a fragment (`with_fragment`): the revision it
+/// belongs to continues in the next message.
+pub const WATCH_RESTART_BYTES: usize = 64 << 10;
+
+/// What one event weighs towards [`WATCH_RESTART_BYTES`] beside its key
+/// and value: the protobuf framing and the other fields of the `KeyValue`.
+const EVENT_OVERHEAD: usize = 32;
 
 /// Why a watch round ended.
 enum RoundEnd {
@@ -213,6 +244,7 @@ enum RoundEnd {
 async fn watch_loop(
     options: EtcdOptions,
     tx: mpsc::UnboundedSender<SourceEvent>,
+    restarts: Arc<AtomicU64>,
     shutdown: CancellationToken,
 ) {
     let mut backoff = Backoff::new(options.min_backoff, options.max_backoff);
@@ -220,7 +252,7 @@ async fn watch_loop(
     loop {
         let end = tokio::select! {
             _ = shutdown.cancelled() => return,
-            end = watch_round(&options, &tx, &mut backoff, &mut in_outage) => end,
+            end = watch_round(&options, &tx, &restarts, &mut backoff, &mut in_outage) => end,
         };
         let (error, what) = match end {
             RoundEnd::Stop => return,
@@ -459,6 +491,7 @@ async fn list_prefix(kv: &mut KvClient, options: &EtcdOptions) -> Result<Listing
 async fn watch_round(
     options: &EtcdOptions,
     tx: &mpsc::UnboundedSender<SourceEvent>,
+    restarts: &AtomicU64,
     backoff: &mut Backoff,
     in_outage: &mut bool,
 ) -> RoundEnd {
@@ -473,23 +506,9 @@ async fn watch_round(
         Ok(l) => l,
         Err(end) => return end,
     };
-    let watch = client
-        .watch_client()
-        .max_decoding_message_size(options.max_message)
-        .watch(
-            options.prefix.as_str(),
-            Some(
-                WatchOptions::new()
-                    .with_prefix()
-                    .with_start_revision(listing.revision + 1)
-                    .with_progress_notify()
-                    .with_fragment(),
-            ),
-        )
-        .await;
-    let mut stream = match watch {
+    let mut stream = match start_watch(&client, options, listing.revision + 1).await {
         Ok(s) => s,
-        Err(e) => return RoundEnd::Unreachable(format!("starting the watch: {e}")),
+        Err(end) => return end,
     };
     // Listed only once the watch is in place: nothing between the two is
     // lost, since the watch starts at the list's revision + 1.
@@ -505,6 +524,7 @@ async fn watch_round(
     }
     *in_outage = false;
     backoff.reset();
+    let mut largest = 0;
     loop {
         let message = match stream.message().await {
             Ok(Some(m)) => m,
@@ -517,6 +537,25 @@ async fn watch_round(
             }
             return RoundEnd::Unreachable(format!("watch cancelled: {}", message.cancel_reason()));
         }
+        let weight: usize = message
+            .events()
+            .iter()
+            .filter_map(|e| e.kv())
+            .map(|kv| kv.key().len() + kv.value().len() + EVENT_OVERHEAD)
+            .sum();
+        let last = message
+            .events()
+            .iter()
+            .filter_map(|e| e.kv())
+            .map(|kv| kv.mod_revision())
+            .max();
+        // The largest message since the stream started: the last fragment
+        // of a fragmented revision may be small, its first ones were not.
+        largest = largest.max(weight);
+        let restart = match last {
+            Some(last) if largest >= WATCH_RESTART_BYTES && !message.0.fragment => Some(last + 1),
+            _ => None,
+        };
         // Every event, in order, whatever its revision: one transaction's
         // events share theirs.
         for event in message.events() {
@@ -538,7 +577,45 @@ async fn watch_round(
                 return RoundEnd::Stop;
             }
         }
+        if let Some(from) = restart {
+            drop(message);
+            drop(stream);
+            stream = match start_watch(&client, options, from).await {
+                Ok(s) => s,
+                Err(end) => return end,
+            };
+            largest = 0;
+            restarts.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                bytes = largest,
+                from_revision = from,
+                "etcd watch started again after a large response (gives back its decode buffer)"
+            );
+        }
     }
+}
+
+/// Starts the prefix's watch at revision `from`.
+async fn start_watch(
+    client: &Client,
+    options: &EtcdOptions,
+    from: i64,
+) -> Result<WatchStream, RoundEnd> {
+    client
+        .watch_client()
+        .max_decoding_message_size(options.max_message)
+        .watch(
+            options.prefix.as_str(),
+            Some(
+                WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(from)
+                    .with_progress_notify()
+                    .with_fragment(),
+            ),
+        )
+        .await
+        .map_err(|e| RoundEnd::Unreachable(format!("starting the watch: {e}")))
 }
 
 /// What a prefill's registration reports.
