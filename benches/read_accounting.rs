@@ -173,6 +173,48 @@ fn main() {
             5.0,
         );
     }
+    // Where the shared-engine row's spread comes from (issue 47, item 4:
+    // 2.6-14.1x across runs): the same two threads pinned to one CPU (they
+    // take turns: no line moves between cores, and the mutex is rarely
+    // contended) and to two CPUs (every operation moves the line; the mutex
+    // is contended). The unpinned row is whichever the scheduler picked.
+    let cpus = core_affinity::get_core_ids().unwrap_or_default();
+    if threads == 2 && cpus.len() >= 2 {
+        println!();
+        println!("2 threads, all on one engine, pinned (wall time per op over both threads):");
+        for (label, placement) in [
+            ("on one CPU ", [cpus[0], cpus[0]]),
+            ("on two CPUs", [cpus[0], cpus[1]]),
+        ] {
+            let per = iters / 2;
+            let ours = best_of(3, || {
+                parallel(2, |t| {
+                    let e = engines[0].clone();
+                    let cpu = placement[t];
+                    move || {
+                        core_affinity::set_for_current(cpu);
+                        guard_loop(&e, per)
+                    }
+                })
+            });
+            let base = best_of(3, || {
+                parallel(2, |t| {
+                    let (map, id) = (map.clone(), ids[0].clone());
+                    let cpu = placement[t];
+                    move || {
+                        core_affinity::set_for_current(cpu);
+                        mutex_loop(&map, &id, per)
+                    }
+                })
+            });
+            println!(
+                "  {label}: EngineRef::begin_read + drop {:6.1} ns/op   Mutex<HashMap> {:6.1} ns/op   ratio {:.1}x",
+                ns(ours, per * 2),
+                ns(base, per * 2),
+                base.as_secs_f64() / ours.as_secs_f64()
+            );
+        }
+    }
     for e in &engines {
         assert_eq!(e.reads_in_flight(), 0);
     }

@@ -17,10 +17,13 @@
 //! Skips (prints SKIPPED, exits 0) without the runtime, unless
 //! NIXL_KEEPALIVE_REQUIRE_REAL=1.
 //!
-//! `cargo bench -p nixl-keepalive-cli --bench real_scale`
+//! `cargo bench -p nixl-keepalive-cli --bench real_scale` (`-- sizes 1000`:
+//! that size alone)
 
 #[path = "../../benches/common/mod.rs"]
 mod common;
+#[path = "../tests/common/procfs.rs"]
+mod procfs;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -38,6 +41,7 @@ use nixl_keepalive::{
 };
 use nixl_keepalive_cli::pd::decode::{Connected, DecodeOptions, Decoder, Found, ReadOutcome};
 use nixl_keepalive_cli::pd::prefill::agent_name;
+use procfs::Resident;
 use tokio_util::sync::CancellationToken;
 
 /// The heartbeat interval of every measurement (no jitter, so a
@@ -515,6 +519,7 @@ async fn size(
     tokio::time::sleep(Duration::from_millis(200)).await;
     let p0 = proc_of(me);
     let rss0 = rss_bytes();
+    let resident0 = Resident::of(std::process::id());
     let began = Instant::now();
     let healthy = connect_all(&d.decoder, &b).await;
     let p_b = proc_of(me);
@@ -522,6 +527,7 @@ async fn size(
     let loads = began.elapsed();
     let p_ab = proc_of(me);
     let rss_ab = rss_bytes();
+    let resident_ab = Resident::of(std::process::id());
 
     tokio::time::sleep(warm).await;
     let mut measured = steady(&d.timed, window).await;
@@ -714,6 +720,13 @@ async fn size(
         rss_ab as f64 / (1 << 20) as f64,
         verdict(now.fds <= p0.fds)
     );
+    // Where the resident memory is (issue 47, item 4: it did not come back).
+    println!("          resident before the loads: {resident0}");
+    println!("          resident with all:         {resident_ab}");
+    println!(
+        "          resident after release:    {}",
+        Resident::of(std::process::id())
+    );
     drop(healthy);
     d.shutdown.cancel();
     let _ = d.task.await;
@@ -880,6 +893,9 @@ fn main() {
             .collect();
         asked.is_empty() || asked.iter().any(|a| a == part)
     };
+    // Numbers among the arguments (`-- sizes 1000`): those sizes alone.
+    let asked: Vec<usize> = std::env::args().filter_map(|a| a.parse().ok()).collect();
+    let sizes: &[usize] = if asked.is_empty() { sizes } else { &asked };
     runtime.block_on(async {
         let largest = *sizes.last().expect("sizes");
         if only("sizes") {

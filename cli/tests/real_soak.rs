@@ -27,7 +27,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use common::decode::DecodeProc;
-use common::procfs::{held, Held};
+use common::procfs::{held, Held, Resident};
 use common::{report, serial, PrefillProc, PrefillSpec};
 use nixl_agent::testing::runtime_or_skip;
 
@@ -176,13 +176,14 @@ fn soak_kills_restarts_and_live_releases() {
             .unwrap();
             report(&format!(
                 "soak cycle {cycle} ({:.0} s): rss {} KiB (anon {anon_kib}), fds {}, sockets {}, \
-                 established {}, threads {}, maps {maps}, ucx endpoints {ucx_endpoints}",
+                 established {}, threads {}, maps {maps}, ucx endpoints {ucx_endpoints}; {}",
                 s.at.as_secs_f64(),
                 h.rss_kib,
                 h.fds,
                 h.sockets,
                 h.established,
                 h.threads,
+                Resident::of(d.pid()),
             ));
             samples.push(s);
         }
