@@ -550,6 +550,17 @@ fn decode_needs_a_prefill_list_or_etcd() {
     assert!(err.contains("--prefill"), "{err}");
 }
 
+/// The etcd source's next event, within [`PATIENCE`].
+async fn next_event(
+    source: &mut nixl_keepalive::membership::etcd::EtcdSource,
+) -> nixl_keepalive::membership::SourceEvent {
+    use nixl_keepalive::membership::MembershipSource;
+    tokio::time::timeout(PATIENCE, source.next())
+        .await
+        .expect("an event in time")
+        .expect("source running")
+}
+
 /// The etcd source alone against the real etcd: the first list, a
 /// replacement at the same address, a bad value, a deletion, a lease
 /// expiry, all in revision order, through the reconciler's rules.
@@ -564,12 +575,6 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
-    async fn next(source: &mut EtcdSource) -> SourceEvent {
-        tokio::time::timeout(PATIENCE, source.next())
-            .await
-            .expect("an event in time")
-            .expect("source running")
-    }
     let prefix = "/t/prefill/";
     common::block_on(async move {
         let mut client = Client::connect([etcd.url()], None).await.expect("etcd");
@@ -590,7 +595,7 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
         let mut source =
             EtcdSource::spawn(EtcdOptions::new(vec![etcd.url()], prefix), shutdown.clone());
         let mut reconciler = Reconciler::with_prefix(source.prefix());
-        let listed = next(&mut source).await;
+        let listed = next_event(&mut source).await;
         let SourceEvent::Listed {
             revision, entries, ..
         } = &listed
@@ -614,7 +619,7 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
             .put(format!("{prefix}e2"), m2.to_json(), None)
             .await
             .unwrap();
-        let put = next(&mut source).await;
+        let put = next_event(&mut source).await;
         assert!(
             matches!(&put, SourceEvent::Put { revision, .. } if *revision > list_rev),
             "{put:?}"
@@ -628,7 +633,7 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
         // judges it against e1's registration, if any).
         client.delete(format!("{prefix}e1"), None).await.unwrap();
         assert_eq!(
-            reconciler.apply(next(&mut source).await),
+            reconciler.apply(next_event(&mut source).await),
             vec![Decision::Retire {
                 member: m1.clone(),
                 why: RetireWhy::Deleted
@@ -648,10 +653,10 @@ fn the_etcd_source_reports_lists_replacements_bad_values_and_lease_expiry_in_rev
             .unwrap();
         let put_at = Instant::now();
         assert_eq!(
-            reconciler.apply(next(&mut source).await),
+            reconciler.apply(next_event(&mut source).await),
             vec![Decision::Announce(m3.clone())]
         );
-        let expired = next(&mut source).await;
+        let expired = next_event(&mut source).await;
         let expired_after = put_at.elapsed();
         assert!(
             matches!(&expired, SourceEvent::Deleted { key, .. } if key.ends_with("e3")),
@@ -695,17 +700,11 @@ fn a_fragmented_revision_is_seen_whole_before_the_source_watches_again() {
 fn large_delete_seen_once_across_a_restart(n: usize) {
     use nixl_keepalive::membership::etcd::etcd_client::{Client, DeleteOptions};
     use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdSource, WATCH_RESTART_BYTES};
-    use nixl_keepalive::membership::{MembershipSource, SourceEvent};
+    use nixl_keepalive::membership::SourceEvent;
 
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
-    async fn next(source: &mut EtcdSource) -> SourceEvent {
-        tokio::time::timeout(PATIENCE, source.next())
-            .await
-            .expect("an event in time")
-            .expect("source running")
-    }
     let prefix = "/t/large/";
     // A deletion's event carries its key and no value: long keys make the
     // prefix delete weigh more than the threshold.
@@ -722,7 +721,7 @@ fn large_delete_seen_once_across_a_restart(n: usize) {
         let shutdown = tokio_util::sync::CancellationToken::new();
         let mut source =
             EtcdSource::spawn(EtcdOptions::new(vec![etcd.url()], prefix), shutdown.clone());
-        let listed = next(&mut source).await;
+        let listed = next_event(&mut source).await;
         assert!(
             matches!(&listed, SourceEvent::Listed { entries, .. } if entries.len() == n),
             "a list of {n}"
@@ -741,7 +740,7 @@ fn large_delete_seen_once_across_a_restart(n: usize) {
         }
         let mut seen = std::collections::HashSet::new();
         for _ in 0..n {
-            match next(&mut source).await {
+            match next_event(&mut source).await {
                 SourceEvent::Deleted { key, revision } => {
                     assert_eq!(revision, delete_rev, "{key}");
                     assert!(seen.insert(key.clone()), "{key} deleted twice");
@@ -750,7 +749,7 @@ fn large_delete_seen_once_across_a_restart(n: usize) {
             }
         }
         for (key, rev) in &behind {
-            match next(&mut source).await {
+            match next_event(&mut source).await {
                 SourceEvent::Put {
                     key: k, revision, ..
                 } => assert_eq!((&k, revision), (key, *rev)),
@@ -766,7 +765,7 @@ fn large_delete_seen_once_across_a_restart(n: usize) {
             .header()
             .unwrap()
             .revision();
-        match next(&mut source).await {
+        match next_event(&mut source).await {
             SourceEvent::Put { key, revision, .. } => {
                 assert_eq!(
                     (key.as_str(), revision),
