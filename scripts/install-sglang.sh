@@ -2,7 +2,9 @@
 # Makes the environment the SGLang tier runs in (scripts/test-sglang.sh): a
 # venv at <repo root>/.venv-sglang (ignored by git) with
 #   - SGLang 0.5.23 from PyPI (pins torch 2.14.1, CUDA 13 wheels; about
-#     4.1 GB downloaded, the venv about 11 GB),
+#     4.1 GB downloaded), installed with uv (scripts/tier-lib.sh says why
+#     not pip) through its cache <repo root>/.uv-cache (TIER_UV_CACHE),
+#     which the venv's files are hard links into,
 #   - NIXL's Python API as SGLang imports it (`from nixl._api import
 #     nixl_agent`): the meta package nixl==1.5.1 and, for this torch (CUDA
 #     13), nixl-cu13==1.5.1, both with --no-deps (their declared
@@ -40,22 +42,22 @@ echo "install-sglang.sh: making the SGLang ${SGLANG_VERSION} environment in ${ve
 start=$(date +%s)
 rm -f "${stamp}"
 tier_make_venv install-sglang.sh "${python}" "${venv}" "SGLang ${SGLANG_VERSION}"
-pip=("${venv}/bin/python" -m pip --disable-pip-version-check)
+tier_uv install-sglang.sh "${repo_root}" "${venv}"
 
 installed="$("${venv}/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>/dev/null || true)"
 if [[ "${installed}" != "${SGLANG_VERSION}" ]]; then
-    tier_need_disk install-sglang.sh "SGLang ${SGLANG_VERSION}" "${venv}" 11 5
-    echo "Installing sglang==${SGLANG_VERSION} into ${venv} (about 4.1 GB downloaded)"
-    "${pip[@]}" install --quiet "sglang==${SGLANG_VERSION}"
+    tier_need_disk install-sglang.sh "SGLang ${SGLANG_VERSION}" "${venv}" 10
+    echo "Installing sglang==${SGLANG_VERSION} into ${venv} (about 4.1 GB downloaded unless uv's cache has it)"
+    "${uv_pip[@]}" install "sglang==${SGLANG_VERSION}"
 fi
 # Another NIXL flavour beside cu13 would make `nixl._api` pick by its own
 # rules; this tier tests one.
-"${pip[@]}" uninstall --quiet -y nixl-cu12 >/dev/null 2>&1 || true
+"${uv_pip[@]}" uninstall nixl-cu12 >/dev/null 2>&1 || true
 echo "Installing nixl==${NIXL_VERSION} and nixl-cu13==${NIXL_VERSION} (--no-deps)"
-"${pip[@]}" install --quiet --no-deps "nixl==${NIXL_VERSION}" "nixl-cu13==${NIXL_VERSION}"
+"${uv_pip[@]}" install --no-deps "nixl==${NIXL_VERSION}" "nixl-cu13==${NIXL_VERSION}"
 echo "Installing the test extras: ${TEST_EXTRAS}"
 # shellcheck disable=SC2086 # a list of requirement names
-"${pip[@]}" install --quiet ${TEST_EXTRAS}
+"${uv_pip[@]}" install ${TEST_EXTRAS}
 
 # Everything the tier needs, checked (a failure here exits non-zero, and
 # no stamp is written).
@@ -78,5 +80,6 @@ if bad or missing:
 print("sglang", m.version("sglang"), "| nixl", m.version("nixl"), "| nixl-cu13", m.version("nixl-cu13"),
       "| torch", m.version("torch"), "| pytest", m.version("pytest"))
 EOF
+tier_check_file_owners install-sglang.sh "${venv}"
 printf '%s\n' "${expected_stamp}" >"${stamp}"
 echo "SGLang environment installed in ${venv} in $(( $(date +%s) - start )) s"

@@ -3,7 +3,10 @@
 # at <repo root>/.venv-vllm (ignored by git) with
 #   - vLLM ${VLLM_VERSION} from PyPI, one of the releases the tier is run on:
 #     0.34.0 (the default, the current release) or 0.33.0; both pin torch
-#     2.14.0 (about 4.6 GB downloaded, the venv about 11 GB, 5 minutes here),
+#     2.14.0 (about 4.6 GB downloaded, the venv 9.1 GB, about 30 s here),
+#     installed with uv (scripts/tier-lib.sh says why not pip) through its
+#     cache <repo root>/.uv-cache (TIER_UV_CACHE), which the venv's files
+#     are hard links into,
 #   - NIXL's Python API as vLLM imports it: the meta package nixl==1.5.1 and,
 #     for this torch (CUDA 13), nixl-cu13==1.5.1, both with --no-deps (their
 #     declared dependencies would pull another torch),
@@ -47,11 +50,21 @@ readonly VLLM_VERSION
 # what is installed in its place ("old=>new"). vLLM 0.34.0 pins
 # flashinfer-python==0.7.3, which is not on the index (2026-12-04: 0.7.2.post1,
 # 0.7.2 and 0.7.4 are), so `pip install vllm==0.34.0` fails to resolve;
-# 0.7.4 stands in. FlashInfer is CUDA attention kernels: the tier runs vLLM
-# on CPU and never loads it.
+# 0.7.4 stands in (uv's --overrides: every other requirement as vLLM's
+# metadata lists it). FlashInfer is CUDA attention kernels: the tier runs
+# vLLM on CPU and never loads it.
 declare -A REQUIREMENT_SUBSTITUTES=(
     ["0.34.0"]="flashinfer-python==0.7.3=>flashinfer-python==0.7.4"
 )
+# What uv must not resolve the way it would on its own (uv's --constraints).
+# FlashInfer wants cuda-python>=12.0, and cuda-python 13.x pins
+# cuda-bindings to its own version (newest 13.4.4), while CUTLASS's DSL
+# wants cuda-bindings>=12.8 (newest 13.5.0). uv takes cuda-bindings 13.5.0
+# and then cuda-python 12.6.2.post1, which predates the split and ships
+# cuda/bindings/ itself: its files overwrite 13.5.0's, and vLLM's import of
+# CUTLASS fails (no cudaLibrary_t). pip resolved cuda-python 13 here. The
+# final check below refuses any two packages that install one file.
+readonly RESOLUTION_CONSTRAINTS=("cuda-python>=13")
 readonly NIXL_VERSION="1.5.1"
 # ray: vLLM's test_nixl_connector.py imports it at module level.
 readonly TEST_EXTRAS="pytest pytest-timeout pytest-asyncio tblib ray"
@@ -62,7 +75,7 @@ readonly DYNAMO="ai-dynamo==1.6.1"
 readonly BUILD_REQUIREMENTS='cmake ninja setuptools>=77.0.3,<81 setuptools-scm>=8 setuptools-rust>=1.9 wheel jinja2 packaging'
 
 stamp="${venv}/.nixl-keepalive-vllm-installed"
-expected_stamp="vllm==${VLLM_VERSION} nixl==${NIXL_VERSION} nixl-cu13==${NIXL_VERSION} extras=${TEST_EXTRAS} ${DYNAMO} sdist-tests=${VLLM_VERSION}"
+expected_stamp="vllm==${VLLM_VERSION} constraints=${RESOLUTION_CONSTRAINTS[*]} nixl==${NIXL_VERSION} nixl-cu13==${NIXL_VERSION} extras=${TEST_EXTRAS} ${DYNAMO} sdist-tests=${VLLM_VERSION}"
 sdist_dir="${venv}/vllm-sdist"
 if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${expected_stamp}" && -x "${venv}/bin/python" \
       && -f "${sdist_dir}/tests/v1/kv_connector/unit/test_nixl_connector.py" ]]; then
@@ -75,6 +88,7 @@ start=$(date +%s)
 rm -f "${stamp}"
 tier_make_venv install-vllm.sh "${python}" "${venv}" "vLLM ${VLLM_VERSION}"
 pip=("${venv}/bin/python" -m pip --disable-pip-version-check)
+tier_uv install-vllm.sh "${repo_root}" "${venv}"
 
 installed_vllm="$("${venv}/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null || true)"
 if [[ "${installed_vllm}" != "${VLLM_VERSION}" ]]; then
@@ -83,50 +97,55 @@ if [[ "${installed_vllm}" != "${VLLM_VERSION}" ]]; then
         echo "install-vllm.sh: ${venv} has vLLM ${installed_vllm}; replacing it with ${VLLM_VERSION}"
         rm -rf "${sdist_dir}"
     fi
-    tier_need_disk install-vllm.sh "vLLM ${VLLM_VERSION}" "${venv}" 11 5
-    echo "Installing vllm==${VLLM_VERSION} into ${venv} (about 4.6 GB downloaded)"
-    substitute="${REQUIREMENT_SUBSTITUTES[${VLLM_VERSION}]:-}"
-    if [[ -z "${substitute}" ]]; then
-        "${pip[@]}" install --quiet "vllm==${VLLM_VERSION}"
-    else
-        # vLLM itself without its requirements, then its requirements as its
-        # metadata lists them (markers evaluated by pip, extras left out),
-        # with the one pin the index cannot serve replaced.
-        echo "install-vllm.sh: vLLM ${VLLM_VERSION}'s requirement ${substitute%%=>*} is not on the index;" \
-            "installing ${substitute##*=>} in its place"
-        "${pip[@]}" install --quiet --no-deps "vllm==${VLLM_VERSION}"
-        requirements="$(mktemp "${TMPDIR:-/tmp}/install-vllm-req.XXXXXX")"
-        SUBSTITUTE="${substitute}" "${venv}/bin/python" - >"${requirements}" <<'PYEOF'
+    tier_need_disk install-vllm.sh "vLLM ${VLLM_VERSION}" "${venv}" 10
+fi
+# Always, also in a venv that has this vLLM: uv then changes only what the
+# constraints and the substitute say otherwise (seconds).
+echo "Installing vllm==${VLLM_VERSION} into ${venv} (about 4.6 GB downloaded unless uv's cache has it)"
+substitute="${REQUIREMENT_SUBSTITUTES[${VLLM_VERSION}]:-}"
+requirement_files="$(mktemp -d "${TMPDIR:-/tmp}/install-vllm.XXXXXX")"
+printf '%s\n' "${RESOLUTION_CONSTRAINTS[@]}" >"${requirement_files}/constraints.txt"
+overrides=()
+if [[ -n "${substitute}" ]]; then
+    echo "install-vllm.sh: vLLM ${VLLM_VERSION}'s requirement ${substitute%%=>*} is not on the index;" \
+        "installing ${substitute##*=>} in its place"
+    printf '%s\n' "${substitute##*=>}" >"${requirement_files}/overrides.txt"
+    overrides=(--overrides "${requirement_files}/overrides.txt")
+fi
+"${uv_pip[@]}" install --constraints "${requirement_files}/constraints.txt" "${overrides[@]}" \
+    "vllm==${VLLM_VERSION}"
+rm -rf "${requirement_files}"
+if [[ -n "${substitute}" ]]; then
+    # uv applies an override only to a requirement that exists: a vLLM
+    # that no longer has it would pass silently, so what was installed is
+    # checked.
+    SUBSTITUTE="${substitute}" "${venv}/bin/python" - <<'PYEOF'
 import importlib.metadata as m
 import os
 
 old, new = os.environ["SUBSTITUTE"].split("=>")
-found = False
-for req in m.requires("vllm") or []:
-    if "extra ==" in req:
-        continue
-    if req.split(";")[0].strip().replace(" ", "") == old:
-        req, found = new + (";" + req.split(";", 1)[1] if ";" in req else ""), True
-    print(req)
-if not found:
-    raise SystemExit(f"install-vllm.sh: vLLM's metadata has no requirement {old}: update REQUIREMENT_SUBSTITUTES")
+name, want = new.split("==")
+try:
+    got = m.version(name)
+except m.PackageNotFoundError:
+    got = "nothing"
+if got != want:
+    raise SystemExit(f"install-vllm.sh: {got} installed for {name}, not the stand-in {new} for {old}: "
+                     "update REQUIREMENT_SUBSTITUTES")
 PYEOF
-        "${pip[@]}" install --quiet -r "${requirements}"
-        rm -f "${requirements}"
-    fi
 fi
 echo "Installing nixl==${NIXL_VERSION} and nixl-cu13==${NIXL_VERSION} (--no-deps)"
-"${pip[@]}" install --quiet --no-deps "nixl==${NIXL_VERSION}" "nixl-cu13==${NIXL_VERSION}"
+"${uv_pip[@]}" install --no-deps "nixl==${NIXL_VERSION}" "nixl-cu13==${NIXL_VERSION}"
 echo "Installing the test extras: ${TEST_EXTRAS}"
 # shellcheck disable=SC2086 # a list of requirement names
-"${pip[@]}" install --quiet ${TEST_EXTRAS}
+"${uv_pip[@]}" install ${TEST_EXTRAS}
 echo "Installing ${DYNAMO} (--no-deps: its vLLM connector check only)"
-"${pip[@]}" install --quiet --no-deps "${DYNAMO}"
+"${uv_pip[@]}" install --no-deps "${DYNAMO}"
 
 if [[ ! -f "${sdist_dir}/tests/v1/kv_connector/unit/test_nixl_connector.py" ]]; then
     echo "Fetching vLLM ${VLLM_VERSION}'s sdist for its unit tests"
     # shellcheck disable=SC2086 # a list of requirement specifiers
-    "${pip[@]}" install --quiet ${BUILD_REQUIREMENTS}
+    "${uv_pip[@]}" install ${BUILD_REQUIREMENTS}
     work="$(mktemp -d "${TMPDIR:-/tmp}/install-vllm.XXXXXX")"
     trap 'rm -rf "${work}"' EXIT
     VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE="${VLLM_VERSION}" \
@@ -171,5 +190,6 @@ if bad or missing or tests:
 print("vllm", m.version("vllm"), "| nixl", m.version("nixl"), "| nixl-cu13", m.version("nixl-cu13"),
       "| torch", m.version("torch"), "| pytest", m.version("pytest"))
 EOF
+tier_check_file_owners install-vllm.sh "${venv}"
 printf '%s\n' "${expected_stamp}" >"${stamp}"
 echo "vLLM environment installed in ${venv} in $(( $(date +%s) - start )) s"
