@@ -223,7 +223,10 @@ def test_a_decode_gone_from_the_address_another_declares_is_asked_released_and_t
     killed_at = first.kill()
     second.call("register_declaring", prefill_rank_port=prefill.info["rank_port"],
                 rank_port=first.info["rank_port"])
-    taken = _state_once(prefill, second.agent, lambda st: st["in_table"])
+    # Taken means registered with the service too: SGLang tables a decode
+    # on its bootstrap thread just before the plugin registers it there, so
+    # a state read in between sees it tabled and not yet an engine (CI did).
+    taken = _state_once(prefill, second.agent, lambda st: st["in_table"] and second.agent in st["engines"])
     taken_after = time.monotonic() - killed_at
     assert taken["in_table"] and taken["metadata_loaded"] and taken["send_notif"] == "sent", taken
     assert taken["declared_conflicts"] == 1 and taken["declared_waits"] == 1, taken
