@@ -26,6 +26,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests_common"))
 
 from ports import free_port  # noqa: E402  (shared with the SGLang tier)
+from processes import SignalledProcess  # noqa: E402
 
 #: What a deadline adds to the bound under test on a loaded 2-core machine.
 MARGIN = 10.0
@@ -81,8 +82,10 @@ def vllm_ready():
     return vllm_env
 
 
-class Prefill:
+class Prefill(SignalledProcess):
     """A real vLLM prefill worker process (``vllm_peer.py``)."""
+
+    role = "prefill"
 
     def __init__(self, engine_id: str, port: int, connector: str = "vllm", blocks: int = 64) -> None:
         self.engine_id = engine_id
@@ -130,37 +133,6 @@ class Prefill:
     def heartbeats_since(self, t: float) -> List[tuple]:
         with self._lock:
             return [h for h in self.heartbeats if h[0] >= t]
-
-    def signal(self, sig: int) -> float:
-        os.kill(self.proc.pid, sig)
-        at = time.monotonic()
-        if sig == signal.SIGSTOP:
-            # Returned once every thread of it is stopped (state T), so
-            # nothing posted after this call is served by the process.
-            deadline = at + 10
-            while not self._all_threads_stopped():
-                if time.monotonic() > deadline:
-                    pytest.fail(f"prefill {self.engine_id} (pid {self.proc.pid}) not stopped 10 s after SIGSTOP")
-                time.sleep(0.001)
-        return at
-
-    def _all_threads_stopped(self) -> bool:
-        task = f"/proc/{self.proc.pid}/task"
-        try:
-            states = []
-            for tid in os.listdir(task):
-                with open(f"{task}/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            return False
-        return bool(states) and all(st in ("T", "t") for st in states)
-
-    def kill(self) -> float:
-        if self.proc.poll() is None:
-            at = self.signal(signal.SIGKILL)
-            self.proc.wait(30)
-            return at
-        return time.monotonic()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 import vllm_env
+from processes import SignalledProcess
 
 HERE = Path(__file__).resolve().parent
 
@@ -28,8 +28,10 @@ KEEPALIVE_PUSH = ("KeepaliveNixlPushConnector", "nixl_keepalive.vllm")
 START_WITHIN = 180.0
 
 
-class PushDecode:
+class PushDecode(SignalledProcess):
     """A real vLLM push decode worker process (``vllm_push_decode.py``)."""
+
+    role = "decode"
 
     def __init__(self, engine_id: str, port: int, blocks: int = 64) -> None:
         self.engine_id = engine_id
@@ -90,35 +92,6 @@ class PushDecode:
     def outcome(self, req: str) -> Optional[Dict[str, Any]]:
         with self._lock:
             return self.done.get(req)
-
-    def signal(self, sig: int) -> float:
-        os.kill(self.proc.pid, sig)
-        at = time.monotonic()
-        if sig == signal.SIGSTOP:
-            deadline = at + 10
-            while not self._all_threads_stopped():
-                if time.monotonic() > deadline:
-                    pytest.fail(f"decode {self.engine_id} (pid {self.proc.pid}) not stopped 10 s after SIGSTOP")
-                time.sleep(0.001)
-        return at
-
-    def _all_threads_stopped(self) -> bool:
-        task = f"/proc/{self.proc.pid}/task"
-        try:
-            states = []
-            for tid in os.listdir(task):
-                with open(f"{task}/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            return False
-        return bool(states) and all(st in ("T", "t") for st in states)
-
-    def kill(self) -> float:
-        if self.proc.poll() is None:
-            at = self.signal(signal.SIGKILL)
-            self.proc.wait(30)
-            return at
-        return time.monotonic()
 
 
 class PushPrefill:
