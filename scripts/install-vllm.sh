@@ -3,7 +3,7 @@
 # at <repo root>/.venv-vllm (ignored by git) with
 #   - vLLM ${VLLM_VERSION} from PyPI, one of the releases the tier is run on:
 #     0.34.0 (the default, the current release) or 0.33.0; both pin torch
-#     2.14.0 (about 4.6 GB downloaded, the venv 9.1 GB, about 30 s here),
+#     2.14.0 (about 4.6 GB downloaded, the venv 9.6 GB, 69 s in all here),
 #     installed with uv (scripts/tier-lib.sh says why not pip) through its
 #     cache <repo root>/.uv-cache (TIER_UV_CACHE), which the venv's files
 #     are hard links into,
