@@ -12,6 +12,8 @@ use std::path::PathBuf;
 fn main() {
     println!("cargo:rerun-if-changed=shim/nixl_shim.cpp");
     println!("cargo:rerun-if-changed=shim/ep_close.c");
+    println!("cargo:rerun-if-changed=shim/ep_watch.c");
+    println!("cargo:rerun-if-changed=shim/interpose.h");
     println!("cargo:rerun-if-env-changed=NIXL_PREFIX");
 
     cc::Build::new()
@@ -45,9 +47,10 @@ fn main() {
     );
 }
 
-/// Builds `shim/ep_close.c` as a shared object in OUT_DIR; `runtime.rs`
-/// embeds it and loads it (RTLD_GLOBAL, from a memfd) before libnixl, so
-/// that NIXL's UCX plugin binds its `ucp_ep_close_nbx` there.
+/// Builds `shim/ep_close.c` and `shim/ep_watch.c` as one shared object in
+/// OUT_DIR; `endpoints.rs` embeds it and loads it (RTLD_GLOBAL, from a
+/// memfd) before libnixl, so that NIXL's UCX plugin binds its
+/// `ucp_ep_close_nbx` and `ucp_ep_create` there.
 fn build_ep_close_interposer() {
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets it"));
     let so = out.join("libnixl_sys_ep_close.so");
@@ -66,11 +69,12 @@ fn build_ep_close_interposer() {
         ])
         .arg(&so)
         .arg("shim/ep_close.c")
+        .arg("shim/ep_watch.c")
         .args(["-ldl", "-lpthread"])
         .status()
         .unwrap_or_else(|e| panic!("cannot run the C compiler ({:?}): {e}", compiler.path()));
     assert!(
         status.success(),
-        "building shim/ep_close.c as a shared object failed ({status})"
+        "building shim/ep_close.c and shim/ep_watch.c as a shared object failed ({status})"
     );
 }

@@ -34,7 +34,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define NKS_EXPORT __attribute__((visibility("default")))
+#include "interpose.h"
 
 #define NKS_OP_ATTR_FIELD_FLAGS (1u << 4)
 #define NKS_EP_CLOSE_FLAG_FORCE (1u << 0)
@@ -63,33 +63,30 @@ static __thread struct nks_ep_closes scope_counts;
 
 /* The real function per calling object: one UCX in practice; a few slots
  * in case two UCX builds are loaded side by side. */
-#define NKS_SLOTS 8
-static struct {
-    void *caller_base;
-    close_fn fn;
-} slots[NKS_SLOTS];
+static struct nks_resolved slots[NKS_SLOTS];
 static pthread_mutex_t slots_lock = PTHREAD_MUTEX_INITIALIZER;
 
 void *ucp_ep_close_nbx(void *ep, const void *param) NKS_EXPORT;
 
-static close_fn
-resolve(void *caller_addr) {
+void *
+nks_resolve(struct nks_resolved *table, pthread_mutex_t *lock, void *caller_addr,
+            const char *symbol, const void *self) {
     Dl_info info;
     void *base = NULL;
-    close_fn fn = NULL;
+    void *fn = NULL;
     int i;
 
     if (dladdr(caller_addr, &info) && info.dli_fbase != NULL) {
         base = info.dli_fbase;
     }
-    pthread_mutex_lock(&slots_lock);
+    pthread_mutex_lock(lock);
     for (i = 0; i < NKS_SLOTS; i++) {
-        if (slots[i].fn != NULL && slots[i].caller_base == base) {
-            fn = slots[i].fn;
+        if (table[i].fn != NULL && table[i].caller_base == base) {
+            fn = table[i].fn;
             break;
         }
     }
-    pthread_mutex_unlock(&slots_lock);
+    pthread_mutex_unlock(lock);
     if (fn != NULL) {
         return fn;
     }
@@ -99,26 +96,32 @@ resolve(void *caller_addr) {
     if (base != NULL && info.dli_fname != NULL && info.dli_fname[0] != '\0') {
         void *h = dlopen(info.dli_fname, RTLD_NOLOAD | RTLD_LAZY);
         if (h != NULL) {
-            fn = (close_fn)dlsym(h, "ucp_ep_close_nbx");
+            fn = dlsym(h, symbol);
             dlclose(h);
         }
     }
-    if (fn == NULL || fn == ucp_ep_close_nbx) {
-        fn = (close_fn)dlsym(RTLD_NEXT, "ucp_ep_close_nbx");
+    if (fn == NULL || fn == self) {
+        fn = dlsym(RTLD_NEXT, symbol);
     }
-    if (fn == NULL || fn == ucp_ep_close_nbx) {
+    if (fn == NULL || fn == self) {
         return NULL;
     }
-    pthread_mutex_lock(&slots_lock);
+    pthread_mutex_lock(lock);
     for (i = 0; i < NKS_SLOTS; i++) {
-        if (slots[i].fn == NULL) {
-            slots[i].caller_base = base;
-            slots[i].fn = fn;
+        if (table[i].fn == NULL) {
+            table[i].caller_base = base;
+            table[i].fn = fn;
             break;
         }
     }
-    pthread_mutex_unlock(&slots_lock);
+    pthread_mutex_unlock(lock);
     return fn;
+}
+
+static close_fn
+resolve(void *caller_addr) {
+    return (close_fn)nks_resolve(slots, &slots_lock, caller_addr, "ucp_ep_close_nbx",
+                                 (const void *)ucp_ep_close_nbx);
 }
 
 static int
@@ -193,6 +196,8 @@ nks_ep_close_scope_end(struct nks_ep_closes *out) {
 
 struct bound_query {
     const char *suffix;
+    const char *symbol;
+    const void *target;
     int found;
     int bound;
 };
@@ -211,7 +216,7 @@ dyn_ptr(const struct dl_phdr_info *info, uintptr_t p) {
 
 static int
 scan_relocs(const struct dl_phdr_info *info, const ElfW(Rela) * rela, size_t size,
-            const ElfW(Sym) * symtab, const char *strtab) {
+            const ElfW(Sym) * symtab, const char *strtab, const struct bound_query *q) {
     size_t n = size / sizeof(ElfW(Rela));
     size_t i;
     for (i = 0; i < n; i++) {
@@ -219,9 +224,9 @@ scan_relocs(const struct dl_phdr_info *info, const ElfW(Rela) * rela, size_t siz
         if (sym == 0) {
             continue;
         }
-        if (strcmp(strtab + symtab[sym].st_name, "ucp_ep_close_nbx") == 0) {
+        if (strcmp(strtab + symtab[sym].st_name, q->symbol) == 0) {
             void **slot = (void **)(info->dlpi_addr + rela[i].r_offset);
-            return *slot == (void *)ucp_ep_close_nbx ? 1 : 0;
+            return *slot == q->target ? 1 : 0;
         }
     }
     return -1;
@@ -275,9 +280,9 @@ bound_cb(struct dl_phdr_info *info, size_t size, void *arg) {
     if (symtab == NULL || strtab == NULL) {
         return 1;
     }
-    r = jmprel ? scan_relocs(info, jmprel, pltrelsz, symtab, strtab) : -1;
+    r = jmprel ? scan_relocs(info, jmprel, pltrelsz, symtab, strtab, q) : -1;
     if (r < 0 && rela) {
-        r = scan_relocs(info, rela, relasz, symtab, strtab);
+        r = scan_relocs(info, rela, relasz, symtab, strtab, q);
     }
     q->bound = r;
     return 1;
@@ -291,7 +296,17 @@ bound_cb(struct dl_phdr_info *info, size_t size, void *arg) {
  */
 NKS_EXPORT int
 nks_ep_close_bound(const char *file_name) {
-    struct bound_query q = {file_name, 0, -1};
+    struct bound_query q = {file_name, "ucp_ep_close_nbx", (const void *)ucp_ep_close_nbx, 0, -1};
+    dl_iterate_phdr(bound_cb, &q);
+    return q.found ? q.bound : -2;
+}
+
+/* The same for ep_watch.c's ucp_ep_create. */
+int ucp_ep_create(void *worker, const void *params, void **ep_p);
+
+NKS_EXPORT int
+nks_ep_create_bound(const char *file_name) {
+    struct bound_query q = {file_name, "ucp_ep_create", (const void *)ucp_ep_create, 0, -1};
     dl_iterate_phdr(bound_cb, &q);
     return q.found ? q.bound : -2;
 }

@@ -84,14 +84,67 @@ pub struct EpCloseCounts {
     pub unresolved: u32,
 }
 
+/// One endpoint failure the watch recorded: `struct nks_ep_failure` of
+/// shim/ep_watch.c.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EpFailure {
+    /// The failed `ucp_ep_h`, as an integer (compare it with the endpoints
+    /// [`EpClose::watching`] listed; never dereference it).
+    pub ep: u64,
+    /// The `ucs_status_t` UCX handed the error handler.
+    pub status: i64,
+    /// `CLOCK_MONOTONIC` (ns) when the handler ran.
+    pub at_ns: u64,
+}
+
+/// What the watch counted since it was loaded: `struct
+/// nks_ep_watch_counts` of shim/ep_watch.c.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EpWatchCounts {
+    /// Endpoint creates whose error handler is watched.
+    pub watched: u64,
+    /// Creates with an error handler the watch left alone (another
+    /// handler than NIXL's, or parameters it does not know).
+    pub unwatched: u64,
+    /// Watched error handlers UCX ran.
+    pub failures: u64,
+    /// Failures dropped because nobody drained the queue (1,024 held).
+    pub lost: u64,
+}
+
+/// Whether NIXL's endpoint failures are watched in this process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EndpointWatchMode {
+    /// NIXL's UCX plugin creates its endpoints through the watch.
+    Watching,
+    /// Not watched; the reason says why (the interposer is not loaded, or
+    /// the plugin binds another `ucp_ep_create`).
+    Unavailable(String),
+    /// Not known yet: NIXL's UCX plugin is not loaded.
+    Pending,
+}
+
 /// The loaded interposer.
 struct Interposer {
     begin: unsafe extern "C" fn(),
     end: unsafe extern "C" fn(*mut EpCloseCounts),
     bound: unsafe extern "C" fn(*const c_char) -> c_int,
+    create_bound: unsafe extern "C" fn(*const c_char) -> c_int,
+    watch_set_fd: unsafe extern "C" fn(c_int),
+    watch_drain: unsafe extern "C" fn(*mut EpFailure, usize) -> usize,
+    watch_counts: unsafe extern "C" fn(*mut EpWatchCounts),
+    watch_begin: unsafe extern "C" fn(),
+    watch_end: unsafe extern "C" fn(*mut u64, usize) -> usize,
     mode: OnceLock<EndpointCloseMode>,
+    watch_mode: OnceLock<EndpointWatchMode>,
     _lib: Library,
 }
+
+/// The most endpoints one watched scope lists (one per NIXL worker: 64 is
+/// far above vLLM's 4 + 1).
+const SCOPE_EPS: usize = 64;
 
 /// The interposer's state in this process, decided before libnixl loads
 /// (obtain it with [`EpClose::process`]).
@@ -257,6 +310,145 @@ impl EpClose {
     }
 }
 
+impl EpClose {
+    /// Whether NIXL's endpoint failures are watched: the interposer is
+    /// loaded (the default close mode) and NIXL's UCX plugin binds its
+    /// `ucp_ep_create` (checked once the plugin is loaded).
+    pub fn watch_mode(&self) -> EndpointWatchMode {
+        let i = match &self.0 {
+            State::Loaded(i) => i,
+            State::Off(EndpointCloseMode::Nixl) => {
+                return EndpointWatchMode::Unavailable(format!(
+                    "the interposer is not loaded ({EP_CLOSE_ENV}=nixl)"
+                ))
+            }
+            State::Off(mode) => {
+                return EndpointWatchMode::Unavailable(format!(
+                    "the interposer is not loaded: {mode}"
+                ))
+            }
+        };
+        if let Some(m) = i.watch_mode.get() {
+            return m.clone();
+        }
+        let file = CString::new(UCX_PLUGIN_FILE).expect("no NUL");
+        // SAFETY: as in `mode`: `create_bound` is `nks_ep_create_bound`
+        // (`int (const char *)`), kept loaded; `file` outlives the call.
+        let bound = unsafe { (i.create_bound)(file.as_ptr()) };
+        let mode = match bound {
+            1 => EndpointWatchMode::Watching,
+            0 => EndpointWatchMode::Unavailable(format!(
+                "{UCX_PLUGIN_FILE} calls another ucp_ep_create (loaded before the interposer, or \
+                 with RTLD_DEEPBIND: is NIXL_UCX_DEEPBIND set?)"
+            )),
+            -1 => EndpointWatchMode::Unavailable(format!(
+                "{UCX_PLUGIN_FILE} does not import ucp_ep_create"
+            )),
+            _ => return EndpointWatchMode::Pending,
+        };
+        i.watch_mode.get_or_init(|| mode).clone()
+    }
+
+    fn watch(&self) -> Option<&Interposer> {
+        match &self.0 {
+            State::Loaded(i) => Some(i),
+            State::Off(_) => None,
+        }
+    }
+
+    /// Runs `f` (a `loadRemoteMD`) and lists the UCP endpoints created on
+    /// this thread meanwhile (NIXL creates one per worker, synchronously,
+    /// inside the load), as integers to compare with [`EpFailure::ep`];
+    /// `None` when the interposer is not loaded. The list holds at most 64;
+    /// `created` says how many there were.
+    pub fn watching<T>(&self, f: impl FnOnce() -> T) -> (T, Option<WatchedEps>) {
+        let Some(i) = self.watch() else {
+            return (f(), None);
+        };
+        /// Closes the thread's scope even if `f` unwinds.
+        struct Scope<'a>(&'a Interposer, bool);
+        impl Scope<'_> {
+            fn end(&mut self) -> WatchedEps {
+                let mut eps = vec![0u64; SCOPE_EPS];
+                let mut created = 0;
+                if std::mem::take(&mut self.1) {
+                    // SAFETY: `watch_end` is `nks_ep_watch_scope_end`, kept
+                    // loaded; `eps` has room for the `SCOPE_EPS` it may
+                    // write. It closes the scope this guard opened, on this
+                    // thread.
+                    created = unsafe { (self.0.watch_end)(eps.as_mut_ptr(), SCOPE_EPS) };
+                }
+                eps.truncate(created.min(SCOPE_EPS));
+                WatchedEps { eps, created }
+            }
+        }
+        impl Drop for Scope<'_> {
+            fn drop(&mut self) {
+                self.end();
+            }
+        }
+        // SAFETY: `watch_begin` is `nks_ep_watch_scope_begin` (`void
+        // (void)`), kept loaded; it bumps a thread-local depth, closed by
+        // the `Scope` below, also on unwind.
+        unsafe { (i.watch_begin)() };
+        let mut scope = Scope(i, true);
+        let out = f();
+        (out, Some(scope.end()))
+    }
+
+    /// Gives the watch the eventfd it writes to after each failure
+    /// (`None`: no more wake-ups). The descriptor must stay open until it
+    /// is replaced. `false` when the interposer is not loaded.
+    pub fn watch_wake_fd(&self, fd: Option<std::os::fd::BorrowedFd<'static>>) -> bool {
+        let Some(i) = self.watch() else {
+            return false;
+        };
+        let raw = fd.map_or(-1, |fd| std::os::fd::AsRawFd::as_raw_fd(&fd));
+        // SAFETY: `watch_set_fd` is `nks_ep_watch_set_fd` (`void (int)`),
+        // kept loaded; it only stores the number under its lock. The
+        // descriptor is borrowed for `'static`: it outlives every write.
+        unsafe { (i.watch_set_fd)(raw) };
+        true
+    }
+
+    /// Moves every queued failure into `out`, oldest first.
+    pub fn watch_drain(&self, out: &mut Vec<EpFailure>) {
+        let Some(i) = self.watch() else {
+            return;
+        };
+        loop {
+            let mut buf = [EpFailure::default(); 64];
+            // SAFETY: `watch_drain` is `nks_ep_watch_drain`, kept loaded;
+            // `buf` has room for the `buf.len()` entries it may write.
+            let n = unsafe { (i.watch_drain)(buf.as_mut_ptr(), buf.len()) };
+            out.extend_from_slice(&buf[..n.min(buf.len())]);
+            if n < buf.len() {
+                return;
+            }
+        }
+    }
+
+    /// The watch's counts since it was loaded (zero when it is not).
+    pub fn watch_counts(&self) -> EpWatchCounts {
+        let mut c = EpWatchCounts::default();
+        if let Some(i) = self.watch() {
+            // SAFETY: `watch_counts` is `nks_ep_watch_counts`, kept
+            // loaded; `c` is a valid `#[repr(C)]` mirror for it to write.
+            unsafe { (i.watch_counts)(&mut c) };
+        }
+        c
+    }
+}
+
+/// The endpoints one [`EpClose::watching`] scope saw created.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WatchedEps {
+    /// Their `ucp_ep_h` values (at most 64).
+    pub eps: Vec<u64>,
+    /// How many were created (more than `eps.len()`: some are not listed).
+    pub created: usize,
+}
+
 /// Whether NIXL's UCX plugin is in the process already (then it is bound).
 fn plugin_already_loaded() -> bool {
     let name = CString::new(UCX_PLUGIN_FILE).expect("no NUL");
@@ -300,8 +492,11 @@ fn load_interposer() -> Result<Interposer, String> {
     let lib = unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) }
         .map_err(|e| format!("loading the interposer failed: {e}"))?;
     drop(file);
-    // SAFETY: the three symbols' types are those shim/ep_close.c defines
-    // (`void (void)`, `void (struct nks_ep_closes *)`, `int (const char *)`).
+    // SAFETY: the symbols' types are those shim/ep_close.c and
+    // shim/ep_watch.c define (`void (void)`, `void (struct nks_ep_closes *)`,
+    // `int (const char *)`, `void (int)`, `size_t (struct nks_ep_failure *,
+    // size_t)`, `void (struct nks_ep_watch_counts *)`, `size_t (uint64_t *,
+    // size_t)`), mirrored by the `#[repr(C)]` types above.
     // The function pointers copied out stay valid because `lib` moves into
     // the same `Interposer`, which is never dropped (static state).
     unsafe {
@@ -314,11 +509,36 @@ fn load_interposer() -> Result<Interposer, String> {
         let bound = *lib
             .get::<unsafe extern "C" fn(*const c_char) -> c_int>(b"nks_ep_close_bound\0")
             .map_err(|e| e.to_string())?;
+        let create_bound = *lib
+            .get::<unsafe extern "C" fn(*const c_char) -> c_int>(b"nks_ep_create_bound\0")
+            .map_err(|e| e.to_string())?;
+        let watch_set_fd = *lib
+            .get::<unsafe extern "C" fn(c_int)>(b"nks_ep_watch_set_fd\0")
+            .map_err(|e| e.to_string())?;
+        let watch_drain = *lib
+            .get::<unsafe extern "C" fn(*mut EpFailure, usize) -> usize>(b"nks_ep_watch_drain\0")
+            .map_err(|e| e.to_string())?;
+        let watch_counts = *lib
+            .get::<unsafe extern "C" fn(*mut EpWatchCounts)>(b"nks_ep_watch_counts\0")
+            .map_err(|e| e.to_string())?;
+        let watch_begin = *lib
+            .get::<unsafe extern "C" fn()>(b"nks_ep_watch_scope_begin\0")
+            .map_err(|e| e.to_string())?;
+        let watch_end = *lib
+            .get::<unsafe extern "C" fn(*mut u64, usize) -> usize>(b"nks_ep_watch_scope_end\0")
+            .map_err(|e| e.to_string())?;
         Ok(Interposer {
             begin,
             end,
             bound,
+            create_bound,
+            watch_set_fd,
+            watch_drain,
+            watch_counts,
+            watch_begin,
+            watch_end,
             mode: OnceLock::new(),
+            watch_mode: OnceLock::new(),
             _lib: lib,
         })
     }

@@ -203,6 +203,7 @@ impl Drop for AgentInner {
         // decoder's teardown). A failure here has nobody left to tell: the
         // agent is destroyed next either way.
         let _ = self.take_notifs();
+        crate::failures::forget_agent(&self.name);
         // SAFETY: `self.capi` is the live handle `Agent::new` created;
         // every registration, dlist handle and request made by this agent
         // holds an `Arc` to it, so none is left and this is the last use
@@ -598,9 +599,13 @@ impl Agent {
         let recording = rt.endpoint_close_mode().is_force() && sockets::shutdown_on();
         let work = recording.then(|| self.inner.socket_work());
         let before = recording.then(Look::now);
-        // SAFETY: `self.inner.capi` is this agent's handle, live while
-        // `self.inner` is, and created by `rt`.
-        let (raw, name) = unsafe { rt.load_remote_md(self.inner.capi, metadata) };
+        // The endpoints NIXL creates for the agent are made inside the
+        // load, on this thread: listed, so that their failures are named.
+        let ((raw, name), eps) = crate::failures::around_load(|| {
+            // SAFETY: `self.inner.capi` is this agent's handle, live while
+            // `self.inner` is, and created by `rt`.
+            unsafe { rt.load_remote_md(self.inner.capi, metadata) }
+        });
         op("loadRemoteMD", raw)?;
         let name = name.unwrap_or_default();
         if let Some(before) = before {
@@ -609,7 +614,10 @@ impl Agent {
         }
         drop(work);
         match check_agent_name(&name) {
-            Ok(n) => Ok(n.to_owned()),
+            Ok(n) => {
+                eps.belong_to(&self.inner.name, n);
+                Ok(n.to_owned())
+            }
             Err(problem) => {
                 if rt.names_have_length() {
                     // The shim passes the name with its length, so this
@@ -686,12 +694,26 @@ impl Agent {
             Err(e) => e.status == NixlStatus::ERR_NOT_FOUND,
         };
         if gone {
+            crate::failures::forget(&self.inner.name, remote);
             let (shut, pending) = self.inner.shut_recorded(remote.as_bytes(), connections);
             closes.connections_shut = shut;
             closes.connections_pending = pending;
         }
         result?;
         Ok(closes)
+    }
+
+    /// Calls `on_failure` each time UCX fails one of this agent's
+    /// endpoints, from the moment it happens (see [`crate::failures`]):
+    /// with the remote agent's name for endpoints its loads created,
+    /// without it for any other. Until the returned watch drops. `Err`
+    /// with the reason when this process cannot watch (NIXL's own close
+    /// mode, `NIXL_UCX_DEEPBIND`, the plugin loaded before this crate).
+    pub fn watch_endpoint_failures(
+        &self,
+        on_failure: impl Fn(crate::failures::EndpointFailure) + Send + Sync + 'static,
+    ) -> Result<crate::failures::EndpointFailureWatch, String> {
+        crate::failures::watch(&self.inner.name, on_failure)
     }
 
     /// The UCP endpoints this agent's UCX workers hold now, with UCX's

@@ -54,6 +54,7 @@ mod binding;
 pub mod cuda;
 pub mod endpoints;
 mod error;
+pub mod failures;
 mod sockets;
 /// Test support for the real runtime (feature `testing`; `nixl-sys`'s,
 /// re-exported): not part of the binding's API, for this workspace's tests
