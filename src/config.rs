@@ -117,6 +117,7 @@ const SHUTDOWN_DRAIN: &str = "NIXL_KEEPALIVE_SHUTDOWN_DRAIN";
 const METRICS_PERIOD: &str = "NIXL_KEEPALIVE_METRICS_PERIOD";
 const READ_STALL: &str = "NIXL_KEEPALIVE_READ_STALL";
 const READ_STALL_ACTION: &str = "NIXL_KEEPALIVE_READ_STALL_ACTION";
+const ENDPOINT_EVENTS: &str = "NIXL_KEEPALIVE_ENDPOINT_EVENTS";
 
 /// Every knob the service reads from the environment. Hidden for the
 /// reason [`Knob`] is.
@@ -188,6 +189,15 @@ pub const KNOBS: &[Knob] = &[
                   guards say `is_failed`) and releases it once they end; `report` only emits \
                   the event, the metric and a log line, once per stall.",
     },
+    Knob {
+        env: ENDPOINT_EVENTS,
+        default: "on",
+        syntax: "`on` or `off`",
+        meaning: "`on`: when UCX fails an endpoint of the decode's agent (a peer's TCP \
+                  connection closed: a killed process, milliseconds after its death), that \
+                  engine gets a heartbeat at once instead of at its next round; only that \
+                  heartbeat's REMOTE_DISCONNECT marks it. `off`: heartbeats alone.",
+    },
 ];
 
 /// The service's configuration. Build it with [`Config::builder`] or read
@@ -230,6 +240,9 @@ pub struct Config {
     /// Seed for the heartbeat jitter; `None` seeds from the OS. Tests and
     /// the demo fix it so that runs repeat.
     pub(crate) seed: Option<u64>,
+    /// Whether the transport's endpoint failures send an engine a
+    /// heartbeat at once ([`crate::Transport::watch_failures`]).
+    pub(crate) endpoint_events: bool,
 }
 
 impl Config {
@@ -285,6 +298,12 @@ impl Config {
         self.seed
     }
 
+    /// Whether an endpoint failure the transport reports sends that
+    /// engine a heartbeat at once.
+    pub fn endpoint_events(&self) -> bool {
+        self.endpoint_events
+    }
+
     /// This configuration with the jitter's seed `seed` (`None`: from the
     /// OS). No seed is out of bounds.
     pub fn with_seed(mut self, seed: Option<u64>) -> Config {
@@ -321,6 +340,7 @@ impl Default for Config {
             read_stall: Some(Duration::from_secs(10)),
             stall_action: StallAction::Fail,
             seed: None,
+            endpoint_events: true,
         }
     }
 }
@@ -519,6 +539,17 @@ impl Config {
                     }),
                 }
                 .map(|a| builder.config.stall_action = a),
+                ENDPOINT_EVENTS => match value.trim() {
+                    "on" => Ok(true),
+                    "off" => Ok(false),
+                    _ => Err(ConfigError::Env {
+                        var: knob.env,
+                        value: value.clone(),
+                        reason: "not a switch".into(),
+                        expected: "`on` or `off`",
+                    }),
+                }
+                .map(|on| builder.config.endpoint_events = on),
                 other => unreachable!("knob {other} has no reader"),
             };
             if let Err(e) = read {
@@ -700,8 +731,11 @@ impl fmt::Display for Config {
         };
         write!(
             f,
-            "interval={interval} jitter={:?} rate=1/{:?} burst={}",
-            self.jitter, self.rate_period, self.rate_burst
+            "interval={interval} jitter={:?} rate=1/{:?} burst={} endpoint_events={}",
+            self.jitter,
+            self.rate_period,
+            self.rate_burst,
+            if self.endpoint_events { "on" } else { "off" }
         )
     }
 }
@@ -821,6 +855,13 @@ impl ConfigBuilder {
     pub fn read_stall(mut self, bound: Option<Duration>, action: StallAction) -> Self {
         self.config.read_stall = bound;
         self.config.stall_action = action;
+        self
+    }
+
+    /// Whether endpoint failures the transport reports send that engine
+    /// a heartbeat at once (default on).
+    pub fn endpoint_events(mut self, on: bool) -> Self {
+        self.config.endpoint_events = on;
         self
     }
 

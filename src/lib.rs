@@ -193,7 +193,7 @@ pub use text::NameError;
 
 pub use nixl_agent::NixlStatus;
 pub use transport::{
-    AgentName, EndpointClose, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, ResolveError,
-    Transfers, Transport, TransportError,
+    AgentName, EndpointClose, EngineId, FailureWatch, PeerAddr, ReleaseStep, ReleaseTarget,
+    ResolveError, Suspicion, Suspicions, Transfers, Transport, TransportError,
 };
 pub use ucx_sys::UcsStatus;

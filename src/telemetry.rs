@@ -39,6 +39,12 @@ pub(crate) const GIVEN_UP_HELD: &str = "nixl_keepalive_given_up_held_seconds";
 /// Episodes in which engines' reads stopped completing while no engine's
 /// completed: the decoder itself looked stuck and nobody was blamed.
 pub(crate) const DECODER_STALLS: &str = "nixl_keepalive_decoder_stalls_total";
+/// Endpoint failures the transport reported between heartbeats, by
+/// `outcome`: `probed` (a live engine's agent: it got a heartbeat at
+/// once), `not_live` (its engine is marked or being released already),
+/// `not_held` (no engine holds that agent), `unnamed` (the transport could
+/// not tell whose endpoint it was: every live engine got a heartbeat).
+pub(crate) const ENDPOINT_FAILURES: &str = "nixl_keepalive_endpoint_failures_total";
 /// Transport calls that panicked, by `call` (`genNotif`, `release`).
 pub(crate) const TRANSPORT_PANICS: &str = "nixl_keepalive_transport_panics_total";
 /// Threads of the transport calls' pool (busy and idle).
@@ -129,6 +135,9 @@ pub(crate) fn record(count: Count) {
             gauge!(GIVEN_UP_BLOCKS).set(blocks as f64);
         }
         Count::DecoderStuck => counter!(DECODER_STALLS).increment(1),
+        Count::EndpointFailure(outcome) => {
+            counter!(ENDPOINT_FAILURES, "outcome" => outcome).increment(1)
+        }
         Count::TransportPanicked(call) => counter!(TRANSPORT_PANICS, "call" => call).increment(1),
         Count::Released { reason, since_mark } => {
             counter!(RELEASES, "reason" => reason.as_str()).increment(1);

@@ -1012,3 +1012,180 @@ async fn the_start_up_bounds_name_crashed_silent_and_frozen_apart_in_seconds() {
     shutdown.cancel();
     task.await.unwrap();
 }
+
+// ---- endpoint events (issue 45) -------------------------------------------
+
+/// The fake as measured over TCP: a crash fails the endpoints at once and
+/// the failure watch hears of it.
+fn with_endpoint_events() -> FakeConfig {
+    let mut c = FakeConfig::default();
+    c.endpoint_events = true;
+    c
+}
+
+/// Heartbeats off: only an endpoint event can find a crashed idle peer.
+fn no_heartbeats(endpoint_events: bool) -> Config {
+    Config::builder()
+        .heartbeat_interval(None)
+        .rate_limit(Duration::from_secs(1), 2)
+        .endpoint_events(endpoint_events)
+        .seed(7)
+        .build()
+        .unwrap()
+}
+
+fn heartbeats_to(ucx: &FakeUcx, p: &EngineId) -> usize {
+    ucx.calls()
+        .iter()
+        .filter(|c| c.engine.as_ref() == Some(p) && c.message.starts_with(b"HB:"))
+        .count()
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_endpoint_failure_releases_a_crashed_idle_prefill_with_heartbeats_off() {
+    let mut w = world(with_endpoint_events(), no_heartbeats(true));
+    assert_eq!(w.ucx.failure_watches(), 1, "the service watches");
+    let p = w.ucx.spawn_prefill(addr(1), 2);
+    let engine = w.connect(&addr(1)).await;
+    w.run_for(Duration::from_secs(30)).await;
+    assert_eq!(heartbeats_to(&w.ucx, &p), 0, "heartbeats are off");
+
+    w.ucx.crash(&p);
+    let (status, source) = w
+        .until(Duration::from_millis(50), |e| match e {
+            Event::Unreachable { status, source, .. } => Some((*status, *source)),
+            _ => None,
+        })
+        .await;
+    // Marked by the heartbeat the event asked for, not by the event.
+    assert_eq!(
+        (status, source),
+        (
+            NixlStatus::ERR_REMOTE_DISCONNECT,
+            nixl_keepalive::Source::Heartbeat
+        )
+    );
+    w.released(&p, Duration::from_millis(50)).await;
+    assert_eq!(engine.state(), EngineState::Released);
+    assert_eq!(
+        heartbeats_to(&w.ucx, &p),
+        2,
+        "one round (two agents), though both endpoints reported"
+    );
+    let ucx = w.stop().await;
+    assert_eq!(ucx.failure_watches(), 0, "the watch stops with the service");
+    ucx.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_endpoint_events_off_a_crashed_idle_prefill_waits_for_a_heartbeat() {
+    let mut w = world(with_endpoint_events(), no_heartbeats(false));
+    assert_eq!(w.ucx.failure_watches(), 0, "nothing watched");
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    let engine = w.connect(&addr(1)).await;
+    w.ucx.crash(&p);
+    w.run_for(Duration::from_secs(60)).await;
+    assert_eq!(engine.state(), EngineState::Live, "nobody asked");
+    // The runtime's renewal is a heartbeat: it finds the crash.
+    w.handle.renew_leases(&p).unwrap();
+    w.released(&p, Duration::from_millis(50)).await;
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_spurious_endpoint_failure_costs_a_heartbeat_and_releases_nothing() {
+    let w = world(with_endpoint_events(), no_heartbeats(true));
+    let p1 = w.ucx.spawn_prefill(addr(1), 1);
+    let p2 = w.ucx.spawn_prefill(addr(2), 1);
+    let e1 = w.connect(&addr(1)).await;
+    let e2 = w.connect(&addr(2)).await;
+    let a1 = w.ucx.agents_of(&p1)[0].clone();
+    let reset = UcsStatus::ERR_CONNECTION_RESET;
+
+    // Named: that engine alone gets a round.
+    w.ucx.report_endpoint_failure(Some(a1.clone()), reset);
+    w.run_for(Duration::from_millis(10)).await;
+    assert_eq!(
+        (heartbeats_to(&w.ucx, &p1), heartbeats_to(&w.ucx, &p2)),
+        (1, 0)
+    );
+    // An agent nobody holds (already released, or a stranger): nothing.
+    w.ucx
+        .report_endpoint_failure(Some(AgentName::new("stranger-rank0")), reset);
+    w.run_for(Duration::from_millis(10)).await;
+    assert_eq!(
+        (heartbeats_to(&w.ucx, &p1), heartbeats_to(&w.ucx, &p2)),
+        (1, 0)
+    );
+    // Unnamed: every live engine gets one.
+    w.ucx.report_endpoint_failure(None, reset);
+    w.run_for(Duration::from_millis(10)).await;
+    assert_eq!(
+        (heartbeats_to(&w.ucx, &p1), heartbeats_to(&w.ucx, &p2)),
+        (2, 1)
+    );
+
+    // A flood (a flapping or hostile source): the rate cap holds, burst 2
+    // then one round per second.
+    let start = tokio::time::Instant::now();
+    let before = heartbeats_to(&w.ucx, &p1);
+    for _ in 0..1000 {
+        w.ucx.report_endpoint_failure(Some(a1.clone()), reset);
+        w.run_for(Duration::from_millis(5)).await;
+    }
+    let elapsed = start.elapsed();
+    let rounds = heartbeats_to(&w.ucx, &p1) - before;
+    assert!(
+        rounds <= 2 + elapsed.as_secs() as usize,
+        "{rounds} rounds in {elapsed:?}"
+    );
+    assert!(
+        rounds >= elapsed.as_secs() as usize,
+        "{rounds} rounds in {elapsed:?}"
+    );
+    assert_eq!(
+        (e1.state(), e2.state()),
+        (EngineState::Live, EngineState::Live)
+    );
+    assert_eq!(w.ucx.held_by(&p1).remote_metadata, 1, "nothing released");
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_endpoint_failure_under_a_read_marks_at_once_and_releases_when_the_read_ends() {
+    let mut w = world(with_endpoint_events(), no_heartbeats(true));
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    let engine = w.connect(&addr(1)).await;
+    let read = engine.begin_read().unwrap();
+    w.ucx.crash(&p);
+    w.until(Duration::from_millis(50), |e| {
+        matches!(e, Event::Unreachable { .. }).then_some(())
+    })
+    .await;
+    assert!(read.is_failed(), "its reads are failed at once");
+    w.run_for(Duration::from_secs(30)).await;
+    assert_eq!(w.ucx.held_by(&p).remote_metadata, 1, "never under a read");
+    read.finish(w.ucx.read(&p));
+    w.released(&p, Duration::from_millis(50)).await;
+    w.stop().await.assert_nothing_leaked();
+}
+
+#[tokio::test(start_paused = true)]
+async fn endpoint_failures_racing_a_shutdown_are_dropped_without_a_panic() {
+    let w = world(with_endpoint_events(), no_heartbeats(true));
+    let p = w.ucx.spawn_prefill(addr(1), 1);
+    let _engine = w.connect(&addr(1)).await;
+    let a = w.ucx.agents_of(&p)[0].clone();
+    let ucx = w.ucx.clone();
+    w.shutdown.cancel();
+    for _ in 0..100 {
+        ucx.report_endpoint_failure(Some(a.clone()), UcsStatus::ERR_CONNECTION_RESET);
+        ucx.report_endpoint_failure(None, UcsStatus::ERR_CONNECTION_RESET);
+        tokio::task::yield_now().await;
+    }
+    let stopped = w.task.await.unwrap();
+    assert!(stopped.unreleased.is_empty());
+    assert_eq!(ucx.failure_watches(), 0);
+    ucx.report_endpoint_failure(Some(a), UcsStatus::ERR_CONNECTION_RESET);
+    ucx.assert_nothing_leaked();
+}

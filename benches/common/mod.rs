@@ -122,6 +122,13 @@ impl<T: Transport> Transport for Lateness<T> {
         self.inner
             .release_with(engine, agents, resources, transfers)
     }
+
+    fn watch_failures(
+        &self,
+        suspicions: nixl_keepalive::Suspicions,
+    ) -> Result<nixl_keepalive::FailureWatch, String> {
+        self.inner.watch_failures(suspicions)
+    }
 }
 
 /// p50, p99, max of `samples` (sorted in place); zeros when empty.

@@ -80,17 +80,61 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-async fn run(rt: &'static nixl_agent::Runtime, interval: Duration, kills: usize) {
+/// What one set of kills measured, sorted.
+struct Kills {
+    detect: Vec<Duration>,
+    release: Vec<Duration>,
+    total: Vec<Duration>,
+    /// Kill -> the kernel closed the prefill's sockets: EOF on a TCP
+    /// connection to its side channel made just before the kill.
+    floor: Vec<Duration>,
+    /// Kill -> UCX ran the endpoint's error handler (events on only).
+    callback: Vec<Duration>,
+}
+
+/// Waits on `stream` until the peer's socket is gone (EOF or reset) and
+/// says when.
+fn watch_eof(mut stream: std::net::TcpStream) -> std::thread::JoinHandle<Instant> {
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        loop {
+            match std::io::Read::read(&mut stream, &mut buf) {
+                Ok(0) | Err(_) => return Instant::now(),
+                Ok(_) => {}
+            }
+        }
+    })
+}
+
+async fn run(
+    rt: &'static nixl_agent::Runtime,
+    interval: Duration,
+    kills: usize,
+    endpoint_events: bool,
+) -> Kills {
     let agent = Agent::new(
         rt,
         &format!(
-            "bench-decode-{}-{}",
+            "bench-decode-{}-{}-{}",
             std::process::id(),
-            interval.as_millis()
+            interval.as_millis(),
+            endpoint_events
         ),
         &AgentConfig::default(),
     )
     .expect("decode agent");
+    // When UCX ran the handler, from the watch itself (events on).
+    let callbacks = Arc::new(std::sync::Mutex::new(Vec::<(String, u64)>::new()));
+    let _watch = endpoint_events.then(|| {
+        let seen = callbacks.clone();
+        agent
+            .watch_endpoint_failures(move |f| {
+                if let Some(remote) = f.remote_agent {
+                    seen.lock().unwrap().push((remote.to_string(), f.at_ns));
+                }
+            })
+            .expect("endpoint failures watched")
+    });
     let transport = Arc::new(NixlTransport::new(agent));
     let _progress = transport.spawn_progress(Duration::from_millis(5));
     let jitter = interval / 10;
@@ -99,8 +143,9 @@ async fn run(rt: &'static nixl_agent::Runtime, interval: Duration, kills: usize)
         .jitter(jitter)
         // The per-engine rate cap (default 1 round/s) must not be what
         // limits a sub-second interval.
-        .rate_limit(interval / 4, 2)
+        .rate_limit(interval.min(Duration::from_secs(1)) / 4, 2)
         .metrics_period(None)
+        .endpoint_events(endpoint_events)
         .build()
         .unwrap();
     let shutdown = CancellationToken::new();
@@ -108,22 +153,31 @@ async fn run(rt: &'static nixl_agent::Runtime, interval: Duration, kills: usize)
     let mut events = handle.subscribe();
     let decoder = Decoder::new(
         handle,
-        transport,
+        transport.clone(),
         DecodeOptions {
             ..DecodeOptions::default()
         },
     );
-    let (mut detect, mut release, mut total) = (Vec::new(), Vec::new(), Vec::new());
+    let mut k = Kills {
+        detect: Vec::new(),
+        release: Vec::new(),
+        total: Vec::new(),
+        floor: Vec::new(),
+        callback: Vec::new(),
+    };
     for _ in 0..kills {
         let mut p = start_prefill();
-        match decoder.connect(&p.addr, None).await.expect("handshake") {
-            Found::New(_) => {}
+        let agents = match decoder.connect(&p.addr, None).await.expect("handshake") {
+            Found::New(c) => c.remote.agents.clone(),
             Found::Unchanged => unreachable!(),
-        }
+        };
         // Kill at a random point of the heartbeat cycle.
         let wait = interval.mul_f64(1.0 + rand::random::<f64>());
         tokio::time::sleep(wait).await;
+        let side = std::net::TcpStream::connect(p.addr.as_str()).expect("side channel");
+        let eof = watch_eof(side);
         let killed = Instant::now();
+        let killed_ns = nixl_agent::failures::monotonic_ns();
         p.child.kill().unwrap();
         let mut detected = None;
         loop {
@@ -134,33 +188,59 @@ async fn run(rt: &'static nixl_agent::Runtime, interval: Duration, kills: usize)
                 Ok(Ok(Event::Released { engine, .. })) if engine == p.engine => {
                     let now = Instant::now();
                     let d = detected.unwrap_or(now);
-                    detect.push(d - killed);
-                    release.push(now - d);
-                    total.push(now - killed);
+                    k.detect.push(d - killed);
+                    k.release.push(now - d);
+                    k.total.push(now - killed);
                     break;
                 }
                 Ok(Ok(_)) | Ok(Err(tokio::sync::broadcast::error::RecvError::Lagged(_))) => {}
                 other => panic!("no release of {} within 60 s: {other:?}", p.engine),
             }
         }
+        k.floor.push(eof.join().expect("eof watcher") - killed);
+        if endpoint_events {
+            let seen = callbacks.lock().unwrap();
+            let first = seen
+                .iter()
+                .filter(|(remote, _)| agents.iter().any(|a| a.as_str() == remote))
+                .map(|(_, at)| *at)
+                .min();
+            if let Some(at) = first {
+                k.callback
+                    .push(Duration::from_nanos(at.saturating_sub(killed_ns)));
+            }
+        }
         let _ = p.child.wait();
     }
     shutdown.cancel();
     let _ = task.await;
-    for v in [&mut detect, &mut release, &mut total] {
+    for v in [
+        &mut k.detect,
+        &mut k.release,
+        &mut k.total,
+        &mut k.floor,
+        &mut k.callback,
+    ] {
         v.sort();
     }
+    k
+}
+
+/// The heartbeat path: its rows against the longest gap between two
+/// heartbeats.
+fn print_heartbeat_rows(interval: Duration, kills: usize, k: &Kills) {
+    let jitter = interval / 10;
     let iv = ms(interval);
-    let p99 = percentile(&total, 0.99);
+    let p99 = percentile(&k.total, 0.99);
     println!(
-        "heartbeat {:>6.0} ms | kills {kills:>2} | kill->detect p50 {:>7.1} ms p99 {:>7.1} ms | detect->release p50 {:>5.2} ms p99 {:>5.2} ms | kill->release p50 {:>7.1} ms ({:.2}x interval) p99 {:>7.1} ms ({:.2}x interval)",
+        "heartbeat {:>6.0} ms, events off | kills {kills:>2} | kill->detect p50 {:>7.1} ms p99 {:>7.1} ms | detect->release p50 {:>5.2} ms p99 {:>5.2} ms | kill->release p50 {:>7.1} ms ({:.2}x interval) p99 {:>7.1} ms ({:.2}x interval)",
         iv,
-        ms(percentile(&detect, 0.5)),
-        ms(percentile(&detect, 0.99)),
-        ms(percentile(&release, 0.5)),
-        ms(percentile(&release, 0.99)),
-        ms(percentile(&total, 0.5)),
-        ms(percentile(&total, 0.5)) / iv,
+        ms(percentile(&k.detect, 0.5)),
+        ms(percentile(&k.detect, 0.99)),
+        ms(percentile(&k.release, 0.5)),
+        ms(percentile(&k.release, 0.99)),
+        ms(percentile(&k.total, 0.5)),
+        ms(percentile(&k.total, 0.5)) / iv,
         ms(p99),
         ms(p99) / iv,
     );
@@ -168,7 +248,7 @@ async fn run(rt: &'static nixl_agent::Runtime, interval: Duration, kills: usize)
     assert!(interval >= 2 * nixl_keepalive::HEARTBEAT_SLOT);
     let gap = interval + jitter + nixl_keepalive::HEARTBEAT_SLOT / 2;
     println!(
-        "heartbeat {iv:>6.0} ms | kill->release p99 {:.1} ms vs the longest heartbeat gap (interval + jitter + half a slot) {:.1} ms: ratio {:.2}x (target <= 1x) {}",
+        "heartbeat {iv:>6.0} ms, events off | kill->release p99 {:.1} ms vs the longest heartbeat gap (interval + jitter + half a slot) {:.1} ms: ratio {:.2}x (target <= 1x) {}",
         ms(p99),
         ms(gap),
         ms(p99) / ms(gap),
@@ -191,14 +271,51 @@ fn main() {
         }
     };
     let kills = if quick() { 5 } else { 20 };
-    println!("real_detection: SIGKILL of an idle prefill, detected by heartbeats alone (UCX defaults, loopback)");
+    println!("real_detection: SIGKILL of an idle prefill, detected by heartbeats alone (endpoint events off; UCX defaults, loopback)");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     for interval in [Duration::from_millis(250), Duration::from_secs(1)] {
-        runtime.block_on(run(rt, interval, kills));
+        let k = runtime.block_on(run(rt, interval, kills, false));
+        print_heartbeat_rows(interval, kills, &k);
     }
     println!("baseline: the interval (ratio = kill->release / interval); target: kill->release p99 within the longest gap between two heartbeats");
+    // The default interval, with and without endpoint events, and the
+    // floor (the kernel closing the killed prefill's sockets) measured
+    // on the same kills.
+    let interval = Duration::from_secs(5);
+    println!("real_detection: SIGKILL of an idle prefill at the default 5 s heartbeat: endpoint events on vs off, against the socket-gone floor");
+    let off = runtime.block_on(run(rt, interval, kills, false));
+    print_heartbeat_rows(interval, kills, &off);
+    let on = runtime.block_on(run(rt, interval, kills, true));
+    let row = |name: &str, v: &[Duration]| {
+        format!(
+            "{name} p50 {:.1} ms p99 {:.1} ms",
+            ms(percentile(v, 0.5)),
+            ms(percentile(v, 0.99))
+        )
+    };
+    println!(
+        "heartbeat 5000 ms, events on | kills {kills:>2} | {} | {} | {} | {} | {} ({} of {kills} kills seen by the handler)",
+        row("kill->release", &on.total),
+        row("kill->detect", &on.detect),
+        row("kill->UCX error handler", &on.callback),
+        row("socket-gone floor", &on.floor),
+        row("floor (events-off kills)", &off.floor),
+        on.callback.len(),
+    );
+    let (p99_on, p99_off) = (percentile(&on.total, 0.99), percentile(&off.total, 0.99));
+    let floor = percentile(&on.floor, 0.99);
+    println!(
+        "events on: kill->release p99 {:.1} ms (target <= 100 ms: {}), {:.2}x the floor's p99 {:.1} ms (target <= 3x: {}); events off: p99 {:.1} ms ({:.1}x events on)",
+        ms(p99_on),
+        if p99_on <= Duration::from_millis(100) { "PASS" } else { "MISS" },
+        ms(p99_on) / ms(floor),
+        ms(floor),
+        if ms(p99_on) <= 3.0 * ms(floor) { "PASS" } else { "MISS" },
+        ms(p99_off),
+        ms(p99_off) / ms(p99_on),
+    );
 }

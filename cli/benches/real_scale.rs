@@ -11,8 +11,10 @@
 //! agent notifying it) for the fan-in; the reads and heartbeats of the
 //! healthy half before the storm. Prints a table per size and PASS/MISS
 //! for each target; never asserts on timing. `--quick` / `BENCH_QUICK=1`:
-//! 20 and 60 agents, 10 and 20 notifiers, shorter windows; `-- sizes` or
-//! `-- fan-in`: that part alone.
+//! 20 and 60 agents, 10 and 20 notifiers, shorter windows; `-- sizes`,
+//! `-- fan-in` or `-- events`: that part alone. `events` measures the
+//! service's CPU at 1,000 agents with endpoint events off and on (issue
+//! 45), then soaks 1,000 healthy agents for 10 minutes with them on.
 //!
 //! Skips (prints SKIPPED, exits 0) without the runtime, unless
 //! NIXL_KEEPALIVE_REQUIRE_REAL=1.
@@ -299,6 +301,13 @@ impl<T: Transport> Transport for Timed<T> {
         self.inner.release_with(e, a, r, transfers)
     }
 
+    fn watch_failures(
+        &self,
+        suspicions: nixl_keepalive::Suspicions,
+    ) -> Result<nixl_keepalive::FailureWatch, String> {
+        self.inner.watch_failures(suspicions)
+    }
+
     fn release_ends_transfers(&self) -> bool {
         self.inner.release_ends_transfers()
     }
@@ -432,6 +441,10 @@ struct Decode {
 }
 
 fn start_decode(rt: &'static nixl_agent::Runtime, tag: &str) -> Decode {
+    start_decode_with(rt, tag, config())
+}
+
+fn start_decode_with(rt: &'static nixl_agent::Runtime, tag: &str, config: Config) -> Decode {
     let agent = Agent::new(
         rt,
         &format!("bench-scale-{}-{tag}", std::process::id()),
@@ -442,7 +455,7 @@ fn start_decode(rt: &'static nixl_agent::Runtime, tag: &str) -> Decode {
     let progress = transport.spawn_progress(Duration::from_millis(5));
     let timed = Arc::new(Timed::new(transport.clone()));
     let shutdown = CancellationToken::new();
-    let (handle, task) = nixl_keepalive::spawn(timed.clone(), config(), shutdown.clone());
+    let (handle, task) = nixl_keepalive::spawn(timed.clone(), config, shutdown.clone());
     let events = handle.subscribe();
     let decoder = Decoder::new(handle.clone(), transport, DecodeOptions::default());
     Decode {
@@ -862,6 +875,85 @@ async fn fan_in_at(
     drop(host);
 }
 
+/// Endpoint events (issue 45) on and off: `n` real agents (two hosts of
+/// n/2), one decode with the events off, then one with them on, each
+/// measured over `window` after `warm`; then `soak` with the events on and
+/// nothing dying: no release, no endpoint failure. Every decode retires
+/// its engines (drain) before the next starts.
+async fn events_part(
+    rt: &'static nixl_agent::Runtime,
+    n: usize,
+    windows: (Duration, Duration),
+    soak: Duration,
+) {
+    let (warm, window) = windows;
+    let (a, b) = (Host::start(n / 2), Host::start(n - n / 2));
+    let mut shares = Vec::new();
+    for on in [false, true, true] {
+        let soaking = shares.len() == 2;
+        let config = config()
+            .to_builder()
+            .endpoint_events(on)
+            .build()
+            .expect("config");
+        let tag = format!("events-{on}-{}", shares.len());
+        let mut d = start_decode_with(rt, &tag, config);
+        d.timed.put(b.agents(), 0);
+        d.timed.put(a.agents(), 1);
+        let mut conns = connect_all(&d.decoder, &a).await;
+        conns.extend(connect_all(&d.decoder, &b).await);
+        let failures_before = nixl_agent::failures::counts();
+        tokio::time::sleep(warm).await;
+        let measured = steady(&d.timed, if soaking { soak } else { window }).await;
+        let failures = nixl_agent::failures::counts().failures - failures_before.failures;
+        let mut released = 0;
+        let mut unreachable = 0;
+        while let Ok(e) = d.events.try_recv() {
+            match e {
+                Event::Released { .. } => released += 1,
+                Event::Unreachable { .. } => unreachable += 1,
+                _ => {}
+            }
+        }
+        let all: usize = measured.samples.iter().map(Vec::len).sum();
+        if soaking {
+            println!(
+                "  events on, {n} healthy agents for {}: {all} heartbeats, {failures} endpoint failures, {unreachable} marked unreachable, {released} released   target 0 released: {}",
+                msf(soak),
+                verdict(released == 0 && unreachable == 0)
+            );
+        } else {
+            println!(
+                "  events {}: the service's threads {:.2}% of a core, the whole process {:.2}% ({all} heartbeats; {failures} endpoint failures, {released} released)",
+                if on { "on " } else { "off" },
+                measured.service() * 100.0,
+                measured.process * 100.0
+            );
+            shares.push(measured.service());
+        }
+        let ids: Vec<EngineId> = conns.iter().map(|c| c.engine.id().clone()).collect();
+        for e in &ids {
+            let _ = d
+                .handle
+                .peer_gone(PeerRef::Engine(e.clone()), GoneMode::Drain);
+        }
+        releases_of(&mut d.events, &ids, Duration::from_secs(120)).await;
+        drop(conns);
+        d.shutdown.cancel();
+        let _ = d.task.await;
+        if shares.len() == 2 && !soaking && on {
+            let ratio = shares[1] / shares[0].max(1e-9);
+            println!(
+                "  endpoint events, {n} agents: on {:.2}% vs off {:.2}% of a core: ratio {ratio:.2}x   target <= 1.1x: {}",
+                shares[1] * 100.0,
+                shares[0] * 100.0,
+                verdict(ratio <= 1.1)
+            );
+        }
+    }
+    drop((a, b));
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
@@ -887,7 +979,7 @@ fn main() {
     let runtime = common::two_worker_runtime();
     // `-- fan-in` or `-- sizes`: that part alone.
     let only = |part: &str| {
-        let parts = ["fan-in", "sizes"];
+        let parts = ["fan-in", "sizes", "events"];
         let asked: Vec<String> = std::env::args()
             .filter(|a| parts.contains(&a.as_str()))
             .collect();
@@ -905,6 +997,15 @@ fn main() {
         }
         if only("fan-in") {
             fan_in(rt, notifiers, windows.1).await;
+        }
+        if only("events") {
+            let (n, soak) = if quick() {
+                (60, Duration::from_secs(20))
+            } else {
+                (1000, Duration::from_secs(600))
+            };
+            println!("real_scale: endpoint events on vs off, {n} real remote agents at 1 Hz; then a soak with them on");
+            events_part(rt, n, windows, soak).await;
         }
     });
 }

@@ -120,6 +120,95 @@ fn a_sigkilled_idle_prefill_is_detected_by_heartbeat_and_released() {
     })
 }
 
+/// Issue 45: with heartbeats off, only the endpoint event can find a
+/// killed idle prefill: UCX fails its endpoints when their TCP lanes read
+/// the dead process's FIN, the service sends that engine a heartbeat, and
+/// its REMOTE_DISCONNECT releases it. A live prefill beside it is never
+/// touched.
+#[test]
+fn a_sigkilled_idle_prefill_is_released_by_its_endpoint_event_with_heartbeats_off() {
+    let Some(rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    common::block_on(async move {
+        let spec = PrefillSpec {
+            ranks: Some(2),
+            ..Default::default()
+        };
+        let mut victim = PrefillProc::start(&spec);
+        let healthy = PrefillProc::start(&spec);
+        let cfg = config(Duration::from_secs(1))
+            .to_builder()
+            .heartbeat_interval(None)
+            .build()
+            .unwrap();
+        let mut d = DecodeSide::start(rt, cfg, DecodeOptions::default());
+        let c = connected(
+            d.decoder
+                .connect(&victim.addr, None)
+                .await
+                .expect("handshake"),
+        );
+        let h = connected(
+            d.decoder
+                .connect(&healthy.addr, None)
+                .await
+                .expect("handshake"),
+        );
+        assert_eq!(d.decoder.read(&c, 1, 3).await, ReadOutcome::Verified);
+        assert_eq!(d.decoder.read(&h, 1, 3).await, ReadOutcome::Verified);
+        assert_eq!(
+            nixl_agent::failures::mode(),
+            nixl_agent::failures::EndpointWatchMode::Watching
+        );
+        let before = nixl_agent::failures::counts();
+        assert!(
+            before.watched >= 4,
+            "the loads' endpoints are watched: {before:?}"
+        );
+        let engine = EngineId::from(victim.engine.as_str());
+
+        let killed = victim.kill();
+        let (status, detected) = d
+            .wait_for(Duration::from_secs(20), |e| match e {
+                Event::Unreachable {
+                    engine: id, status, ..
+                } if *id == engine => Some(*status),
+                _ => None,
+            })
+            .await;
+        assert_eq!(status, NixlStatus::ERR_REMOTE_DISCONNECT);
+        let (_, released) = d
+            .wait_for(MARGIN, |e| match e {
+                Event::Released { engine: id, .. } if *id == engine => Some(()),
+                _ => None,
+            })
+            .await;
+        let after = nixl_agent::failures::counts();
+        assert!(
+            after.failures > before.failures,
+            "UCX ran the wrapped error handler: {before:?} -> {after:?}"
+        );
+        // The healthy one: still live, still served, a while later.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(h.engine.state(), EngineState::Live);
+        assert_eq!(d.decoder.read(&h, 1, 3).await, ReadOutcome::Verified);
+        let seen = d.drain();
+        assert!(
+            !seen.iter().any(|e| matches!(e, Event::Released { .. })),
+            "nothing else released: {seen:?}"
+        );
+        report(&format!(
+            "SIGKILL idle P, heartbeats off, endpoint events on: kill->detect {}, kill->release {}; handler runs {} -> {}",
+            ms(detected - killed),
+            ms(released - killed),
+            before.failures,
+            after.failures
+        ));
+        drop(healthy);
+        d.stop().await;
+    })
+}
+
 #[test]
 fn a_sigkilled_prefill_with_reads_in_flight_fails_them_promptly_and_is_released_after_the_last_guard(
 ) {
@@ -270,7 +359,7 @@ fn a_prefill_restarted_with_a_new_id_on_the_same_port_replaces_the_old_engine() 
         // the change.
         let mut d = DecodeSide::start(
             rt,
-            config(Duration::from_secs(60)),
+            common::handshake_only_config(),
             DecodeOptions::default(),
         );
         let c1 = connected(d.decoder.connect(&p1.addr, None).await.expect("handshake"));
@@ -348,7 +437,7 @@ fn a_prefill_restarted_with_the_same_id_is_invalidated_before_it_is_loaded_again
         let mut p1 = PrefillProc::start(&spec);
         let mut d = DecodeSide::start(
             rt,
-            config(Duration::from_secs(60)),
+            common::handshake_only_config(),
             DecodeOptions::default(),
         );
         let c1 = connected(d.decoder.connect(&p1.addr, None).await.expect("handshake"));

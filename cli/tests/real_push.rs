@@ -266,7 +266,7 @@ fn a_decode_restarted_with_a_new_id_and_with_the_same_id_is_released_and_loaded_
     common::block_on(async move {
         let id = common::unique("pinned-decode");
         let mut d1 = PrefillProc::start(&decode_spec());
-        let mut p = DecodeSide::start(rt, config(Duration::from_secs(60)), writing());
+        let mut p = DecodeSide::start(rt, common::handshake_only_config(), writing());
         let c1 = connected(p.decoder.connect(&d1.addr, None).await.expect("handshake"));
         assert_eq!(p.decoder.write(&c1, 0, 1).await, ReadOutcome::Written);
         let old = EngineId::from(d1.engine.as_str());

@@ -33,6 +33,9 @@ pub(crate) enum Count {
     /// The gauges of given-up transfers still running, and the blocks
     /// their destinations hold.
     GivenUpHeld { transfers: u64, blocks: u64 },
+    /// An endpoint failure the transport reported, by what it led to
+    /// (`probed`, `not_live`, `not_held`, `unnamed`).
+    EndpointFailure(&'static str),
     /// A decoder-wide stall began.
     DecoderStuck,
     /// The transport panicked in `call`.

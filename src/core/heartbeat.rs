@@ -14,6 +14,7 @@ use rand::Rng;
 use std::time::Instant;
 
 use super::count::Summed;
+use super::directory::Holder;
 use super::key::PeerKey;
 use super::rate::{RateCap, RateState};
 use super::schedule::{self, Schedule};
@@ -21,7 +22,7 @@ use super::{Action, Call, Core, Count, HeartbeatMessages, RoundResults};
 use crate::config::Config;
 use crate::event::{Event, Source};
 use crate::registration::RegistrationId;
-use crate::transport::{AgentName, EngineId};
+use crate::transport::{AgentName, EngineId, Suspicion};
 use nixl_agent::NixlStatus;
 
 /// The most bytes of one `HB:` notification. A round whose request ids do
@@ -233,6 +234,45 @@ impl<R> Core<R> {
     pub(super) fn remove_leases(&mut self, id: &EngineId, requests: &[String]) {
         if let Some(peer) = (self.directory.serial_of(id)).and_then(|s| self.peers.get_mut(&s)) {
             peer.leases.remove(requests);
+        }
+    }
+
+    /// The transport saw a connection fail: the engine holding its agent
+    /// gets a round now (under its rate cap), whose REMOTE_DISCONNECT, if
+    /// any, marks it by the usual rules. Nothing is marked here: a live
+    /// peer's false alarm costs one round. A failure the transport could
+    /// not name checks every live engine.
+    pub(super) fn suspect(&mut self, now: Instant, suspicion: Suspicion) {
+        let status = suspicion.ucs_status.map(|s| s.name());
+        let Some(agent) = suspicion.agent else {
+            self.count(Count::EndpointFailure("unnamed"));
+            let live: Vec<RegistrationId> = self
+                .peers
+                .keys()
+                .copied()
+                .filter(|s| self.peers.get(s).is_some_and(|p| p.is_live()))
+                .collect();
+            tracing::debug!(ucs_status = ?status, engines = live.len(), "an endpoint failed, whose is not known: every live engine gets a heartbeat now");
+            for serial in live {
+                self.renew(now, serial);
+            }
+            return;
+        };
+        let serial = match self.directory.holder(&agent) {
+            Some(Holder::Registration(serial)) => serial,
+            _ => {
+                self.count(Count::EndpointFailure("not_held"));
+                tracing::debug!(%agent, ucs_status = ?status, "an endpoint of an agent no engine holds failed: ignored");
+                return;
+            }
+        };
+        match self.peers.get(&serial) {
+            Some(peer) if peer.is_live() => {
+                tracing::debug!(engine = %peer.id(), %agent, ucs_status = ?status, "UCX failed an endpoint of the engine: heartbeat now");
+                self.count(Count::EndpointFailure("probed"));
+                self.renew(now, serial);
+            }
+            _ => self.count(Count::EndpointFailure("not_live")),
         }
     }
 

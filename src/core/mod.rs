@@ -164,6 +164,8 @@ pub(crate) enum Input<R> {
         departure: Departure,
         mode: GoneMode,
     },
+    /// The transport saw a peer's connection fail: check it now.
+    Suspect(crate::transport::Suspicion),
     /// A transport call came back.
     CallDone(CallOutcome),
     /// The service is stopping.
@@ -457,6 +459,7 @@ impl<R> Core<R> {
             Input::RemoveLeases { engine, requests } => self.remove_leases(&engine, &requests),
             Input::PeerGone { peer, mode } => self.peer_gone(now, peer, mode),
             Input::MemberGone { departure, mode } => self.member_gone(now, departure, mode),
+            Input::Suspect(suspicion) => self.suspect(now, suspicion),
             Input::CallDone(CallOutcome::Heartbeat {
                 key,
                 results,

@@ -27,7 +27,7 @@ use crate::event::Event;
 use crate::registration::Registration;
 use crate::snapshot::DetectionSummary;
 use crate::telemetry;
-use crate::transport::{EngineId, Transport};
+use crate::transport::{EngineId, FailureWatch, Suspicions, Transport};
 use crate::ucx::settings::{detection_bound, secs_text, warnings, UcxSettings};
 
 /// What the service could not release when it stopped, each registration
@@ -66,6 +66,18 @@ pub struct Keepalive<T: Transport> {
     orphans: Vec<Registration<T::Resources>>,
     startup: Startup,
     bound: Option<DetectionSummary>,
+    /// The transport's endpoint-failure watch, running while the service
+    /// does (`None`: off, or the transport cannot; `endpoint_events` says
+    /// which).
+    _failure_watch: Option<FailureWatch>,
+    endpoint_events: EndpointEvents,
+}
+
+/// Whether the transport's endpoint failures reach the service.
+enum EndpointEvents {
+    On,
+    Off,
+    Unavailable(String),
 }
 
 /// What the start-up line says.
@@ -95,6 +107,22 @@ impl<T: Transport> Keepalive<T> {
         };
         let mut core = Core::new(config.clone(), clock_now(), rng);
         core.set_release_ends_transfers(transport.release_ends_transfers());
+        let (failure_watch, endpoint_events) = if config.endpoint_events {
+            // Weak: the watch must not keep the inbox open once every
+            // handle is gone.
+            let inbox = handle.inbox.downgrade();
+            let suspicions = Suspicions::new(move |suspicion| {
+                if let Some(inbox) = inbox.upgrade() {
+                    let _ = inbox.send(Msg::Input(Input::Suspect(suspicion)));
+                }
+            });
+            match transport.watch_failures(suspicions) {
+                Ok(watch) => (Some(watch), EndpointEvents::On),
+                Err(why) => (None, EndpointEvents::Unavailable(why)),
+            }
+        } else {
+            (None, EndpointEvents::Off)
+        };
         let service = Keepalive {
             offload: Offload::new(transport),
             core,
@@ -110,6 +138,8 @@ impl<T: Transport> Keepalive<T> {
                 ucx: "not read".into(),
             },
             bound: None,
+            _failure_watch: failure_watch,
+            endpoint_events,
         };
         (service, handle)
     }
@@ -180,6 +210,11 @@ impl<T: Transport> Keepalive<T> {
         );
         for warning in &self.startup.warnings {
             tracing::warn!("{warning}");
+        }
+        match &self.endpoint_events {
+            EndpointEvents::On => tracing::info!("endpoint events on: an engine whose UCX endpoint fails gets a heartbeat at once"),
+            EndpointEvents::Off => tracing::info!("endpoint events off (NIXL_KEEPALIVE_ENDPOINT_EVENTS=off): crashed engines are found by heartbeats alone"),
+            EndpointEvents::Unavailable(why) => tracing::warn!(reason = %why, "endpoint events unavailable: crashed engines are found by heartbeats alone"),
         }
         for var in Config::unknown_env_vars() {
             tracing::warn!(%var, "unknown NIXL_KEEPALIVE_ environment variable ignored (a typo?)");

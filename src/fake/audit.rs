@@ -105,6 +105,13 @@ impl Transport for AuditedUcx {
         }
         self.ucx.release_with(engine, agents, resources, transfers)
     }
+
+    fn watch_failures(
+        &self,
+        suspicions: crate::transport::Suspicions,
+    ) -> Result<crate::transport::FailureWatch, String> {
+        self.ucx.watch_failures(suspicions)
+    }
 }
 
 #[cfg(test)]

@@ -154,8 +154,8 @@ use crate::driver::handle::{Handshake, KeepaliveHandle, Ready};
 use crate::error::ClaimRefused;
 use crate::registration::{Claim, Incarnation, Registration};
 use crate::transport::{
-    AgentName, EndpointClose, EngineId, PeerAddr, ReleaseStep, ReleaseTarget, Transfers, Transport,
-    TransportError,
+    AgentName, EndpointClose, EngineId, FailureWatch, PeerAddr, ReleaseStep, ReleaseTarget,
+    Suspicion, Suspicions, Transfers, Transport, TransportError,
 };
 use nixl_agent::NixlStatus;
 use ucx_sys::UcsStatus;
@@ -190,6 +190,15 @@ pub struct FakeConfig {
     /// measured with the real transport, whose `nixl-sys` forces the close.
     /// Both are measured behaviour.
     pub nixl_flush_close: bool,
+    /// Whether a [`crash`](FakeUcx::crash) fails the crashed process's
+    /// endpoints at once and reports each to the failure watches
+    /// ([`Transport::watch_failures`]), as UCX's error handler does when a
+    /// TCP lane reads the dead peer's FIN inside worker progress (measured
+    /// with NIXL 1.5.1 over loopback: `real_detection`). Default `false`:
+    /// the endpoint fails only at the next operation on it, the behaviour
+    /// of lanes UCX checks only at its keepalive round (shared memory), and
+    /// of a decode whose agent nobody progresses.
+    pub endpoint_events: bool,
 }
 
 impl Default for FakeConfig {
@@ -200,6 +209,7 @@ impl Default for FakeConfig {
             drop_metadata_on_disconnect: false,
             record_calls: true,
             nixl_flush_close: false,
+            endpoint_events: false,
         }
     }
 }
@@ -511,12 +521,43 @@ impl FakeUcx {
     /// The engine's process is killed: the next operation on each endpoint
     /// sees `UCS_ERR_CONNECTION_RESET`, which fails it; nobody listens at
     /// its address until a restart.
+    ///
+    /// With [`FakeConfig::endpoint_events`], its loaded endpoints fail at
+    /// once (`UCS_ERR_CONNECTION_RESET`) and each is reported to the
+    /// failure watches.
     pub fn crash(&self, engine: &EngineId) {
+        let mut failed = Vec::new();
         self.with_process(engine, |w, p, _| {
             w.processes[p]
                 .gone
                 .get_or_insert(Gone { during_read: false });
+            if w.config.endpoint_events {
+                for (agent, loaded) in w.loaded.iter_mut() {
+                    if loaded.process == p && loaded.failed.is_none() {
+                        loaded.failed = Some(UcsStatus::ERR_CONNECTION_RESET);
+                        failed.push(agent.clone());
+                    }
+                }
+            }
         });
+        for agent in failed {
+            self.report_endpoint_failure(Some(agent), UcsStatus::ERR_CONNECTION_RESET);
+        }
+    }
+
+    /// Tells the failure watches that an endpoint failed, without failing
+    /// anything: a spurious event (`agent: None`: one the transport could
+    /// not name). What a watch does with it must cost at most a heartbeat.
+    pub fn report_endpoint_failure(&self, agent: Option<AgentName>, status: UcsStatus) {
+        let watchers: Vec<_> = self
+            .lock()
+            .watchers
+            .iter()
+            .map(|(_, w)| w.clone())
+            .collect();
+        for w in watchers {
+            w.suspect(Suspicion::new(agent.clone(), Some(status)));
+        }
     }
 
     /// As [`crash`](Self::crash), with a READ on the wire: the next read on
@@ -894,6 +935,11 @@ impl FakeUcx {
         self.lock().endpoint_failure(agent, Instant::now())
     }
 
+    /// How many failure watches are running ([`Transport::watch_failures`]).
+    pub fn failure_watches(&self) -> usize {
+        self.lock().watchers.len()
+    }
+
     /// Whether the agent's remote metadata is loaded.
     pub fn is_loaded(&self, agent: &AgentName) -> bool {
         self.lock().loaded.contains_key(agent)
@@ -951,8 +997,34 @@ impl FakeUcx {
     }
 }
 
+/// Removes a failure watch from the world when dropped.
+struct FakeWatch {
+    world: std::sync::Weak<Mutex<World>>,
+    id: u64,
+}
+
+impl Drop for FakeWatch {
+    fn drop(&mut self) {
+        if let Some(world) = self.world.upgrade() {
+            let mut w = world.lock().unwrap_or_else(|e| e.into_inner());
+            w.watchers.retain(|(id, _)| *id != self.id);
+        }
+    }
+}
+
 impl Transport for FakeUcx {
     type Resources = FakeResources;
+
+    fn watch_failures(&self, suspicions: Suspicions) -> Result<FailureWatch, String> {
+        let mut world = self.lock();
+        world.next_watcher += 1;
+        let id = world.next_watcher;
+        world.watchers.push((id, suspicions));
+        Ok(FailureWatch::new(FakeWatch {
+            world: Arc::downgrade(&self.world),
+            id,
+        }))
+    }
 
     fn notify(&self, agent: &AgentName, message: &[u8]) -> Result<(), TransportError> {
         let (engine, block) = {

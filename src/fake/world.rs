@@ -89,6 +89,9 @@ pub(super) struct World {
     pub(super) calls: Vec<FakeCall>,
     /// Addresses whose side channel replays another process's reply.
     pub(super) replays: HashMap<PeerAddr, ProcessId>,
+    /// The failure watches ([`crate::Transport::watch_failures`]), by id.
+    pub(super) watchers: Vec<(u64, crate::transport::Suspicions)>,
+    pub(super) next_watcher: u64,
 }
 
 impl World {
@@ -105,6 +108,8 @@ impl World {
             blocks: HashMap::new(),
             calls: Vec::new(),
             replays: HashMap::new(),
+            watchers: Vec::new(),
+            next_watcher: 0,
         }
     }
 

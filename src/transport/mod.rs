@@ -168,6 +168,72 @@ impl EndpointClose {
     }
 }
 
+/// A peer whose connection the transport saw fail between heartbeats: a
+/// suspicion, never a verdict. The service answers it with a heartbeat to
+/// that engine at once (under its rate cap), and only that heartbeat's
+/// `REMOTE_DISCONNECT` marks it, by the usual rules: a false alarm costs
+/// one heartbeat.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Suspicion {
+    /// The remote agent whose connection failed; `None` when the
+    /// transport could not tell whose it was (every live engine is then
+    /// checked).
+    pub agent: Option<AgentName>,
+    /// UCX's status for the failure (`UCS_ERR_CONNECTION_RESET`, ...),
+    /// raw, when the transport has one.
+    pub ucs_status: Option<ucx_sys::UcsStatus>,
+}
+
+impl Suspicion {
+    /// A suspicion of `agent` (`None`: of whoever it was).
+    pub fn new(agent: Option<AgentName>, ucs_status: Option<ucx_sys::UcsStatus>) -> Self {
+        Suspicion { agent, ucs_status }
+    }
+}
+
+/// Where a transport tells the service of [`Suspicion`]s: cheap to clone,
+/// callable from any thread, never blocks. Once the service has stopped,
+/// what is told is dropped.
+#[derive(Clone)]
+pub struct Suspicions(std::sync::Arc<dyn Fn(Suspicion) + Send + Sync>);
+
+impl std::fmt::Debug for Suspicions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Suspicions")
+    }
+}
+
+impl Suspicions {
+    /// Suspicions handed to `tell` (the service's own wiring; tests).
+    pub fn new(tell: impl Fn(Suspicion) + Send + Sync + 'static) -> Self {
+        Suspicions(std::sync::Arc::new(tell))
+    }
+
+    /// Tells the service.
+    pub fn suspect(&self, suspicion: Suspicion) {
+        (self.0)(suspicion)
+    }
+}
+
+/// Keeps a transport's failure watch running ([`Transport::watch_failures`])
+/// until dropped.
+#[must_use = "the watch stops when this is dropped"]
+pub struct FailureWatch(#[allow(dead_code)] Box<dyn Send + Sync>);
+
+impl FailureWatch {
+    /// Holds `guard`, which stops the watch when dropped.
+    pub fn new(guard: impl Send + Sync + 'static) -> Self {
+        FailureWatch(Box::new(guard))
+    }
+}
+
+impl std::fmt::Debug for FailureWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FailureWatch")
+    }
+}
+
 /// The service's view of NIXL.
 ///
 /// Implementations must be callable from several threads at once (the real
@@ -231,5 +297,17 @@ pub trait Transport: Send + Sync + 'static {
     /// (`cli/tests/real_buffer.rs`).
     fn release_ends_transfers(&self) -> bool {
         false
+    }
+
+    /// Starts telling `suspicions` of peers whose connection fails, as
+    /// soon as the transport learns of it (the NIXL transport: the moment
+    /// UCX fails one of the agent's endpoints, milliseconds after a peer
+    /// process dies), until the returned watch drops. The service calls it
+    /// once, at start-up, unless `NIXL_KEEPALIVE_ENDPOINT_EVENTS=off`.
+    /// `Err` with the reason when the transport cannot: heartbeats alone
+    /// find dead peers then. The default cannot.
+    fn watch_failures(&self, suspicions: Suspicions) -> Result<FailureWatch, String> {
+        let _ = suspicions;
+        Err("this transport reports no endpoint failures".into())
     }
 }

@@ -39,9 +39,10 @@ use std::time::Duration;
 use nixl_agent::{Agent, Connections, DlistHandle, EndpointCloses, NixlError, NixlStatus};
 
 use crate::transport::{
-    AgentName, EndpointClose, EngineId, ReleaseStep, ReleaseTarget, Transfers, Transport,
-    TransportError,
+    AgentName, EndpointClose, EngineId, FailureWatch, ReleaseStep, ReleaseTarget, Suspicion,
+    Suspicions, Transfers, Transport, TransportError,
 };
+use ucx_sys::UcsStatus;
 
 /// The prepped remote dlist handles of one engine registration, one per
 /// rank, in rank order: the real transport's [`Transport::Resources`].
@@ -231,6 +232,21 @@ impl Transport for NixlTransport {
         resources: RemoteDlists,
     ) -> Vec<ReleaseStep> {
         self.release_with(engine, agents, resources, Transfers::MayBeRunning)
+    }
+
+    /// UCX's endpoint failures of this agent, from `nixl_agent::failures`:
+    /// named by the remote agent for endpoints this agent's loads created,
+    /// unnamed for any other. UCX runs its error handlers only inside
+    /// worker progress: an agent with neither a progress thread nor a
+    /// poller ([`NixlTransport::spawn_progress`]) learns nothing until its
+    /// next call.
+    fn watch_failures(&self, suspicions: Suspicions) -> Result<FailureWatch, String> {
+        let watch = self.agent.watch_endpoint_failures(move |f| {
+            let status = i8::try_from(f.ucs_status).ok().map(UcsStatus::from_raw);
+            let agent = f.remote_agent.map(AgentName::new);
+            suspicions.suspect(Suspicion::new(agent, status));
+        })?;
+        Ok(FailureWatch::new(watch))
     }
 
     /// With [`Transfers::Ended`] the agents' TCP connections are shut down

@@ -445,6 +445,17 @@ pub fn config(interval: Duration) -> Config {
         .expect("valid config")
 }
 
+/// For tests of what the handshake finds (a restart, a replacement):
+/// heartbeats once a minute and endpoint events off, so that nothing else
+/// finds the killed process first.
+pub fn handshake_only_config() -> Config {
+    config(Duration::from_secs(60))
+        .to_builder()
+        .endpoint_events(false)
+        .build()
+        .expect("valid config")
+}
+
 /// The decode agent and transport.
 pub fn decode_transport(rt: &'static Runtime) -> (Arc<NixlTransport>, ProgressPoller) {
     let agent = Agent::new(rt, &unique("decode"), &AgentConfig::default()).expect("decode agent");
