@@ -12,8 +12,9 @@
 # are recorded: baseline, prefill_up, reading (before the kill), after_kill,
 # after_release, replacement (a new prefill asking for the same budget: does
 # it fit?). Runs: `y` and `n` (UCX_CUDA_IPC_CACHE), and `control`: the
-# decode never releases (heartbeats off, NIXL_KEEPALIVE_INTERVAL=inf, and no
-# read or probe after the first round). vram figures: the GPU's used memory
+# decode never releases (heartbeats off, NIXL_KEEPALIVE_INTERVAL=inf, endpoint
+# events off, NIXL_KEEPALIVE_ENDPOINT_EVENTS=off, and no read or probe after
+# the first round). vram figures: the GPU's used memory
 # (nvidia-smi); dram figures: the decode's and the prefill's resident
 # memory, the decode's mappings and descriptors of the prefill's shared
 # memory segments, whether the replacement started.
@@ -276,15 +277,15 @@ stop() { # PID SIGNAL SECONDS
 
 # --- one run ----------------------------------------------------------------
 run_one() {
-    local run="$1" cache=y hb=2s
+    local run="$1" cache=y hb=2s events=on
     case "${run}" in
         y) cache=y ;;
         n) cache=n ;;
-        control) cache=y; hb=inf ;;
+        control) cache=y; hb=inf; events=off ;;
         *) echo "gpu-check.sh: unknown run ${run} (y, n, control)" >&2; exit 2 ;;
     esac
     run_start="$(now_ms)"
-    log "run ${run}: UCX_CUDA_IPC_CACHE=${cache} NIXL_KEEPALIVE_INTERVAL=${hb}"
+    log "run ${run}: UCX_CUDA_IPC_CACHE=${cache} NIXL_KEEPALIVE_INTERVAL=${hb} NIXL_KEEPALIVE_ENDPOINT_EVENTS=${events}"
     measure "${run}" baseline
 
     start_prefill "${detail}/${run}.prefill.log"
@@ -297,7 +298,8 @@ run_one() {
     measure "${run}" prefill_up "" "${pp}"
 
     local dlog="${detail}/${run}.decode.log"
-    UCX_CUDA_IPC_CACHE="${cache}" NIXL_KEEPALIVE_INTERVAL="${hb}" UCX_PROTO_INFO=y \
+    UCX_CUDA_IPC_CACHE="${cache}" NIXL_KEEPALIVE_INTERVAL="${hb}" \
+        NIXL_KEEPALIVE_ENDPOINT_EVENTS="${events}" UCX_PROTO_INFO=y \
         "${bin}" decode --prefill "${started_addr}" --memory "${memory}" --cuda-device "${device}" \
         --reads 2 --read-pause-ms 3600000 --probe-ms 3600000 \
         --metrics-addr 127.0.0.1:0 >"${dlog}" 2>&1 &

@@ -178,7 +178,11 @@ class NixlConnectorWorker:
         dlists: List[object] = []
         try:
             for rank in reply.ranks:
-                name = self.nixl_wrapper.add_remote_agent(rank.metadata)
+                # Through the package: the UCX endpoints NIXL creates here
+                # are named after the agent, so their failure (the prefill
+                # killed) sends this engine a heartbeat at once.
+                name = nixl_keepalive.load_remote_agent(
+                    self.nixl_wrapper, lambda: self.nixl_wrapper.add_remote_agent(rank.metadata))
                 name = name.decode() if isinstance(name, bytes) else name
                 if name != rank.agent:
                     # Not the agent we claimed: unload it only if the

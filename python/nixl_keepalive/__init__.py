@@ -17,7 +17,7 @@ Embedding it (see the README's "Python" section for the vLLM hooks)::
         reply = side_channel(addr)
         engine = h.ready_to_load(reply.engine_id, agents, incarnation=reply.incarnation)
         if engine is None:                        # load now
-            names = [agent.add_remote_agent(md) for md in reply.metadata]
+            names = [load_remote_agent(agent, lambda md=md: agent.add_remote_agent(md)) for md in reply.metadata]
             handles = [agent.prep_xfer_dlist(n, blocks, "DRAM") for n in names]
             engine = h.register(handles)
     with engine.read() as r:                      # ReadRefused at once on a marked engine
@@ -85,6 +85,7 @@ from ._native import (
     classify_exception,
     endpoint_close_mode,
     knobs,
+    load_remote_agent,
     remove_remote_agent,
     status_name,
     xfer_status,
@@ -127,6 +128,7 @@ __all__ = [
     "classify_exception",
     "endpoint_close_mode",
     "knobs",
+    "load_remote_agent",
     "make_agent",
     "parse_agent_name",
     "remove_remote_agent",

@@ -215,7 +215,8 @@ class Config:
     """The service's configuration: ``NIXL_KEEPALIVE_*`` knobs as keyword
     arguments (``interval``, ``jitter``, ``rate_period``, ``rate_burst``,
     ``event_capacity``, ``shutdown_drain``, ``metrics_period``,
-    ``read_stall``, ``read_stall_action``) over the environment
+    ``read_stall``, ``read_stall_action``, ``endpoint_events``: a bool or
+    ``"on"``/``"off"``) over the environment
     (``env=False`` ignores it); ``seed`` fixes the jitter's randomness.
     Time values: UCX syntax strings (``"250ms"``, ``"inf"``), seconds, or
     ``timedelta``. Raises :class:`ConfigError`."""
@@ -420,6 +421,11 @@ def endpoint_close_mode() -> dict[str, Optional[str]]:
 def remove_remote_agent(agent: Any, name: str) -> dict[str, Any]:
     """``agent.remove_remote_agent(name)`` with its endpoints closed as the
     service's releases close them: ``{"status", "status_name", "close"}``."""
+
+def load_remote_agent(agent: Any, load: Callable[[], Any]) -> Any:
+    """Calls ``load()`` (``agent.add_remote_agent(md)``, or a method around
+    it) and names the UCX endpoints it created after the agent it returned,
+    so that their failure sends that engine alone a heartbeat."""
 
 def bench_read_guards(engine: Engine, n: int) -> float: ...
 def bench_service_heartbeats(engines: int, interval: float, seconds: float) -> int: ...

@@ -723,7 +723,9 @@ class KeepaliveNixlConnectorWorker(NixlPullConnectorWorker):
             loaded_ranks: List[int] = []
             try:
                 for meta, rank, tp_size, dcp_size, name in collected:
-                    got = NixlPullConnectorWorker.add_remote_agent(self, meta, rank, tp_size, dcp_size)
+                    got = nixl_keepalive.load_remote_agent(
+                        self.nixl_wrapper,
+                        lambda: NixlPullConnectorWorker.add_remote_agent(self, meta, rank, tp_size, dcp_size))
                     got = got.decode() if isinstance(got, bytes) else got
                     loaded_ranks.append(rank)
                     if got != name:

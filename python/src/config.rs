@@ -28,12 +28,15 @@ enum Kind {
     Time,
     Count,
     Word,
+    /// `on`/`off`, or a bool.
+    Switch,
 }
 
 fn kind(env: &str) -> Kind {
     match env {
         "NIXL_KEEPALIVE_RATE_BURST" | "NIXL_KEEPALIVE_EVENT_CAPACITY" => Kind::Count,
         "NIXL_KEEPALIVE_READ_STALL_ACTION" => Kind::Word,
+        "NIXL_KEEPALIVE_ENDPOINT_EVENTS" => Kind::Switch,
         _ => Kind::Time,
     }
 }
@@ -63,14 +66,20 @@ fn text_of(knob: &Knob, value: &Bound<'_, PyAny>) -> PyResult<String> {
         return Ok(text);
     }
     if value.is_instance_of::<pyo3::types::PyBool>() {
+        if kind(knob.env) == Kind::Switch {
+            let on: bool = value.extract()?;
+            return Ok(if on { "on" } else { "off" }.into());
+        }
         return Err(refuse(match kind(knob.env) {
             Kind::Time => "a time (a string such as \"250ms\", seconds, or a timedelta)",
             Kind::Count => "a whole number",
             Kind::Word => "a string",
+            Kind::Switch => "a bool or \"on\"/\"off\"",
         }));
     }
     match kind(knob.env) {
         Kind::Word => Err(refuse("a string")),
+        Kind::Switch => Err(refuse("a bool or \"on\"/\"off\"")),
         Kind::Count => match value.extract::<i128>() {
             Ok(n) => Ok(n.to_string()),
             Err(_) => Err(refuse("a whole number")),
@@ -182,6 +191,7 @@ impl Config {
                 _ => "other",
             },
         )?;
+        d.set_item("endpoint_events", c.endpoint_events())?;
         d.set_item("seed", c.seed())?;
         Ok(d)
     }

@@ -125,6 +125,14 @@ pub(crate) fn remove_remote_agent(
             Classified::Other(_) => Err(e),
         },
     };
+    let unloaded =
+        matches!(&status, Ok(s) if *s == NixlStatus::SUCCESS || *s == NixlStatus::ERR_NOT_FOUND);
+    if unloaded {
+        // Its endpoints are closed: their failures are nobody's now.
+        if let Some(local) = agent_name(agent) {
+            nixl_agent::failures::forget(&local, name.as_str());
+        }
+    }
     let close = match &status {
         Ok(s) if *s == NixlStatus::SUCCESS => Some(EndpointClose::from(closes)),
         _ => None,
@@ -210,4 +218,40 @@ pub(crate) fn remove_remote_agent_py<'py>(
     d.set_item("status_name", status.name())?;
     d.set_item("close", removal.close.map(|c| c.as_str()))?;
     Ok(d)
+}
+
+/// `agent.name` when it is a str.
+fn agent_name(agent: &Bound<'_, PyAny>) -> Option<String> {
+    agent
+        .getattr(intern!(agent.py(), "name"))
+        .and_then(|n| n.extract::<String>())
+        .ok()
+}
+
+/// `nixl_keepalive.load_remote_agent(agent, load)`: calls `load()` (a call
+/// that makes `agent` load one remote agent's metadata: NIXL's
+/// `add_remote_agent`, or vLLM's method around it) and returns what it
+/// returned, having listed the UCX endpoints NIXL created meanwhile on this
+/// thread under the name it returned (str, or the UTF-8 bytes NIXL's
+/// `add_remote_agent` returns). A failure of one of them then names that
+/// engine, and the service heartbeats it alone; a load made without this
+/// still works, its endpoints' failures come unnamed and every live engine
+/// gets a heartbeat. Exceptions from `load` are raised as they are.
+#[pyfunction(name = "load_remote_agent")]
+pub(crate) fn load_remote_agent_py<'py>(
+    agent: &Bound<'py, PyAny>,
+    load: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (out, eps) = nixl_agent::failures::around_load(|| load.call0());
+    let out = out?;
+    let remote = out.extract::<String>().ok().or_else(|| {
+        out.extract::<Vec<u8>>()
+            .ok()
+            .and_then(|b| String::from_utf8(b).ok())
+    });
+    match (agent_name(agent), remote) {
+        (Some(local), Some(remote)) => eps.belong_to(&local, &remote),
+        _ => drop(eps),
+    }
+    Ok(out)
 }

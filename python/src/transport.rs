@@ -31,8 +31,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use nixl_keepalive::{
-    AgentName, EndpointClose, EngineId, NixlStatus, ReleaseStep, ReleaseTarget, Transport,
-    TransportError,
+    AgentName, EndpointClose, EngineId, FailureWatch, NixlStatus, ReleaseStep, ReleaseTarget,
+    Suspicion, Suspicions, Transport, TransportError, UcsStatus,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -249,5 +249,25 @@ impl Transport for PyTransport {
         }
         tracing::debug!(%engine, ?steps, "NIXL state released through the Python agent");
         steps
+    }
+
+    /// UCX's endpoint failures of the Python agent's UCX context, from
+    /// `nixl_agent::failures` (the interposer this package installs before
+    /// NIXL's UCX plugin loads). The agent's own loads name their
+    /// endpoints only when made through [`crate::endpoints`]' load scope;
+    /// any other failure comes unnamed, and every live engine gets a
+    /// heartbeat. NIXL's Python agent runs a progress thread by default,
+    /// which is where UCX runs the handler.
+    fn watch_failures(&self, suspicions: Suspicions) -> Result<FailureWatch, String> {
+        let local = self
+            .agent_name
+            .as_deref()
+            .ok_or("the agent has no `name` that is a str")?;
+        let watch = nixl_agent::failures::watch(local, move |f| {
+            let status = i8::try_from(f.ucs_status).ok().map(UcsStatus::from_raw);
+            let agent = f.remote_agent.map(AgentName::new);
+            suspicions.suspect(Suspicion::new(agent, status));
+        })?;
+        Ok(FailureWatch::new(watch))
     }
 }

@@ -66,11 +66,37 @@ def test_a_sigkilled_prefill_is_released_within_the_bound(prefills, make_worker,
         w.read_blocks(engine.id, 0, 0)
 
 
+def test_with_heartbeats_off_a_sigkilled_idle_prefill_is_released_by_its_endpoint_event(prefills, make_worker):
+    # Issue 45: no heartbeat is due, no read runs: only UCX failing the
+    # endpoint (the killed process's kernel closes its sockets) can start
+    # the heartbeat that finds it. A live prefill beside it stays.
+    victim, healthy = prefills(ranks=2), prefills()
+    w = make_worker(interval="inf")
+    assert w.keepalive.config.as_dict()["endpoint_events"] is True
+    log = EventLog(w.keepalive)
+    engine = w.add_remote_agent(victim.address)
+    other = w.add_remote_agent(healthy.address)
+    read_verified(w, engine, 0, 3)
+    read_verified(w, other)
+    killed = victim.kill()
+    e = log.wait("unreachable", 20.0, engine=engine.id)
+    assert (e["status"], e["source"]) == (-10, "heartbeat"), e
+    released = log.wait("released", MARGIN, engine=engine.id)
+    assert released["reason"] == "unreachable"
+    time.sleep(1.0)
+    assert other.state == "live"
+    read_verified(w, other)
+    assert log.find("released", engine=other.id) is None
+    report(f"SIGKILL idle, heartbeats off, endpoint events on: unreachable {(e['at'] - killed) * 1000:.1f} ms, "
+           f"released {(released['at'] - killed) * 1000:.1f} ms after the kill")
+
+
 def test_a_transfers_raw_remote_disconnect_marks_the_engine_when_heartbeats_are_off(prefills, make_worker, nixl_api):
     # No heartbeats: only the reads' own raw statuses can find the death
     # (check_xfer_state would say "ERR" for every error).
+    # Endpoint events off too: they would send a heartbeat at the kill.
     p = prefills()
-    w = make_worker(interval="inf")
+    w = make_worker(interval="inf", endpoint_events=False)
     log = EventLog(w.keepalive)
     engine = w.add_remote_agent(p.address)
     read_verified(w, engine)
@@ -107,8 +133,9 @@ def test_a_transfers_raw_remote_disconnect_marks_the_engine_when_heartbeats_are_
 
 
 def test_a_restart_with_a_new_id_at_the_same_port_replaces_and_releases_the_old(prefills, make_worker, nixl_api):
-    # Heartbeats off: the handshake alone must find the replacement.
-    w = make_worker(interval="inf")
+    # Heartbeats and endpoint events off: the handshake alone must find the
+    # replacement (the events would find the kill first).
+    w = make_worker(interval="inf", endpoint_events=False)
     log = EventLog(w.keepalive)
     p1 = prefills()
     old = w.add_remote_agent(p1.address)
@@ -130,7 +157,8 @@ def test_a_restart_with_a_new_id_at_the_same_port_replaces_and_releases_the_old(
 
 
 def test_a_restart_with_the_same_id_is_released_before_it_is_loaded_again(prefills, make_worker, nixl_api):
-    w = make_worker(interval="inf")
+    # The handshake's path: nothing else may release the old one first.
+    w = make_worker(interval="inf", endpoint_events=False)
     log = EventLog(w.keepalive)
     pinned = f"pinned-{time.monotonic_ns()}"
     p1 = prefills(engine_id=pinned, ranks=2)
