@@ -918,8 +918,8 @@ async fn events_part(
         let all: usize = measured.samples.iter().map(Vec::len).sum();
         if soaking {
             println!(
-                "  events on, {n} healthy agents for {}: {all} heartbeats, {failures} endpoint failures, {unreachable} marked unreachable, {released} released   target 0 released: {}",
-                msf(soak),
+                "  events on, {n} healthy agents for {:.0} s: {all} heartbeats, {failures} endpoint failures, {unreachable} marked unreachable, {released} released   target 0 released: {}",
+                soak.as_secs_f64(),
                 verdict(released == 0 && unreachable == 0)
             );
         } else {
