@@ -210,10 +210,13 @@ def test_a_decode_declaring_a_live_decodes_address_is_refused_and_the_live_one_k
 
 
 def test_a_decode_gone_from_the_address_another_declares_is_asked_released_and_the_new_one_taken(ranks):
-    # Heartbeats every 10 minutes: only the heartbeat the declaration makes
-    # the service send at once can find the dead decode within this test.
+    # Heartbeats every 10 minutes and endpoint events off: only the
+    # heartbeat the declaration makes the service send at once can find
+    # the dead decode within this test (the events would find the kill
+    # first, before the declaration).
     port = free_port()
-    prefill = ranks("prefill", bootstrap_port=port, keepalive=True, knobs={"interval": "600s"}, item=512)
+    prefill = ranks("prefill", bootstrap_port=port, keepalive=True,
+                    knobs={"interval": "600s", "endpoint_events": "off"}, item=512)
     first = ranks("decode", bootstrap_port=port, item=512)
     second = ranks("decode", bootstrap_port=port, item=512)
     prefill, first, second = prefill.started(), first.started(), second.started()
