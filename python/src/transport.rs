@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use nixl_keepalive::{
     AgentName, EndpointClose, EngineId, FailureWatch, NixlStatus, ReleaseStep, ReleaseTarget,
-    Suspicion, Suspicions, Transport, TransportError, UcsStatus,
+    Suspicions, Transport, TransportError,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -263,11 +263,6 @@ impl Transport for PyTransport {
             .agent_name
             .as_deref()
             .ok_or("the agent has no `name` that is a str")?;
-        let watch = nixl_agent::failures::watch(local, move |f| {
-            let status = i8::try_from(f.ucs_status).ok().map(UcsStatus::from_raw);
-            let agent = f.remote_agent.map(AgentName::new);
-            suspicions.suspect(Suspicion::new(agent, status));
-        })?;
-        Ok(FailureWatch::new(watch))
+        nixl_keepalive::transport::nixl::watch_endpoint_failures(local, suspicions)
     }
 }

@@ -241,12 +241,7 @@ impl Transport for NixlTransport {
     /// poller ([`NixlTransport::spawn_progress`]) learns nothing until its
     /// next call.
     fn watch_failures(&self, suspicions: Suspicions) -> Result<FailureWatch, String> {
-        let watch = self.agent.watch_endpoint_failures(move |f| {
-            let status = i8::try_from(f.ucs_status).ok().map(UcsStatus::from_raw);
-            let agent = f.remote_agent.map(AgentName::new);
-            suspicions.suspect(Suspicion::new(agent, status));
-        })?;
-        Ok(FailureWatch::new(watch))
+        watch_endpoint_failures(self.agent.name(), suspicions)
     }
 
     /// With [`Transfers::Ended`] the agents' TCP connections are shut down
@@ -320,6 +315,22 @@ impl Transport for NixlTransport {
         tracing::debug!(%engine, ?steps, ucx_endpoints = ?open, transfers = transfers.as_str(), "NIXL state released");
         steps
     }
+}
+
+/// UCX's endpoint failures of the local agent named `local` (this
+/// process's, made through `nixl_agent` or another binding), told to
+/// `suspicions` with the remote agent when its load named it: what
+/// [`Transport::watch_failures`] is for any transport over a NIXL agent.
+pub fn watch_endpoint_failures(
+    local: &str,
+    suspicions: Suspicions,
+) -> Result<FailureWatch, String> {
+    let watch = nixl_agent::failures::watch(local, move |f| {
+        let status = i8::try_from(f.ucs_status).ok().map(UcsStatus::from_raw);
+        let agent = f.remote_agent.map(AgentName::new);
+        suspicions.suspect(Suspicion::new(agent, status));
+    })?;
+    Ok(FailureWatch::new(watch))
 }
 
 // The transport's own metrics: recorded here, where the endpoints are
