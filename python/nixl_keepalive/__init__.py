@@ -598,7 +598,10 @@ class Keepalive:
         what its release waits for; and ``endpoints``: the close mode
         (:func:`endpoint_close_mode`), what the releases did to UCX
         endpoints so far (``closed``, ``left_open``, ``none_closed``,
-        ``not_observed``), and UCX's own count of the endpoints the agent
+        ``not_observed``) and to their TCP connections
+        (``connections_shut``: recorded at loads made through
+        :func:`load_remote_agent`, shut down at releases whose transfers
+        had all ended), and UCX's own count of the endpoints the agent
         holds now (``ucx_endpoints``: NIXL's loopback endpoint plus one per
         connected remote agent; ``None`` without UCX's VFS); and
         ``heartbeat_delivery``: who puts posted heartbeats on the wire

@@ -153,6 +153,7 @@ class EndpointsSnapshot(TypedDict, total=False):
     left_open: int
     none_closed: int
     not_observed: int
+    connections_shut: int
     ucx_endpoints: Optional[int]
 
 class Snapshot(TypedDict, total=False):
@@ -420,12 +421,17 @@ def endpoint_close_mode() -> dict[str, Optional[str]]:
 
 def remove_remote_agent(agent: Any, name: str) -> dict[str, Any]:
     """``agent.remove_remote_agent(name)`` with its endpoints closed as the
-    service's releases close them: ``{"status", "status_name", "close"}``."""
+    service's releases close them, and the TCP connections its loads
+    through :func:`load_remote_agent` opened shut down (call it only when
+    no transfer with the agent may be running):
+    ``{"status", "status_name", "close", "connections_shut"}``."""
 
 def load_remote_agent(agent: Any, load: Callable[[], Any]) -> Any:
     """Calls ``load()`` (``agent.add_remote_agent(md)``, or a method around
-    it) and names the UCX endpoints it created after the agent it returned,
-    so that their failure sends that engine alone a heartbeat."""
+    it) and names the UCX endpoints it created, and the TCP connections UCX
+    opened for them, after the agent it returned: a failure of one sends
+    that engine alone a heartbeat, and the engine's release shuts its
+    connections down. Loads through this run one at a time per process."""
 
 def bench_read_guards(engine: Engine, n: int) -> float: ...
 def bench_service_heartbeats(engines: int, interval: float, seconds: float) -> int: ...

@@ -26,7 +26,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use nixl_agent::{BadEpCloseSetting, EndpointCloseMode, EndpointCloser, EndpointCloses};
+use nixl_agent::{
+    BadEpCloseSetting, Connections, EndpointCloseMode, EndpointCloser, EndpointCloses,
+};
 use nixl_keepalive::{AgentName, EndpointClose, NixlStatus};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -104,19 +106,35 @@ pub(crate) fn bad_setting() -> Option<BadEpCloseSetting> {
 pub(crate) struct Removal {
     pub(crate) status: Result<NixlStatus, PyErr>,
     pub(crate) close: Option<EndpointClose>,
+    /// TCP connections recorded at the agent's loads and shut down.
+    pub(crate) connections_shut: u32,
 }
 
 /// Calls `agent.remove_remote_agent(name)` (the GIL held) with this
-/// thread's flush-mode endpoint closes forced.
+/// thread's flush-mode endpoint closes forced, then does what
+/// `connections` says to the TCP connections recorded at the agent's
+/// loads through [`load_remote_agent_py`] ([`Connections::Shut`]: shut
+/// down, so that a released live prefill's descriptors go at once and not
+/// at its next UCX keepalive round; `Keep`: left to UCX).
 pub(crate) fn remove_remote_agent(
     py: Python<'_>,
     agent: &Bound<'_, PyAny>,
     name: &AgentName,
+    connections: Connections,
 ) -> Removal {
     let call = || agent.call_method1(intern!(py, "remove_remote_agent"), (name.as_str(),));
-    let (out, closes) = match install() {
-        Ok(closer) => closer.around_invalidation(call),
-        Err(_) => (call(), EndpointCloses::default()),
+    // Unloaded: invalidated, or unknown to NIXL (dropped by it already).
+    let unloaded = |out: &PyResult<Bound<'_, PyAny>>| match out {
+        Ok(_) => true,
+        Err(e) => matches!(classify(py, e), Classified::Nixl(s) if s == NixlStatus::ERR_NOT_FOUND),
+    };
+    let local = agent_name(agent);
+    let (out, closes) = match (install(), &local) {
+        (Ok(closer), Some(local)) => {
+            closer.invalidate(local, name.as_str(), connections, call, unloaded)
+        }
+        (Ok(closer), None) => closer.around_invalidation(call),
+        (Err(_), _) => (call(), EndpointCloses::default()),
     };
     let status = match out {
         Ok(_) => Ok(NixlStatus::SUCCESS),
@@ -125,19 +143,15 @@ pub(crate) fn remove_remote_agent(
             Classified::Other(_) => Err(e),
         },
     };
-    let unloaded =
-        matches!(&status, Ok(s) if *s == NixlStatus::SUCCESS || *s == NixlStatus::ERR_NOT_FOUND);
-    if unloaded {
-        // Its endpoints are closed: their failures are nobody's now.
-        if let Some(local) = agent_name(agent) {
-            nixl_agent::failures::forget(&local, name.as_str());
-        }
-    }
     let close = match &status {
         Ok(s) if *s == NixlStatus::SUCCESS => Some(EndpointClose::from(closes)),
         _ => None,
     };
-    Removal { status, close }
+    Removal {
+        status,
+        close,
+        connections_shut: closes.connections_shut,
+    }
 }
 
 /// Totals of what the service's releases did to endpoints (one count per
@@ -150,9 +164,16 @@ pub(crate) struct EndpointTotals {
     left_open: AtomicU64,
     none_closed: AtomicU64,
     not_observed: AtomicU64,
+    connections_shut: AtomicU64,
 }
 
 impl EndpointTotals {
+    /// TCP connections a release shut down after the invalidation.
+    pub(crate) fn record_shut(&self, n: u32) {
+        self.connections_shut
+            .fetch_add(u64::from(n), Ordering::Relaxed);
+    }
+
     pub(crate) fn record(&self, close: &EndpointClose) {
         let add = |c: &AtomicU64, n: u32| c.fetch_add(u64::from(n), Ordering::Relaxed);
         match close {
@@ -186,6 +207,10 @@ impl EndpointTotals {
         d.set_item("left_open", self.left_open.load(Ordering::Relaxed))?;
         d.set_item("none_closed", self.none_closed.load(Ordering::Relaxed))?;
         d.set_item("not_observed", self.not_observed.load(Ordering::Relaxed))?;
+        d.set_item(
+            "connections_shut",
+            self.connections_shut.load(Ordering::Relaxed),
+        )?;
         let ucx = match agent {
             Some(name) => {
                 let name = name.to_string();
@@ -200,23 +225,27 @@ impl EndpointTotals {
 
 /// `nixl_keepalive.remove_remote_agent(agent, name)`: unloads a remote
 /// agent the way the service's releases do (its endpoints closed at once
-/// in the `force` mode), for loads the caller undoes itself (a handshake
-/// that failed half-way). Returns `{"status", "status_name", "close"}`;
-/// `close` is `closed`, `left_open`, `none_closed`, `not_observed`, or
-/// `None` when NIXL refused (`status` says why: `-4` NOT_FOUND for an
-/// agent not loaded). A non-NIXL exception is raised as is.
+/// in the `force` mode, and the TCP connections its loads through
+/// `load_remote_agent` opened shut down), for loads the caller undoes
+/// itself before any transfer with the agent (a handshake that failed
+/// half-way). Returns `{"status", "status_name", "close",
+/// "connections_shut"}`; `close` is `closed`, `left_open`, `none_closed`,
+/// `not_observed`, or `None` when NIXL refused (`status` says why: `-4`
+/// NOT_FOUND for an agent not loaded). A non-NIXL exception is raised as
+/// is.
 #[pyfunction(name = "remove_remote_agent")]
 pub(crate) fn remove_remote_agent_py<'py>(
     agent: &Bound<'py, PyAny>,
     name: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
     let py = agent.py();
-    let removal = remove_remote_agent(py, agent, &AgentName::from(name));
+    let removal = remove_remote_agent(py, agent, &AgentName::from(name), Connections::Shut);
     let status = removal.status?;
     let d = PyDict::new(py);
     d.set_item("status", status.raw())?;
     d.set_item("status_name", status.name())?;
     d.set_item("close", removal.close.map(|c| c.as_str()))?;
+    d.set_item("connections_shut", removal.connections_shut)?;
     Ok(d)
 }
 
@@ -231,27 +260,53 @@ fn agent_name(agent: &Bound<'_, PyAny>) -> Option<String> {
 /// `nixl_keepalive.load_remote_agent(agent, load)`: calls `load()` (a call
 /// that makes `agent` load one remote agent's metadata: NIXL's
 /// `add_remote_agent`, or vLLM's method around it) and returns what it
-/// returned, having listed the UCX endpoints NIXL created meanwhile on this
-/// thread under the name it returned (str, or the UTF-8 bytes NIXL's
-/// `add_remote_agent` returns). A failure of one of them then names that
-/// engine, and the service heartbeats it alone; a load made without this
-/// still works, its endpoints' failures come unnamed and every live engine
-/// gets a heartbeat. Exceptions from `load` are raised as they are.
+/// returned, having listed under the name it returned (str, or the UTF-8
+/// bytes NIXL's `add_remote_agent` returns) the UCX endpoints NIXL created
+/// meanwhile on this thread and the TCP connections UCX opened for them.
+/// A failure of one of the endpoints then names that engine, and the
+/// service heartbeats it alone; the service's release of the engine shuts
+/// the connections down (when every transfer with it ended), so a live
+/// prefill released again and again leaves no descriptors behind. Loads
+/// through this take one process-wide lock (the GIL released while
+/// waiting for it): never two at once, so that one engine's connections
+/// are never recorded as another's. A load made without this still works:
+/// its endpoints' failures come unnamed (every live engine gets a
+/// heartbeat) and its connections close at the peer's UCX keepalive round.
+/// Exceptions from `load` are raised as they are.
 #[pyfunction(name = "load_remote_agent")]
 pub(crate) fn load_remote_agent_py<'py>(
     agent: &Bound<'py, PyAny>,
     load: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let (out, eps) = nixl_agent::failures::around_load(|| load.call0());
-    let out = out?;
+    let py = agent.py();
+    let call = load.clone().unbind();
+    let run = || {
+        Python::attach(|py| {
+            let (out, eps) = nixl_agent::failures::around_load(|| call.call0(py));
+            (out, eps)
+        })
+    };
+    let ((out, eps), connections) = match install() {
+        // The lock is taken without the GIL: its holder needs the GIL for
+        // the load itself.
+        Ok(closer) => py.detach(|| closer.around_load(run)),
+        Err(_) => (run(), Default::default()),
+    };
+    let out = out?.into_bound(py);
     let remote = out.extract::<String>().ok().or_else(|| {
         out.extract::<Vec<u8>>()
             .ok()
             .and_then(|b| String::from_utf8(b).ok())
     });
     match (agent_name(agent), remote) {
-        (Some(local), Some(remote)) => eps.belong_to(&local, &remote),
-        _ => drop(eps),
+        (Some(local), Some(remote)) => {
+            eps.belong_to(&local, &remote);
+            connections.belong_to(&local, &remote);
+        }
+        _ => {
+            drop(eps);
+            drop(connections);
+        }
     }
     Ok(out)
 }

@@ -30,9 +30,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use nixl_agent::Connections;
 use nixl_keepalive::{
     AgentName, EndpointClose, EngineId, FailureWatch, NixlStatus, ReleaseStep, ReleaseTarget,
-    Suspicions, Transport, TransportError,
+    Suspicions, Transfers, Transport, TransportError,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -155,9 +156,12 @@ impl PyTransport {
     fn remove_remote_agent(
         &self,
         agent: &AgentName,
+        connections: Connections,
     ) -> Result<(NixlStatus, Option<EndpointClose>), String> {
         self.with_gil("remove_remote_agent", |py| {
-            let removal = endpoints::remove_remote_agent(py, self.agent.bind(py), agent);
+            let removal =
+                endpoints::remove_remote_agent(py, self.agent.bind(py), agent, connections);
+            self.endpoints.record_shut(removal.connections_shut);
             match removal.status {
                 Ok(status) => Ok((status, removal.close)),
                 Err(e) => Err(e.to_string()),
@@ -204,6 +208,25 @@ impl Transport for PyTransport {
         agents: &[AgentName],
         resources: PyResources,
     ) -> Vec<ReleaseStep> {
+        self.release_with(engine, agents, resources, Transfers::MayBeRunning)
+    }
+
+    /// With [`Transfers::Ended`] the TCP connections recorded at the
+    /// agents' loads (`nixl_keepalive.load_remote_agent`) are shut down
+    /// after their invalidation, as the Rust transport's are; otherwise
+    /// they are left to UCX (a transfer given up may still be running at
+    /// the peer).
+    fn release_with(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: PyResources,
+        transfers: Transfers,
+    ) -> Vec<ReleaseStep> {
+        let connections = match transfers {
+            Transfers::Ended => Connections::Shut,
+            _ => Connections::Keep,
+        };
         let mut steps = Vec::with_capacity(resources.dlist_handles.len() + agents.len());
         let mut broken = Vec::new();
         for (index, handle) in resources.dlist_handles.into_iter().enumerate() {
@@ -216,7 +239,7 @@ impl Transport for PyTransport {
             }
         }
         for agent in agents {
-            match self.remove_remote_agent(agent) {
+            match self.remove_remote_agent(agent, connections) {
                 Ok((status, close)) => {
                     steps.push(ReleaseStep {
                         target: ReleaseTarget::RemoteMetadata(agent.clone()),

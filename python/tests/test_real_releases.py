@@ -18,8 +18,12 @@ test can fail.
 
 The prefill runs UCX keepalive every 500 ms: UCX shares one TCP connection
 between both directions, and after the decode has closed its endpoint the
-prefill's keepalive round closes the rest (with UCX's default, 20 s).
-``NIXL_KEEPALIVE_PY_RELEASES`` changes the 60 releases.
+prefill's keepalive round would close the rest (with UCX's default, 20 s).
+The last test runs both sides at UCX's defaults instead: the connections
+recorded at each load (``load_remote_agent``) are shut down at the
+release, so both processes are flat as soon as the last release returned,
+and with that shutdown off (``NIXL_SYS_SHUT_SOCKETS=0``) the counting sees
+the leak. ``NIXL_KEEPALIVE_PY_RELEASES`` changes the 60 releases.
 """
 
 from __future__ import annotations
@@ -92,15 +96,17 @@ def assert_flat(who: str, base: Held, now: Held, releases: int) -> None:
     assert now.maps <= base.maps + TRANSIENT_MAPS, f"{who}: mappings after {releases} releases: {base} -> {now}"
 
 
-def settle_flat(decode: int, prefill: int, between0: int, d0: Held, p0: Held) -> Tuple[float, int, Held, Held]:
-    """Waits (at most SETTLE) until both are back where they were, or one
-    registration's worth; returns how long it took and what was seen
+def settle_flat(
+    decode: int, prefill: int, between0: int, d0: Held, p0: Held, within: float = SETTLE
+) -> Tuple[float, int, Held, Held]:
+    """Waits (at most ``within``) until both are back where they were, or
+    one registration's worth; returns how long it took and what was seen
     last. The caller asserts on it."""
     t = time.monotonic()
     while True:
         n, d1, p1 = between(decode, prefill), held(decode), held(prefill)
         if (n <= max(between0, PER_REGISTRATION) and is_flat(d0, d1) and is_flat(p0, p1)) or (
-            time.monotonic() - t >= SETTLE
+            time.monotonic() - t >= within
         ):
             return time.monotonic() - t, n, d1, p1
         time.sleep(0.02)
@@ -174,10 +180,10 @@ def test_sixty_releases_of_a_live_prefill_leave_both_processes_flat(prefills, ma
 class ChildDecode:
     """``live_releases.py`` as a child decode (see its docstring)."""
 
-    def __init__(self, address: str, env: Dict[str, str], args: List[str]) -> None:
+    def __init__(self, address: str, env: Dict[str, str], args: List[str], cycles: int = CHILD_RELEASES) -> None:
         script = Path(__file__).with_name("live_releases.py")
         self.proc = subprocess.Popen(
-            [sys.executable, str(script), "--address", address, "--cycles", str(CHILD_RELEASES),
+            [sys.executable, str(script), "--address", address, "--cycles", str(cycles),
              "--ranks", str(RANKS), *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=dict(os.environ, **env),
@@ -259,3 +265,69 @@ def test_without_the_forced_close_every_release_of_a_live_prefill_keeps_a_connec
     assert closing["ucx_endpoints"] >= 1 + RANKS * CHILD_RELEASES, closing
     if mode == "unavailable":
         assert any("cannot close a live prefill's UCX endpoints" in w for w in done["warnings"]), done
+
+
+#: UCX's default settings on both sides. The interface list is named
+#: because conftest pins this process to loopback: ``all`` is UCX's default.
+UCX_DEFAULTS = {"UCX_NET_DEVICES": "all"}
+
+#: Live releases in the default-settings run (the count an operator's
+#: router loop reached when this was found).
+DEFAULT_RELEASES = 100
+
+#: The longest the leftovers of the releases may take to go once the last
+#: one returned: a bound for the wait, far under the prefill's UCX
+#: keepalive round (20 s by default), which is what closed them before
+#: the shutdown. The time it took is reported (measured: at once).
+AT_ONCE = 5.0
+
+
+@pytest.mark.parametrize("shutdown", ["on", "off"])
+def test_releases_of_a_live_prefill_at_ucx_defaults_close_its_connections_at_once(prefills, nixl_api, shutdown):
+    """Both processes at UCX's default settings (the prefill's keepalive
+    round every 20 s), a child decode releasing and reloading the live
+    prefill through NIXL's Python API: with the socket shutdown (the
+    default), both are flat as soon as the last release returned; with it
+    off (``NIXL_SYS_SHUT_SOCKETS=0``), each release leaves one connection
+    and one descriptor per rank on each side (what the first case would
+    see without the shutdown)."""
+    p = prefills(ranks=RANKS, env=UCX_DEFAULTS)
+    env = dict(UCX_DEFAULTS, **({"NIXL_SYS_SHUT_SOCKETS": "0"} if shutdown == "off" else {}))
+    n = DEFAULT_RELEASES if shutdown == "on" else CHILD_RELEASES
+    child = ChildDecode(p.address, env, [], cycles=n)
+    try:
+        ready = child.line("READY ")
+        assert ready.split(" ", 3)[2] == "mode=force", ready
+        # After the warm-up release and reload: one registration's worth
+        # (with the shutdown off, plus what the warm-up left).
+        between0, d0, p0 = between(child.pid, p.pid), held(child.pid), held(p.pid)
+        started = time.monotonic()
+        child.go()
+        done = json.loads(child.line("DONE ")[len("DONE "):])
+        took = time.monotonic() - started
+        lingering, d_after, p_after = between(child.pid, p.pid), held(child.pid), held(p.pid)
+        settled, left, d1, p1 = settle_flat(child.pid, p.pid, between0, d0, p0, within=AT_ONCE)
+    finally:
+        child.close()
+    closing = done["endpoints"]
+    report(
+        f"shutdown {shutdown}: {n} releases of a live {RANKS}-rank prefill at UCX's default settings in "
+        f"{took:.1f} s: right after the last, connections between them {between0} -> {lingering}, decode fds "
+        f"{d0.fds} -> {d_after.fds}, prefill fds {p0.fds} -> {p_after.fds}; {settled:.2f} s later: connections "
+        f"{left}, decode fds {d1.fds}, prefill fds {p1.fds}; connections shut by the releases "
+        f"{closing['connections_shut']}"
+    )
+    assert done["releases"] == n + 1, done
+    if shutdown == "on":
+        assert left <= max(between0, PER_REGISTRATION), (
+            f"{left} connections between decode and prefill {AT_ONCE} s after {n} releases, {between0} before"
+        )
+        assert_flat("decode", d0, d1, n)
+        assert_flat("prefill", p0, p1, n)
+        # By count, the shutdown ran: one connection per rank per release
+        # (the warm-up's included), each recorded at its load.
+        assert closing["connections_shut"] >= RANKS * n, closing
+    else:
+        assert closing["connections_shut"] == 0, closing
+        assert left - between0 >= n, (between0, left)
+        assert d1.fds - d0.fds >= n and p1.fds - p0.fds >= n, (d0, d1, p0, p1)

@@ -46,8 +46,13 @@
 //! Python API) loads its own libnixl: install it before that agent creates
 //! its UCX backend (NIXL loads the UCX plugin then), and call
 //! `invalidateRemoteMD` through the other binding inside
-//! [`EndpointCloser::around_invalidation`], on the calling thread.
+//! [`EndpointCloser::around_invalidation`], on the calling thread; to have
+//! the leftover connections shut down as well, make the loads inside
+//! [`EndpointCloser::around_load`] and the invalidations through
+//! [`EndpointCloser::invalidate`].
 
+use crate::foreign::LoadedConnections;
+use crate::sockets::Connections;
 use nixl_sys::endpoints::{vfs_list, vfs_read, EpClose, EpCloseCounts};
 pub use nixl_sys::endpoints::{
     BadEpCloseSetting, EndpointCloseMode, EP_CLOSE_ACCEPTED, EP_CLOSE_ENV,
@@ -80,7 +85,8 @@ pub struct EndpointCloses {
     /// peer's next UCX keepalive round. 0 when nothing was recorded for the
     /// agent or everything had closed already (a dead peer), and always 0
     /// from [`EndpointCloser::around_invalidation`], which does not see the
-    /// loads.
+    /// loads ([`EndpointCloser::invalidate`] does, for loads made inside
+    /// [`EndpointCloser::around_load`]).
     pub connections_shut: u32,
     /// Of [`EndpointCloses::connections_shut`], those whose descriptor UCX
     /// had not closed yet when the invalidation returned (it closes them at
@@ -175,6 +181,54 @@ impl EndpointCloser {
     pub fn around_invalidation<T>(&self, invalidate: impl FnOnce() -> T) -> (T, EndpointCloses) {
         let (out, counts) = self.inner.forcing(invalidate);
         (out, EndpointCloses::from_counts(counts))
+    }
+
+    /// Runs `load`, a call that makes the other binding load one remote
+    /// agent's metadata (NIXL's Python `add_remote_agent`), and records
+    /// the TCP connections UCX opened for it meanwhile, for
+    /// [`EndpointCloser::invalidate`] to shut down at its release: name
+    /// them with [`LoadedConnections::belong_to`] once the load said which
+    /// agent it was. Loads made through this take one process-wide lock
+    /// (never two at once: one engine's connections never land in
+    /// another's record), and only sockets set up as UCX sets up its own
+    /// are recorded (not those other threads of the process open
+    /// meanwhile); see `docs/design/releases-and-sockets.md`. Records
+    /// nothing outside [`EndpointCloseMode::Force`] or with
+    /// `NIXL_SYS_SHUT_SOCKETS=0`. A load nested inside another runs
+    /// unrecorded.
+    pub fn around_load<T>(&self, load: impl FnOnce() -> T) -> (T, LoadedConnections) {
+        crate::foreign::around_load(self.mode().is_force(), load)
+    }
+
+    /// [`EndpointCloser::around_invalidation`] of `local`'s metadata of
+    /// `remote`, then, when `unloaded` says the call left the agent
+    /// unloaded (it succeeded, or NIXL did not know the agent), what
+    /// `connections` says to the TCP connections recorded at its loads
+    /// ([`EndpointCloser::around_load`]): with [`Connections::Shut`] those
+    /// still open are shut down (`shutdown(SHUT_RDWR)`: UCX closes the
+    /// descriptor at its next progress, the peer at once, whatever its
+    /// keepalive period; [`EndpointCloses::connections_shut`]); with
+    /// [`Connections::Keep`] they are left to UCX. Either way the record is
+    /// forgotten, and so are the agent's endpoints for
+    /// [`crate::failures`]. Shut only when no transfer with the agent
+    /// may still be running at the peer (see [`Connections`]).
+    pub fn invalidate<T>(
+        &self,
+        local: &str,
+        remote: &str,
+        connections: Connections,
+        invalidate: impl FnOnce() -> T,
+        unloaded: impl FnOnce(&T) -> bool,
+    ) -> (T, EndpointCloses) {
+        let (out, mut closes) = self.around_invalidation(invalidate);
+        if unloaded(&out) {
+            crate::failures::forget(local, remote);
+            let shut = connections == Connections::Shut && closes.observed;
+            let (n, pending) = crate::foreign::released(local, remote, shut);
+            closes.connections_shut = n;
+            closes.connections_pending = pending;
+        }
+        (out, closes)
     }
 }
 

@@ -55,6 +55,7 @@ pub mod cuda;
 pub mod endpoints;
 mod error;
 pub mod failures;
+mod foreign;
 mod sockets;
 /// Test support for the real runtime (feature `testing`; `nixl-sys`'s,
 /// re-exported): not part of the binding's API, for this workspace's tests
@@ -72,6 +73,7 @@ pub use endpoints::{
     BadEpCloseSetting, EndpointCloseMode, EndpointCloser, EndpointCloses, UcxEndpoint, UcxEndpoints,
 };
 pub use error::{check_agent_name, AgentNameProblem, NixlError, Refusal};
+pub use foreign::LoadedConnections;
 pub use nixl_sys::{
     ApiKind, LoadError, NixlStatus, Runtime, StatusSource, DEFAULT_RUNTIME_DIR, PREFIX_ENV,
 };

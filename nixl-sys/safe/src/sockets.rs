@@ -96,7 +96,7 @@ pub(crate) struct Socket {
 }
 
 /// The inode of descriptor `fd` if it is a socket.
-fn socket_inode(fd: RawFd) -> Option<u64> {
+pub(crate) fn socket_inode(fd: RawFd) -> Option<u64> {
     let mut st = MaybeUninit::<libc::stat>::uninit();
     // SAFETY: `st` is writable storage for one `stat`, which fstat fills on
     // success; `fd` may be closed meanwhile, then it fails (EBADF) and
@@ -180,6 +180,27 @@ struct Stream {
     socket: Socket,
     local: Option<(IpAddr, u16)>,
     peer: Option<(IpAddr, u16)>,
+    /// Whether it looks like a connection of UCX's TCP transport
+    /// ([`made_like_ucx`]).
+    ucx_like: bool,
+}
+
+/// Whether `fd` was set up the way UCX 1.23's TCP transport sets up its
+/// connections, and the sockets of the libraries that share a serving
+/// process with it are not: no close-on-exec flag (UCX's
+/// `ucs_socket_create` calls `socket` without `SOCK_CLOEXEC` and never sets
+/// `FD_CLOEXEC`; Rust's std, tokio, Python's `socket` module and ZeroMQ
+/// all set it) and `SO_KEEPALIVE` on (the transport turns TCP keepalive on
+/// for each connection unless `UCX_TCP_KEEPIDLE=inf`). Measured here on a
+/// decode's UCX connections (both, together with `TCP_NODELAY`).
+/// Either missing leaves the socket out: the fail-safe way, since what is
+/// not recorded is only left to UCX.
+fn made_like_ucx(fd: RawFd) -> bool {
+    // SAFETY: F_GETFD takes no pointer; a closed `fd` fails with EBADF.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    flags >= 0
+        && flags & libc::FD_CLOEXEC == 0
+        && int_option(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE) == Some(1)
 }
 
 /// This process's TCP sockets at one look: the stream sockets of the IP
@@ -225,6 +246,7 @@ impl Look {
                 socket: Socket { fd, inode },
                 local: address(fd, End::Local),
                 peer: address(fd, End::Peer),
+                ucx_like: made_like_ucx(fd),
             });
         }
         look
@@ -240,6 +262,25 @@ impl Look {
             .filter(|s| !old.contains(&s.socket.inode) && !self.accepted(s, before))
             .map(|s| (s.socket.inode, s.peer.map(|(ip, _)| ip)))
             .collect()
+    }
+
+    /// Of [`Look::opened_since`], those set up as UCX sets up its
+    /// connections ([`made_like_ucx`]), by inode: the record a look around
+    /// another binding's load keeps, where other threads of the process
+    /// open sockets of their own meanwhile.
+    pub(crate) fn opened_by_ucx_since(&self, before: &Look) -> Vec<u64> {
+        let old = before.inodes();
+        self.streams
+            .iter()
+            .filter(|s| s.ucx_like && !old.contains(&s.socket.inode) && !self.accepted(s, before))
+            .map(|s| s.socket.inode)
+            .collect()
+    }
+
+    /// Those of `inodes` open in this look.
+    pub(crate) fn retain_open(&self, inodes: &mut HashSet<u64>) {
+        let open = self.inodes();
+        inodes.retain(|i| open.contains(i));
     }
 
     /// The ports this process began to listen on since `before`.
