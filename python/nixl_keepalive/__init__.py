@@ -86,6 +86,7 @@ from ._native import (
     endpoint_close_mode,
     knobs,
     load_remote_agent,
+    parse_ucx_time,
     remove_remote_agent,
     status_name,
     xfer_status,
@@ -131,6 +132,7 @@ __all__ = [
     "load_remote_agent",
     "make_agent",
     "parse_agent_name",
+    "parse_ucx_time",
     "remove_remote_agent",
     "status_name",
     "xfer_status",
@@ -240,7 +242,14 @@ def _end_transfer_guard(guard: Any, outcome: Any) -> None:
 
 
 def _is_nixl_agent(agent: Any) -> bool:
-    return type(agent).__name__ == "nixl_agent" and hasattr(agent, "agent")
+    """Whether ``agent`` is NIXL's Python ``nixl_agent`` or a subclass of
+    it, from any of NIXL's distributions (the class ``nixl_agent`` of a
+    module ``<distribution>._api``: ``nixl._api``, ``nixl_cu12._api``), and
+    never a test double (vLLM's unit tests' fake agent, a ``MagicMock``).
+    The one test of it, for this module and the connectors."""
+    return any(
+        c.__name__ == "nixl_agent" and c.__module__.rpartition(".")[2] == "_api" for c in type(agent).__mro__
+    )
 
 
 def _check_agent(agent: Any, conf: Any, progress: str) -> str:

@@ -426,6 +426,11 @@ def remove_remote_agent(agent: Any, name: str) -> dict[str, Any]:
     no transfer with the agent may be running):
     ``{"status", "status_name", "close", "connections_shut"}``."""
 
+def parse_ucx_time(value: str) -> Optional[float]:
+    """A UCX time string (``"5s"``, ``"250ms"``, ``"inf"``) in seconds,
+    ``None`` for ``inf``: the service's own parser of UCX's syntax.
+    ``ValueError`` (naming what is accepted) for anything else."""
+
 def load_remote_agent(agent: Any, load: Callable[[], Any]) -> Any:
     """Calls ``load()`` (``agent.add_remote_agent(md)``, or a method around
     it) and names the UCX endpoints it created, and the TCP connections UCX

@@ -168,10 +168,6 @@ _CONFIG_KNOBS = tuple(k["keyword"] for k in nixl_keepalive.knobs())
 
 _KNOBS = _CONFIG_KNOBS + _OWN_KNOBS
 
-_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ns|us|ms|s|m)?\s*$")
-_UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
-
-
 def _did_you_mean(name: str, choices: Tuple[str, ...]) -> str:
     close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -183,24 +179,25 @@ def _squashed(key: str) -> str:
 
 def _seconds(name: str, value: Any) -> Optional[float]:
     """A time knob: seconds (number), a UCX time string (``"5s"``,
-    ``"250ms"``), ``"inf"``/``None`` (none)."""
+    ``"250ms"``, read by the service's own parser:
+    :func:`nixl_keepalive.parse_ucx_time`), ``"inf"``/``None`` (none)."""
+    accepted = "expected seconds, a UCX time (\"5s\", \"250ms\") or \"inf\""
     if value is None:
         return None
     if isinstance(value, bool):
-        raise ValueError(f"keepalive knob {name}={value!r}: expected seconds, a UCX time (\"5s\", \"250ms\") or \"inf\"")
+        raise ValueError(f"keepalive knob {name}={value!r}: {accepted}")
     if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str) and value.strip().lower() in ("inf", "infinity", "none"):
-        return None
-    elif isinstance(value, str) and (m := _TIME.match(value)):
-        seconds = float(m.group(1)) * _UNIT[m.group(2)]
+        seconds: Optional[float] = float(value)
+    elif isinstance(value, str):
+        try:
+            seconds = nixl_keepalive.parse_ucx_time(value)
+        except ValueError as e:
+            raise ValueError(f"keepalive knob {name}={value!r}: {e}") from None
     else:
-        raise ValueError(
-            f"keepalive knob {name}={value!r}: expected seconds, a UCX time (\"5s\", \"250ms\") or \"inf\""
-        )
-    if not seconds > 0 or seconds == float("inf"):
-        if seconds == float("inf"):
-            return None
+        raise ValueError(f"keepalive knob {name}={value!r}: {accepted}")
+    if seconds is None or seconds == float("inf"):
+        return None
+    if not seconds > 0:
         raise ValueError(f"keepalive knob {name}={value!r}: must be > 0 (or \"inf\" for none)")
     return seconds
 
@@ -282,14 +279,7 @@ def control_addr_of_rank(addr: Tuple[str, int], rank: int) -> str:
     return f"{host}:{port + rank}"
 
 
-def _is_nixl_agent(agent: Any) -> bool:
-    """Whether ``agent`` is NIXL's Python ``nixl_agent`` (not a test double
-    such as vLLM's unit tests' fake or a MagicMock)."""
-    try:
-        from nixl._api import nixl_agent  # type: ignore
-    except ImportError:
-        return False
-    return isinstance(agent, nixl_agent)
+_is_nixl_agent = nixl_keepalive._is_nixl_agent
 
 
 # The agent vLLM makes: its config with the RW thread-sync mode. vLLM's

@@ -303,3 +303,24 @@ pub(crate) fn knobs(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     }
     Ok(list)
 }
+
+/// `nixl_keepalive.parse_ucx_time(value)`: a UCX time string (`"5s"`,
+/// `"250ms"`, `"inf"`) in seconds, `None` for `inf`, read by the same
+/// parser as every time knob of the service (`nixl_keepalive::ucx::time`,
+/// UCX's own syntax, checked against a real UCX), so that a connector's
+/// own time knobs (the vLLM connector's `read_timeout`) accept exactly
+/// what the service's do. `auto` and anything else are refused with a
+/// `ValueError` that says what is accepted.
+#[pyfunction]
+pub(crate) fn parse_ucx_time(value: &str) -> PyResult<Option<f64>> {
+    use nixl_keepalive::ucx::time::{parse_time, TimeField, UcxTime};
+    match parse_time(value, TimeField::TimeUnits) {
+        Ok(UcxTime::Finite(d)) => Ok(Some(d.as_secs_f64())),
+        Ok(UcxTime::Infinite) => Ok(None),
+        Ok(UcxTime::Auto) => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{value:?}: `auto` names no time here; {}",
+            TimeField::Time.syntax_help()
+        ))),
+        Err(e) => Err(pyo3::exceptions::PyValueError::new_err(e.to_string())),
+    }
+}

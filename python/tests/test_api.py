@@ -881,3 +881,35 @@ def test_the_events_are_typed_in_the_stubs_with_every_key_they_carry(ka, agent):
         assert e["kind"] in kinds, f"no TypedDict for {e['kind']!r} in _native.pyi"
         undeclared = set(e) - kinds[e["kind"]] - {"at"}
         assert not undeclared, f"{e['kind']}: keys not in the stubs: {undeclared}"
+
+
+@pytest.mark.parametrize(
+    "text,seconds",
+    [("250ms", 0.25), ("5s", 5.0), ("2", 2.0), ("1m", 60.0), ("1.5e3us", 0.0015), ("inf", None)],
+)
+def test_parse_ucx_time_reads_what_the_services_time_knobs_read(text, seconds):
+    assert nk.parse_ucx_time(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["auto", " 5s", "5 s", "10sec", "2h", "-1s", "+1s", "soon", "", "infinity"])
+def test_parse_ucx_time_refuses_what_the_service_refuses_naming_the_syntax(text):
+    with pytest.raises(ValueError, match="a number with unit s, ms, us, ns or m") as e:
+        nk.parse_ucx_time(text)
+    assert text in str(e.value), str(e.value)
+
+
+def test_one_test_says_what_a_nixl_agent_is_for_the_package_and_the_connectors():
+    """A class ``nixl_agent`` from a NIXL distribution's ``_api`` module (or
+    a subclass) is one; a stand-in is not, whatever its name or attributes."""
+    from unittest import mock
+
+    def made(module: str, name: str = "nixl_agent") -> type:
+        return type(name, (), {"__module__": module, "agent": None})
+
+    real = made("nixl_cu12._api")
+    assert nk._is_nixl_agent(real())
+    assert nk._is_nixl_agent(made("nixl._api")())
+    assert nk._is_nixl_agent(type("Mine", (real,), {})()), "a subclass"
+    assert not nk._is_nixl_agent(made("test_doubles")()), "a stand-in named nixl_agent"
+    assert not nk._is_nixl_agent(made("nixl_cu12._api", "FakeNixlWrapper")())
+    assert not nk._is_nixl_agent(mock.MagicMock())

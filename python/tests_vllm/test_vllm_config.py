@@ -149,3 +149,7 @@ def test_agent_name_parsed_from_nixl_metadata(vllm_ready):
     a = nixl_agent("parse-me-7")
     assert kv.parse_agent_name(a.get_agent_metadata()) == "parse-me-7"
     assert kv.parse_agent_name(b"fake_agent_metadata") is None
+    # The package's one test of what a nixl_agent is, on vLLM's own NIXL.
+    import nixl_keepalive
+
+    assert kv._is_nixl_agent is nixl_keepalive._is_nixl_agent and kv._is_nixl_agent(a)
