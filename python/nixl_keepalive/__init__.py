@@ -245,11 +245,13 @@ def _is_nixl_agent(agent: Any) -> bool:
     """Whether ``agent`` is NIXL's Python ``nixl_agent`` or a subclass of
     it, from any of NIXL's distributions (the class ``nixl_agent`` of a
     module ``<distribution>._api``: ``nixl._api``, ``nixl_cu12._api``), and
-    never a test double (vLLM's unit tests' fake agent, a ``MagicMock``).
-    The one test of it, for this module and the connectors."""
-    return any(
-        c.__name__ == "nixl_agent" and c.__module__.rpartition(".")[2] == "_api" for c in type(agent).__mro__
-    )
+    never a stand-in of another class (vLLM's unit tests' fake agent, a
+    plain ``MagicMock``). Read from ``agent.__class__``, as ``isinstance``
+    reads it: a mock made with ``spec=nixl_agent`` counts, as it did for
+    the vLLM connector's ``isinstance`` check this replaces. The one test
+    of it, for this module and the connectors."""
+    cls = getattr(agent, "__class__", type(agent))
+    return any(c.__name__ == "nixl_agent" and c.__module__.rpartition(".")[2] == "_api" for c in cls.__mro__)
 
 
 def _check_agent(agent: Any, conf: Any, progress: str) -> str:

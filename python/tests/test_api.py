@@ -913,3 +913,4 @@ def test_one_test_says_what_a_nixl_agent_is_for_the_package_and_the_connectors()
     assert not nk._is_nixl_agent(made("test_doubles")()), "a stand-in named nixl_agent"
     assert not nk._is_nixl_agent(made("nixl_cu12._api", "FakeNixlWrapper")())
     assert not nk._is_nixl_agent(mock.MagicMock())
+    assert nk._is_nixl_agent(mock.MagicMock(spec=real)), "as isinstance sees a spec'd mock"

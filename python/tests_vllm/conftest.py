@@ -34,6 +34,26 @@ MARGIN = 10.0
 START_WITHIN = 180.0
 
 
+#: The marker of the scenarios CI runs on every tested vLLM release: the
+#: ones that go through a different hook or code path of vLLM each (the
+#: version checks and the connector factory, the scheduler side, the
+#: worker's tables and handshake, one kill, one freeze series, the router,
+#: one replacement, the push connector's writes and a killed decode). The
+#: rest (a second restart, idle kills, the read timeout, the push restarts
+#: and freezes) exercise the service's rules through the same hooks: CI
+#: runs them on the current release only (.ci/run, `-m every_release` on
+#: the older one; docs/vllm.md, "What CI runs on which release"): 41 of
+#: the 49.
+EVERY_RELEASE = "every_release"
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{EVERY_RELEASE}: run on every tested vLLM release in CI (the rest on the current one only)",
+    )
+
+
 def real_required() -> bool:
     return os.environ.get("NIXL_KEEPALIVE_REQUIRE_REAL") == "1" or os.environ.get("CI") == "true"
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+# Every scenario here runs on every tested release in CI (conftest.EVERY_RELEASE).
+pytestmark = pytest.mark.every_release
+
 
 def test_an_untested_vllm_runs_with_one_warning_when_every_hook_is_there(vllm_ready, caplog):
     from nixl_keepalive import vllm as kv

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import pytest
 
+# Every scenario here runs on every tested release in CI (conftest.EVERY_RELEASE).
+pytestmark = pytest.mark.every_release
+
+
 OURS = ("KeepaliveNixlConnector", "nixl_keepalive.vllm")
 VLLMS = ("NixlConnector", None)
 

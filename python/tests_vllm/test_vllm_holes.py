@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 from test_vllm_real import verify
+
+# Every scenario here runs on every tested release in CI (conftest.EVERY_RELEASE).
+pytestmark = pytest.mark.every_release
 
 
 def _post(d, p, rids, first_remote):

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import pytest
 
+# Every scenario here runs on every tested release in CI (conftest.EVERY_RELEASE).
+pytestmark = pytest.mark.every_release
+
+
 from conftest import real_required
 
 SWITCH = "NIXL_KEEPALIVE_VLLM"

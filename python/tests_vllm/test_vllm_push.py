@@ -91,6 +91,7 @@ def wait_written(p, d, reqs, within: float) -> None:
     p.poll("writes reported done at the prefill", lambda: all(r in p.sent for r in reqs), within)
 
 
+@pytest.mark.every_release
 def test_writes_verified_and_heartbeats_reach_an_idle_decode(push_prefill, push_decodes):
     p = push_prefill(keepalive=FAST)
     d = push_decodes("D-idle-hb")
@@ -104,6 +105,7 @@ def test_writes_verified_and_heartbeats_reach_an_idle_decode(push_prefill, push_
     p.poll("an HB: at the idle decode", lambda: d.heartbeats_since(t), 0.5 + MARGIN)
 
 
+@pytest.mark.every_release
 def test_decode_killed_with_writes_in_flight_released_once_they_end(push_prefill, push_decodes):
     p = push_prefill(keepalive=FAST)
     d = push_decodes("D-kill-writes")

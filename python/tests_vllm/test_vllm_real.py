@@ -34,6 +34,7 @@ def released(d, engine_id: str):
     return engine_id not in d.engines() and not d.tables(engine_id)
 
 
+@pytest.mark.every_release
 def test_reads_verified_and_heartbeats_reach_an_idle_prefill(prefills, decode):
     p = prefills("P-idle-hb")
     d = decode(keepalive=FAST)
@@ -46,6 +47,7 @@ def test_reads_verified_and_heartbeats_reach_an_idle_prefill(prefills, decode):
     d.poll("an HB: at the idle prefill", lambda: p.heartbeats_since(t), 0.5 + MARGIN)
 
 
+@pytest.mark.every_release
 def test_killed_under_reads_released_within_bound_tables_consistent(prefills, decode):
     p = prefills("P-kill-reads")
     d = decode(keepalive=FAST)
@@ -88,6 +90,7 @@ def test_idle_prefill_killed_released_within_interval_and_bound(prefills, decode
     print(f"MEASURED idle kill -> released and purged in {time.monotonic() - killed:.2f} s (bound {bound:.2f} s)")
 
 
+@pytest.mark.every_release
 def test_restarted_with_a_new_engine_id(prefills, decode):
     port = None
     p1 = prefills("P-old-id")
@@ -173,6 +176,7 @@ def _freeze_cycle(d: Any, p: Any, read_stall: float, cycle: int, resume: bool) -
     return {"failed_in": failed_in, "back_in": back_in, "held_blocks": held_blocks, "blocks": sorted(blocks)}
 
 
+@pytest.mark.every_release
 def test_sigstopped_with_reads_in_flight_fail_at_once_blocks_back_on_resume_or_kill(prefills, decode):
     """Issue 43: a frozen prefill costs no request a hang and the decode no
     KV block for good. Cycles (``NIXL_KEEPALIVE_FREEZE_CYCLES``, 20 by

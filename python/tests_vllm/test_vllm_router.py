@@ -17,6 +17,9 @@ import pytest
 from conftest import MARGIN
 from test_vllm_real import released
 
+# Every scenario here runs on every tested release in CI (conftest.EVERY_RELEASE).
+pytestmark = pytest.mark.every_release
+
 
 def _post(addr: str, path: str, body: dict, token: str = None):
     req = urllib.request.Request(f"http://{addr}{path}", data=json.dumps(body).encode(), method="POST",
