@@ -15,13 +15,17 @@ use std::time::Duration;
 use nixl_keepalive::control::{self, ControlConfig, ControlError, ControlServer, ControlToken};
 use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
-    Config, EngineId, EngineRef, EngineState, Event, KeepaliveHandle, NixlStatus, PeerAddr,
+    Config, EngineId, EngineRef, EngineState, Event, KeepaliveHandle, NixlStatus,
 };
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
+
+mod common;
+
+use common::addr;
 
 const ROUTE: &str = "/fault_tolerance/event";
 
@@ -54,10 +58,6 @@ async fn decode(token: Option<&str>) -> Decode {
         token: token.map(str::to_owned),
         shutdown,
     }
-}
-
-fn addr(n: u8) -> PeerAddr {
-    PeerAddr::new(format!("10.0.0.{n}:5600"))
 }
 
 impl Decode {

@@ -7,15 +7,15 @@ use nixl_keepalive::fake::{
     nixl_status_from_ucs, FakeConfig, FakeError, FakeHandshake, FakeOp, FakeUcx, Held,
 };
 use nixl_keepalive::{
-    AgentName, EndpointClose, EngineId, NixlStatus, PeerAddr, ReleaseTarget, Transport, UcsStatus,
+    AgentName, EndpointClose, EngineId, NixlStatus, ReleaseTarget, Transport, UcsStatus,
 };
 use tokio::time::{advance, Instant};
 
-const S: Duration = Duration::from_secs(1);
+mod common;
 
-fn addr(n: u8) -> PeerAddr {
-    PeerAddr::new(format!("10.0.0.{n}:5600"))
-}
+use common::addr;
+
+const S: Duration = Duration::from_secs(1);
 
 /// A world with one two-rank prefill at `addr(1)`, handshaken.
 fn one_peer(config: FakeConfig) -> (FakeUcx, FakeHandshake) {

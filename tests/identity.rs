@@ -3,50 +3,26 @@
 //! the healthy engine stays live, loaded and read, and every registration
 //! ends exactly once.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use nixl_keepalive::fake::{FakeConfig, FakeConnectError, FakeResources, FakeUcx};
+use nixl_keepalive::fake::{FakeConfig, FakeConnectError, FakeResources};
 use nixl_keepalive::{
-    AgentName, ClaimRefused, Config, Conflict, EngineId, EngineRef, EngineState, Event,
-    KeepaliveHandle, NixlStatus, PeerAddr, RegisterError, Registration, Stopped,
+    AgentName, ClaimRefused, Config, Conflict, EngineId, EngineRef, EngineState, Event, NixlStatus,
+    PeerAddr, RegisterError, Registration,
 };
-use tokio::sync::broadcast;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
-type Handle = KeepaliveHandle<FakeResources>;
+mod common;
 
-struct World {
-    ucx: FakeUcx,
-    handle: Handle,
-    events: broadcast::Receiver<Event>,
-    task: JoinHandle<Stopped<FakeResources>>,
-    shutdown: CancellationToken,
-}
+use common::{addr, World};
 
 fn world() -> World {
-    let ucx = FakeUcx::new(FakeConfig::default());
     let config = Config::builder()
         .heartbeat_interval(Some(Duration::from_secs(1)))
         .metrics_period(None)
         .seed(3)
         .build()
         .unwrap();
-    let shutdown = CancellationToken::new();
-    let (handle, task) = nixl_keepalive::spawn(Arc::new(ucx.clone()), config, shutdown.clone());
-    let events = handle.subscribe();
-    World {
-        ucx,
-        handle,
-        events,
-        task,
-        shutdown,
-    }
-}
-
-fn addr(n: u8) -> PeerAddr {
-    PeerAddr::new(format!("10.0.0.{n}:5600"))
+    World::start(FakeConfig::default(), config)
 }
 
 impl World {
@@ -63,20 +39,6 @@ impl World {
         for agent in self.ucx.agents_of(engine.id()) {
             assert!(self.ucx.is_loaded(&agent), "{agent} still loaded");
         }
-    }
-
-    fn drain(&mut self) -> Vec<Event> {
-        let mut out = Vec::new();
-        while let Ok(e) = self.events.try_recv() {
-            out.push(e);
-        }
-        out
-    }
-
-    async fn stop(self) -> (FakeUcx, Stopped<FakeResources>) {
-        self.shutdown.cancel();
-        let stopped = self.task.await.unwrap();
-        (self.ucx, stopped)
     }
 }
 
@@ -122,7 +84,7 @@ async fn a_hostile_prefill_replaying_a_healthy_reply_is_refused_and_the_healthy_
     assert_eq!(conflicts(&events).len(), 1, "logged and published once");
     assert_eq!(releases(&events), 0);
     assert_eq!(healthy.state(), EngineState::Live);
-    let (ucx, stopped) = w.stop().await;
+    let (ucx, stopped) = w.stopped().await;
     assert!(stopped.unreleased.is_empty());
     ucx.assert_nothing_leaked();
 }
@@ -152,7 +114,7 @@ async fn a_reply_whose_metadata_is_another_engines_never_unloads_that_engine() {
         matches!(conflicts(&events)[..], [Conflict::AgentInUse { .. }]),
         "{events:?}"
     );
-    let (ucx, stopped) = w.stop().await;
+    let (ucx, stopped) = w.stopped().await;
     assert!(stopped.unreleased.is_empty());
     ucx.assert_nothing_leaked();
 }
@@ -176,7 +138,7 @@ async fn a_reply_naming_another_engines_agents_is_refused_before_anything_is_loa
     assert_eq!(w.ucx.calls().len(), loads_before, "nothing loaded");
     w.read_for(&healthy, 10).await;
     assert_eq!(releases(&w.drain()), 0);
-    let (ucx, stopped) = w.stop().await;
+    let (ucx, stopped) = w.stopped().await;
     assert!(stopped.unreleased.is_empty());
     ucx.assert_nothing_leaked();
 }
@@ -208,7 +170,7 @@ async fn two_readers_of_one_prefill_share_one_registration_and_never_churn() {
     assert_eq!(registered, 1, "one registration, never reloaded");
     assert_eq!(releases(&events), 0);
     assert!(engines.iter().all(|e| e.state() == EngineState::Live));
-    let (ucx, stopped) = w.stop().await;
+    let (ucx, stopped) = w.stopped().await;
     assert!(stopped.unreleased.is_empty());
     ucx.assert_nothing_leaked();
 }
@@ -233,7 +195,7 @@ async fn two_prefills_started_with_one_engine_id_conflict_once_and_the_first_is_
     assert_eq!(conflicts(&events).len(), 1);
     assert_eq!(releases(&events), 0);
     assert_eq!(first.state(), EngineState::Live);
-    let (_, stopped) = w.stop().await;
+    let (_, stopped) = w.stopped().await;
     assert!(stopped.unreleased.is_empty());
 }
 
@@ -266,7 +228,7 @@ async fn a_registration_whose_future_is_dropped_is_registered_or_handed_back_exa
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert!(w.handle.engine(&EngineId::from("fresh")).is_some());
     drop(read);
-    let (_, stopped) = w.stop().await;
+    let (_, stopped) = w.stopped().await;
     // The refused one came back once (its caller stopped waiting); the
     // fresh one was released by the service.
     let back: Vec<&str> = stopped
@@ -300,7 +262,7 @@ async fn a_cancelled_ready_to_load_leaves_nothing_behind() {
     drop(read);
     let reloaded = w.ucx.connect(&w.handle, &addr(1)).await.unwrap();
     assert_eq!(reloaded.state(), EngineState::Live);
-    let (ucx, stopped) = w.stop().await;
+    let (ucx, stopped) = w.stopped().await;
     assert!(stopped.unreleased.is_empty());
     ucx.assert_nothing_leaked();
 }
@@ -328,7 +290,7 @@ async fn a_registration_without_a_handshake_of_a_live_id_is_refused_whole() {
         other => panic!("{other:?}"),
     }
     assert_eq!(live.state(), EngineState::Live);
-    let (_, stopped) = w.stop().await;
+    let (_, stopped) = w.stopped().await;
     assert!(stopped.unreleased.is_empty());
 }
 
@@ -354,6 +316,6 @@ async fn when_register_returns_its_registered_event_is_already_visible_to_subscr
             "and it is in the directory"
         );
     }
-    let (_, stopped) = w.stop().await;
+    let (_, stopped) = w.stopped().await;
     assert!(stopped.unreleased.is_empty());
 }

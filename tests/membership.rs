@@ -18,6 +18,10 @@ use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+mod common;
+
+use common::addr;
+
 type Handle = KeepaliveHandle<FakeResources>;
 
 const TTL: Duration = Duration::from_secs(10);
@@ -77,10 +81,6 @@ fn world(mode: GoneMode) -> World {
         shutdown,
         task,
     }
-}
-
-fn addr(n: u16) -> PeerAddr {
-    PeerAddr::new(format!("10.0.0.{n}:5600"))
 }
 
 fn key(engine: &EngineId) -> String {

@@ -7,22 +7,14 @@ use std::time::Duration;
 use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
     AgentName, Config, Destination, EngineId, EngineRef, EngineState, Event, GiveUp, GivenUpRead,
-    GoneMode, Keepalive, KeepaliveHandle, NixlStatus, PeerAddr, PeerRef, ReleaseReason,
-    ReleaseStep, Transport, TransportError, UcsStatus, HEARTBEAT_SLOT,
+    GoneMode, Keepalive, NixlStatus, PeerAddr, PeerRef, ReleaseReason, ReleaseStep, Transport,
+    TransportError, UcsStatus, HEARTBEAT_SLOT,
 };
-use tokio::sync::broadcast;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-type Handle = KeepaliveHandle<FakeResources>;
+mod common;
 
-struct World {
-    ucx: FakeUcx,
-    handle: Handle,
-    events: broadcast::Receiver<Event>,
-    shutdown: CancellationToken,
-    task: JoinHandle<nixl_keepalive::Stopped<FakeResources>>,
-}
+use common::{addr, World};
 
 fn config() -> Config {
     Config::builder()
@@ -35,21 +27,7 @@ fn config() -> Config {
 }
 
 fn world(ucx_config: FakeConfig, config: Config) -> World {
-    let ucx = FakeUcx::new(ucx_config);
-    let shutdown = CancellationToken::new();
-    let (handle, task) = nixl_keepalive::spawn(Arc::new(ucx.clone()), config, shutdown.clone());
-    let events = handle.subscribe();
-    World {
-        ucx,
-        handle,
-        events,
-        shutdown,
-        task,
-    }
-}
-
-fn addr(n: u16) -> PeerAddr {
-    PeerAddr::new(format!("10.0.0.{n}:5600"))
+    World::start(ucx_config, config)
 }
 
 impl World {
@@ -59,20 +37,6 @@ impl World {
             .connect(&self.handle, address)
             .await
             .expect("connects")
-    }
-
-    /// Waits (in virtual time) for the first event that `pick` accepts.
-    async fn until<T>(&mut self, within: Duration, mut pick: impl FnMut(&Event) -> Option<T>) -> T {
-        tokio::time::timeout(within, async {
-            loop {
-                let event = self.events.recv().await.expect("events flow");
-                if let Some(t) = pick(&event) {
-                    return t;
-                }
-            }
-        })
-        .await
-        .unwrap_or_else(|_| panic!("no such event within {within:?}"))
     }
 
     async fn released(&mut self, engine: &EngineId, within: Duration) -> Event {
@@ -99,13 +63,12 @@ impl World {
     }
 
     async fn stop(self) -> FakeUcx {
-        self.shutdown.cancel();
-        let stopped = self.task.await.unwrap();
+        let (ucx, stopped) = self.stopped().await;
         assert!(
             stopped.unreleased.is_empty(),
             "engines left unreleased at shutdown"
         );
-        self.ucx
+        ucx
     }
 }
 
