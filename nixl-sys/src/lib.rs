@@ -42,6 +42,7 @@ pub mod testing;
 pub use endpoints::{BadEpCloseSetting, EndpointCloseMode};
 pub use error::LoadError;
 pub use runtime::{
-    ApiKind, Capi, CapiAgentConfig, Raw, Runtime, St, DEFAULT_RUNTIME_DIR, P, PREFIX_ENV,
+    ApiKind, Capi, CapiAgentConfig, CapiHandle, CapiStatus, RawStatus, Runtime,
+    DEFAULT_RUNTIME_DIR, PREFIX_ENV,
 };
 pub use status::{NixlStatus, StatusSource};

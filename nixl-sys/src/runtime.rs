@@ -40,9 +40,9 @@ pub enum ApiKind {
 
 /// A raw C API or shim status (`nixl_capi_status_t`, or the C++
 /// `nixl_status_t` from the shim), before translation.
-pub type St = c_int;
+pub type CapiStatus = c_int;
 /// An opaque C API handle (agent, dlist, request, map, ...).
-pub type P = *mut c_void;
+pub type CapiHandle = *mut c_void;
 
 /// `nixl_capi_agent_config_t`, declared from its documented fields (field
 /// order and types matter: 40 bytes, checked against the 1.5.1 library's
@@ -66,56 +66,84 @@ pub struct CapiAgentConfig {
 /// lengths).
 pub struct Capi {
     pub create_configured_agent:
-        unsafe extern "C" fn(*const c_char, *const CapiAgentConfig, *mut P) -> St,
-    pub destroy_agent: unsafe extern "C" fn(P) -> St,
-    pub get_plugin_params: unsafe extern "C" fn(P, *const c_char, *mut P, *mut P) -> St,
-    pub destroy_mem_list: unsafe extern "C" fn(P) -> St,
-    pub destroy_params: unsafe extern "C" fn(P) -> St,
-    pub create_backend: unsafe extern "C" fn(P, *const c_char, P, *mut P) -> St,
-    pub destroy_backend: unsafe extern "C" fn(P) -> St,
-    pub get_local_md: unsafe extern "C" fn(P, *mut P, *mut usize) -> St,
-    pub load_remote_md: unsafe extern "C" fn(P, *const c_void, usize, *mut *mut c_char) -> St,
-    pub invalidate_remote_md: unsafe extern "C" fn(P, *const c_char) -> St,
-    pub create_reg_dlist: unsafe extern "C" fn(c_int, *mut P) -> St,
-    pub destroy_reg_dlist: unsafe extern "C" fn(P) -> St,
-    pub reg_dlist_add_desc: unsafe extern "C" fn(P, usize, usize, u64, *const c_void, usize) -> St,
-    pub register_mem: unsafe extern "C" fn(P, P, P) -> St,
-    pub deregister_mem: unsafe extern "C" fn(P, P, P) -> St,
-    pub create_xfer_dlist: unsafe extern "C" fn(c_int, *mut P) -> St,
-    pub destroy_xfer_dlist: unsafe extern "C" fn(P) -> St,
-    pub xfer_dlist_add_desc: unsafe extern "C" fn(P, usize, usize, u64) -> St,
-    pub prep_xfer_dlist: unsafe extern "C" fn(P, *const c_char, P, *mut P, P) -> St,
-    pub release_xfer_dlist_handle: unsafe extern "C" fn(P, P) -> St,
+        unsafe extern "C" fn(*const c_char, *const CapiAgentConfig, *mut CapiHandle) -> CapiStatus,
+    pub destroy_agent: unsafe extern "C" fn(CapiHandle) -> CapiStatus,
+    pub get_plugin_params: unsafe extern "C" fn(
+        CapiHandle,
+        *const c_char,
+        *mut CapiHandle,
+        *mut CapiHandle,
+    ) -> CapiStatus,
+    pub destroy_mem_list: unsafe extern "C" fn(CapiHandle) -> CapiStatus,
+    pub destroy_params: unsafe extern "C" fn(CapiHandle) -> CapiStatus,
+    pub create_backend:
+        unsafe extern "C" fn(CapiHandle, *const c_char, CapiHandle, *mut CapiHandle) -> CapiStatus,
+    pub destroy_backend: unsafe extern "C" fn(CapiHandle) -> CapiStatus,
+    pub get_local_md: unsafe extern "C" fn(CapiHandle, *mut CapiHandle, *mut usize) -> CapiStatus,
+    pub load_remote_md:
+        unsafe extern "C" fn(CapiHandle, *const c_void, usize, *mut *mut c_char) -> CapiStatus,
+    pub invalidate_remote_md: unsafe extern "C" fn(CapiHandle, *const c_char) -> CapiStatus,
+    pub create_reg_dlist: unsafe extern "C" fn(c_int, *mut CapiHandle) -> CapiStatus,
+    pub destroy_reg_dlist: unsafe extern "C" fn(CapiHandle) -> CapiStatus,
+    pub reg_dlist_add_desc:
+        unsafe extern "C" fn(CapiHandle, usize, usize, u64, *const c_void, usize) -> CapiStatus,
+    pub register_mem: unsafe extern "C" fn(CapiHandle, CapiHandle, CapiHandle) -> CapiStatus,
+    pub deregister_mem: unsafe extern "C" fn(CapiHandle, CapiHandle, CapiHandle) -> CapiStatus,
+    pub create_xfer_dlist: unsafe extern "C" fn(c_int, *mut CapiHandle) -> CapiStatus,
+    pub destroy_xfer_dlist: unsafe extern "C" fn(CapiHandle) -> CapiStatus,
+    pub xfer_dlist_add_desc: unsafe extern "C" fn(CapiHandle, usize, usize, u64) -> CapiStatus,
+    pub prep_xfer_dlist: unsafe extern "C" fn(
+        CapiHandle,
+        *const c_char,
+        CapiHandle,
+        *mut CapiHandle,
+        CapiHandle,
+    ) -> CapiStatus,
+    pub release_xfer_dlist_handle: unsafe extern "C" fn(CapiHandle, CapiHandle) -> CapiStatus,
     #[allow(clippy::type_complexity)]
     pub make_xfer_req: unsafe extern "C" fn(
-        P,
+        CapiHandle,
         c_int,
-        P,
+        CapiHandle,
         *const c_int,
         usize,
-        P,
+        CapiHandle,
         *const c_int,
         usize,
-        *mut P,
-        P,
-    ) -> St,
-    pub post_xfer_req: unsafe extern "C" fn(P, P, P) -> St,
-    pub get_xfer_status: unsafe extern "C" fn(P, P) -> St,
-    pub release_xfer_req: unsafe extern "C" fn(P, P) -> St,
-    pub destroy_xfer_req: unsafe extern "C" fn(P) -> St,
-    pub create_opt_args: unsafe extern "C" fn(*mut P) -> St,
-    pub destroy_opt_args: unsafe extern "C" fn(P) -> St,
-    pub opt_args_set_notif_msg: unsafe extern "C" fn(P, *const c_void, usize) -> St,
-    pub opt_args_set_has_notif: unsafe extern "C" fn(P, bool) -> St,
-    pub gen_notif: unsafe extern "C" fn(P, *const c_char, *const c_void, usize, P) -> St,
-    pub create_notif_map: unsafe extern "C" fn(*mut P) -> St,
-    pub destroy_notif_map: unsafe extern "C" fn(P) -> St,
-    pub get_notifs: unsafe extern "C" fn(P, P, P) -> St,
-    pub notif_map_size: unsafe extern "C" fn(P, *mut usize) -> St,
-    pub notif_map_get_agent_at: unsafe extern "C" fn(P, usize, *mut *const c_char) -> St,
-    pub notif_map_get_notifs_size: unsafe extern "C" fn(P, *const c_char, *mut usize) -> St,
-    pub notif_map_get_notif:
-        unsafe extern "C" fn(P, *const c_char, usize, *mut *const c_void, *mut usize) -> St,
+        *mut CapiHandle,
+        CapiHandle,
+    ) -> CapiStatus,
+    pub post_xfer_req: unsafe extern "C" fn(CapiHandle, CapiHandle, CapiHandle) -> CapiStatus,
+    pub get_xfer_status: unsafe extern "C" fn(CapiHandle, CapiHandle) -> CapiStatus,
+    pub release_xfer_req: unsafe extern "C" fn(CapiHandle, CapiHandle) -> CapiStatus,
+    pub destroy_xfer_req: unsafe extern "C" fn(CapiHandle) -> CapiStatus,
+    pub create_opt_args: unsafe extern "C" fn(*mut CapiHandle) -> CapiStatus,
+    pub destroy_opt_args: unsafe extern "C" fn(CapiHandle) -> CapiStatus,
+    pub opt_args_set_notif_msg:
+        unsafe extern "C" fn(CapiHandle, *const c_void, usize) -> CapiStatus,
+    pub opt_args_set_has_notif: unsafe extern "C" fn(CapiHandle, bool) -> CapiStatus,
+    pub gen_notif: unsafe extern "C" fn(
+        CapiHandle,
+        *const c_char,
+        *const c_void,
+        usize,
+        CapiHandle,
+    ) -> CapiStatus,
+    pub create_notif_map: unsafe extern "C" fn(*mut CapiHandle) -> CapiStatus,
+    pub destroy_notif_map: unsafe extern "C" fn(CapiHandle) -> CapiStatus,
+    pub get_notifs: unsafe extern "C" fn(CapiHandle, CapiHandle, CapiHandle) -> CapiStatus,
+    pub notif_map_size: unsafe extern "C" fn(CapiHandle, *mut usize) -> CapiStatus,
+    pub notif_map_get_agent_at:
+        unsafe extern "C" fn(CapiHandle, usize, *mut *const c_char) -> CapiStatus,
+    pub notif_map_get_notifs_size:
+        unsafe extern "C" fn(CapiHandle, *const c_char, *mut usize) -> CapiStatus,
+    pub notif_map_get_notif: unsafe extern "C" fn(
+        CapiHandle,
+        *const c_char,
+        usize,
+        *mut *const c_void,
+        *mut usize,
+    ) -> CapiStatus,
 }
 
 /// An address inside libnixl.so (a C++ member function). Plain code
@@ -174,41 +202,50 @@ extern "C" {
         msg: *const c_char,
         msg_len: usize,
         opt: *const c_void,
-    ) -> St;
-    fn nks_post_xfer_req(f: *const c_void, agent: *const c_void, req: P, opt: *const c_void) -> St;
-    fn nks_get_xfer_status(f: *const c_void, agent: *const c_void, req: P) -> St;
-    fn nks_release_xfer_req(f: *const c_void, agent: *const c_void, req: P) -> St;
+    ) -> CapiStatus;
+    fn nks_post_xfer_req(
+        f: *const c_void,
+        agent: *const c_void,
+        req: CapiHandle,
+        opt: *const c_void,
+    ) -> CapiStatus;
+    fn nks_get_xfer_status(f: *const c_void, agent: *const c_void, req: CapiHandle) -> CapiStatus;
+    fn nks_release_xfer_req(f: *const c_void, agent: *const c_void, req: CapiHandle) -> CapiStatus;
     fn nks_invalidate_remote_md(
         f: *const c_void,
-        agent: P,
+        agent: CapiHandle,
         remote: *const c_char,
         remote_len: usize,
-    ) -> St;
-    fn nks_release_dlist_handle(f: *const c_void, agent: *const c_void, dlist: P) -> St;
+    ) -> CapiStatus;
+    fn nks_release_dlist_handle(
+        f: *const c_void,
+        agent: *const c_void,
+        dlist: CapiHandle,
+    ) -> CapiStatus;
     fn nks_load_remote_md(
         f: *const c_void,
-        agent: P,
+        agent: CapiHandle,
         md: *const c_void,
         md_len: usize,
         name_out: *mut *mut c_char,
         name_len: *mut usize,
-    ) -> St;
+    ) -> CapiStatus;
     fn nks_prep_local_dlist(
         f: *const c_void,
         agent: *const c_void,
         descs: *const c_void,
-        out: *mut P,
+        out: *mut CapiHandle,
         opt: *const c_void,
-    ) -> St;
+    ) -> CapiStatus;
     fn nks_prep_remote_dlist(
         f: *const c_void,
         agent: *const c_void,
         remote: *const c_char,
         remote_len: usize,
         descs: *const c_void,
-        out: *mut P,
+        out: *mut CapiHandle,
         opt: *const c_void,
-    ) -> St;
+    ) -> CapiStatus;
     #[allow(clippy::too_many_arguments)]
     fn nks_make_xfer_req(
         f: *const c_void,
@@ -220,15 +257,15 @@ extern "C" {
         remote: *const c_void,
         remote_idx: *const c_int,
         remote_count: usize,
-        out: *mut P,
+        out: *mut CapiHandle,
         opt: *const c_void,
-    ) -> St;
+    ) -> CapiStatus;
     fn nks_get_local_md(
         f: *const c_void,
         agent: *const c_void,
         out: *mut *mut c_char,
         len: *mut usize,
-    ) -> St;
+    ) -> CapiStatus;
     fn nks_free(p: *mut c_void);
 }
 
@@ -473,7 +510,7 @@ impl Runtime {
             },
         };
         let result = (|| {
-            let mut data: P = std::ptr::null_mut();
+            let mut data: CapiHandle = std::ptr::null_mut();
             let mut len = 0usize;
             // SAFETY: `agent` is the live probe agent; `data` and `len` are
             // valid out-pointers. On success the C API has set `data` to a
@@ -497,7 +534,7 @@ impl Runtime {
             // aligned for a pointer, and its first word (in bounds: the
             // 1.5.1 handle is one pointer, `operator new(8)`) is the member
             // this check is about.
-            let inner = unsafe { *(handle as *const P) };
+            let inner = unsafe { *(handle as *const CapiHandle) };
             if !points_into_writable_memory(inner) {
                 return Err(mismatch(format!(
                     "the agent handle's first member ({inner:p}) does not point into writable memory"
@@ -554,7 +591,7 @@ impl Runtime {
         &self,
         suffix: &str,
         mismatch: &dyn Fn(String) -> LoadError,
-    ) -> Result<P, LoadError> {
+    ) -> Result<CapiHandle, LoadError> {
         let name = std::ffi::CString::new(format!(
             "nixl-sys-layout-probe-{}{suffix}",
             std::process::id()
@@ -570,7 +607,7 @@ impl Runtime {
             lthr_delay_us: 0,
             capture_telemetry: false,
         };
-        let mut agent: P = std::ptr::null_mut();
+        let mut agent: CapiHandle = std::ptr::null_mut();
         // SAFETY: `name` is a NUL-terminated string and `cfg` a `#[repr(C)]`
         // `nixl_capi_agent_config_t`, both outliving the call (NIXL copies
         // them); `agent` is a valid out-pointer for the new handle.
@@ -582,9 +619,9 @@ impl Runtime {
         }
         let backend_made = (|| {
             let ucx = c"UCX";
-            let mut mems: P = std::ptr::null_mut();
-            let mut params: P = std::ptr::null_mut();
-            let mut backend: P = std::ptr::null_mut();
+            let mut mems: CapiHandle = std::ptr::null_mut();
+            let mut params: CapiHandle = std::ptr::null_mut();
+            let mut backend: CapiHandle = std::ptr::null_mut();
             // SAFETY: `agent` is the live probe agent (destroyed only below,
             // or by the caller); `ucx` is NUL-terminated; `mems`, `params` and
             // `backend` are valid out-pointers. `params` and `mems` are the
@@ -632,7 +669,7 @@ enum LayoutProbe {
 
 /// Whether `p` lies in a mapping of this process that is readable and
 /// writable (a heap object), from `/proc/self/maps`.
-fn points_into_writable_memory(p: P) -> bool {
+fn points_into_writable_memory(p: CapiHandle) -> bool {
     let addr = p as usize;
     if addr == 0 {
         return false;
@@ -693,30 +730,30 @@ fn find_lib_dir(location: &Path) -> Result<PathBuf, Vec<PathBuf>> {
 /// `h` must be a live (not yet destroyed) C API handle whose first member
 /// is a pointer: an agent or xfer dlist handle of a 1.5.x runtime, the
 /// layout [`Runtime::verify_layout`] checked when the runtime loaded.
-unsafe fn first_member(h: P) -> P {
+unsafe fn first_member(h: CapiHandle) -> CapiHandle {
     // SAFETY: per the contract, `h` is a live handle that the C API made
     // with `new` (so it is aligned for a pointer) and that starts with a
     // pointer member: reading one pointer-sized word at `h` is in bounds.
-    unsafe { *(h as *const P) }
+    unsafe { *(h as *const CapiHandle) }
 }
 
 /// A status from a raw call: C++ numbering, and the interface it came
 /// through.
-pub type Raw = (NixlStatus, StatusSource);
+pub type RawStatus = (NixlStatus, StatusSource);
 
-fn collapsed(st: St) -> Raw {
+fn collapsed(st: CapiStatus) -> RawStatus {
     (
         NixlStatus::from_capi_collapsed(st),
         StatusSource::CapiCollapsed,
     )
 }
-fn cpp(st: St) -> Raw {
+fn cpp(st: CapiStatus) -> RawStatus {
     (NixlStatus::from_raw(st), StatusSource::Cpp)
 }
 
 impl Runtime {
     /// Status of a C API call, translated according to the runtime.
-    pub fn capi_status(&self, st: St) -> Raw {
+    pub fn capi_status(&self, st: CapiStatus) -> RawStatus {
         match self.flavor {
             Flavor::Collapsed(_) => collapsed(st),
             Flavor::V1 => (NixlStatus::from_capi_v1(st), StatusSource::CapiV1),
@@ -748,7 +785,7 @@ impl Runtime {
     ///
     /// `agent` must be a live C API agent handle of this runtime (created
     /// by `create_configured_agent`, not destroyed yet).
-    pub unsafe fn gen_notif(&self, agent: P, remote: &[u8], msg: &[u8]) -> Raw {
+    pub unsafe fn gen_notif(&self, agent: CapiHandle, remote: &[u8], msg: &[u8]) -> RawStatus {
         match &self.flavor {
             // SAFETY: `agent` is live (caller), so its first member is its
             // `nixlAgent*` (layout checked at load). `m.gen_notif` is the
@@ -797,7 +834,7 @@ impl Runtime {
     /// # Safety
     ///
     /// `agent` must be a live C API agent handle of this runtime.
-    pub unsafe fn invalidate_remote_md(&self, agent: P, remote: &[u8]) -> Raw {
+    pub unsafe fn invalidate_remote_md(&self, agent: CapiHandle, remote: &[u8]) -> RawStatus {
         match &self.flavor {
             // SAFETY: `agent` is live (caller), its first member is its
             // `nixlAgent*` (layout checked at load); `m.invalidate_remote_md`
@@ -831,7 +868,11 @@ impl Runtime {
     /// # Safety
     ///
     /// `agent` must be a live C API agent handle of this runtime.
-    pub unsafe fn load_remote_md(&self, agent: P, md: &[u8]) -> (Raw, Option<Vec<u8>>) {
+    pub unsafe fn load_remote_md(
+        &self,
+        agent: CapiHandle,
+        md: &[u8],
+    ) -> (RawStatus, Option<Vec<u8>>) {
         let mut name: *mut c_char = std::ptr::null_mut();
         let mut len = None;
         let raw = match &self.flavor {
@@ -900,8 +941,13 @@ impl Runtime {
     ///
     /// `agent` must be a live C API agent handle and `xfer_dlist` a live C
     /// API xfer dlist handle, both of this runtime.
-    pub unsafe fn prep_dlist(&self, agent: P, remote: Option<&[u8]>, xfer_dlist: P) -> (Raw, P) {
-        let mut out: P = std::ptr::null_mut();
+    pub unsafe fn prep_dlist(
+        &self,
+        agent: CapiHandle,
+        remote: Option<&[u8]>,
+        xfer_dlist: CapiHandle,
+    ) -> (RawStatus, CapiHandle) {
+        let mut out: CapiHandle = std::ptr::null_mut();
         let raw = match (&self.flavor, remote) {
             // SAFETY: `agent` and `xfer_dlist` are live handles (caller);
             // their first members are the `nixlAgent*` and the
@@ -964,7 +1010,7 @@ impl Runtime {
     /// `agent` must be a live C API agent handle, and `dlist` a handle that
     /// [`Self::prep_dlist`] returned for it and that was not released yet;
     /// `dlist` must not be used after this call.
-    pub unsafe fn release_dlist(&self, agent: P, dlist: P) -> Raw {
+    pub unsafe fn release_dlist(&self, agent: CapiHandle, dlist: CapiHandle) -> RawStatus {
         match &self.flavor {
             // SAFETY: `agent` is live (caller), its first member is its
             // `nixlAgent*` (layout checked at load); `dlist` is the
@@ -995,15 +1041,15 @@ impl Runtime {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn make_xfer_req(
         &self,
-        agent: P,
+        agent: CapiHandle,
         op: c_int,
-        local: P,
+        local: CapiHandle,
         local_idx: &[c_int],
-        remote: P,
+        remote: CapiHandle,
         remote_idx: &[c_int],
-        opt_args: P,
-    ) -> (Raw, P) {
-        let mut out: P = std::ptr::null_mut();
+        opt_args: CapiHandle,
+    ) -> (RawStatus, CapiHandle) {
+        let mut out: CapiHandle = std::ptr::null_mut();
         let raw = match &self.flavor {
             // nixl_capi_opt_args_s holds the nixlAgentOptionalArgs by value
             // as its first member, so the handle address is the object's.
@@ -1058,7 +1104,7 @@ impl Runtime {
     ///
     /// `agent` must be a live C API agent handle, and `req` a request that
     /// [`Self::make_xfer_req`] returned for it and that was not released.
-    pub unsafe fn post_xfer_req(&self, agent: P, req: P) -> Raw {
+    pub unsafe fn post_xfer_req(&self, agent: CapiHandle, req: CapiHandle) -> RawStatus {
         match &self.flavor {
             // SAFETY: `agent` is live (caller), its first member is its
             // `nixlAgent*` (layout checked at load); `req` is a live
@@ -1087,7 +1133,7 @@ impl Runtime {
     /// # Safety
     ///
     /// As [`Self::post_xfer_req`].
-    pub unsafe fn get_xfer_status(&self, agent: P, req: P) -> Raw {
+    pub unsafe fn get_xfer_status(&self, agent: CapiHandle, req: CapiHandle) -> RawStatus {
         match &self.flavor {
             Flavor::Collapsed(m) => {
                 // SAFETY: `agent` is live (caller), its first member is its
@@ -1109,7 +1155,7 @@ impl Runtime {
     ///
     /// As [`Self::post_xfer_req`]; `req` must not be used after this call
     /// (released once: NIXL frees it on success).
-    pub unsafe fn release_xfer_req(&self, agent: P, req: P) -> Raw {
+    pub unsafe fn release_xfer_req(&self, agent: CapiHandle, req: CapiHandle) -> RawStatus {
         match &self.flavor {
             Flavor::Collapsed(m) => {
                 // SAFETY: `agent` is live (caller), its first member is its

@@ -31,7 +31,7 @@ use crate::endpoints::{EndpointCloses, UcxEndpoints};
 use crate::error::{check_agent_name, NixlError, WithDetail};
 use crate::sockets::{self, Connections, Look, Recorded};
 
-type P = *mut c_void;
+type CapiHandle = *mut c_void;
 
 /// NIXL's locking mode for an agent.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -150,7 +150,7 @@ impl XferState {
 
 pub(crate) struct AgentInner {
     rt: &'static Runtime,
-    capi: P,
+    capi: CapiHandle,
     name: String,
     /// The TCP sockets UCX opened while each remote agent's metadata was
     /// loaded, shut down at its invalidation (see `sockets.rs`).
@@ -219,7 +219,7 @@ impl AgentInner {
     fn take_notifs(&self) -> Result<CapiGuard, NixlError> {
         let rt = self.rt;
         let c = rt.capi();
-        let mut map: P = std::ptr::null_mut();
+        let mut map: CapiHandle = std::ptr::null_mut();
         // SAFETY: `map` is a valid out-pointer; the new map is owned by
         // `guard` below, which destroys it once.
         let st = unsafe { (c.create_notif_map)(&mut map) };
@@ -452,7 +452,7 @@ impl Agent {
             capture_telemetry: false,
         };
         let c = rt.capi();
-        let mut agent: P = std::ptr::null_mut();
+        let mut agent: CapiHandle = std::ptr::null_mut();
         // SAFETY: `cname` is NUL-terminated and `cfg` a `#[repr(C)]`
         // `nixl_capi_agent_config_t`, both outliving the call (NIXL copies
         // them); `agent` is a valid out-pointer for the new handle.
@@ -470,14 +470,14 @@ impl Agent {
         });
 
         let ucx = c"UCX";
-        let mut mems: P = std::ptr::null_mut();
-        let mut params: P = std::ptr::null_mut();
+        let mut mems: CapiHandle = std::ptr::null_mut();
+        let mut params: CapiHandle = std::ptr::null_mut();
         // SAFETY: `agent` is the handle just created (owned by `inner`,
         // destroyed only when it drops); `ucx` is NUL-terminated; `mems`
         // and `params` are valid out-pointers.
         let st = unsafe { (c.get_plugin_params)(agent, ucx.as_ptr(), &mut mems, &mut params) };
         op("getPluginParams", rt.capi_status(st)).detail(|| "UCX plugin".into())?;
-        let mut backend: P = std::ptr::null_mut();
+        let mut backend: CapiHandle = std::ptr::null_mut();
         let listening_before = Look::now();
         // SAFETY: `agent` is live and `params`/`mems` are the live lists
         // `get_plugin_params` returned (it succeeded); `backend` is a valid
@@ -561,7 +561,7 @@ impl Agent {
     /// This agent's metadata, to hand to peers out of band.
     pub fn local_metadata(&self) -> Result<Vec<u8>, NixlError> {
         let rt = self.inner.rt;
-        let mut data: P = std::ptr::null_mut();
+        let mut data: CapiHandle = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: `self.inner.capi` is this live agent's handle; `data` and
         // `len` are valid out-pointers. On success the C API has set `data`
@@ -805,7 +805,7 @@ impl Agent {
         }
         let rt = self.inner.rt;
         let c = rt.capi();
-        let mut dl: P = std::ptr::null_mut();
+        let mut dl: CapiHandle = std::ptr::null_mut();
         // SAFETY: `dl` is a valid out-pointer and `mem.capi()` a valid
         // `nixl_capi_mem_type_t`; the new list is owned by `guard` below.
         let st = unsafe { (c.create_xfer_dlist)(mem.capi(), &mut dl) };
@@ -887,7 +887,7 @@ impl Agent {
         let c = rt.capi();
         let mut opt: Option<CapiGuard> = None;
         if let Some(msg) = notif {
-            let mut p: P = std::ptr::null_mut();
+            let mut p: CapiHandle = std::ptr::null_mut();
             // SAFETY: `p` is a valid out-pointer; once created (the status
             // checked), the opt-args handle is adopted by `g`, its only
             // owner, with its `destroy_opt_args` (destroyed once, on drop),
@@ -971,7 +971,7 @@ impl XferOp {
 /// then freed, on drop.
 pub struct DramRegistration {
     agent: Arc<AgentInner>,
-    reg_dlist: P,
+    reg_dlist: CapiHandle,
     ptr: *mut u8,
     len: usize,
 }
@@ -1097,7 +1097,7 @@ impl Drop for DramRegistration {
 /// (before its owner frees the memory).
 pub(crate) struct Registered {
     agent: Arc<AgentInner>,
-    reg_dlist: P,
+    reg_dlist: CapiHandle,
     registered: bool,
 }
 
@@ -1136,7 +1136,7 @@ impl Drop for Registered {
 
 struct DlistInner {
     agent: Arc<AgentInner>,
-    raw: P,
+    raw: CapiHandle,
     remote: Option<String>,
     released: std::sync::atomic::AtomicBool,
 }
@@ -1196,7 +1196,7 @@ impl DlistHandle {
 /// A transfer request (`nixlXferReqH`). Released on drop.
 pub struct XferRequest {
     agent: Arc<AgentInner>,
-    raw: P,
+    raw: CapiHandle,
     _local: Arc<DlistInner>,
     _remote: Arc<DlistInner>,
     _opt: Option<CapiGuard>,

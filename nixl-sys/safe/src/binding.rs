@@ -7,24 +7,24 @@
 
 use std::ffi::{c_int, c_void};
 
-use nixl_sys::{NixlStatus, Raw};
+use nixl_sys::{NixlStatus, RawStatus};
 
 use crate::error::{check, NixlError};
 
-type P = *mut c_void;
+type CapiHandle = *mut c_void;
 
 /// A raw call's status as a `Result`: `SUCCESS` and `IN_PROG` pass, every
 /// other status is a [`NixlError`] of `operation` that keeps the code and
 /// where it came from.
-pub(crate) fn op(operation: &'static str, raw: Raw) -> Result<NixlStatus, NixlError> {
+pub(crate) fn op(operation: &'static str, raw: RawStatus) -> Result<NixlStatus, NixlError> {
     check(operation, raw.0, raw.1)
 }
 
 /// A C API object (notification map, xfer dlist, opt args) owned alone,
 /// destroyed once, on drop.
 pub(crate) struct CapiGuard {
-    p: P,
-    destroy: unsafe extern "C" fn(P) -> c_int,
+    p: CapiHandle,
+    destroy: unsafe extern "C" fn(CapiHandle) -> c_int,
 }
 
 impl CapiGuard {
@@ -35,12 +35,15 @@ impl CapiGuard {
     /// `p` must be a live C API object that a successful `create_*` call
     /// just returned, `destroy` the matching `destroy_*` entry point of the
     /// same runtime, and nothing else may own or destroy `p`.
-    pub(crate) unsafe fn adopt(p: P, destroy: unsafe extern "C" fn(P) -> c_int) -> CapiGuard {
+    pub(crate) unsafe fn adopt(
+        p: CapiHandle,
+        destroy: unsafe extern "C" fn(CapiHandle) -> c_int,
+    ) -> CapiGuard {
         CapiGuard { p, destroy }
     }
 
     /// The object, for raw calls while the guard lives.
-    pub(crate) fn ptr(&self) -> P {
+    pub(crate) fn ptr(&self) -> CapiHandle {
         self.p
     }
 }
