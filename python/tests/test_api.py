@@ -914,3 +914,29 @@ def test_one_test_says_what_a_nixl_agent_is_for_the_package_and_the_connectors()
     assert not nk._is_nixl_agent(made("nixl_cu12._api", "FakeNixlWrapper")())
     assert not nk._is_nixl_agent(mock.MagicMock())
     assert nk._is_nixl_agent(mock.MagicMock(spec=real)), "as isinstance sees a spec'd mock"
+
+
+def test_the_vllm_connectors_knobs_are_read_without_vllm():
+    """``nixl_keepalive.vllm_knobs`` needs no vLLM: a launcher can check a
+    connector's knobs before it starts vLLM, with the connectors' texts."""
+    from nixl_keepalive import vllm_knobs
+
+    class Kv:
+        kv_connector_extra_config = {"keepalive": {"interval": "1s", "read_timeout": "250ms",
+                                                   "control_addr": "127.0.0.1:9100"}}
+
+    config, own = vllm_knobs.keepalive_knobs(Kv)
+    assert config == {"interval": "1s"}
+    assert own == {"read_timeout": 0.25, "control_addr": ("127.0.0.1", 9100), "control_token_file": None}
+    assert vllm_knobs.control_addr_of_rank(own["control_addr"], 2) == "127.0.0.1:9102"
+    Kv.kv_connector_extra_config = {"keepalive": {"read_timout": "10s"}}
+    with pytest.raises(ValueError, match="did you mean 'read_timeout'"):
+        vllm_knobs.keepalive_knobs(Kv)
+    Kv.kv_connector_extra_config = {"keepalive": {"read_timeout": " 5s"}}
+    with pytest.raises(ValueError, match="read_timeout=' 5s'.*a number with unit"):
+        vllm_knobs.keepalive_knobs(Kv)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, nixl_keepalive.vllm_knobs; print('vllm' in sys.modules)"],
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == "False", out
