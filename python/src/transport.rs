@@ -223,10 +223,7 @@ impl Transport for PyTransport {
         resources: PyResources,
         transfers: Transfers,
     ) -> Vec<ReleaseStep> {
-        let connections = match transfers {
-            Transfers::Ended => Connections::Shut,
-            _ => Connections::Keep,
-        };
+        let connections = Connections::from(transfers);
         let mut steps = Vec::with_capacity(resources.dlist_handles.len() + agents.len());
         let mut broken = Vec::new();
         for (index, handle) in resources.dlist_handles.into_iter().enumerate() {

@@ -255,10 +255,7 @@ impl Transport for NixlTransport {
         resources: RemoteDlists,
         transfers: Transfers,
     ) -> Vec<ReleaseStep> {
-        let connections = match transfers {
-            Transfers::Ended => Connections::Shut,
-            _ => Connections::Keep,
-        };
+        let connections = Connections::from(transfers);
         let mut steps = Vec::with_capacity(resources.len() + agents.len());
         match resources.take() {
             Some(handles) => {
@@ -367,4 +364,19 @@ fn record_release_endpoints(close: &EndpointClose) {
 
 fn record_ucx_endpoints(open: usize) {
     metrics::gauge!(UCX_ENDPOINTS).set(open as f64);
+}
+
+/// What a release may do to a peer's TCP connections, from what the
+/// service knows of its transfers: cut them only when every transfer
+/// ended here ([`Transfers::Ended`]); a transfer given up may still be
+/// running at the peer, and a connection shut under it made UCX abort the
+/// peer (see [`Connections`]). Every NIXL transport's release reads it
+/// so.
+impl From<Transfers> for Connections {
+    fn from(transfers: Transfers) -> Connections {
+        match transfers {
+            Transfers::Ended => Connections::Shut,
+            _ => Connections::Keep,
+        }
+    }
 }
