@@ -26,10 +26,6 @@ fn config() -> Config {
         .unwrap()
 }
 
-fn world(ucx_config: FakeConfig, config: Config) -> World {
-    World::start(ucx_config, config)
-}
-
 impl World {
     /// What a decoder runtime does: handshake (guarded), load, register.
     async fn connect(&self, address: &PeerAddr) -> EngineRef {
@@ -81,7 +77,7 @@ fn released_reason(e: &Event) -> ReleaseReason {
 
 #[tokio::test(start_paused = true)]
 async fn a_peer_whose_heartbeat_returns_remote_disconnect_is_released() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let p = w.ucx.spawn_prefill(addr(1), 2);
     let engine = w.connect(&addr(1)).await;
     w.run_for(Duration::from_secs(12)).await;
@@ -122,7 +118,7 @@ async fn a_peer_whose_heartbeat_returns_remote_disconnect_is_released() {
 
 #[tokio::test(start_paused = true)]
 async fn a_dead_peer_is_kept_while_a_read_from_it_is_in_flight_and_released_when_it_ends() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
     let read = engine.begin_read().unwrap();
@@ -166,7 +162,7 @@ async fn a_dead_peer_is_kept_while_a_read_from_it_is_in_flight_and_released_when
 /// it ends; once the engine is released, adopting is refused.
 #[tokio::test(start_paused = true)]
 async fn a_transfer_adopted_after_the_mark_holds_the_release_until_it_ends() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
     let read = engine.begin_read().unwrap();
@@ -202,7 +198,7 @@ async fn a_transfer_adopted_after_the_mark_holds_the_release_until_it_ends() {
 /// WRITE into the crashed peer fails, the guard's end releases it.
 #[tokio::test(start_paused = true)]
 async fn a_dead_peer_is_kept_while_a_push_write_into_it_is_in_flight() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
     assert_eq!(
@@ -250,7 +246,7 @@ async fn a_dead_peer_is_kept_while_a_push_write_into_it_is_in_flight() {
 /// spawned task's finish.
 #[tokio::test(start_paused = true)]
 async fn owned_reads_moved_to_other_tasks_hold_a_dead_peer_until_they_end() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
     let owned = engine.begin_read_owned().unwrap();
@@ -284,7 +280,7 @@ async fn owned_reads_moved_to_other_tasks_hold_a_dead_peer_until_they_end() {
 
 #[tokio::test(start_paused = true)]
 async fn the_per_engine_heartbeat_is_rate_limited_lease_renewals_included() {
-    let w = world(FakeConfig::default(), config());
+    let w = World::start(FakeConfig::default(), config());
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
     let start = tokio::time::Instant::now();
@@ -337,7 +333,7 @@ async fn the_per_engine_heartbeat_is_rate_limited_lease_renewals_included() {
 
 #[tokio::test(start_paused = true)]
 async fn a_replaced_engine_is_released_only_after_its_reads_and_pending_handshakes_end() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let old = w.ucx.spawn_prefill(addr(1), 2);
     let old_ref = w.connect(&addr(1)).await;
     let read = old_ref.begin_read().unwrap();
@@ -395,7 +391,7 @@ async fn a_replaced_engine_is_released_only_after_its_reads_and_pending_handshak
 
 #[tokio::test(start_paused = true)]
 async fn a_prefill_restarted_twice_normally_and_once_by_force_is_cleared_each_time() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     w.ucx.spawn_prefill(addr(1), 2);
     let mut current = w.connect(&addr(1)).await;
     let mut released = Vec::new();
@@ -460,7 +456,7 @@ async fn a_prefill_restarted_twice_normally_and_once_by_force_is_cleared_each_ti
 
 #[tokio::test(start_paused = true)]
 async fn a_pinned_engine_id_that_restarts_is_released_before_it_is_loaded_again() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let p = w.ucx.spawn_prefill(addr(1), 2);
     let first = w.connect(&addr(1)).await;
     let read = first.begin_read().unwrap();
@@ -488,7 +484,7 @@ async fn a_pinned_engine_id_that_restarts_is_released_before_it_is_loaded_again(
 
 #[tokio::test(start_paused = true)]
 async fn idle_engines_without_leases_are_heartbeated_and_released_when_dead() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let engines: Vec<_> = (1..=5).map(|n| w.ucx.spawn_prefill(addr(n), 1)).collect();
     for n in 1..=5 {
         w.connect(&addr(n)).await;
@@ -515,7 +511,7 @@ async fn idle_engines_without_leases_are_heartbeated_and_released_when_dead() {
 
 #[tokio::test(start_paused = true)]
 async fn a_hung_engine_with_ucx_keepalive_inf_is_never_released_and_the_snapshot_says_why() {
-    let w = world(FakeConfig::with_keepalive(None), config());
+    let w = World::start(FakeConfig::with_keepalive(None), config());
     let p = w.ucx.spawn_prefill(addr(1), 1);
     w.connect(&addr(1)).await;
     w.ucx.freeze(&p);
@@ -539,7 +535,7 @@ async fn a_hung_engine_with_ucx_keepalive_inf_is_never_released_and_the_snapshot
 
 #[tokio::test(start_paused = true)]
 async fn a_silent_engine_is_released_once_ucx_keepalive_fails_its_endpoint() {
-    let mut w = world(
+    let mut w = World::start(
         FakeConfig::with_keepalive(Some(Duration::from_secs(2))),
         config(),
     );
@@ -559,7 +555,7 @@ async fn a_silent_engine_is_released_once_ucx_keepalive_fails_its_endpoint() {
 
 #[tokio::test(start_paused = true)]
 async fn transient_errors_are_counted_and_never_release() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
     w.ucx.inject(&p, UcsStatus::ERR_NO_RESOURCE, 3);
@@ -589,7 +585,7 @@ async fn transient_errors_are_counted_and_never_release() {
 
 #[tokio::test(start_paused = true)]
 async fn a_transfer_that_returns_remote_disconnect_marks_the_engine_at_once() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
     w.ucx.crash(&p);
@@ -605,7 +601,7 @@ async fn a_transfer_that_returns_remote_disconnect_marks_the_engine_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn peer_gone_by_id_and_by_address_in_both_modes_is_idempotent_and_ignores_unknown_peers() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let a = w.ucx.spawn_prefill(addr(1), 1);
     let b = w.ucx.spawn_prefill(addr(2), 1);
     let ea = w.connect(&addr(1)).await;
@@ -667,7 +663,7 @@ async fn peer_gone_by_id_and_by_address_in_both_modes_is_idempotent_and_ignores_
 
 #[tokio::test(start_paused = true)]
 async fn a_hung_notify_to_one_engine_does_not_delay_heartbeats_to_others() {
-    let w = world(FakeConfig::default(), config());
+    let w = World::start(FakeConfig::default(), config());
     let slow = w.ucx.spawn_prefill(addr(1), 1);
     let fine = w.ucx.spawn_prefill(addr(2), 1);
     w.connect(&addr(1)).await;
@@ -739,7 +735,7 @@ async fn a_hung_notify_to_one_engine_does_not_delay_heartbeats_to_others() {
 
 #[tokio::test(start_paused = true)]
 async fn shutdown_returns_engines_with_reads_in_flight_instead_of_releasing_them() {
-    let w = world(FakeConfig::default(), config());
+    let w = World::start(FakeConfig::default(), config());
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let q = w.ucx.spawn_prefill(addr(2), 1);
     let ep = w.connect(&addr(1)).await;
@@ -811,7 +807,7 @@ async fn watch_to_its_end(ucx: &FakeUcx, engine: &EngineId, given_up: &GivenUpRe
 async fn a_frozen_prefill_is_fenced_until_its_given_up_reads_end_then_released_and_buffers_reused()
 {
     for resumes in [true, false] {
-        let mut w = world(FakeConfig::default(), config());
+        let mut w = World::start(FakeConfig::default(), config());
         let frozen = w.ucx.spawn_prefill(addr(1), 1);
         let healthy = w.ucx.spawn_prefill(addr(2), 1);
         let engine = w.connect(&addr(1)).await;
@@ -883,7 +879,7 @@ async fn a_frozen_prefill_is_fenced_until_its_given_up_reads_end_then_released_a
 /// retired. A token dropped unsaid does the same.
 #[tokio::test(start_paused = true)]
 async fn an_abandoned_given_up_read_lets_the_release_go_and_its_buffer_is_retired() {
-    let mut w = world(FakeConfig::default(), config());
+    let mut w = World::start(FakeConfig::default(), config());
     let frozen = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
     w.ucx.freeze(&frozen);
@@ -1006,7 +1002,7 @@ fn heartbeats_to(ucx: &FakeUcx, p: &EngineId) -> usize {
 
 #[tokio::test(start_paused = true)]
 async fn an_endpoint_failure_releases_a_crashed_idle_prefill_with_heartbeats_off() {
-    let mut w = world(with_endpoint_events(), no_heartbeats(true));
+    let mut w = World::start(with_endpoint_events(), no_heartbeats(true));
     assert_eq!(w.ucx.failure_watches(), 1, "the service watches");
     let p = w.ucx.spawn_prefill(addr(1), 2);
     let engine = w.connect(&addr(1)).await;
@@ -1042,7 +1038,7 @@ async fn an_endpoint_failure_releases_a_crashed_idle_prefill_with_heartbeats_off
 
 #[tokio::test(start_paused = true)]
 async fn with_endpoint_events_off_a_crashed_idle_prefill_waits_for_a_heartbeat() {
-    let mut w = world(with_endpoint_events(), no_heartbeats(false));
+    let mut w = World::start(with_endpoint_events(), no_heartbeats(false));
     assert_eq!(w.ucx.failure_watches(), 0, "nothing watched");
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
@@ -1057,7 +1053,7 @@ async fn with_endpoint_events_off_a_crashed_idle_prefill_waits_for_a_heartbeat()
 
 #[tokio::test(start_paused = true)]
 async fn a_spurious_endpoint_failure_costs_a_heartbeat_and_releases_nothing() {
-    let w = world(with_endpoint_events(), no_heartbeats(true));
+    let w = World::start(with_endpoint_events(), no_heartbeats(true));
     let p1 = w.ucx.spawn_prefill(addr(1), 1);
     let p2 = w.ucx.spawn_prefill(addr(2), 1);
     let e1 = w.connect(&addr(1)).await;
@@ -1116,7 +1112,7 @@ async fn a_spurious_endpoint_failure_costs_a_heartbeat_and_releases_nothing() {
 
 #[tokio::test(start_paused = true)]
 async fn an_endpoint_failure_under_a_read_marks_at_once_and_releases_when_the_read_ends() {
-    let mut w = world(with_endpoint_events(), no_heartbeats(true));
+    let mut w = World::start(with_endpoint_events(), no_heartbeats(true));
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let engine = w.connect(&addr(1)).await;
     let read = engine.begin_read().unwrap();
@@ -1135,7 +1131,7 @@ async fn an_endpoint_failure_under_a_read_marks_at_once_and_releases_when_the_re
 
 #[tokio::test(start_paused = true)]
 async fn endpoint_failures_racing_a_shutdown_are_dropped_without_a_panic() {
-    let w = world(with_endpoint_events(), no_heartbeats(true));
+    let w = World::start(with_endpoint_events(), no_heartbeats(true));
     let p = w.ucx.spawn_prefill(addr(1), 1);
     let _engine = w.connect(&addr(1)).await;
     let a = w.ucx.agents_of(&p)[0].clone();

@@ -156,9 +156,6 @@ __all__ = [
 from nixl_keepalive.vllm_knobs import (  # noqa: F401 - the connectors' names since before the split
     _CONFIG_KNOBS,
     _KNOBS,
-    _OWN_KNOBS,
-    _control_addr,
-    _seconds,
     control_addr_of_rank,
     keepalive_knobs,
 )

@@ -180,9 +180,6 @@ struct Stream {
     socket: Socket,
     local: Option<(IpAddr, u16)>,
     peer: Option<(IpAddr, u16)>,
-    /// Whether it looks like a connection of UCX's TCP transport
-    /// ([`made_like_ucx`]).
-    ucx_like: bool,
 }
 
 /// Whether `fd` was set up the way UCX 1.23's TCP transport sets up its
@@ -246,7 +243,6 @@ impl Look {
                 socket: Socket { fd, inode },
                 local: address(fd, End::Local),
                 peer: address(fd, End::Peer),
-                ucx_like: made_like_ucx(fd),
             });
         }
         look
@@ -256,24 +252,34 @@ impl Look {
     /// accepted on a port this process listens on: the ones this process
     /// opened in between.
     pub(crate) fn opened_since(&self, before: &Look) -> Vec<(u64, Option<IpAddr>)> {
-        let old = before.inodes();
-        self.streams
-            .iter()
-            .filter(|s| !old.contains(&s.socket.inode) && !self.accepted(s, before))
+        self.new_since(before)
+            .into_iter()
             .map(|s| (s.socket.inode, s.peer.map(|(ip, _)| ip)))
             .collect()
     }
 
     /// Of [`Look::opened_since`], those set up as UCX sets up its
-    /// connections ([`made_like_ucx`]), by inode: the record a look around
-    /// another binding's load keeps, where other threads of the process
-    /// open sockets of their own meanwhile.
+    /// connections ([`made_like_ucx`], asked of these sockets only, while
+    /// their descriptors still hold them), by inode: the record a look
+    /// around another binding's load keeps, where other threads of the
+    /// process open sockets of their own meanwhile.
     pub(crate) fn opened_by_ucx_since(&self, before: &Look) -> Vec<u64> {
+        self.new_since(before)
+            .into_iter()
+            .filter(|s| {
+                socket_inode(s.socket.fd) == Some(s.socket.inode) && made_like_ucx(s.socket.fd)
+            })
+            .map(|s| s.socket.inode)
+            .collect()
+    }
+
+    /// The streams in `self` that `before` did not have and that were not
+    /// accepted on a port this process listens on.
+    fn new_since(&self, before: &Look) -> Vec<&Stream> {
         let old = before.inodes();
         self.streams
             .iter()
-            .filter(|s| s.ucx_like && !old.contains(&s.socket.inode) && !self.accepted(s, before))
-            .map(|s| s.socket.inode)
+            .filter(|s| !old.contains(&s.socket.inode) && !self.accepted(s, before))
             .collect()
     }
 
