@@ -144,6 +144,15 @@ mod tests {
     use std::io::Read;
     use std::net::{TcpListener, TcpStream};
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::sync::Mutex;
+
+    /// The record is process-wide: the tests that read or change it run
+    /// one at a time, or one's release would move the other's count.
+    static RECORD: Mutex<()> = Mutex::new(());
+
+    fn record_alone() -> std::sync::MutexGuard<'static, ()> {
+        RECORD.lock().unwrap_or_else(|e| e.into_inner())
+    }
 
     /// A connected socket made as UCX makes its own: `socket` without
     /// close-on-exec, keepalive on.
@@ -190,6 +199,7 @@ mod tests {
 
     #[test]
     fn a_load_records_the_connections_made_like_ucx_and_the_release_shuts_only_those() {
+        let _alone = record_alone();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let to = listener.local_addr().unwrap();
         // Inside the load: one connection made as UCX makes them, one
@@ -233,6 +243,7 @@ mod tests {
 
     #[test]
     fn a_release_that_keeps_the_connections_forgets_them_and_a_nested_load_is_not_recorded() {
+        let _alone = record_alone();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let to = listener.local_addr().unwrap();
         let (fd, loaded) = around_load(true, || ucx_like_connect(to));
