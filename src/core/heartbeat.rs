@@ -14,15 +14,12 @@ use rand::Rng;
 use std::time::Instant;
 
 use super::count::Summed;
-use super::directory::Holder;
 use super::key::PeerKey;
 use super::rate::{RateCap, RateState};
 use super::schedule::{self, Schedule};
-use super::{Action, Call, Core, Count, HeartbeatMessages, RoundResults};
+use super::{Call, Count, HeartbeatMessages};
 use crate::config::Config;
-use crate::event::{Event, Source};
-use crate::registration::RegistrationId;
-use crate::transport::{AgentName, EngineId, Suspicion};
+use crate::transport::AgentName;
 use nixl_agent::NixlStatus;
 
 /// The most bytes of one `HB:` notification. A round whose request ids do
@@ -106,6 +103,9 @@ pub(super) struct Heartbeats {
     rate: RateCap,
     rng: StdRng,
     summed: Summed,
+    /// The config's interval (`None`: no periodic rounds) and jitter.
+    interval: Option<Duration>,
+    jitter: Duration,
 }
 
 impl Heartbeats {
@@ -117,6 +117,8 @@ impl Heartbeats {
             rate: RateCap::new(config, now),
             rng,
             summed: Summed::default(),
+            interval: config.heartbeat_interval,
+            jitter: config.jitter,
         }
     }
 
@@ -151,7 +153,7 @@ impl Heartbeats {
     /// Whether the rate cap lets a round of the registration whose limiter
     /// is `state` go at `now`; if not, how long until it would (and the
     /// deferral is counted).
-    pub(super) fn admit(&mut self, state: &mut RateState, now: Instant) -> Result<(), Duration> {
+    fn admit(&mut self, state: &mut RateState, now: Instant) -> Result<(), Duration> {
         self.rate.check(state, now).inspect_err(|_| {
             self.summed.heartbeats_deferred += 1;
         })
@@ -165,14 +167,14 @@ impl Heartbeats {
     /// When, within one `interval`, a new registration's first round is
     /// due: spread, so that engines registered together do not all beat
     /// together.
-    pub(super) fn first_offset(&mut self, interval: Duration) -> Duration {
+    fn first_offset(&mut self, interval: Duration) -> Duration {
         interval.mul_f64(self.rng.random::<f64>())
     }
 
     /// The gap to the next round: uniform over `interval` +/- `jitter`, in
     /// whole nanoseconds (floating point here was a measurable share of a
     /// round).
-    pub(super) fn gap(&mut self, interval: Duration, jitter: Duration) -> Duration {
+    fn gap(&mut self, interval: Duration, jitter: Duration) -> Duration {
         if jitter.is_zero() {
             return interval;
         }
@@ -182,7 +184,7 @@ impl Heartbeats {
 
     /// Puts the record at `key` in the slot for `at`, out of the slot
     /// `from` it was in; returns the new slot.
-    pub(super) fn place(
+    fn place(
         &mut self,
         key: PeerKey,
         from: Option<Instant>,
@@ -199,254 +201,324 @@ impl Heartbeats {
     }
 
     /// Takes the record at `key` out of its `slot`.
-    pub(super) fn unplace(&mut self, key: PeerKey, slot: Instant) {
+    fn unplace(&mut self, key: PeerKey, slot: Instant) {
         self.schedule.remove(key, slot);
     }
 }
 
-impl<R> Core<R> {
-    pub(super) fn live_serial(&self, id: &EngineId) -> Option<RegistrationId> {
-        let serial = self.directory.serial_of(id)?;
-        self.peers
-            .get(&serial)
-            .filter(|p| p.is_live())
-            .map(|_| serial)
+/// The KV leases a registration's heartbeats name, and the round built for
+/// them. Most engines never have one (their round is the static `HB:`), so
+/// the set lives behind one pointer: a record without leases pays 8 bytes
+/// for it, not the 48 of a set and a cached round.
+#[derive(Default)]
+pub(super) struct Leases(Option<Box<LeaseSet>>);
+
+struct LeaseSet {
+    requests: BTreeSet<String>,
+    /// The round for `requests`, built at the first round after they
+    /// change (`None` until then).
+    round: Option<HeartbeatMessages>,
+}
+
+impl Leases {
+    /// Adds request ids; the next round names them.
+    fn extend(&mut self, requests: Vec<String>) {
+        if requests.is_empty() {
+            return;
+        }
+        let set = self.0.get_or_insert_with(|| {
+            Box::new(LeaseSet {
+                requests: BTreeSet::new(),
+                round: None,
+            })
+        });
+        set.requests.extend(requests);
+        set.round = None;
     }
 
-    pub(super) fn add_leases(
+    /// Removes request ids; the next round no longer names them.
+    fn remove(&mut self, requests: &[String]) {
+        let Some(set) = self.0.as_mut() else {
+            return;
+        };
+        for r in requests {
+            if set.requests.remove(r) {
+                set.round = None;
+            }
+        }
+        if set.requests.is_empty() {
+            self.0 = None;
+        }
+    }
+
+    /// Drops every lease (the registration is going).
+    fn clear(&mut self) {
+        self.0 = None;
+    }
+
+    /// The request ids, in order.
+    fn iter(&self) -> impl Iterator<Item = &String> + '_ {
+        self.0.iter().flat_map(|set| set.requests.iter())
+    }
+
+    /// The heartbeat round for these leases: `HB:` alone without any, else
+    /// built once per change and shared by the rounds until the next.
+    fn round(&mut self) -> HeartbeatMessages {
+        let Some(set) = self.0.as_mut() else {
+            return HeartbeatMessages::Idle;
+        };
+        set.round
+            .get_or_insert_with(|| heartbeat_round(&set.requests))
+            .clone()
+    }
+}
+
+/// A registration's part of the heartbeat rule, kept in its record so that
+/// a round touches one record (the locality measured at 10k engines): its
+/// slot in the schedule, whether a round is out, a renewal wanted, the
+/// last round's outcome, its leases, the agents' second reference a round
+/// carries, and its limiter state. Its fields are this rule's alone: the
+/// flow (`flow.rs`) asks [`Heartbeats`] for each decision about it.
+#[derive(Default)]
+pub(super) struct Beat {
+    /// The schedule slot of the next round, if one is scheduled: the token
+    /// that finds it in the [`Schedule`].
+    next: Option<Instant>,
+    in_flight: bool,
+    /// A lease renewal was asked for and has not gone out yet.
+    renewal_wanted: bool,
+    last: Option<(Instant, NixlStatus)>,
+    leases: Leases,
+    /// A second reference to the registration's agents that a round takes
+    /// with it and gives back with its outcome (`None` while a round is
+    /// out): a round costs no reference count. Cloning the agents for each
+    /// round was an atomic increment on a line the pool's threads had just
+    /// written (their drop), a tenth of the driver's time at 10k engines.
+    round_agents: Option<Arc<[AgentName]>>,
+    /// The rate cap's state for this registration (its limiter key).
+    rate: RateState,
+}
+
+impl Beat {
+    /// When the last round came back, and its status.
+    pub(super) fn last(&self) -> Option<(Instant, NixlStatus)> {
+        self.last
+    }
+
+    /// The slot of the next round, if one is scheduled.
+    pub(super) fn next(&self) -> Option<Instant> {
+        self.next
+    }
+
+    /// The lease request ids the rounds name, in order.
+    pub(super) fn leases(&self) -> impl Iterator<Item = &String> + '_ {
+        self.leases.iter()
+    }
+
+    /// Whether the registration holds a limiter key.
+    pub(super) fn has_limiter(&self) -> bool {
+        self.rate.is_some()
+    }
+
+    /// Whether a renewal waits for the round out to come back.
+    pub(super) fn wants_renewal(&self) -> bool {
+        self.renewal_wanted
+    }
+
+    /// Adds lease request ids; the next round names them.
+    pub(super) fn add_leases(&mut self, requests: Vec<String>) {
+        self.leases.extend(requests);
+    }
+
+    /// Removes lease request ids.
+    pub(super) fn remove_leases(&mut self, requests: &[String]) {
+        self.leases.remove(requests);
+    }
+
+    /// Whether the round in `slot` is this registration's (a key moved
+    /// since is stale): if so, it is taken out of the record.
+    pub(super) fn take_due(&mut self, slot: Instant) -> bool {
+        let due = self.next == Some(slot);
+        if due {
+            self.next = None;
+        }
+        due
+    }
+
+    /// Forgets the limiter key (the registration is released).
+    pub(super) fn forget_limiter(&mut self) {
+        self.rate.forget();
+    }
+
+    /// The fields a round reads at its send and at its result, which the
+    /// compiler spreads over the record's lines (see
+    /// [`super::peer::PeerTable::warm`]).
+    #[inline]
+    pub(super) fn touch(&self) -> impl Copy {
+        (
+            self.next,
+            self.in_flight,
+            self.round_agents.is_some(),
+            self.rate.is_some(),
+            self.last.is_some(),
+        )
+    }
+}
+
+/// What a renewal the runtime asked for became.
+pub(super) enum Renewal<R> {
+    /// A round now.
+    Send(Call<R>),
+    /// A round is out: it goes as soon as that one is back, which the
+    /// driver hands over at once.
+    Expedite,
+    /// A round is out and a renewal already waits for it; or the rate cap
+    /// put the round off to when it allows one.
+    Waiting,
+}
+
+impl Heartbeats {
+    /// The round of the record at `key` in the slot due at `due` (`now`
+    /// being later, the schedule runs from the deadline so that serving
+    /// delays never add up): a call, unless a round is still out (tried
+    /// again one interval on: rounds never stack on one engine) or the
+    /// rate cap defers it.
+    pub(super) fn due<R>(
         &mut self,
+        beat: &mut Beat,
+        key: PeerKey,
         now: Instant,
-        id: &EngineId,
-        requests: Vec<String>,
-        renew_now: bool,
-    ) {
-        let Some(serial) = self.live_serial(id) else {
-            tracing::debug!(engine = %id, "lease for an engine that is not live: ignored");
-            return;
-        };
-        let peer = self.peers.get_mut(&serial).expect("live serial");
-        peer.leases.extend(requests);
-        if renew_now {
-            self.renew(now, serial);
-        }
-    }
-
-    pub(super) fn remove_leases(&mut self, id: &EngineId, requests: &[String]) {
-        if let Some(peer) = (self.directory.serial_of(id)).and_then(|s| self.peers.get_mut(&s)) {
-            peer.leases.remove(requests);
-        }
-    }
-
-    /// The transport saw a connection fail: the engine holding its agent
-    /// gets a round now (under its rate cap), whose REMOTE_DISCONNECT, if
-    /// any, marks it by the usual rules. Nothing is marked here: a live
-    /// peer's false alarm costs one round. A failure the transport could
-    /// not name checks every live engine.
-    pub(super) fn suspect(&mut self, now: Instant, suspicion: Suspicion) {
-        let status = suspicion.ucs_status.map(|s| s.name());
-        let Some(agent) = suspicion.agent else {
-            self.count(Count::EndpointFailure("unnamed"));
-            let live: Vec<RegistrationId> = self
-                .peers
-                .keys()
-                .copied()
-                .filter(|s| self.peers.get(s).is_some_and(|p| p.is_live()))
-                .collect();
-            tracing::debug!(ucs_status = ?status, engines = live.len(), "an endpoint failed, whose is not known: every live engine gets a heartbeat now");
-            for serial in live {
-                self.renew(now, serial);
-            }
-            return;
-        };
-        let serial = match self.directory.holder(&agent) {
-            Some(Holder::Registration(serial)) => serial,
-            _ => {
-                self.count(Count::EndpointFailure("not_held"));
-                tracing::debug!(%agent, ucs_status = ?status, "an endpoint of an agent no engine holds failed: ignored");
-                return;
-            }
-        };
-        match self.peers.get(&serial) {
-            Some(peer) if peer.is_live() => {
-                tracing::debug!(engine = %peer.id(), %agent, ucs_status = ?status, "UCX failed an endpoint of the engine: heartbeat now");
-                self.count(Count::EndpointFailure("probed"));
-                self.renew(now, serial);
-            }
-            _ => self.count(Count::EndpointFailure("not_live")),
-        }
-    }
-
-    pub(super) fn heartbeat_due(&mut self, now: Instant, key: PeerKey, due: Instant) {
-        let Some(peer) = self.peers.at_mut(key) else {
-            return;
-        };
-        if !peer.is_live() {
-            return;
-        }
-        // The schedule runs from the deadline, not from when the timer was
-        // served, so serving delays (and the slot rounding) never add up.
+        due: Instant,
+        agents: &Arc<[AgentName]>,
+    ) -> Option<Call<R>> {
         let due = due.min(now);
-        if peer.heartbeat_in_flight {
-            // The previous round has not come back (a slow or hung call):
-            // never stack rounds on one engine. Try again next period.
-            if let Some(interval) = self.config.heartbeat_interval {
-                self.schedule_at(key, now + interval, Deadline::NotBefore);
+        if beat.in_flight {
+            if let Some(interval) = self.interval {
+                self.schedule(beat, key, now + interval, Deadline::NotBefore);
             }
-            return;
+            return None;
         }
-        match self.heartbeats.admit(&mut peer.rate, now) {
-            Ok(()) => self.send_at(due, key),
+        match self.admit(&mut beat.rate, now) {
+            Ok(()) => Some(self.send(beat, key, due, agents)),
             Err(wait) => {
-                self.schedule_at(key, now + wait, Deadline::NotBefore);
+                self.schedule(beat, key, now + wait, Deadline::NotBefore);
+                None
             }
         }
     }
 
-    pub(super) fn renew(&mut self, now: Instant, serial: RegistrationId) {
-        let peer = self.peers.get_mut(&serial).expect("live serial");
-        if peer.heartbeat_in_flight {
-            if !peer.renewal_wanted {
-                peer.renewal_wanted = true;
-                self.actions.push_back(Action::Expedite { serial });
+    /// A renewal of the record at `key` the runtime asked for at `now`.
+    pub(super) fn renew<R>(
+        &mut self,
+        beat: &mut Beat,
+        key: PeerKey,
+        now: Instant,
+        agents: &Arc<[AgentName]>,
+    ) -> Renewal<R> {
+        if beat.in_flight {
+            if beat.renewal_wanted {
+                return Renewal::Waiting;
             }
-            return;
+            beat.renewal_wanted = true;
+            return Renewal::Expedite;
         }
-        match self.heartbeats.admit(&mut peer.rate, now) {
-            Ok(()) => self.send_heartbeat(now, serial),
+        match self.admit(&mut beat.rate, now) {
+            Ok(()) => Renewal::Send(self.send(beat, key, now, agents)),
             Err(wait) => {
-                let peer = self.peers.get_mut(&serial).expect("live serial");
-                peer.renewal_wanted = true;
+                beat.renewal_wanted = true;
                 let at = now + wait;
-                if peer.next_heartbeat.is_none_or(|next| at < next) {
-                    self.schedule_heartbeat(serial, at, Deadline::NotBefore);
+                if beat.next.is_none_or(|next| at < next) {
+                    self.schedule(beat, key, at, Deadline::NotBefore);
                 }
+                Renewal::Waiting
             }
         }
     }
 
-    /// Sends a round now; the next is due one interval (+/- jitter) after
+    /// A round now; the next is due one interval (+/- jitter) after
     /// `base`: the deadline this round was due at, or now for a renewal.
-    pub(super) fn send_heartbeat(&mut self, base: Instant, serial: RegistrationId) {
-        let key = self.peers.key(serial).expect("live serial");
-        self.send_at(base, key);
-    }
-
-    /// [`Core::send_heartbeat`] for the record at `key`.
-    fn send_at(&mut self, base: Instant, key: PeerKey) {
-        let peer = self.peers.at_mut(key).expect("live serial");
-        peer.heartbeat_in_flight = true;
-        peer.renewal_wanted = false;
-        let messages = peer.leases.round();
-        let agents = peer
-            .round_agents
-            .take()
-            .unwrap_or_else(|| peer.agents.clone());
-        self.calls.push(Call::Heartbeat {
+    fn send<R>(
+        &mut self,
+        beat: &mut Beat,
+        key: PeerKey,
+        base: Instant,
+        agents: &Arc<[AgentName]>,
+    ) -> Call<R> {
+        beat.in_flight = true;
+        beat.renewal_wanted = false;
+        let messages = beat.leases.round();
+        let agents = beat.round_agents.take().unwrap_or_else(|| agents.clone());
+        match self.interval {
+            Some(interval) => {
+                let next = self.gap(interval, self.jitter);
+                self.schedule(beat, key, base + next, Deadline::Near);
+            }
+            None => self.unschedule(beat, key),
+        }
+        Call::Heartbeat {
             key,
             agents,
             messages,
-        });
-        match self.config.heartbeat_interval {
-            Some(interval) => {
-                let next = self.heartbeats.gap(interval, self.config.jitter);
-                self.schedule_at(key, base + next, Deadline::Near);
-            }
-            None => self.unschedule_at(key),
         }
     }
 
-    pub(super) fn heartbeat_done(
+    /// A round came back at `now`: `sent` notifications accepted, `status`
+    /// the one that speaks for the round, the agents' reference returned.
+    pub(super) fn round_back(
         &mut self,
+        beat: &mut Beat,
         now: Instant,
-        key: PeerKey,
-        results: RoundResults,
+        sent: usize,
         agents: Arc<[AgentName]>,
+        status: NixlStatus,
     ) {
-        let serial = key.serial;
-        let RoundResults {
-            sent,
-            failed,
-            panicked,
-        } = results;
-        self.heartbeats.sent(sent);
-        let Some(peer) = self.peers.at_mut(key) else {
-            return;
-        };
-        peer.heartbeat_in_flight = false;
-        peer.round_agents = Some(agents);
-        let status = failed
-            .iter()
-            .map(|(_, e)| e.status)
-            .find(|s| s.is_remote_disconnect())
-            .or(failed.first().map(|(_, e)| e.status))
-            .unwrap_or(NixlStatus::SUCCESS);
-        peer.last_heartbeat = Some((now, status));
-        // The engine id only where a panic is reported: cloning it for
-        // every result was a shared reference count touched per heartbeat
-        // (a cache miss at 10k engines).
-        for (agent, p) in panicked {
-            let engine = self.peers[&serial].id().clone();
-            self.count(Count::TransportPanicked("genNotif"));
-            tracing::error!(%engine, %agent, message = %p.message, "the transport panicked in genNotif: counted, engine kept");
-            self.emit(Event::TransportPanicked {
-                engine,
-                registration: serial,
-                call: "genNotif",
-                message: p.message,
-            });
-        }
-        for (agent, e) in &failed {
-            self.on_status(now, serial, Source::Heartbeat, Some(agent), e.status);
-        }
-        let peer = self.peers.at_mut(key).expect("still here");
-        if peer.is_live() && peer.renewal_wanted {
-            self.renew(now, serial);
+        self.sent(sent);
+        beat.in_flight = false;
+        beat.round_agents = Some(agents);
+        beat.last = Some((now, status));
+    }
+
+    /// A new registration's first round, spread within one interval:
+    /// engines registered together must not all beat together.
+    pub(super) fn first(&mut self, beat: &mut Beat, key: PeerKey, now: Instant) {
+        if let Some(interval) = self.interval {
+            let offset = self.first_offset(interval);
+            self.schedule(beat, key, now + offset, Deadline::Near);
         }
     }
 
-    pub(super) fn schedule_heartbeat(
-        &mut self,
-        serial: RegistrationId,
-        at: Instant,
-        deadline: Deadline,
-    ) {
-        if let Some(key) = self.peers.key(serial) {
-            self.schedule_at(key, at, deadline);
-        }
+    /// Puts the record at `key` in the slot for `at` (out of the one it
+    /// was in).
+    fn schedule(&mut self, beat: &mut Beat, key: PeerKey, at: Instant, deadline: Deadline) {
+        let from = beat.next.take();
+        beat.next = Some(self.place(key, from, at, deadline));
     }
 
-    /// Puts the record at `key` in the schedule's slot for `at` (out of
-    /// the one it was in).
-    fn schedule_at(&mut self, key: PeerKey, at: Instant, deadline: Deadline) {
-        let Some(peer) = self.peers.at_mut(key) else {
-            return;
-        };
-        let from = peer.next_heartbeat.take();
-        peer.next_heartbeat = Some(self.heartbeats.place(key, from, at, deadline));
+    /// No more rounds for the record at `key` (it was marked): out of the
+    /// schedule, its leases dropped.
+    pub(super) fn stop(&mut self, beat: &mut Beat, key: PeerKey) {
+        beat.leases.clear();
+        self.unschedule(beat, key);
     }
 
-    pub(super) fn unschedule_heartbeat(&mut self, serial: RegistrationId) {
-        if let Some(key) = self.peers.key(serial) {
-            self.unschedule_at(key);
-        }
-    }
-
-    fn unschedule_at(&mut self, key: PeerKey) {
-        if let Some(slot) = self.peers.at_mut(key).and_then(|p| p.next_heartbeat.take()) {
-            self.heartbeats.unplace(key, slot);
+    /// The record at `key` out of the schedule.
+    fn unschedule(&mut self, beat: &mut Beat, key: PeerKey) {
+        if let Some(slot) = beat.next.take() {
+            self.unplace(key, slot);
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{Deadline, Heartbeats};
+    use super::{Deadline, HeartbeatMessages, Heartbeats, Leases};
     use crate::config::Config;
     use crate::core::key::PeerKey;
     use crate::core::rate::RateState;
     use crate::core::Count;
     use crate::registration::RegistrationId;
     use rand::SeedableRng;
+    use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     fn heartbeats(config: &Config, now: Instant) -> Heartbeats {
@@ -523,5 +595,54 @@ mod tests {
         let third = hb.place(key, None, now + Duration::from_secs(3), Deadline::Near);
         hb.unplace(key, third);
         assert_eq!((hb.scheduled(), hb.next()), (0, None));
+    }
+
+    fn texts(round: &HeartbeatMessages) -> Vec<String> {
+        round
+            .iter()
+            .map(|m| String::from_utf8(m.to_vec()).unwrap())
+            .collect()
+    }
+
+    fn ids(ids: &[&str]) -> Vec<String> {
+        ids.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// The set is allocated with the first lease and dropped with the
+    /// last; the round is built once per change and shared until the next;
+    /// removing what is not there, or adding nothing, changes nothing.
+    #[test]
+    fn leases_live_behind_one_pointer_only_while_there_are_some() {
+        let mut leases = Leases::default();
+        assert!(matches!(leases.round(), HeartbeatMessages::Idle));
+        leases.extend(vec![]);
+        assert!(leases.0.is_none(), "adding nothing allocates nothing");
+        leases.remove(&ids(&["r9"]));
+        assert!(leases.0.is_none());
+
+        leases.extend(ids(&["r2", "r1"]));
+        let first = leases.round();
+        assert_eq!(texts(&first), ["HB:r1,r2"]);
+        match (&first, &leases.round()) {
+            (HeartbeatMessages::Leases(a), HeartbeatMessages::Leases(b)) => {
+                assert!(Arc::ptr_eq(a, b), "built once, shared until a change")
+            }
+            other => panic!("{other:?}"),
+        }
+        leases.remove(&ids(&["r9"]));
+        assert!(
+            matches!((&first, &leases.round()), (HeartbeatMessages::Leases(a), HeartbeatMessages::Leases(b)) if Arc::ptr_eq(a, b)),
+            "removing an unknown id keeps the round"
+        );
+        leases.remove(&ids(&["r1"]));
+        assert_eq!(texts(&leases.round()), ["HB:r2"]);
+        assert_eq!(leases.iter().collect::<Vec<_>>(), ["r2"]);
+        leases.remove(&ids(&["r2"]));
+        assert!(leases.0.is_none(), "the last lease gone, the set is freed");
+        assert!(matches!(leases.round(), HeartbeatMessages::Idle));
+
+        leases.extend(ids(&["r3"]));
+        leases.clear();
+        assert!(leases.0.is_none() && leases.iter().next().is_none());
     }
 }

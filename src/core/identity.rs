@@ -28,20 +28,77 @@
 //!
 //! Addresses are compared in their canonical form ([`PeerAddr`]); names
 //! are resolved by the caller ([`PeerAddr::resolve`]).
+//!
+//! **A declared address is not evidence.** A handshake the runtime made by
+//! reaching an address (pull mode: the decode dials the prefill; the
+//! `decode --push` pair: the prefill dials the decode) learns who answers
+//! there, so a new engine id there replaces the old one. A peer that
+//! *declares* its address (SGLang's decode registers its own
+//! `rank_ip:rank_port`) says only what it claims: two hosts advertising one
+//! address would otherwise get a healthy engine released. Its claim at an
+//! address a live engine of another id holds is refused as
+//! [`Conflict::AddressInUse`], and the holder is asked at once (a
+//! heartbeat): a holder that is gone answers REMOTE_DISCONNECT and is
+//! released, and a claim after that is granted; a live one stays.
 
-use crate::registration::RegistrationId;
 use std::sync::Arc;
 
-use std::time::Instant;
-
-use super::directory::{Holder, Stage, Ticket};
-use super::{Action, Answer, Core, Count, Map, RequestId, TicketId};
-use crate::error::{Conflict, RegisterError};
-use crate::event::{Event, ReleaseReason};
-use crate::read_accounting::cell::EngineCell;
-use crate::registration::{Departure, GoneMode, PeerRef, Registration};
+use super::{Map, TicketId};
+use crate::error::Conflict;
+use crate::registration::Incarnation;
 use crate::text::{check_name, MAX_AGENT_NAME, MAX_ENGINE_ID, MAX_RANKS};
 use crate::transport::{AgentName, EngineId, PeerAddr};
+
+/// A registration's identities, kept in its record: the address it is
+/// known at, its incarnation, its agent names, and the newest handshake
+/// begun before it was activated. Set once at activation: every change of
+/// identity is a new registration, so nothing here is written after.
+pub(super) struct Who {
+    address: PeerAddr,
+    incarnation: Option<Incarnation>,
+    agents: Arc<[AgentName]>,
+    /// The newest handshake started when it was activated: a handshake no
+    /// newer than this began before the registration existed.
+    registered_after: TicketId,
+}
+
+impl Who {
+    pub(super) fn new(
+        address: PeerAddr,
+        incarnation: Option<Incarnation>,
+        agents: Vec<AgentName>,
+        registered_after: TicketId,
+    ) -> Self {
+        Who {
+            address,
+            incarnation,
+            agents: agents.into(),
+            registered_after,
+        }
+    }
+
+    pub(super) fn address(&self) -> &PeerAddr {
+        &self.address
+    }
+
+    pub(super) fn into_address(self) -> PeerAddr {
+        self.address
+    }
+
+    pub(super) fn incarnation(&self) -> Option<Incarnation> {
+        self.incarnation
+    }
+
+    pub(super) fn agents(&self) -> &Arc<[AgentName]> {
+        &self.agents
+    }
+
+    /// Whether the handshake `ticket` began before the registration was
+    /// activated.
+    pub(super) fn predates(&self, ticket: TicketId) -> bool {
+        ticket <= self.registered_after
+    }
+}
 
 /// How a claim was judged.
 pub(super) enum Judged {
@@ -139,346 +196,6 @@ pub(super) fn malformed(engine: &EngineId, agents: &[AgentName]) -> Option<Strin
         }
     }
     None
-}
-
-impl<R> Core<R> {
-    pub(super) fn answer(&mut self, request: RequestId, answer: Answer<R>) {
-        self.actions.push_back(Action::Answer { request, answer });
-    }
-
-    /// Records a conflict: counted every time (the metric, and the count
-    /// kept in the [`ConflictLog`]), logged at WARN and published the
-    /// first time only; the repeats are DEBUG lines with the running count.
-    /// The WARN is keyed by engine and kind, not by the whole conflict
-    /// (see [`Notice::New`]); each is still an event and counted.
-    pub(super) fn conflict(&mut self, conflict: Conflict, source: &'static str) {
-        self.count(Count::IdentityConflict(conflict.kind()));
-        let kind = conflict.kind();
-        match self.conflicts.record(&conflict) {
-            Notice::Again { times } => {
-                tracing::debug!(kind, source, %conflict, times, "identity conflict again");
-                return;
-            }
-            Notice::New { distinct: 1, .. } => {
-                tracing::warn!(kind, source, %conflict, "identity conflict: the newcomer is refused, the registered engine kept (logged once per engine and kind; counted in nixl_keepalive_identity_conflicts_total)");
-            }
-            Notice::New {
-                distinct,
-                warn: true,
-            } => {
-                tracing::warn!(kind, source, %conflict, distinct, "identity conflicts of this engine and kind so far (the others at DEBUG)");
-            }
-            Notice::New {
-                distinct,
-                warn: false,
-            } => {
-                tracing::debug!(kind, source, %conflict, distinct, "another identity conflict of this engine and kind");
-            }
-        }
-        self.emit(Event::Conflict { conflict });
-    }
-
-    /// The engine holding an agent name, if anyone does.
-    pub(super) fn holder_of(&self, agent: &AgentName) -> Option<&EngineId> {
-        match self.directory.holder(agent)? {
-            Holder::Registration(serial) => self.peers.get(&serial).map(|p| p.id()),
-            Holder::Load(ticket) => self.directory.loading_engine(ticket),
-        }
-    }
-
-    /// The first agent of `agents` held by an engine other than `engine`.
-    pub(super) fn agent_conflict(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-    ) -> Option<Conflict> {
-        agents.iter().find_map(|agent| {
-            let holder = self.holder_of(agent)?;
-            (holder != engine).then(|| Conflict::AgentInUse {
-                agent: agent.clone(),
-                claimed_by: engine.clone(),
-                holder: holder.clone(),
-            })
-        })
-    }
-
-    // ----- registrations -----
-
-    /// A registration: through the handshake `ticket` whose claim was
-    /// granted, or on its own (claimed and activated at once).
-    pub(super) fn register(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        ticket: Option<TicketId>,
-        registration: Registration<R>,
-        cell: Arc<EngineCell>,
-    ) {
-        match ticket {
-            Some(ticket) => self.register_loaded(now, request, ticket, registration, cell),
-            None => self.register_alone(now, request, registration, cell),
-        }
-    }
-
-    pub(super) fn register_loaded(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        ticket: TicketId,
-        registration: Registration<R>,
-        cell: Arc<EngineCell>,
-    ) {
-        let (granted, declared) = match self.directory.ticket(ticket) {
-            Some(Ticket {
-                stage: Stage::Loading { claim, .. },
-                address,
-                declared,
-            }) => (
-                *claim == registration.claim() && *address == registration.address,
-                *declared,
-            ),
-            _ => (false, false),
-        };
-        if !granted {
-            let error = RegisterError::Invalid {
-                registration,
-                reason: "it is not what its handshake claimed".into(),
-            };
-            tracing::warn!(%error, "registration refused");
-            self.answer(request, Answer::Refused(error));
-            self.handshake_finished(now, ticket);
-            return;
-        }
-        // Another engine may have registered at a declared address since
-        // the claim was granted (two declaring it at once).
-        let conflict = declared
-            .then(|| {
-                self.declared_address_conflict(now, &registration.address, &registration.engine)
-            })
-            .flatten();
-        if let Some(conflict) = conflict {
-            self.conflict(conflict.clone(), "register");
-            let error = RegisterError::Conflict {
-                registration,
-                conflict,
-            };
-            self.answer(request, Answer::Refused(error));
-            self.handshake_finished(now, ticket);
-            return;
-        }
-        let engine = registration.engine.clone();
-        let serial = cell.serial();
-        self.directory.load_registered(ticket, &engine);
-        self.activate(now, request, registration, cell);
-        if self.releases.is_stopping() {
-            // Loaded under a granted claim while the service stopped: the
-            // service owns it now and gives it back like every other.
-            self.mark(now, serial, ReleaseReason::Shutdown);
-        }
-        self.handshake_finished(now, ticket);
-        self.engine_moved(now, engine);
-    }
-
-    pub(super) fn register_alone(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        registration: Registration<R>,
-        cell: Arc<EngineCell>,
-    ) {
-        if self.releases.is_stopping() {
-            self.answer(
-                request,
-                Answer::Refused(RegisterError::Stopped(registration)),
-            );
-            return;
-        }
-        if let Some(reason) = malformed(&registration.engine, &registration.agents) {
-            let error = RegisterError::Invalid {
-                registration,
-                reason,
-            };
-            tracing::warn!(%error, "registration refused");
-            self.answer(request, Answer::Refused(error));
-            return;
-        }
-        let engine = &registration.engine;
-        let in_use = self
-            .directory
-            .serial_of(engine)
-            .map(|s| self.peers[&s].address.clone())
-            .or_else(|| self.directory.load_address(engine).cloned())
-            .or_else(|| {
-                self.directory
-                    .is_waited_for(engine)
-                    .then(|| registration.address.clone())
-            });
-        let conflict = match in_use {
-            Some(address) => Some(Conflict::EngineInUse {
-                engine: engine.clone(),
-                address,
-            }),
-            None => self.agent_conflict(engine, &registration.agents),
-        };
-        if let Some(conflict) = conflict {
-            self.conflict(conflict.clone(), "register");
-            self.answer(
-                request,
-                Answer::Refused(RegisterError::Conflict {
-                    registration,
-                    conflict,
-                }),
-            );
-            return;
-        }
-        self.activate(now, request, registration, cell);
-    }
-
-    pub(super) fn activate(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        registration: Registration<R>,
-        cell: Arc<EngineCell>,
-    ) {
-        let serial = cell.serial();
-        let Registration {
-            engine,
-            incarnation,
-            address,
-            agents,
-            resources,
-        } = registration;
-        tracing::info!(%engine, %address, ?incarnation, agents = agents.len(), registration = %serial, "engine registered");
-        self.conflicts.forget(&engine);
-        let previous = self.directory.activate(serial, &engine, &address, &agents);
-        self.peers.insert(
-            serial,
-            super::peer::Peer::new(
-                now,
-                cell.clone(),
-                address.clone(),
-                incarnation,
-                self.directory.newest_ticket(),
-                agents,
-                resources,
-            ),
-        );
-        if let Some(interval) = self.config.heartbeat_interval {
-            // Spread first heartbeats over one interval: engines registered
-            // together must not all beat together.
-            let offset = self.heartbeats.first_offset(interval);
-            self.schedule_heartbeat(serial, now + offset, super::heartbeat::Deadline::Near);
-        }
-        // In the directory first, then the event, then the caller's answer:
-        // whoever sees the event finds the engine by id, and whoever holds
-        // the answer can already see the event.
-        self.actions
-            .push_back(Action::Activated { cell: cell.clone() });
-        self.emit(Event::Registered {
-            engine: engine.clone(),
-            registration: serial,
-            address: address.clone(),
-        });
-        self.answer(request, Answer::Registered(cell));
-        if let Some(old) = previous {
-            if let Some(old_peer) = self.peers.get(&old) {
-                let old_id = old_peer.id().clone();
-                if old_id != engine && old_peer.is_live() {
-                    tracing::warn!(old = %old_id, new = %engine, %address, "a new engine id answered at a known address: the old engine was replaced");
-                    self.emit(Event::Replaced {
-                        old: old_id,
-                        old_registration: old,
-                        new: engine.clone(),
-                        address,
-                    });
-                    self.mark(now, old, ReleaseReason::Replaced);
-                }
-            }
-        }
-    }
-
-    /// A registration was released: its names and its id are free.
-    pub(super) fn forget_registration(
-        &mut self,
-        now: Instant,
-        serial: RegistrationId,
-        engine: &EngineId,
-        address: &PeerAddr,
-        agents: &[AgentName],
-    ) {
-        if self.directory.forget(serial, engine, address, agents) {
-            self.engine_moved(now, engine.clone());
-        }
-    }
-
-    // ----- retirement by others -----
-
-    /// The router or orchestrator says a peer is gone: authoritative.
-    pub(super) fn peer_gone(&mut self, now: Instant, peer: PeerRef, mode: GoneMode) {
-        let serial = match &peer {
-            PeerRef::Engine(id) => self.directory.serial_of(id),
-            PeerRef::Address(addr) => self.directory.serial_at(addr),
-        };
-        let Some(serial) = serial.filter(|s| self.peers.contains_key(s)) else {
-            tracing::debug!(?peer, "peer gone: not a known peer, nothing to do");
-            return;
-        };
-        self.retire(now, serial, mode);
-    }
-
-    /// A membership record went away: the engine is retired only if the
-    /// record is its own registration's (same address, and the same
-    /// incarnation when both are known). Anything else is a conflict.
-    pub(super) fn member_gone(&mut self, now: Instant, departure: Departure, mode: GoneMode) {
-        let Some(serial) = self.directory.serial_of(&departure.engine) else {
-            tracing::debug!(engine = %departure.engine, "membership record gone for an engine not registered: nothing to do");
-            return;
-        };
-        let peer = &self.peers[&serial];
-        if peer.is_live() {
-            let conflict = if peer.address != departure.address {
-                Some(Conflict::RecordAddress {
-                    engine: departure.engine.clone(),
-                    record: departure.address.clone(),
-                    registered: peer.address.clone(),
-                })
-            } else {
-                match (departure.incarnation, peer.incarnation) {
-                    (Some(record), Some(registered)) if record != registered => {
-                        Some(Conflict::RecordIncarnation {
-                            engine: departure.engine.clone(),
-                            record,
-                            registered,
-                        })
-                    }
-                    _ => None,
-                }
-            };
-            if let Some(conflict) = conflict {
-                self.conflict(conflict, "membership");
-                return;
-            }
-        }
-        self.retire(now, serial, mode);
-    }
-
-    pub(super) fn retire(&mut self, now: Instant, serial: RegistrationId, mode: GoneMode) {
-        let p = &self.peers[&serial];
-        if p.is_live() {
-            let engine = p.id().clone();
-            tracing::info!(%engine, ?mode, "peer gone: retiring");
-            self.emit(Event::Retiring {
-                engine,
-                registration: serial,
-                fail_reads: mode == GoneMode::Fail,
-            });
-            self.mark(now, serial, ReleaseReason::PeerGone);
-        }
-        if mode == GoneMode::Fail {
-            self.fail_reads(serial);
-        }
-    }
 }
 
 #[cfg(test)]

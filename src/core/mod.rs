@@ -40,22 +40,21 @@
 //!   releases each engine as its reads end, and stops waiting at the drain
 //!   deadline.
 
+mod accounting;
 mod calls;
 mod classify;
 mod count;
 mod directory;
+mod flow;
 mod given_up;
-mod handshake;
 mod heartbeat;
 mod identity;
 mod key;
 mod peer;
 mod rate;
 mod release;
-mod report;
 mod schedule;
 mod stall;
-mod status;
 #[cfg(test)]
 mod tests;
 mod timers;
@@ -74,15 +73,16 @@ pub use heartbeat::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
 #[cfg(test)]
 pub(crate) use key::PeerKey;
 pub use schedule::HEARTBEAT_SLOT;
+pub(crate) use stall::MAX_STALL_CHECK_PERIOD;
 use stall::{stall_check_period, StallWatch};
 
 use crate::config::Config;
 use crate::error::{ClaimRefused, Conflict, RegisterError};
 use crate::event::{Event, Source};
 use crate::log_limit::LogLimiter;
-use crate::read_accounting::cell::{EngineCell, Wake};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::transport::{AgentName, EngineId, PeerAddr};
+pub(crate) use accounting::{ReadAccounting, Wake};
 use directory::Directory;
 use given_up::GivenUpBook;
 use heartbeat::Heartbeats;
@@ -107,7 +107,7 @@ pub(crate) struct TicketId(pub(crate) u64);
 pub(crate) struct RequestId(pub(crate) u64);
 
 /// Everything that can happen to the core, besides time passing.
-pub(crate) enum Input<R> {
+pub(crate) enum Input<R, A> {
     /// A handshake with `address` started: until it ends, the release of a
     /// marked engine there waits (the runtime may still be deciding whether
     /// the engine there is new). `declared`: the address is the peer's own
@@ -142,7 +142,7 @@ pub(crate) enum Input<R> {
         request: RequestId,
         ticket: Option<TicketId>,
         registration: Registration<R>,
-        cell: Arc<EngineCell>,
+        cell: Arc<A>,
     },
     /// A read handle's wake-up: a transfer's status, or a drained engine.
     Read(Wake),
@@ -173,18 +173,18 @@ pub(crate) enum Input<R> {
 }
 
 /// The core's answer to a question the runtime waits on.
-pub(crate) enum Answer<R> {
+pub(crate) enum Answer<R, A> {
     /// The claim is granted: load.
     Load,
     /// This engine incarnation is registered at this address already:
     /// nothing to load.
-    Current(Arc<EngineCell>),
+    Current(Arc<A>),
     /// The claim is refused.
     ClaimRefused(ClaimRefused),
     /// The extra agent name is this handshake's now, or another's.
     AgentClaimed(Result<(), Conflict>),
     /// The registration is active.
-    Registered(Arc<EngineCell>),
+    Registered(Arc<A>),
     /// The registration was not taken.
     Refused(RegisterError<R>),
     /// The handshake ended before the answer: nobody waits for it.
@@ -193,14 +193,14 @@ pub(crate) enum Answer<R> {
 
 /// A decision of the core, for the driver to carry out. Transport calls
 /// are not among them: they come out as one batch ([`Core::take_calls`]).
-pub(crate) enum Action<R> {
+pub(crate) enum Action<R, A> {
     /// A registration is active: list it where it is looked up by id
     /// (before its event goes out).
-    Activated { cell: Arc<EngineCell> },
+    Activated { cell: Arc<A> },
     /// Answer the question `request`.
     Answer {
         request: RequestId,
-        answer: Answer<R>,
+        answer: Answer<R, A>,
     },
     /// The registration `serial` of `engine` is gone: forget it wherever
     /// it is looked up by id (before its event goes out).
@@ -211,15 +211,12 @@ pub(crate) enum Action<R> {
     /// Tell the runtime's read handles of this registration that its
     /// reads have failed ([`crate::ReadGuard::failed`]), before the event
     /// that says so goes out.
-    FailReads { cell: Arc<EngineCell> },
+    FailReads { cell: Arc<A> },
     /// The registration's release came back from the transport:
     /// [`crate::EngineRef::released`] and the given-up reads' destinations
     /// resolve (`transfers_ended`: the release ended every transfer still
     /// running to the engine), before the `Released` event goes out.
-    ReleaseFinished {
-        cell: Arc<EngineCell>,
-        transfers_ended: bool,
-    },
+    ReleaseFinished { cell: Arc<A>, transfers_ended: bool },
     /// A renewal waits for the round of `serial` now in flight: hand its
     /// result over as soon as it is back (a round that only succeeds
     /// otherwise waits for the driver's next wake-up).
@@ -235,10 +232,10 @@ pub(crate) enum Action<R> {
 /// limiter, the silent-peer note) and composes one type per rule's own
 /// state, each with its fields private to the rule's file: a rule's file
 /// shows everything it may touch, and each type is tested alone.
-pub(crate) struct Core<R> {
+pub(crate) struct Core<R, A> {
     config: Config,
-    peers: PeerTable<R>,
-    actions: VecDeque<Action<R>>,
+    peers: PeerTable<R, A>,
+    actions: VecDeque<Action<R, A>>,
     /// Transport calls decided and not yet taken, in order: kept apart from
     /// the other actions so that a slot's rounds go to the offload queue as
     /// one vector, moved rather than copied call by call.
@@ -266,7 +263,7 @@ pub(crate) struct Core<R> {
     given_up: GivenUpBook,
 }
 
-impl<R> Core<R> {
+impl<R, A: ReadAccounting> Core<R, A> {
     /// The slots each per-engine and per-handshake table holds (its
     /// capacity), by name: what the tables keep after departures.
     #[cfg(test)]
@@ -322,7 +319,7 @@ impl<R> Core<R> {
     }
 
     /// The next decision to carry out, if any.
-    pub(crate) fn poll_action(&mut self) -> Option<Action<R>> {
+    pub(crate) fn poll_action(&mut self) -> Option<Action<R, A>> {
         self.actions
             .pop_front()
             .or_else(|| self.heartbeats.take_count().map(Action::Count))
@@ -347,129 +344,6 @@ impl<R> Core<R> {
     /// `now`: the driver may stop and hand back what is left.
     pub(crate) fn is_stopped(&self, now: Instant) -> bool {
         self.releases.is_stopped(now, self.peers.is_empty())
-    }
-
-    /// Time has passed: serves every timer due at `now`.
-    pub(crate) fn handle_timeout(&mut self, now: Instant) {
-        if self.timers.is_expired(Timer::Drain, now) {
-            self.timers.stop(Timer::Drain);
-            self.releases.deadline_passed();
-            tracing::warn!("shutdown drain deadline passed: what still has reads in flight is handed back unreleased");
-        }
-        while let Some((slot, keys)) = self.heartbeats.pop_due(now) {
-            for &key in &keys {
-                self.peers.warm(key);
-            }
-            for &key in &keys {
-                let Some(peer) = self.peers.at_mut(key) else {
-                    continue;
-                };
-                if peer.next_heartbeat == Some(slot) {
-                    peer.next_heartbeat = None;
-                    self.heartbeat_due(now, key, slot);
-                }
-            }
-            self.heartbeats.recycle(keys);
-        }
-        if let Some(bound) = self.config.read_stall {
-            let marking = self.timers.is_expired(Timer::StallMark, now);
-            let periodic =
-                self.timers
-                    .rearm_periodic(Timer::StallCheck, now, stall_check_period(bound));
-            if periodic || marking {
-                self.check_stalls(now, bound);
-            }
-        }
-        if let Some(period) = self.config.metrics_period {
-            if self.timers.rearm_periodic(Timer::Census, now, period) {
-                let (by_state, reads) = self.census();
-                self.count(Count::Census { by_state, reads });
-            }
-        }
-    }
-
-    /// Handles a batch of call results at `now`, in order. Their records
-    /// are touched first, all of them (see [`peer::PeerTable::warm`]): at
-    /// 10k engines the wait for each result's record was most of the
-    /// core's time per heartbeat.
-    pub(crate) fn handle_results(&mut self, now: Instant, results: &mut Vec<CallOutcome>) {
-        for result in results.iter() {
-            if let CallOutcome::Heartbeat { key, .. } = result {
-                self.peers.warm(*key);
-            }
-        }
-        for result in results.drain(..) {
-            self.handle(now, Input::CallDone(result));
-        }
-    }
-
-    /// Handles one input at `now`.
-    pub(crate) fn handle(&mut self, now: Instant, input: Input<R>) {
-        match input {
-            Input::HandshakeStarted {
-                ticket,
-                address,
-                declared,
-            } => self.handshake_started(ticket, address, declared),
-            Input::Claim {
-                ticket,
-                request,
-                claim,
-            } => self.claim(now, ticket, request, claim),
-            Input::ClaimAgent {
-                ticket,
-                request,
-                agent,
-            } => self.claim_agent(ticket, request, agent),
-            Input::HandshakeFinished { ticket } => self.handshake_finished(now, ticket),
-            Input::Register {
-                request,
-                ticket,
-                registration,
-                cell,
-            } => self.register(now, request, ticket, registration, cell),
-            Input::Read(Wake::Drained(serial)) => self.try_release(now, serial),
-            Input::Read(Wake::TransferResult(serial, status)) => {
-                self.transfer_may_be_running(serial);
-                self.on_status(now, serial, Source::Transfer, None, status)
-            }
-            Input::Read(Wake::GivenUp {
-                serial,
-                why,
-                unanswered,
-                done,
-                token,
-                blocks,
-            }) => {
-                self.transfer_may_be_running(serial);
-                let gauges = self.given_up.given_up(now, serial, token, blocks);
-                self.count(gauges);
-                self.read_given_up(now, serial, why, unanswered, done)
-            }
-            Input::Read(Wake::GivenUpEnded { token, over, .. }) => {
-                for count in self.given_up.ended(now, token, over).into_iter().flatten() {
-                    self.count(count);
-                }
-            }
-            Input::AddLeases {
-                engine,
-                requests,
-                renew_now,
-            } => self.add_leases(now, &engine, requests, renew_now),
-            Input::RemoveLeases { engine, requests } => self.remove_leases(&engine, &requests),
-            Input::PeerGone { peer, mode } => self.peer_gone(now, peer, mode),
-            Input::MemberGone { departure, mode } => self.member_gone(now, departure, mode),
-            Input::Suspect(suspicion) => self.suspect(now, suspicion),
-            Input::CallDone(CallOutcome::Heartbeat {
-                key,
-                results,
-                agents,
-            }) => self.heartbeat_done(now, key, results, agents),
-            Input::CallDone(CallOutcome::Release { serial, steps }) => {
-                self.release_done(now, serial, steps)
-            }
-            Input::Shutdown => self.shutdown(now),
-        }
     }
 
     fn emit(&mut self, event: Event) {

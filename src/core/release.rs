@@ -3,19 +3,180 @@
 //! flight and no handshake at its address holds it back; never before.
 //! Shutdown marks everything and stops waiting at the drain deadline.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use super::peer::Mark;
-use super::timers::Timer;
-use super::{Action, Answer, Call, Core, Count, Panicked};
-use crate::error::ClaimRefused;
-use crate::event::{Event, ReleaseReason, WaitedFor};
-use crate::read_accounting::cell::EngineCell;
-use crate::registration::{Registration, RegistrationId};
+use super::TicketId;
+use crate::event::{ReleaseReason, WaitedFor};
 use crate::state::EngineState;
-use crate::transport::{EngineId, ReleaseStep, Transfers};
-use nixl_agent::NixlStatus;
-use std::sync::Arc;
+use crate::transport::Transfers;
+
+/// Why a registration was marked, and what its release has waited for.
+struct Mark {
+    reason: ReleaseReason,
+    at: Instant,
+    reads_at_mark: u64,
+    held_by_handshake: bool,
+    /// The handshakes open at the registration's address when it was
+    /// marked: only these hold its release back. One begun after the mark
+    /// cannot (it finds the engine marked already), so a loop of
+    /// handshakes at a dead prefill's address delays its release by one
+    /// handshake's length at most, never for as long as the loop runs.
+    handshakes_before: Vec<TicketId>,
+}
+
+/// The state a mark for `reason` puts a registration in.
+pub(super) fn marked_state(reason: ReleaseReason) -> EngineState {
+    match reason {
+        ReleaseReason::Unreachable | ReleaseReason::MetadataLost => EngineState::Unreachable,
+        ReleaseReason::Replaced | ReleaseReason::Reregistered => EngineState::Replaced,
+        ReleaseReason::PeerGone | ReleaseReason::Shutdown => EngineState::Retiring,
+        ReleaseReason::Stalled => EngineState::Stalled,
+    }
+}
+
+/// Whether a mark for `reason` fails the reads in flight: UCX has failed
+/// the endpoint, the peer is hung, or NIXL holds no metadata for it, so
+/// no read in flight will complete.
+pub(super) fn fails_reads(reason: ReleaseReason) -> bool {
+    matches!(
+        reason,
+        ReleaseReason::Unreachable | ReleaseReason::Stalled | ReleaseReason::MetadataLost
+    )
+}
+
+/// A registration's part of the release rule, kept in its record: its
+/// mark (why, since when, what its release waited for), the resources the
+/// release hands the transport, whether every transfer ended here, and
+/// the errors that were not a release. Its fields are this rule's alone.
+pub(super) struct Fate<R> {
+    /// Boxed: only a marked registration has one, and most never are.
+    mark: Option<Box<Mark>>,
+    /// `None` once handed to the transport.
+    resources: Option<R>,
+    /// Whether every transfer of the registration ended here with
+    /// `SUCCESS`: a read given up, or one that ended with an error, may
+    /// still be running at the peer, and its release must then leave the
+    /// connections to UCX ([`Transfers`]).
+    transfers: Transfers,
+    transient_errors: u64,
+}
+
+/// What a released registration's mark says, for its event and counts.
+pub(super) struct Served {
+    pub(super) reason: ReleaseReason,
+    pub(super) since_mark: Duration,
+    pub(super) waited_for: WaitedFor,
+}
+
+impl<R> Fate<R> {
+    pub(super) fn new(resources: R) -> Self {
+        Fate {
+            mark: None,
+            resources: Some(resources),
+            transfers: Transfers::Ended,
+            transient_errors: 0,
+        }
+    }
+
+    /// Not marked.
+    pub(super) fn is_live(&self) -> bool {
+        self.mark.is_none()
+    }
+
+    /// Handed to the transport (or being).
+    pub(super) fn is_releasing(&self) -> bool {
+        self.resources.is_none()
+    }
+
+    /// Why it was marked, if it was.
+    pub(super) fn reason(&self) -> Option<ReleaseReason> {
+        self.mark.as_ref().map(|m| m.reason)
+    }
+
+    /// Errors that were not a release, so far.
+    pub(super) fn transient_errors(&self) -> u64 {
+        self.transient_errors
+    }
+
+    /// One more error that is not a release; the total.
+    pub(super) fn transient_error(&mut self) -> u64 {
+        self.transient_errors += 1;
+        self.transient_errors
+    }
+
+    /// A read was given up or ended with an error: its transfer may still
+    /// be running at the peer, for the registration's life (the core
+    /// cannot see when the peer's side of it ends).
+    pub(super) fn transfer_may_be_running(&mut self) {
+        self.transfers = Transfers::MayBeRunning;
+    }
+
+    /// The first mark, at `now`, for `reason`, with `reads` in flight and
+    /// the handshakes open at its address.
+    pub(super) fn mark(
+        &mut self,
+        now: Instant,
+        reason: ReleaseReason,
+        reads: u64,
+        handshakes_before: Vec<TicketId>,
+    ) {
+        debug_assert!(self.mark.is_none(), "the first mark stands");
+        self.mark = Some(Box::new(Mark {
+            reason,
+            at: now,
+            reads_at_mark: reads,
+            held_by_handshake: false,
+            handshakes_before,
+        }));
+    }
+
+    /// The handshakes that may hold a marked registration's release back.
+    pub(super) fn handshakes_before(&self) -> &[TicketId] {
+        self.mark
+            .as_ref()
+            .map_or(&[][..], |m| &m.handshakes_before[..])
+    }
+
+    /// A handshake held the release back.
+    pub(super) fn held(&mut self) {
+        if let Some(mark) = self.mark.as_mut() {
+            mark.held_by_handshake = true;
+        }
+    }
+
+    /// Hands the resources over for the release call: with what is known
+    /// of the transfers, and how long since the mark.
+    pub(super) fn hand_over(&mut self, now: Instant) -> (R, Transfers, Duration) {
+        let mark = self
+            .mark
+            .as_ref()
+            .expect("released registrations are marked");
+        let waited = now.saturating_duration_since(mark.at);
+        let resources = self.resources.take().expect("handed over once");
+        (resources, self.transfers, waited)
+    }
+
+    /// What the mark of a registration whose release came back at `now`
+    /// says.
+    pub(super) fn served(self, now: Instant) -> Served {
+        let mark = self.mark.expect("released registrations are marked");
+        let since_mark = now.saturating_duration_since(mark.at);
+        Served {
+            reason: mark.reason,
+            since_mark,
+            waited_for: WaitedFor {
+                duration: since_mark,
+                reads_in_flight_at_mark: mark.reads_at_mark,
+                handshake: mark.held_by_handshake,
+            },
+        }
+    }
+
+    /// The resources, if never handed to the transport.
+    pub(super) fn into_resources(self) -> Option<R> {
+        self.resources
+    }
+}
 
 /// Where a shutdown stands (its deadline is [`Timer::Drain`]).
 struct Stopping {
@@ -106,263 +267,6 @@ impl Releases {
                 s.expired || now >= s.deadline || (self.in_flight == 0 && nothing_registered)
             }
         }
-    }
-}
-
-impl<R> Core<R> {
-    /// The release of `peer` came back: the runtime's handles of it learn
-    /// (through the driver), and its given-up reads what their destination
-    /// buffers may become.
-    pub(super) fn release_finished(&mut self, cell: Arc<EngineCell>, clean: bool) {
-        self.actions.push_back(Action::ReleaseFinished {
-            cell,
-            transfers_ended: self.releases.transfers_ended(clean),
-        });
-    }
-
-    /// Marks a live registration: no new reads, no more heartbeats;
-    /// released as soon as it is idle. The first mark stands.
-    pub(super) fn mark(&mut self, now: Instant, serial: RegistrationId, reason: ReleaseReason) {
-        let Some(peer) = self.peers.get(&serial) else {
-            return;
-        };
-        if !peer.is_live() {
-            return;
-        }
-        let handshakes_before = self.directory.open_at(&peer.address);
-        let peer = self.peers.get_mut(&serial).expect("checked");
-        let state = match reason {
-            ReleaseReason::Unreachable | ReleaseReason::MetadataLost => EngineState::Unreachable,
-            ReleaseReason::Replaced | ReleaseReason::Reregistered => EngineState::Replaced,
-            ReleaseReason::PeerGone | ReleaseReason::Shutdown => EngineState::Retiring,
-            ReleaseReason::Stalled => EngineState::Stalled,
-        };
-        let reads = peer.cell.mark(state).unwrap_or(0);
-        peer.mark = Some(Box::new(Mark {
-            reason,
-            at: now,
-            reads_at_mark: reads,
-            held_by_handshake: false,
-            handshakes_before,
-        }));
-        peer.leases.clear();
-        tracing::info!(engine = %peer.id(), registration = %serial, state = state.as_str(), reads_in_flight = reads, "engine marked for release");
-        self.unschedule_heartbeat(serial);
-        if matches!(
-            reason,
-            ReleaseReason::Unreachable | ReleaseReason::Stalled | ReleaseReason::MetadataLost
-        ) {
-            // UCX has failed the endpoint, the peer is hung, or NIXL holds
-            // no metadata for it: no read in flight will complete.
-            self.fail_reads(serial);
-        }
-        self.try_release(now, serial);
-    }
-
-    pub(super) fn fail_reads(&mut self, serial: RegistrationId) {
-        let Some(peer) = self.peers.get(&serial) else {
-            return;
-        };
-        let cell = peer.cell.clone();
-        let count = cell.reads_in_flight();
-        let engine = peer.id().clone();
-        self.actions.push_back(Action::FailReads { cell });
-        if count > 0 {
-            tracing::warn!(%engine, count, "reads in flight failed");
-            self.emit(Event::ReadsFailed {
-                engine,
-                registration: serial,
-                count,
-            });
-        }
-    }
-
-    /// A read of the registration was given up, or ended with an error:
-    /// its transfer may still be running at the peer, so the release will
-    /// leave the engine's connections to UCX ([`Transfers`]). Kept for the
-    /// registration's life: the core cannot see when the peer's side of a
-    /// given-up transfer ends.
-    pub(super) fn transfer_may_be_running(&mut self, serial: RegistrationId) {
-        if let Some(peer) = self.peers.get_mut(&serial) {
-            peer.transfers = Transfers::MayBeRunning;
-        }
-    }
-
-    /// Releases a marked registration if no read is in flight and no
-    /// handshake holds it back. Decided here; the transport is called by
-    /// the driver after.
-    pub(super) fn try_release(&mut self, now: Instant, serial: RegistrationId) {
-        let Some(peer) = self.peers.get(&serial) else {
-            return;
-        };
-        if peer.mark.is_none() || peer.is_releasing() {
-            return;
-        }
-        // A handshake that was pending when the engine was marked may yet
-        // decide the engine at this address is new, so the old one waits;
-        // not for a handshake begun after the mark (a loop of them would
-        // hold a dead prefill's memory for as long as it runs), not when
-        // somebody is waiting to load this very engine id again (they wait
-        // for this release), and not once the service is stopping
-        // (nothing new will register).
-        let mark = peer.mark.as_ref().expect("checked");
-        let held = !self.releases.is_stopping()
-            && mark
-                .handshakes_before
-                .iter()
-                .any(|&t| self.directory.is_open(t))
-            && !self.reload_wanted(peer.id());
-        if held {
-            let address = peer.address.clone();
-            let peer = self.peers.get_mut(&serial).expect("checked");
-            peer.mark.as_mut().expect("checked").held_by_handshake = true;
-            self.directory.hold(&address, serial);
-            return;
-        }
-        if peer.cell.try_release().is_err() {
-            return; // the last read to end wakes us
-        }
-        let peer = self.peers.get_mut(&serial).expect("checked");
-        let engine = peer.id().clone();
-        let waited = now.saturating_duration_since(peer.mark.as_ref().expect("checked").at);
-        tracing::debug!(%engine, ?waited, "releasing");
-        let resources = peer.resources.take().expect("checked above");
-        let agents = peer.agents.clone();
-        let transfers = peer.transfers;
-        peer.rate.forget(); // its limiter key forgotten
-        self.releases.started();
-        self.calls.push(Call::Release {
-            serial,
-            engine,
-            agents,
-            resources,
-            transfers,
-        });
-    }
-
-    pub(super) fn release_done(
-        &mut self,
-        now: Instant,
-        serial: RegistrationId,
-        steps: Result<Vec<ReleaseStep>, Panicked>,
-    ) {
-        let Some(peer) = self.peers.remove(&serial) else {
-            return;
-        };
-        self.releases.finished();
-        let engine = peer.id().clone();
-        let mark = peer.mark.expect("released registrations are marked");
-        let mut endpoints_left_open = 0u32;
-        let (failed_steps, panicked) = match steps {
-            Ok(steps) => {
-                let mut failed = 0;
-                for step in &steps {
-                    endpoints_left_open += step.endpoints_left_open();
-                    if step.status == NixlStatus::ERR_NOT_FOUND {
-                        tracing::debug!(%engine, target = ?step.target, "already dropped by NIXL: counts as released");
-                    } else if !step.status.is_ok() {
-                        failed += 1;
-                        self.count(Count::ReleaseStepFailed(step.status));
-                        tracing::error!(%engine, target = ?step.target, status = %step.status, raw = step.status.raw(), "release step failed");
-                    }
-                }
-                (failed, false)
-            }
-            Err(p) => {
-                self.count(Count::TransportPanicked("release"));
-                tracing::error!(%engine, message = %p.message, "the transport panicked while releasing: its resources are consumed, not retried");
-                self.emit(Event::TransportPanicked {
-                    engine: engine.clone(),
-                    registration: serial,
-                    call: "release",
-                    message: p.message,
-                });
-                (0, true)
-            }
-        };
-        self.release_finished(peer.cell.clone(), failed_steps == 0 && !panicked);
-        let since_mark = now.saturating_duration_since(mark.at);
-        self.count(Count::Released {
-            reason: mark.reason,
-            since_mark,
-        });
-        tracing::info!(%engine, registration = %serial, reason = mark.reason.as_str(), after = ?since_mark, failed_steps, panicked, "engine released");
-        // Gone from the directory before the event: whoever sees it finds
-        // the successor, if any, never the released registration.
-        self.actions.push_back(Action::Forget {
-            engine: engine.clone(),
-            serial,
-        });
-        self.emit(Event::Released {
-            engine: engine.clone(),
-            registration: serial,
-            reason: mark.reason,
-            waited_for: WaitedFor {
-                duration: since_mark,
-                reads_in_flight_at_mark: mark.reads_at_mark,
-                handshake: mark.held_by_handshake,
-            },
-            failed_steps,
-            panicked,
-            endpoints_left_open,
-        });
-        self.forget_registration(now, serial, &engine, &peer.address, &peer.agents);
-    }
-
-    /// The service is stopping: every live registration is marked (each
-    /// idle one is released now), what waits is refused, and nothing is
-    /// activated any more. [`Core::into_unreleased`] hands back the rest.
-    pub(super) fn shutdown(&mut self, now: Instant) {
-        let deadline = now + self.config.shutdown_drain;
-        if !self.releases.stop(deadline) {
-            return;
-        }
-        self.timers.set(Timer::Drain, deadline);
-        tracing::info!(drain = ?self.config.shutdown_drain, "stopping: marking every engine; each is released as its reads end");
-        // Claims waiting for an engine id are refused; granted loads may
-        // still register (the service then releases them like the rest).
-        for ticket in self.directory.take_waiting() {
-            if let Some((_, request)) = self.directory.take_waiting_claim(ticket) {
-                self.actions.push_back(Action::Answer {
-                    request,
-                    answer: Answer::ClaimRefused(ClaimRefused::Stopped(
-                        crate::error::ServiceStopped,
-                    )),
-                });
-            }
-        }
-        let mut serials: Vec<RegistrationId> = self.peers.keys().copied().collect();
-        serials.sort_unstable();
-        for serial in serials {
-            self.mark(now, serial, ReleaseReason::Shutdown);
-            // Marked earlier and held by a handshake: not any more.
-            self.try_release(now, serial);
-        }
-        self.directory.clear_holds();
-    }
-
-    /// What a shutdown could not release: registrations still held, each
-    /// once, resources and all; and the engines whose release was handed
-    /// to the transport but had not come back.
-    pub(crate) fn into_unreleased(self) -> (Vec<Registration<R>>, Vec<EngineId>) {
-        let mut unreleased = Vec::new();
-        let mut unfinished = Vec::new();
-        for p in self.peers.into_values() {
-            let engine = p.cell.id().clone();
-            match p.resources {
-                Some(resources) => unreleased.push(Registration {
-                    engine,
-                    incarnation: p.incarnation,
-                    address: p.address,
-                    agents: p.agents.to_vec(),
-                    resources,
-                }),
-                None => unfinished.push(engine),
-            }
-        }
-        unreleased.sort_by(|a, b| a.engine.cmp(&b.engine));
-        unfinished.sort();
-        (unreleased, unfinished)
     }
 }
 

@@ -8,21 +8,14 @@
 //! engine completes anything (the decoder itself is stuck; warned once per
 //! episode).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use std::time::Instant;
-
-use super::peer::Peer;
-use super::timers::Timer;
-use super::{Core, Count, HEARTBEAT_SLOT};
-use crate::config::StallAction;
-use crate::event::{Event, ReleaseReason};
-use crate::give_up::GiveUp;
+use super::HEARTBEAT_SLOT;
 use crate::registration::RegistrationId;
 
 /// The longest period of the read-stall check, whatever the bound: the
-/// completed count must not be able to wrap between two checks (see
-/// `cell.rs`).
+/// completed count must not be able to wrap between two checks (the read
+/// accounting proves it holds for its count's width).
 pub(crate) const MAX_STALL_CHECK_PERIOD: Duration = Duration::from_secs(60);
 
 /// How often the read-stall check runs for a `bound`: four times per bound
@@ -34,12 +27,180 @@ pub(super) fn stall_check_period(bound: Duration) -> Duration {
     (bound / 4).clamp(HEARTBEAT_SLOT, MAX_STALL_CHECK_PERIOD)
 }
 
-// The proof, checked by the compiler: wrapping the completed count within
-// one check period would take more than 10^9 completions a second.
-const _: () = assert!(
-    MAX_STALL_CHECK_PERIOD.as_secs() * 1_000_000_000 < 1 << crate::read_accounting::cell::DONE_BITS,
-    "the completed count could wrap between two stall checks"
-);
+/// What the stall check knows of a registration's reads, kept in its
+/// record.
+///
+/// The check samples the registration's counts (reads in flight, completed
+/// count) at its own times and hears of given-up reads when they happen,
+/// so every time kept here is *when it was seen*: a completion seen at a
+/// check happened at or before it, a read seen in flight began at or
+/// before it. The stall clock therefore starts as late as the evidence
+/// allows, and a mark is never early.
+pub(super) struct Progress {
+    /// The wrapping count of reads completed, as last seen.
+    done_seen: u64,
+    /// Since when the engine has had a read outstanding (in flight, or
+    /// given up unanswered) and no completion: the first time that was
+    /// seen. `None` while it has none (idle, or a completion seen since).
+    quiet_since: Option<Instant>,
+    /// When a completion was last seen.
+    last_completion: Option<Instant>,
+    /// Reads given up unanswered since the last completion: they keep the
+    /// stall clock running with no read in flight. 32 bits (saturating):
+    /// a count, not an identity; the stall check marks the engine long
+    /// before 4 * 10^9 of them.
+    unanswered: u32,
+    /// Of those, timed out: the runtime's own verdict, judged at the next
+    /// check.
+    timed_out: u32,
+    /// The current quiet stretch has been reported (once per stall).
+    reported: bool,
+}
+
+/// One registration as a check sampled it.
+pub(super) struct Sample {
+    /// A read outstanding: in flight, or given up unanswered.
+    pub(super) outstanding: bool,
+    /// A completion seen within the last check period.
+    pub(super) completing: bool,
+    pub(super) quiet: Quiet,
+}
+
+/// Where a sampled registration's quiet stretch stands.
+pub(super) enum Quiet {
+    /// Not quiet, or its stall was reported already.
+    No,
+    /// Quiet for `quiet` (or with reads given up as timed out,
+    /// `given_up`): a suspect, to be judged.
+    Suspect { quiet: Duration, given_up: u64 },
+    /// Quiet, and judged at this time unless a completion comes first.
+    JudgedAt(Instant),
+}
+
+impl Progress {
+    /// A registration whose completed count is `done_seen`.
+    pub(super) fn new(done_seen: u64) -> Self {
+        Progress {
+            done_seen,
+            quiet_since: None,
+            last_completion: None,
+            unanswered: 0,
+            timed_out: 0,
+            reported: false,
+        }
+    }
+
+    /// A completion was seen at `now` (the completed count is `done`),
+    /// with `reads` in flight: the quiet stretch ends; with reads still in
+    /// flight a new one starts now.
+    fn completed(&mut self, now: Instant, done: u64, reads: u64) {
+        self.done_seen = done;
+        self.last_completion = Some(now);
+        self.unanswered = 0;
+        self.timed_out = 0;
+        self.reported = false;
+        self.quiet_since = (reads > 0).then_some(now);
+    }
+
+    /// A read outstanding: in flight now, or given up unanswered.
+    fn outstanding(&self, reads: u64) -> bool {
+        reads > 0 || self.unanswered > 0
+    }
+
+    /// A check at `now` sees `reads` in flight and the completed count
+    /// `done`; a quiet stretch of `bound` makes a suspect, and a
+    /// completion within `window` (the check period) counts as completing.
+    pub(super) fn sample(
+        &mut self,
+        now: Instant,
+        reads: u64,
+        done: u64,
+        bound: Duration,
+        window: Duration,
+    ) -> Sample {
+        if done != self.done_seen {
+            self.completed(now, done, reads);
+        } else if !self.outstanding(reads) {
+            self.quiet_since = None;
+            self.reported = false;
+        } else if self.quiet_since.is_none() {
+            self.quiet_since = Some(now);
+        }
+        let outstanding = self.outstanding(reads);
+        let completing = self.last_completion.is_some_and(|at| now - at <= window);
+        let quiet = match self.quiet_since.filter(|_| !self.reported) {
+            None => Quiet::No,
+            Some(since) if now - since >= bound || self.timed_out > 0 => Quiet::Suspect {
+                quiet: now - since,
+                given_up: u64::from(self.timed_out),
+            },
+            Some(since) => Quiet::JudgedAt(since + bound),
+        };
+        Sample {
+            outstanding,
+            completing,
+            quiet,
+        }
+    }
+
+    /// The current stall was reported: not again until a completion.
+    pub(super) fn reported(&mut self) {
+        self.reported = true;
+    }
+
+    /// A read was given up at `now`, the engine's completed count being
+    /// `done` and `reads` in flight. Completions not sampled yet are taken
+    /// in first, but they do not answer the read (they may predate its
+    /// begin). An answered read is no evidence (`None`); an `unanswered`
+    /// one keeps the quiet stretch going with no read in flight, and a
+    /// `timed_out` one is judged at the next check. Returns the reads
+    /// given up unanswered so far.
+    pub(super) fn given_up(
+        &mut self,
+        now: Instant,
+        reads: u64,
+        done: u64,
+        unanswered: bool,
+        timed_out: bool,
+    ) -> Option<u32> {
+        if done != self.done_seen {
+            self.completed(now, done, reads);
+        }
+        if !unanswered {
+            return None;
+        }
+        self.unanswered = self.unanswered.saturating_add(1);
+        self.quiet_since.get_or_insert(now);
+        if timed_out {
+            self.timed_out = self.timed_out.saturating_add(1);
+        }
+        Some(self.unanswered)
+    }
+
+    /// What a live engine's snapshot says about its reads (`reads` in
+    /// flight) and the stall check (`bound`, if on).
+    pub(super) fn note(&self, now: Instant, reads: u64, bound: Option<Duration>) -> String {
+        if reads == 0 && self.unanswered == 0 {
+            return "no read in flight: a frozen idle prefill is invisible to UCX on shm/tcp, and only a membership signal or the router (peer_gone) can retire it".to_string();
+        }
+        let given_up = match self.unanswered {
+            0 => String::new(),
+            n => format!(", {n} given up unanswered"),
+        };
+        let Some(bound) = bound else {
+            return format!("{reads} read(s) in flight{given_up}; the read-stall check is off");
+        };
+        match self.quiet_since {
+            Some(since) => format!(
+                "{reads} read(s) in flight{given_up}, none completed for at least {:?}; stalled after {bound:?} without a completion",
+                now.saturating_duration_since(since)
+            ),
+            None => format!(
+                "{reads} read(s) in flight{given_up}, completing; stalled after {bound:?} without a completion"
+            ),
+        }
+    }
+}
 
 /// What the sampling found of one suspect: quiet for `quiet` with
 /// `reads` in flight (`given_up` of them given up as timed out), and
@@ -103,193 +264,6 @@ impl StallWatch {
             stalled: suspects,
             unjudged,
             stuck_began,
-        }
-    }
-}
-
-impl<R> Core<R> {
-    /// The read-stall check: finds live registrations whose reads stopped
-    /// completing, and judges them.
-    ///
-    /// An engine is *quiet* while it has a read outstanding (in flight, or
-    /// given up unanswered) and no completion has been seen; its quiet
-    /// stretch starts when that was first seen (a check, or a give-up),
-    /// never earlier, so a read that began just before a check is not
-    /// counted from an older check. A quiet engine is a suspect once its
-    /// stretch reaches `bound`, or at once when the runtime gave up one of
-    /// its reads as timed out with none of its reads completing meanwhile
-    /// (the runtime's own bound). Slow is not hung: one completion, however
-    /// late, ends the stretch.
-    ///
-    /// A suspect is judged stalled only when the stall is its own: another
-    /// engine's completion was seen within the last check period, or no
-    /// other engine has a read outstanding to compare with. When others
-    /// have reads outstanding and none completes, the decoder itself looks
-    /// stuck: nobody is blamed, and that is warned about once per episode.
-    ///
-    /// Every engine is sampled first and judged after, so the verdicts do
-    /// not depend on the order of the walk; suspects are judged (and their
-    /// events emitted) in registration order, so a seed reproduces them.
-    pub(super) fn check_stalls(&mut self, now: Instant, bound: Duration) {
-        let window = stall_check_period(bound);
-        let mut outstanding = 0usize;
-        let mut completing = 0usize;
-        let mut suspects = Vec::new();
-        let mut next_due: Option<Instant> = None;
-        for (&serial, peer) in self.peers.iter_mut() {
-            if !peer.is_live() {
-                continue;
-            }
-            let (reads, done) = peer.cell.progress();
-            let p = &mut peer.progress;
-            if done != p.done_seen {
-                p.completed(now, done, reads);
-            } else if !p.outstanding(reads) {
-                p.quiet_since = None;
-                p.reported = false;
-            } else if p.quiet_since.is_none() {
-                p.quiet_since = Some(now);
-            }
-            let is_completing = p.last_completion.is_some_and(|at| now - at <= window);
-            outstanding += usize::from(p.outstanding(reads));
-            completing += usize::from(is_completing);
-            let Some(since) = p.quiet_since.filter(|_| !p.reported) else {
-                continue;
-            };
-            let quiet = now - since;
-            if quiet >= bound || p.timed_out > 0 {
-                suspects.push(Suspect {
-                    serial,
-                    reads,
-                    quiet,
-                    given_up: u64::from(p.timed_out),
-                    completing: is_completing,
-                });
-            } else {
-                let due = since + bound;
-                next_due = Some(next_due.map_or(due, |d| d.min(due)));
-            }
-        }
-        self.timers.set_or_stop(Timer::StallMark, next_due);
-        let judgement = self.stalls.judge(suspects, outstanding, completing);
-        for suspect in judgement.stalled {
-            self.stalled(
-                now,
-                suspect.serial,
-                suspect.reads,
-                suspect.quiet,
-                suspect.given_up,
-            );
-        }
-        if judgement.stuck_began {
-            self.count(Count::DecoderStuck);
-            tracing::warn!(
-                engines = judgement.unjudged,
-                outstanding,
-                bound = ?bound,
-                "reads of every engine with reads outstanding stopped completing: the decoder itself looks stuck, no engine is blamed (warned once until a read completes again)"
-            );
-        }
-    }
-
-    /// A suspect judged stalled: reported once per stall, and with the
-    /// `fail` action marked, its reads failed, released once they end.
-    pub(super) fn stalled(
-        &mut self,
-        now: Instant,
-        serial: RegistrationId,
-        reads: u64,
-        quiet: Duration,
-        given_up: u64,
-    ) {
-        let peer = self.peers.get_mut(&serial).expect("judged while live");
-        peer.progress.reported = true;
-        let engine = peer.id().clone();
-        let action = self.config.stall_action;
-        self.count(Count::ReadStall(action.as_str()));
-        tracing::warn!(%engine, reads, ?quiet, given_up, action = action.as_str(), "reads stopped completing: the peer is hung");
-        self.emit(Event::Stalled {
-            engine,
-            registration: serial,
-            reads_in_flight: reads,
-            stalled_for: quiet,
-            given_up,
-            failed: action == StallAction::Fail,
-        });
-        if action == StallAction::Fail {
-            self.mark(now, serial, ReleaseReason::Stalled);
-        }
-    }
-
-    /// The runtime gave up a read of registration `serial` in progress.
-    /// Not a completion. Unanswered (no read of the engine completed while
-    /// it was in flight: the read's own count at its begin against the
-    /// count now), it is evidence: it keeps the engine's quiet stretch going
-    /// with no read in flight, and a timed-out one is judged at once.
-    /// Completions the core has not sampled yet are taken in first, but
-    /// they do not answer the read: they may predate its begin (a read
-    /// that began after the last completion of a prefill that then froze,
-    /// and timed out before the next stall check, is still unanswered).
-    /// The read's count cannot have wrapped while it was in flight: that
-    /// takes 2^36 completions of one engine during one read.
-    pub(super) fn read_given_up(
-        &mut self,
-        now: Instant,
-        serial: RegistrationId,
-        why: GiveUp,
-        unanswered: bool,
-        done: u64,
-    ) {
-        self.count(Count::ReadGivenUp { why, unanswered });
-        let Some(peer) = self.peers.get_mut(&serial) else {
-            return;
-        };
-        if !peer.is_live() || self.config.read_stall.is_none() {
-            return;
-        }
-        let reads = peer.cell.reads_in_flight();
-        let engine = peer.id().clone();
-        let p = &mut peer.progress;
-        if done != p.done_seen {
-            // Completions since the last check: before this read began or
-            // while it was in flight (the read's own count tells which).
-            p.completed(now, done, reads);
-        }
-        if !unanswered {
-            tracing::debug!(%engine, why = why.as_str(), "read given up at an engine that completes reads: not evidence of a stall");
-            return;
-        }
-        p.unanswered = p.unanswered.saturating_add(1);
-        p.quiet_since.get_or_insert(now);
-        tracing::info!(%engine, why = why.as_str(), unanswered = p.unanswered, "read given up unanswered: counted against the engine, not as a completion");
-        if why == GiveUp::TimedOut {
-            p.timed_out = p.timed_out.saturating_add(1);
-            self.timers.set(Timer::StallMark, now);
-        }
-    }
-
-    /// What a live engine's snapshot says about its reads and the stall
-    /// check.
-    pub(super) fn stall_note(&self, now: Instant, p: &Peer<R>, reads: u64) -> String {
-        let progress = &p.progress;
-        if reads == 0 && progress.unanswered == 0 {
-            return "no read in flight: a frozen idle prefill is invisible to UCX on shm/tcp, and only a membership signal or the router (peer_gone) can retire it".to_string();
-        }
-        let given_up = match progress.unanswered {
-            0 => String::new(),
-            n => format!(", {n} given up unanswered"),
-        };
-        let Some(bound) = self.config.read_stall else {
-            return format!("{reads} read(s) in flight{given_up}; the read-stall check is off");
-        };
-        match progress.quiet_since {
-            Some(since) => format!(
-                "{reads} read(s) in flight{given_up}, none completed for at least {:?}; stalled after {bound:?} without a completion",
-                now.saturating_duration_since(since)
-            ),
-            None => format!(
-                "{reads} read(s) in flight{given_up}, completing; stalled after {bound:?} without a completion"
-            ),
         }
     }
 }

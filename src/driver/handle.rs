@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::core::{Answer, Input, RequestId, TicketId};
+use super::{Answer, Input};
+use crate::core::{RequestId, TicketId};
 use crate::driver::engine::{EngineRef, OwnedReadGuard};
 use crate::error::{ClaimRefused, ReadRefused, RegisterError, ServiceStopped};
 use crate::event::Event;

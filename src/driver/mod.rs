@@ -12,3 +12,15 @@ pub(crate) mod engine;
 pub(crate) mod handle;
 pub(crate) mod offload;
 pub(crate) mod service;
+
+use crate::read_accounting::cell::EngineCell;
+
+/// The core as the driver runs it: over the real read accounting (the
+/// cells the runtime's threads count in).
+pub(crate) type Core<R> = crate::core::Core<R, EngineCell>;
+/// An input to [`Core`].
+pub(crate) type Input<R> = crate::core::Input<R, EngineCell>;
+/// An answer of [`Core`].
+pub(crate) type Answer<R> = crate::core::Answer<R, EngineCell>;
+/// An action of [`Core`].
+pub(crate) type Action<R> = crate::core::Action<R, EngineCell>;

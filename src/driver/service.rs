@@ -18,8 +18,9 @@ use std::time::Instant;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use super::{Action, Answer, Core, Input};
 use crate::config::Config;
-use crate::core::{Action, Answer, Core, Input, RequestId};
+use crate::core::RequestId;
 use crate::driver::engine::EngineRef;
 use crate::driver::handle::{Directory, KeepaliveHandle, Msg};
 use crate::driver::offload::Offload;

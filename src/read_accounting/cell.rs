@@ -156,49 +156,15 @@ fn with_count(own: u64, count: u64) -> u64 {
     (own & !COUNT_MASK) | (count & COUNT_MASK)
 }
 
-/// What a read handle tells the core. Sent only when it matters: an error
-/// status, or a read of a marked registration ending (or backing out).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Wake {
-    /// A read of a marked registration ended or backed out, and it may
-    /// have been the last (the shared word's last one, or any of the
-    /// owner's, whose counts no ender adds up alone): the core tries the
-    /// release, which checks every count.
-    Drained(RegistrationId),
-    /// A transfer of this registration ended with this raw NIXL status
-    /// (only errors are sent).
-    TransferResult(RegistrationId, NixlStatus),
-    /// The runtime gave up a read of this registration while its transfer
-    /// was in progress. The transfer still counts as in flight until
-    /// [`Wake::GivenUpEnded`].
-    GivenUp {
-        /// The registration.
-        serial: RegistrationId,
-        /// Why the runtime stopped waiting.
-        why: GiveUp,
-        /// No read of the engine completed while this one was in flight
-        /// (the completed count was the same at its begin and its end).
-        unanswered: bool,
-        /// The engine's completed count when it was given up.
-        done: u64,
-        /// This give-up, among every give-up of the process.
-        token: u64,
-        /// The destination blocks the transfer holds, in the runtime's
-        /// own unit (0: not said).
-        blocks: u64,
-    },
-    /// A given-up read's transfer stopped counting as in flight: it ended
-    /// (`over`), or the runtime stopped watching it (the transfer may
-    /// still run: see `GivenUpRead::abandon`).
-    GivenUpEnded {
-        /// The registration.
-        serial: RegistrationId,
-        /// The give-up, as [`Wake::GivenUp`] named it.
-        token: u64,
-        /// The transfer was seen to end.
-        over: bool,
-    },
-}
+pub(crate) use crate::core::Wake;
+
+// The proof, checked by the compiler: wrapping the completed count within
+// one of the core's stall-check periods would take more than 10^9
+// completions a second.
+const _: () = assert!(
+    crate::core::MAX_STALL_CHECK_PERIOD.as_secs() * 1_000_000_000 < 1 << DONE_BITS,
+    "the completed count could wrap between two stall checks"
+);
 
 /// Give-up tokens: unique per process.
 static NEXT_GIVE_UP: AtomicU64 = AtomicU64::new(1);
@@ -689,23 +655,43 @@ impl EngineCell {
         self.signals.is_set(TRANSFERS_ENDED)
     }
 
-    /// Test only: the path a read begun on this thread took (its
-    /// [`ON_OWNER`] bit), for tests that do not keep what `begin_read`
-    /// returned.
-    #[cfg(test)]
-    pub(crate) fn begun_here(&self) -> u64 {
-        if self.owner.load(Ordering::Relaxed) == barrier::this_thread() {
-            ON_OWNER
-        } else {
-            0
-        }
-    }
-
     /// Test only: `n` reads begun and completed at once.
     #[cfg(test)]
     pub(crate) fn add_completions(&self, n: u64) {
         self.word
             .fetch_add(n.wrapping_shl(DONE_SHIFT), Ordering::AcqRel);
+    }
+}
+
+/// The core's view of the cell: the counts it decides on and its two
+/// steps, each the cell's own method of the same name.
+impl crate::core::ReadAccounting for EngineCell {
+    fn id(&self) -> &EngineId {
+        EngineCell::id(self)
+    }
+
+    fn serial(&self) -> RegistrationId {
+        EngineCell::serial(self)
+    }
+
+    fn state(&self) -> EngineState {
+        EngineCell::state(self)
+    }
+
+    fn reads_in_flight(&self) -> u64 {
+        EngineCell::reads_in_flight(self)
+    }
+
+    fn progress(&self) -> (u64, u64) {
+        EngineCell::progress(self)
+    }
+
+    fn mark(&self, state: EngineState) -> Option<u64> {
+        EngineCell::mark(self, state)
+    }
+
+    fn try_release(&self) -> Result<(), u64> {
+        EngineCell::try_release(self)
     }
 }
 
@@ -760,7 +746,7 @@ pub(crate) mod tests {
         assert!(!cell.reads_failed().is_set());
     }
 
-    /// Collects wake-ups, for tests of the cell and the core.
+    /// Collects wake-ups, for the cell's tests.
     #[derive(Default)]
     pub(crate) struct Collect(pub(crate) Mutex<Vec<Wake>>);
 

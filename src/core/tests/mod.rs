@@ -3,6 +3,7 @@
 //! `AccumulatingRuntime` is the model): no tokio runtime, no channels, no
 //! transport.
 
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,22 +14,28 @@ use std::time::Instant;
 use super::*;
 use crate::event::{Event, ReleaseReason, Source};
 use crate::give_up::GiveUp;
-use crate::read_accounting::cell::tests::Collect;
 use crate::registration::{Departure, Incarnation};
 use crate::state::EngineState;
 use crate::transport::{ReleaseStep, ReleaseTarget, Transfers, TransportError};
 use nixl_agent::NixlStatus;
+use plain::{PlainReads, Wakes};
 
 type Res = u32;
+
+/// The core under test: its reads counted by [`PlainReads`].
+type Core = super::Core<Res, PlainReads>;
+type Action = super::Action<Res, PlainReads>;
+type Answer = super::Answer<Res, PlainReads>;
+type Input = super::Input<Res, PlainReads>;
 
 const SECOND: Duration = Duration::from_secs(1);
 
 /// The core, a clock we move by hand, and everything it has decided.
 struct Harness {
-    core: Core<Res>,
+    core: Core,
     now: Instant,
-    sink: Arc<Collect>,
-    actions: Vec<Action<Res>>,
+    sink: Rc<Wakes>,
+    actions: Vec<Action>,
     /// Transport calls decided, in order, not yet looked at.
     calls: Vec<Call<Res>>,
     /// What the core counted, in order (the driver records these).
@@ -55,7 +62,7 @@ fn harness_with(config: Config) -> Harness {
     Harness {
         core: Core::new(config, now, StdRng::seed_from_u64(7)),
         now,
-        sink: Arc::new(Collect::default()),
+        sink: Rc::new(Wakes::default()),
         actions: Vec::new(),
         calls: Vec::new(),
         counts: Vec::new(),
@@ -78,7 +85,7 @@ fn at(n: u8) -> PeerAddr {
 
 /// An answer in words (answers hold registrations, which are not `Debug`
 /// for every resource type).
-fn describe(answer: &Option<Answer<Res>>) -> String {
+fn describe(answer: &Option<Answer>) -> String {
     match answer {
         None => "no answer".into(),
         Some(Answer::Load) => "load".into(),
@@ -116,7 +123,7 @@ fn claim(engine: &str, incarnation: u64) -> Claim {
 }
 
 impl Harness {
-    fn input(&mut self, input: Input<Res>) {
+    fn input(&mut self, input: Input) {
         self.core.handle(self.now, input);
         self.collect();
     }
@@ -154,7 +161,7 @@ impl Harness {
         self.now = end;
     }
 
-    fn take(&mut self) -> Vec<Action<Res>> {
+    fn take(&mut self) -> Vec<Action> {
         std::mem::take(&mut self.actions)
     }
 
@@ -198,7 +205,7 @@ impl Harness {
     }
 
     /// Takes the answer to `request`, if the core has given it.
-    fn answer(&mut self, request: RequestId) -> Option<Answer<Res>> {
+    fn answer(&mut self, request: RequestId) -> Option<Answer> {
         let i = self
             .actions
             .iter()
@@ -227,9 +234,9 @@ impl Harness {
         &mut self,
         ticket: Option<TicketId>,
         registration: Registration<Res>,
-    ) -> (RequestId, Arc<EngineCell>) {
+    ) -> (RequestId, Arc<PlainReads>) {
         let request = RequestId(self.next_id());
-        let cell = EngineCell::new(registration.engine.clone(), self.sink.clone());
+        let cell = PlainReads::new(registration.engine.clone(), self.sink.clone());
         self.input(Input::Register {
             request,
             ticket,
@@ -244,7 +251,7 @@ impl Harness {
     }
 
     /// Registers alone and expects it activated; clears the actions.
-    fn live(&mut self, engine: &str, address: PeerAddr, resources: Res) -> Arc<EngineCell> {
+    fn live(&mut self, engine: &str, address: PeerAddr, resources: Res) -> Arc<PlainReads> {
         let (request, cell) = self.register_with(None, registration(engine, address, resources));
         assert!(self.registered(request), "{engine} activated");
         self.take();
@@ -252,7 +259,7 @@ impl Harness {
     }
 
     /// The full protocol: handshake at `address`, claim, load, register.
-    fn connect(&mut self, engine: &str, address: PeerAddr, resources: Res) -> Arc<EngineCell> {
+    fn connect(&mut self, engine: &str, address: PeerAddr, resources: Res) -> Arc<PlainReads> {
         let ticket = self.handshake(address.clone());
         let request = self.claim(ticket, claim(engine, u64::from(resources)));
         assert!(self.answered_load(request), "{engine} may load");
@@ -341,18 +348,18 @@ impl Harness {
             .collect()
     }
 
-    fn has_action(&self, pick: impl Fn(&Action<Res>) -> bool) -> bool {
+    fn has_action(&self, pick: impl Fn(&Action) -> bool) -> bool {
         self.actions.iter().any(pick)
     }
 
-    fn transfer(&mut self, cell: &EngineCell, status: NixlStatus) {
+    fn transfer(&mut self, cell: &PlainReads, status: NixlStatus) {
         self.input(Input::Read(Wake::TransferResult(cell.serial(), status)));
     }
 
     /// Ends a read the way the guard does: the cell, then its wake-up.
     /// (Every read of these tests begins on the test's thread: its path
     /// is this thread's.)
-    fn end_read(&mut self, cell: &EngineCell) {
+    fn end_read(&mut self, cell: &PlainReads) {
         cell.end_read(cell.begun_here());
         self.deliver();
     }
@@ -360,7 +367,7 @@ impl Harness {
     /// Gives a read up the way the guard does (`begun` is what its
     /// `begin_read` returned), then delivers the wake-ups. Returns the
     /// give-up's token: the read still counts until it is ended.
-    fn give_up(&mut self, cell: &EngineCell, why: GiveUp, begun: u64) -> u64 {
+    fn give_up(&mut self, cell: &PlainReads, why: GiveUp, begun: u64) -> u64 {
         let token = cell.give_up(why, begun, 0);
         self.deliver();
         token
@@ -369,7 +376,7 @@ impl Harness {
     /// Ends a given-up read the way `GivenUpRead` does: `over` when its
     /// transfer was seen to end (with `SUCCESS`: a completion), else
     /// abandoned.
-    fn end_given_up(&mut self, cell: &EngineCell, begun: u64, token: u64, over: bool) {
+    fn end_given_up(&mut self, cell: &PlainReads, begun: u64, token: u64, over: bool) {
         cell.end_given_up(begun, token, over, over);
         self.deliver();
     }
@@ -386,5 +393,6 @@ mod declared;
 mod directory;
 mod heartbeat;
 mod identity;
+mod plain;
 mod release;
 mod stall;

@@ -132,7 +132,7 @@ fn an_idle_live_engine_says_only_membership_or_the_router_can_retire_it() {
 // ----- the stall clock, right by construction -----
 
 /// One completed read (begun and ended at once).
-fn complete_one(cell: &EngineCell) {
+fn complete_one(cell: &PlainReads) {
     let begun = cell.begin_read().unwrap();
     cell.end_read(begun);
 }
@@ -160,7 +160,7 @@ fn step_until(
     h: &mut Harness,
     until: Instant,
     step: Duration,
-    watch: &EngineCell,
+    watch: &PlainReads,
     mut f: impl FnMut(&mut Harness, Instant),
 ) -> Option<Instant> {
     while h.now < until {
