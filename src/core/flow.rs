@@ -5,14 +5,13 @@ use std::time::{Duration, Instant};
 
 use super::accounting::ReadAccounting;
 use super::directory::{Holder, Stage, Ticket};
+use super::fate::{classify, fails_reads, marked_state, Verdict};
 use super::heartbeat::Renewal;
-use super::identity::{malformed, Judged, Notice, Who};
+use super::identity::{malformed, Against, Judged, Notice, Who};
 use super::key::PeerKey;
 use super::peer::Peer;
-use super::release::{fails_reads, marked_state};
 use super::stall::{stall_check_period, Quiet, Suspect};
 use super::timers::Timer;
-use super::{classify, Verdict};
 use super::{
     Action, Answer, Call, CallOutcome, Core, Count, Input, Panicked, RequestId, RoundResults,
     TicketId, Wake,
@@ -107,29 +106,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
                 registration,
                 cell,
             } => self.register(now, request, ticket, registration, cell),
-            Input::Read(Wake::Drained(serial)) => self.try_release(now, serial),
-            Input::Read(Wake::TransferResult(serial, status)) => {
-                self.transfer_may_be_running(serial);
-                self.on_status(now, serial, Source::Transfer, None, status)
-            }
-            Input::Read(Wake::GivenUp {
-                serial,
-                why,
-                unanswered,
-                done,
-                token,
-                blocks,
-            }) => {
-                self.transfer_may_be_running(serial);
-                let gauges = self.given_up.given_up(now, serial, token, blocks);
-                self.count(gauges);
-                self.read_given_up(now, serial, why, unanswered, done)
-            }
-            Input::Read(Wake::GivenUpEnded { token, over, .. }) => {
-                for count in self.given_up.ended(now, token, over).into_iter().flatten() {
-                    self.count(count);
-                }
-            }
+            Input::Read(wake) => self.read_woke(now, wake),
             Input::AddLeases {
                 engine,
                 requests,
@@ -148,6 +125,36 @@ impl<R, A: ReadAccounting> Core<R, A> {
                 self.release_done(now, serial, steps)
             }
             Input::Shutdown => self.shutdown(now),
+        }
+    }
+
+    /// A read handle's wake-up: a marked registration's read ended, a
+    /// transfer's error status, a read given up or its end.
+    fn read_woke(&mut self, now: Instant, wake: Wake) {
+        match wake {
+            Wake::Drained(serial) => self.try_release(now, serial),
+            Wake::TransferResult(serial, status) => {
+                self.transfer_may_be_running(serial);
+                self.on_status(now, serial, Source::Transfer, None, status)
+            }
+            Wake::GivenUp {
+                serial,
+                why,
+                unanswered,
+                done,
+                token,
+                blocks,
+            } => {
+                self.transfer_may_be_running(serial);
+                let gauges = self.given_up.given_up(now, serial, token, blocks);
+                self.count(gauges);
+                self.read_given_up(now, serial, why, unanswered, done)
+            }
+            Wake::GivenUpEnded { token, over, .. } => {
+                for count in self.given_up.ended(now, token, over).into_iter().flatten() {
+                    self.count(count);
+                }
+            }
         }
     }
 
@@ -838,49 +845,24 @@ impl<R, A: ReadAccounting> Core<R, A> {
         let t = self.directory.ticket(ticket).expect("judged tickets exist");
         let (address, declared) = (t.address.clone(), t.declared);
         let engine = claim.engine.clone();
-        let wait = |core: &mut Self, claim: Claim| {
-            let stage = Stage::Waiting { claim, request };
-            core.directory.set_stage(ticket, stage);
-            Judged::Wait
-        };
         if self.directory.is_loading(&engine) {
-            return wait(self, claim);
+            return self.wait(ticket, request, claim);
         }
         if let Some(serial) = self.directory.serial_of(&engine) {
             let peer = &self.peers[&serial];
             if peer.is_live() {
-                if *peer.who.address() != address {
-                    let conflict = Conflict::EngineElsewhere {
-                        engine,
-                        address,
-                        live_at: peer.who.address().clone(),
-                    };
-                    return self.refuse_claim(ticket, request, conflict);
-                }
-                match (claim.incarnation, peer.who.incarnation()) {
-                    (Some(new), Some(old)) if new == old => {
-                        if *claim.agents != **peer.who.agents() {
-                            let conflict = Conflict::AgentsChanged {
-                                engine,
-                                incarnation: new,
-                            };
-                            return self.refuse_claim(ticket, request, conflict);
-                        }
+                match peer.who.judge(&claim, &address, ticket) {
+                    Against::Refused(conflict) => {
+                        return self.refuse_claim(ticket, request, conflict)
+                    }
+                    Against::Current => {
                         let cell = peer.cell.clone();
                         self.directory.set_stage(ticket, Stage::Answered);
                         tracing::debug!(%engine, %address, "handshake found the engine already registered: nothing to load");
                         self.answer(request, Answer::Current(cell));
                         return Judged::Answered;
                     }
-                    (_, registered) if peer.who.predates(ticket) => {
-                        let conflict = Conflict::StaleReply {
-                            engine,
-                            address,
-                            registered,
-                        };
-                        return self.refuse_claim(ticket, request, conflict);
-                    }
-                    (new, old) => {
+                    Against::NewProcess { old, new } => {
                         tracing::info!(%engine, %address, ?old, ?new, "engine answered its handshake as a new process: its registration goes first");
                         // Waited for before the mark: no handshake holds
                         // back the release this claim waits for.
@@ -892,7 +874,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
             // Marked now or before: it is released (its reads drained)
             // before this claim is judged again. A handshake does not hold
             // it back: this one waits for exactly that release.
-            let judged = wait(self, claim);
+            let judged = self.wait(ticket, request, claim);
             self.directory.expect_reload(&engine);
             self.try_release(now, serial);
             return judged;
@@ -908,6 +890,13 @@ impl<R, A: ReadAccounting> Core<R, A> {
         self.directory.grant(ticket, claim);
         self.answer(request, Answer::Load);
         Judged::Answered
+    }
+
+    /// The claim waits for its engine id (a load in progress, or a release).
+    fn wait(&mut self, ticket: TicketId, request: RequestId, claim: Claim) -> Judged {
+        let stage = Stage::Waiting { claim, request };
+        self.directory.set_stage(ticket, stage);
+        Judged::Wait
     }
 
     fn refuse_claim(&mut self, ticket: TicketId, request: RequestId, conflict: Conflict) -> Judged {

@@ -45,7 +45,7 @@ use std::sync::Arc;
 
 use super::{Map, TicketId};
 use crate::error::Conflict;
-use crate::registration::Incarnation;
+use crate::registration::{Claim, Incarnation};
 use crate::text::{check_name, MAX_AGENT_NAME, MAX_ENGINE_ID, MAX_RANKS};
 use crate::transport::{AgentName, EngineId, PeerAddr};
 
@@ -93,11 +93,55 @@ impl Who {
         &self.agents
     }
 
-    /// Whether the handshake `ticket` began before the registration was
-    /// activated.
-    pub(super) fn predates(&self, ticket: TicketId) -> bool {
-        ticket <= self.registered_after
+    /// Judges `claim`, found at `address` by the handshake `ticket`,
+    /// against this live registration of the same engine id: another
+    /// address is a conflict; the same incarnation is this engine (unless
+    /// its agents changed); a reply older than the registration is stale;
+    /// anything else is a new process at the engine's own address.
+    pub(super) fn judge(&self, claim: &Claim, address: &PeerAddr, ticket: TicketId) -> Against {
+        let engine = claim.engine.clone();
+        if *address != self.address {
+            return Against::Refused(Conflict::EngineElsewhere {
+                engine,
+                address: address.clone(),
+                live_at: self.address.clone(),
+            });
+        }
+        match (claim.incarnation, self.incarnation) {
+            (Some(new), Some(old)) if new == old => {
+                if *claim.agents != *self.agents {
+                    return Against::Refused(Conflict::AgentsChanged {
+                        engine,
+                        incarnation: new,
+                    });
+                }
+                Against::Current
+            }
+            (_, registered) if ticket <= self.registered_after => {
+                Against::Refused(Conflict::StaleReply {
+                    engine,
+                    address: address.clone(),
+                    registered,
+                })
+            }
+            (new, old) => Against::NewProcess { old, new },
+        }
     }
+}
+
+/// How a claim of a live registration's engine id is judged against it.
+pub(super) enum Against {
+    /// It disagrees with the registration: refused, never a release.
+    Refused(Conflict),
+    /// The same incarnation at the same address: the engine already
+    /// there, nothing to load.
+    Current,
+    /// The engine answered its own address as a new process: the
+    /// registration goes first.
+    NewProcess {
+        old: Option<Incarnation>,
+        new: Option<Incarnation>,
+    },
 }
 
 /// How a claim was judged.

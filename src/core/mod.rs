@@ -42,9 +42,9 @@
 
 mod accounting;
 mod calls;
-mod classify;
 mod count;
 mod directory;
+mod fate;
 mod flow;
 mod given_up;
 mod heartbeat;
@@ -52,7 +52,6 @@ mod identity;
 mod key;
 mod peer;
 mod rate;
-mod release;
 mod schedule;
 mod stall;
 #[cfg(test)]
@@ -67,7 +66,6 @@ use rand::rngs::StdRng;
 use std::time::Instant;
 
 pub(crate) use calls::{Call, CallOutcome, HeartbeatMessages, Panicked, RoundResults};
-pub(crate) use classify::{classify, Verdict};
 pub(crate) use count::Count;
 pub use heartbeat::{heartbeat_messages, MAX_HEARTBEAT_BYTES};
 #[cfg(test)]
@@ -84,11 +82,11 @@ use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
 use crate::transport::{AgentName, EngineId, PeerAddr};
 pub(crate) use accounting::{ReadAccounting, Wake};
 use directory::Directory;
+use fate::Releases;
 use given_up::GivenUpBook;
 use heartbeat::Heartbeats;
 use identity::ConflictLog;
 use peer::PeerTable;
-use release::Releases;
 use timers::{Timer, TimerTable};
 
 /// The core's maps: keyed by registration serials, ticket numbers and names

@@ -3,10 +3,10 @@
 use std::sync::Arc;
 
 use super::accounting::ReadAccounting;
+use super::fate::Fate;
 use super::heartbeat::Beat;
 use super::identity::Who;
 use super::key::PeerKey;
-use super::release::Fate;
 use super::stall::Progress;
 use crate::registration::RegistrationId;
 use crate::transport::EngineId;
@@ -23,7 +23,7 @@ pub(super) struct Peer<R, A> {
     pub(super) who: Who,
     /// Its heartbeats (`heartbeat.rs`).
     pub(super) beat: Beat,
-    /// Its mark and release (`release.rs`).
+    /// Its mark and release (`fate.rs`).
     pub(super) fate: Fate<R>,
     /// What the stall check has seen of its reads (`stall.rs`).
     pub(super) progress: Progress,

@@ -1,5 +1,7 @@
-//! Marking and releasing: a marked registration refuses new reads, loses
-//! its heartbeats, and is released (one transport call) once no read is in
+//! A registration's fate: what a NIXL status means for it (one judgement,
+//! [`classify`], whatever call returned the status), its mark, and its
+//! release. A marked registration refuses new reads, loses its
+//! heartbeats, and is released (one transport call) once no read is in
 //! flight and no handshake at its address holds it back; never before.
 //! Shutdown marks everything and stops waiting at the drain deadline.
 
@@ -9,6 +11,39 @@ use super::TicketId;
 use crate::event::{ReleaseReason, WaitedFor};
 use crate::state::EngineState;
 use crate::transport::Transfers;
+use nixl_agent::NixlStatus;
+
+/// What a status means for the engine it came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Verdict {
+    /// Success (or still in progress): nothing to do.
+    Fine,
+    /// REMOTE_DISCONNECT: UCX has failed the endpoint. Deterministic: the
+    /// engine is marked unreachable and its reads in flight are failed.
+    Disconnect,
+    /// NOT_FOUND: NIXL holds no metadata for the agent any more (it was
+    /// invalidated, or dropped by NIXL after a REMOTE_DISCONNECT, or
+    /// loaded over and invalidated by someone else). For a live engine it
+    /// is never transient: nothing to it can succeed until it is released
+    /// and loaded again (NIXL logs "remote agent ... was invalidated or
+    /// re-registered").
+    MetadataGone,
+    /// Any other error: counted and logged, never a release.
+    Transient,
+}
+
+/// Judges `status`.
+pub(super) fn classify(status: NixlStatus) -> Verdict {
+    if status.is_remote_disconnect() {
+        Verdict::Disconnect
+    } else if status == NixlStatus::ERR_NOT_FOUND {
+        Verdict::MetadataGone
+    } else if status.is_ok() {
+        Verdict::Fine
+    } else {
+        Verdict::Transient
+    }
+}
 
 /// Why a registration was marked, and what its release has waited for.
 struct Mark {
@@ -272,7 +307,8 @@ impl Releases {
 
 #[cfg(test)]
 mod tests {
-    use super::Releases;
+    use super::{classify, Releases, Verdict};
+    use nixl_agent::NixlStatus;
     use std::time::{Duration, Instant};
 
     #[test]
@@ -336,5 +372,22 @@ mod tests {
             releases.is_stopped(now, false),
             "past the deadline nothing waits"
         );
+    }
+
+    #[test]
+    fn only_remote_disconnect_is_a_disconnect_and_not_found_means_the_metadata_is_gone() {
+        for raw in -20..=2 {
+            let status = NixlStatus::from_raw(raw);
+            let verdict = classify(status);
+            if raw == NixlStatus::ERR_REMOTE_DISCONNECT.raw() {
+                assert_eq!(verdict, Verdict::Disconnect);
+            } else if raw == NixlStatus::ERR_NOT_FOUND.raw() {
+                assert_eq!(verdict, Verdict::MetadataGone);
+            } else if status.is_ok() {
+                assert_eq!(verdict, Verdict::Fine, "{status}");
+            } else {
+                assert_eq!(verdict, Verdict::Transient, "{status}");
+            }
+        }
     }
 }
