@@ -2,10 +2,10 @@
 //! agent name maps to, the handshakes in progress and what they hold (a
 //! claim waiting for an engine id, the one load of an id, the releases
 //! their address holds back). [`super::identity`] and
-//! [`super::handshake`] decide; [`Directory`] keeps the tables consistent
+//! `flow.rs`'s handshake section decide; [`Directory`] keeps the tables consistent
 //! with each other, so each rule reads as its decision, not as the
 //! bookkeeping of eight maps. Its unit tests, without a core, are in
-//! `tests/directory.rs` (this file would pass the 600 lines otherwise).
+//! `tests/directory.rs`.
 
 use std::collections::{BTreeSet, VecDeque};
 
@@ -17,7 +17,7 @@ use crate::transport::{AgentName, EngineId, PeerAddr};
 pub(super) struct Ticket {
     pub(super) address: PeerAddr,
     /// The address is the peer's own word, not where the runtime reached
-    /// it ([`super::handshake`]'s rule for declared addresses).
+    /// it (the identity rule for declared addresses, `identity.rs`).
     pub(super) declared: bool,
     pub(super) stage: Stage,
 }

@@ -213,12 +213,12 @@ impl<R> Fate<R> {
     }
 }
 
-/// Where a shutdown stands (its deadline is [`Timer::Drain`]).
+/// Where a shutdown stands (its deadline is the core's drain timer).
 struct Stopping {
     /// Past this, reads still in flight (and releases still running) are no
     /// longer waited for.
     deadline: Instant,
-    /// The deadline has been served by [`Core::handle_timeout`].
+    /// The deadline has been served by the core's timeout.
     expired: bool,
 }
 

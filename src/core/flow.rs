@@ -1,4 +1,19 @@
-//! FLOWDOC
+//! The flows that cross the rules, in one place (quinn-proto's
+//! `connection/mod.rs` is the model): what happens to the core, from time
+//! passing or an input, read top to bottom. Each rule keeps its own state
+//! and decides (`heartbeat.rs`, `fate.rs`, `stall.rs`, `identity.rs`, the
+//! `Directory`); only this file carries one rule's decision to the next:
+//!
+//! - a status: `on_status` -> `classify` -> `mark` -> the heartbeats stop
+//!   -> the reads failed -> `try_release` -> a `Call::Release`;
+//! - a claim: `claim` -> `judge` (`Who::judge` against a live engine) ->
+//!   a load granted -> `register` -> `activate` -> the first round;
+//! - a retirement: `peer_gone`, `member_gone` -> `mark`;
+//! - the stall check: `Progress::sample` per engine -> `StallWatch::judge`
+//!   -> `stalled` -> `mark`.
+//!
+//! `docs/architecture.md` walks one heartbeat that finds a dead prefill and
+//! one release through it, step by step.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -67,7 +82,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
     }
 
     /// Handles a batch of call results at `now`, in order. Their records
-    /// are touched first, all of them (see [`peer::PeerTable::warm`]): at
+    /// are touched first, all of them (see [`super::peer::PeerTable::warm`]): at
     /// 10k engines the wait for each result's record was most of the
     /// core's time per heartbeat.
     pub(crate) fn handle_results(&mut self, now: Instant, results: &mut Vec<CallOutcome>) {
@@ -412,7 +427,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
 
     /// A read of the registration was given up, or ended with an error:
     /// its transfer may still be running at the peer, so the release will
-    /// leave the engine's connections to UCX ([`Transfers`]).
+    /// leave the engine's connections to UCX ([`crate::transport::Transfers`]).
     pub(super) fn transfer_may_be_running(&mut self, serial: RegistrationId) {
         if let Some(peer) = self.peers.get_mut(&serial) {
             peer.fate.transfer_may_be_running();
@@ -987,7 +1002,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
     }
 
     /// Records a conflict: counted every time (the metric, and the count
-    /// kept in the [`ConflictLog`]), logged at WARN and published the
+    /// kept in the [`super::identity::ConflictLog`]), logged at WARN and published the
     /// first time only; the repeats are DEBUG lines with the running count.
     /// The WARN is keyed by engine and kind, not by the whole conflict
     /// (see [`Notice::New`]); each is still an event and counted.

@@ -8,7 +8,7 @@
 //! the rules are:
 //!
 //! - **An agent name is claimed before any NIXL load of it**, by exactly
-//!   one registration or load in progress ([`Holder`]). A claim naming an
+//!   one registration or load in progress ([`super::directory::Holder`]). A claim naming an
 //!   agent held by another engine is refused before anything is loaded;
 //!   nothing is ever invalidated that its owner did not load.
 //! - **One engine id has at most one load in progress.** A second claim of

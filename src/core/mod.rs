@@ -16,14 +16,20 @@
 //! plain `std::time::Instant` values the driver hands in (tokio's clock,
 //! converted: paused in tests, so virtual time reaches the core as it
 //! is); the core never reads a clock and does not depend on tokio
-//! (`tests/layout.rs` checks it).
+//! (`tests/layout.rs` checks it). It reads each registration's reads
+//! through [`ReadAccounting`] (`R` is what a registration hands the
+//! transport, `A` its accounting): the driver's is the lock-free cell,
+//! the core's tests use a plain one.
+//!
+//! Every flow is in `flow.rs`; each rule's state and decisions are in the
+//! rule's own file (see `flow.rs` for the map).
 //!
 //! # The rules
 //!
 //! - Every engine gets a heartbeat round per interval (+/- jitter, rounded
 //!   to [`HEARTBEAT_SLOT`]), never two rounds at once, at most the rate
 //!   cap; lease renewals the runtime asks for share the cap.
-//! - One classifier judges every status ([`classify`]): REMOTE_DISCONNECT
+//! - One classifier judges every status (`fate.rs`'s `classify`): REMOTE_DISCONNECT
 //!   marks the engine unreachable and fails its reads; everything else is
 //!   counted, never a release.
 //! - A marked registration is released (one transport call) once no read
@@ -31,7 +37,7 @@
 //!   before. A handshake that is loading the very engine id again does not
 //!   hold it back: it is waiting for that release.
 //! - An engine id is held by at most one registration. Loading it again
-//!   ([`Input::ReadyToLoad`]) marks the old one, whatever state it is in,
+//!   ([`Input::Claim`]) marks the old one, whatever state it is in,
 //!   and is answered once it is released. A registration of an id still
 //!   held waits for the old one's release.
 //! - A new engine id at a known address replaces the engine there.
@@ -228,8 +234,10 @@ pub(crate) enum Action<R, A> {
 /// The core. It keeps what every rule shares (the config, the peer
 /// table, the decisions not yet taken, the timers, the transient-error
 /// limiter, the silent-peer note) and composes one type per rule's own
-/// state, each with its fields private to the rule's file: a rule's file
-/// shows everything it may touch, and each type is tested alone.
+/// state, each with its fields private to the rule's file (a
+/// registration's part of each rule is in its record, `peer.rs`): a
+/// rule's file shows everything it may touch, and each type is tested
+/// alone. Its flows are written in `flow.rs`.
 pub(crate) struct Core<R, A> {
     config: Config,
     peers: PeerTable<R, A>,
@@ -255,7 +263,7 @@ pub(crate) struct Core<R, A> {
     heartbeats: Heartbeats,
     /// The stall rule's judge and its episodes (`stall.rs`).
     stalls: StallWatch,
-    /// Releases in flight and the shutdown (`release.rs`).
+    /// Releases in flight and the shutdown (`fate.rs`).
     releases: Releases,
     /// Given-up transfers still running (`given_up.rs`).
     given_up: GivenUpBook,

@@ -380,7 +380,7 @@ impl Reconciler {
 
     /// A retirement of `member`'s record, unless another key still lists
     /// the same process at the same address. The service judges it
-    /// against the registration ([`KeepaliveHandle::member_gone`]): only a
+    /// against the registration ([`crate::KeepaliveHandle::member_gone`]): only a
     /// record that is the registration's own retires the engine.
     fn retire(&self, member: Member, why: RetireWhy) -> Option<Decision> {
         (!self.still_listed(&member)).then_some(Decision::Retire { member, why })
