@@ -3,7 +3,7 @@
 //! depends on the other for it.
 
 /// Why the runtime stopped waiting for a read whose transfer was still in
-/// progress. See [`crate::ReadGuard::give_up`].
+/// progress. See [`crate::TransferGuard::give_up`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum GiveUp {

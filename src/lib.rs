@@ -169,9 +169,9 @@ pub mod ucx;
 
 pub use crate::core::HEARTBEAT_SLOT;
 pub use config::{Config, ConfigBuilder, ConfigError, ConfigErrors, StallAction};
-pub use driver::engine::{
-    Destination, EngineRef, GivenUpRead, OwnedReadGuard, OwnedWriteGuard, ReadGuard, WriteGuard,
-    MAX_READS_IN_FLIGHT,
+pub use driver::engine_ref::{
+    Destination, EngineRef, GivenUpRead, OwnedReadGuard, OwnedTransferGuard, OwnedWriteGuard,
+    ReadGuard, TransferGuard, WriteGuard, MAX_READS_IN_FLIGHT,
 };
 pub use driver::handle::{Handshake, KeepaliveHandle, Ready, ReadyToLoad};
 #[doc(hidden)]

@@ -30,7 +30,7 @@ pub(crate) const READS_GIVEN_UP: &str = "nixl_keepalive_reads_given_up_total";
 /// destinations held, their engines not released until each ends.
 pub(crate) const GIVEN_UP_TRANSFERS: &str = "nixl_keepalive_given_up_transfers";
 /// The destination blocks those transfers hold, in the runtime's unit
-/// (`ReadGuard::give_up_holding`).
+/// (`TransferGuard::give_up_holding`).
 pub(crate) const GIVEN_UP_BLOCKS: &str = "nixl_keepalive_given_up_blocks";
 /// Seconds a given-up transfer's destination was held, from the give-up to
 /// its end, by `end` (`over`: seen to end; `abandoned`: the runtime

@@ -21,8 +21,8 @@ use std::time::Duration;
 use nixl_keepalive::fake::{AuditedUcx, FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
     AgentName, Config, Departure, EngineId, EngineRef, EngineState, Event, GoneMode, Handshake,
-    Incarnation, KeepaliveHandle, OwnedReadGuard, PeerAddr, PeerRef, Ready, Transport, UcsStatus,
-    HEARTBEAT_SLOT,
+    Incarnation, KeepaliveHandle, OwnedTransferGuard, PeerAddr, PeerRef, Ready, Transport,
+    UcsStatus, HEARTBEAT_SLOT,
 };
 use proptest::prelude::*;
 use tokio::time::Instant;
@@ -119,7 +119,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 struct Read {
-    guard: OwnedReadGuard,
+    guard: OwnedTransferGuard,
     count: Arc<AtomicUsize>,
     engine: EngineId,
 }

@@ -1,5 +1,5 @@
 //! A registered engine and a read from it, as Python holds them: thin
-//! wrappers of the library's `EngineRef` and `ReadGuard`, bound to the one
+//! wrappers of the library's `EngineRef` and `TransferGuard`, bound to the one
 //! registration they came from.
 //!
 //! ```python
@@ -19,7 +19,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nixl_keepalive::{Destination, EngineRef, GiveUp, OwnedReadGuard};
+use nixl_keepalive::{Destination, EngineRef, GiveUp, OwnedTransferGuard};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -194,12 +194,12 @@ impl Engine {
 /// ends it with the transfer's raw status.
 #[pyclass(module = "nixl_keepalive._native", frozen)]
 pub(crate) struct Read {
-    guard: Mutex<Option<OwnedReadGuard>>,
+    guard: Mutex<Option<OwnedTransferGuard>>,
     engine: EngineRef,
 }
 
 impl Read {
-    fn take(&self) -> Option<OwnedReadGuard> {
+    fn take(&self) -> Option<OwnedTransferGuard> {
         self.guard.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }
@@ -471,7 +471,7 @@ impl GivenUpRead {
 fn guarded(
     engine: &nixl_keepalive::EngineRef,
     py: Python<'_>,
-    begun: Result<nixl_keepalive::OwnedReadGuard, nixl_keepalive::ReadRefused>,
+    begun: Result<nixl_keepalive::OwnedTransferGuard, nixl_keepalive::ReadRefused>,
 ) -> PyResult<Read> {
     match begun {
         Ok(guard) => Ok(Read {

@@ -213,7 +213,7 @@ pub(crate) enum Action<R, A> {
         serial: RegistrationId,
     },
     /// Tell the runtime's read handles of this registration that its
-    /// reads have failed ([`crate::ReadGuard::failed`]), before the event
+    /// reads have failed ([`crate::TransferGuard::failed`]), before the event
     /// that says so goes out.
     FailReads { cell: Arc<A> },
     /// The registration's release came back from the transport:

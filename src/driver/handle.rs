@@ -14,7 +14,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 
 use super::{Answer, Input};
 use crate::core::{RequestId, TicketId};
-use crate::driver::engine::{EngineRef, OwnedReadGuard};
+use crate::driver::engine_ref::{EngineRef, OwnedReadGuard};
 use crate::error::{ClaimRefused, ReadRefused, RegisterError, ServiceStopped};
 use crate::event::Event;
 use crate::lease::{check_request_id, LeaseError};
@@ -49,7 +49,7 @@ impl<R: Send + 'static> WakeSink for mpsc::UnboundedSender<Msg<R>> {
 
 /// Engines by id, for runtimes that look them up instead of keeping the
 /// [`EngineRef`]. Written by the driver at activation and release only.
-pub(crate) type Directory = Arc<RwLock<HashMap<EngineId, EngineRef>>>;
+pub(crate) type EngineIndex = Arc<RwLock<HashMap<EngineId, EngineRef>>>;
 
 /// Handshake tickets and questions: unique per process.
 static NEXT_TICKET: AtomicU64 = AtomicU64::new(1);
@@ -65,7 +65,7 @@ pub struct KeepaliveHandle<R> {
     pub(crate) inbox: mpsc::UnboundedSender<Msg<R>>,
     pub(crate) sink: Arc<dyn WakeSink>,
     pub(crate) events: broadcast::Sender<Event>,
-    pub(crate) directory: Directory,
+    pub(crate) engines: EngineIndex,
     /// Registrations refused because the service had stopped, whose
     /// futures were dropped before they could hand them back
     /// ([`KeepaliveHandle::take_handed_back`]).
@@ -82,7 +82,7 @@ impl<R> Clone for KeepaliveHandle<R> {
             inbox: self.inbox.clone(),
             sink: self.sink.clone(),
             events: self.events.clone(),
-            directory: self.directory.clone(),
+            engines: self.engines.clone(),
             handed_back: self.handed_back.clone(),
         }
     }
@@ -288,9 +288,9 @@ impl<R: Send + 'static> KeepaliveHandle<R> {
 
     /// The registered engine `engine`, if any.
     pub fn engine(&self, engine: &EngineId) -> Option<EngineRef> {
-        self.directory
+        self.engines
             .read()
-            .expect("directory poisoned")
+            .expect("engine index poisoned")
             .get(engine)
             .cloned()
     }
@@ -541,7 +541,7 @@ impl<R: Send + 'static> ReadyToLoad<R> {
     /// refused for who it is (that was decided at the claim); a service
     /// that is stopping takes it and releases it with the rest.
     ///
-    /// Ordering: when the future resolves, the engine is in the directory
+    /// Ordering: when the future resolves, the engine is in the engine index
     /// ([`KeepaliveHandle::engine`]) and its [`crate::Event::Registered`]
     /// has been published: a subscriber that drains its events right after
     /// finds it.

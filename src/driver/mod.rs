@@ -8,7 +8,7 @@
 //! transport's blocking calls and the watchdog that finds the hung ones.
 //! The core never imports any of them.
 
-pub(crate) mod engine;
+pub(crate) mod engine_ref;
 pub(crate) mod handle;
 pub(crate) mod offload;
 pub(crate) mod service;

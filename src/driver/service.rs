@@ -21,8 +21,8 @@ use tokio_util::sync::CancellationToken;
 use super::{Action, Answer, Core, Input};
 use crate::config::Config;
 use crate::core::RequestId;
-use crate::driver::engine::EngineRef;
-use crate::driver::handle::{Directory, KeepaliveHandle, Msg};
+use crate::driver::engine_ref::EngineRef;
+use crate::driver::handle::{EngineIndex, KeepaliveHandle, Msg};
 use crate::driver::offload::Offload;
 use crate::event::Event;
 use crate::registration::Registration;
@@ -55,7 +55,7 @@ pub struct Keepalive<T: Transport> {
     core: Core<T::Resources>,
     inbox: mpsc::UnboundedReceiver<Msg<T::Resources>>,
     events: broadcast::Sender<Event>,
-    directory: Directory,
+    engines: EngineIndex,
     /// Every transport call (heartbeat rounds, releases), off the async
     /// threads.
     offload: Offload<T>,
@@ -94,12 +94,12 @@ impl<T: Transport> Keepalive<T> {
     pub fn new(transport: Arc<T>, config: Config) -> (Self, KeepaliveHandle<T::Resources>) {
         let (inbox_tx, inbox) = mpsc::unbounded_channel();
         let (events, _) = broadcast::channel(config.event_capacity);
-        let directory = Directory::default();
+        let engines = EngineIndex::default();
         let handle = KeepaliveHandle {
             sink: Arc::new(inbox_tx.clone()),
             inbox: inbox_tx,
             events: events.clone(),
-            directory: directory.clone(),
+            engines: engines.clone(),
             handed_back: Default::default(),
         };
         let rng = match config.seed {
@@ -130,7 +130,7 @@ impl<T: Transport> Keepalive<T> {
             config,
             inbox,
             events,
-            directory,
+            engines,
             replies: Default::default(),
             orphans: Vec::new(),
             startup: Startup {
@@ -321,9 +321,9 @@ impl<T: Transport> Keepalive<T> {
                 let mut snapshot = self.core.snapshot(now);
                 snapshot.detection_bound = self.bound;
                 let ids: std::collections::HashMap<crate::registration::RegistrationId, EngineId> =
-                    self.directory
+                    self.engines
                         .read()
-                        .expect("directory poisoned")
+                        .expect("engine index poisoned")
                         .iter()
                         .map(|(id, e)| (e.cell.serial(), id.clone()))
                         .collect();
@@ -352,9 +352,9 @@ impl<T: Transport> Keepalive<T> {
             match action {
                 Action::Activated { cell } => {
                     let engine = EngineRef { cell };
-                    self.directory
+                    self.engines
                         .write()
-                        .expect("directory poisoned")
+                        .expect("engine index poisoned")
                         .insert(engine.id().clone(), engine);
                 }
                 Action::Answer { request, answer } => {
@@ -370,13 +370,13 @@ impl<T: Transport> Keepalive<T> {
                     }
                 }
                 Action::Forget { engine, serial } => {
-                    let mut directory = self.directory.write().expect("directory poisoned");
-                    if directory
+                    let mut engines = self.engines.write().expect("engine index poisoned");
+                    if engines
                         .get(&engine)
                         .is_some_and(|e| e.cell.serial() == serial)
                     {
-                        directory.remove(&engine);
-                        crate::shrink::after_removal(&mut *directory);
+                        engines.remove(&engine);
+                        crate::shrink::after_removal(&mut *engines);
                     }
                 }
                 Action::FailReads { cell } => cell.fail_reads(),

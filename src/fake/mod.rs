@@ -1,4 +1,4 @@
-//! A simulated UCX/NIXL world, as one decode engine's NIXL agent sees it.
+//! A simulated UCX/NIXL cluster, as one decode engine's NIXL agent sees it.
 //!
 //! [`FakeUcx`] implements [`Transport`] for tests: ours and yours. It holds
 //! prefill engines (processes with one NIXL agent per rank, listening on a
@@ -131,10 +131,10 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod audit;
+mod cluster;
 mod gate;
 mod record;
 mod status;
-mod world;
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -147,9 +147,9 @@ pub use gate::NotifyGate;
 pub use record::{FakeCall, FakeOp, Held};
 pub use status::nixl_status_from_ucs;
 
-use world::{Gone, HandleSlot, LoadedAgent, NotifyBlock, ProcessId, Silence, World};
+use cluster::{Cluster, Gone, HandleSlot, LoadedAgent, NotifyBlock, ProcessId, Silence};
 
-use crate::driver::engine::EngineRef;
+use crate::driver::engine_ref::EngineRef;
 use crate::driver::handle::{Handshake, KeepaliveHandle, Ready};
 use crate::error::ClaimRefused;
 use crate::registration::{Claim, Incarnation, Registration};
@@ -386,11 +386,11 @@ impl FakeResources {
     }
 }
 
-/// The simulated UCX/NIXL world of one decode engine. Cheap to clone: all
-/// clones share one world. See the [module docs](self).
+/// The simulated UCX/NIXL cluster of one decode engine. Cheap to clone: all
+/// clones share one cluster. See the [module docs](self).
 #[derive(Clone)]
 pub struct FakeUcx {
-    world: Arc<Mutex<World>>,
+    cluster: Arc<Mutex<Cluster>>,
 }
 
 impl Default for FakeUcx {
@@ -401,25 +401,25 @@ impl Default for FakeUcx {
 
 impl fmt::Debug for FakeUcx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let world = self.lock();
+        let cluster = self.lock();
         f.debug_struct("FakeUcx")
-            .field("config", &world.config)
-            .field("engines", &world.by_engine.len())
-            .field("held", &world.held_where(|_| true))
+            .field("config", &cluster.config)
+            .field("engines", &cluster.by_engine.len())
+            .field("held", &cluster.held_where(|_| true))
             .finish_non_exhaustive()
     }
 }
 
 impl FakeUcx {
-    /// An empty world.
+    /// An empty cluster.
     pub fn new(config: FakeConfig) -> Self {
         Self {
-            world: Arc::new(Mutex::new(World::new(config))),
+            cluster: Arc::new(Mutex::new(Cluster::new(config))),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, World> {
-        self.world.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Cluster> {
+        self.cluster.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The configuration.
@@ -437,9 +437,9 @@ impl FakeUcx {
     /// # Panics
     /// If `ranks` is 0.
     pub fn spawn_prefill(&self, addr: PeerAddr, ranks: usize) -> EngineId {
-        let mut world = self.lock();
-        let id = world.fresh_engine_id();
-        world.spawn(addr, id, ranks)
+        let mut cluster = self.lock();
+        let id = cluster.fresh_engine_id();
+        cluster.spawn(addr, id, ranks)
     }
 
     /// Starts a prefill engine with a pinned engine id. Same agent names as
@@ -461,22 +461,22 @@ impl FakeUcx {
     /// number of ranks: the old process is gone (as in crash), the new one
     /// listens at `addr`. Works after a crash too.
     pub fn restart(&self, addr: &PeerAddr) -> EngineId {
-        let mut world = self.lock();
-        let old = world.process_at(addr);
-        let ranks = world.processes[old].agents.len();
-        let id = world.fresh_engine_id();
-        world.spawn(addr.clone(), id, ranks)
+        let mut cluster = self.lock();
+        let old = cluster.process_at(addr);
+        let ranks = cluster.processes[old].agents.len();
+        let id = cluster.fresh_engine_id();
+        cluster.spawn(addr.clone(), id, ranks)
     }
 
     /// Restarts the engine at `addr` under the same engine id (pinned), so
     /// with the same agent names: the decode side must invalidate the old
     /// metadata before it can load the new one.
     pub fn restart_with_same_id(&self, addr: &PeerAddr) -> EngineId {
-        let mut world = self.lock();
-        let old = world.process_at(addr);
-        let ranks = world.processes[old].agents.len();
-        let id = world.processes[old].engine.clone();
-        world.spawn(addr.clone(), id, ranks)
+        let mut cluster = self.lock();
+        let old = cluster.process_at(addr);
+        let ranks = cluster.processes[old].agents.len();
+        let id = cluster.processes[old].engine.clone();
+        cluster.spawn(addr.clone(), id, ranks)
     }
 
     /// A hostile (or misconfigured) prefill at `addr` that answers every
@@ -485,37 +485,37 @@ impl FakeUcx {
     /// loads the victim's own agents (NIXL accepts identical metadata twice
     /// and keeps one entry). Whatever listened at `addr` is gone.
     pub fn replay_at(&self, addr: PeerAddr, victim: &EngineId) {
-        let mut world = self.lock();
-        let p = world.process_of(victim);
-        if let Some(&old) = world.by_addr.get(&addr) {
-            world.processes[old]
+        let mut cluster = self.lock();
+        let p = cluster.process_of(victim);
+        if let Some(&old) = cluster.by_addr.get(&addr) {
+            cluster.processes[old]
                 .gone
                 .get_or_insert(Gone { during_read: false });
         }
-        world.replays.insert(addr, p);
+        cluster.replays.insert(addr, p);
     }
 
     /// The engine listening at `addr` now, if any.
     pub fn engine_at(&self, addr: &PeerAddr) -> Option<EngineId> {
-        let world = self.lock();
-        let p = *world.by_addr.get(addr)?;
-        let process = &world.processes[p];
+        let cluster = self.lock();
+        let p = *cluster.by_addr.get(addr)?;
+        let process = &cluster.processes[p];
         process.gone.is_none().then(|| process.engine.clone())
     }
 
     /// The agents of an engine, in rank order.
     pub fn agents_of(&self, engine: &EngineId) -> Vec<AgentName> {
-        let world = self.lock();
-        world.processes[world.process_of(engine)].agents.clone()
+        let cluster = self.lock();
+        cluster.processes[cluster.process_of(engine)].agents.clone()
     }
 
     // ---- faults ----
 
-    fn with_process(&self, engine: &EngineId, f: impl FnOnce(&mut World, ProcessId, Instant)) {
+    fn with_process(&self, engine: &EngineId, f: impl FnOnce(&mut Cluster, ProcessId, Instant)) {
         let now = Instant::now();
-        let mut world = self.lock();
-        let p = world.process_of(engine);
-        f(&mut world, p, now);
+        let mut cluster = self.lock();
+        let p = cluster.process_of(engine);
+        f(&mut cluster, p, now);
     }
 
     /// The engine's process is killed: the next operation on each endpoint
@@ -662,11 +662,11 @@ impl FakeUcx {
     }
 
     fn set_block(&self, engine: &EngineId, block: Option<NotifyBlock>) {
-        let mut world = self.lock();
-        world.process_of(engine);
+        let mut cluster = self.lock();
+        cluster.process_of(engine);
         let old = match block {
-            Some(block) => world.blocks.insert(engine.clone(), block),
-            None => world.blocks.remove(engine),
+            Some(block) => cluster.blocks.insert(engine.clone(), block),
+            None => cluster.blocks.remove(engine),
         };
         if let Some(NotifyBlock::Gate(gate)) = old {
             gate.open();
@@ -678,9 +678,9 @@ impl FakeUcx {
     /// Asks the side channel at `addr` for the engine's id and metadata.
     pub fn fetch_metadata(&self, addr: &PeerAddr) -> Result<FakeMetadata, FakeError> {
         let now = Instant::now();
-        let world = self.lock();
-        if let Some(&victim) = world.replays.get(addr) {
-            let process = &world.processes[victim];
+        let cluster = self.lock();
+        if let Some(&victim) = cluster.replays.get(addr) {
+            let process = &cluster.processes[victim];
             return Ok(FakeMetadata {
                 engine: process.engine.clone(),
                 addr: addr.clone(),
@@ -688,14 +688,14 @@ impl FakeUcx {
                 process: victim,
             });
         }
-        let Some(&p) = world.by_addr.get(addr) else {
+        let Some(&p) = cluster.by_addr.get(addr) else {
             return Err(FakeError::NoListener(addr.clone()));
         };
-        let process = &world.processes[p];
+        let process = &cluster.processes[p];
         if process.gone.is_some() {
             return Err(FakeError::NoListener(addr.clone()));
         }
-        if world.is_silent(p, now) {
+        if cluster.is_silent(p, now) {
             return Err(FakeError::Unresponsive {
                 addr: addr.clone(),
                 engine: process.engine.clone(),
@@ -720,7 +720,7 @@ impl FakeUcx {
     /// on first use.
     pub fn load_metadata(&self, metadata: &FakeMetadata) -> Result<FakeHandshake, FakeError> {
         let now = Instant::now();
-        let mut world = self.lock();
+        let mut cluster = self.lock();
         let engine = Some(metadata.engine.clone());
         let call = |op, agent: &AgentName, status| FakeCall {
             at: now,
@@ -731,14 +731,14 @@ impl FakeUcx {
             ucs: None,
             status,
         };
-        let agents = world.processes[metadata.process].agents.clone();
+        let agents = cluster.processes[metadata.process].agents.clone();
         if let Some(agent) = agents.iter().find(|a| {
-            world
+            cluster
                 .loaded
                 .get(*a)
                 .is_some_and(|l| l.process != metadata.process)
         }) {
-            world.record(call(
+            cluster.record(call(
                 FakeOp::LoadRemoteMd,
                 agent,
                 NixlStatus::ERR_NOT_ALLOWED,
@@ -749,22 +749,22 @@ impl FakeUcx {
             });
         }
         for agent in &agents {
-            world.loaded.entry(agent.clone()).or_insert(LoadedAgent {
+            cluster.loaded.entry(agent.clone()).or_insert(LoadedAgent {
                 process: metadata.process,
                 loaded_at: now,
                 failed: None,
             });
-            world.record(call(FakeOp::LoadRemoteMd, agent, NixlStatus::SUCCESS));
+            cluster.record(call(FakeOp::LoadRemoteMd, agent, NixlStatus::SUCCESS));
         }
         let mut handles = Vec::with_capacity(agents.len());
         for agent in &agents {
-            handles.push(world.handles.len());
-            world.handles.push(HandleSlot {
+            handles.push(cluster.handles.len());
+            cluster.handles.push(HandleSlot {
                 process: metadata.process,
                 agent: agent.clone(),
                 released: false,
             });
-            world.record(call(FakeOp::PrepXferDlist, agent, NixlStatus::SUCCESS));
+            cluster.record(call(FakeOp::PrepXferDlist, agent, NixlStatus::SUCCESS));
         }
         Ok(FakeHandshake {
             engine: metadata.engine.clone(),
@@ -867,9 +867,9 @@ impl FakeUcx {
     /// One transfer with every rank of the engine (see [`FakeUcx::read`]).
     fn transfer(&self, op: FakeOp, engine: &EngineId) -> NixlStatus {
         let agents = {
-            let world = self.lock();
-            match world.by_engine.get(engine) {
-                Some(&p) => world.processes[p].agents.clone(),
+            let cluster = self.lock();
+            match cluster.by_engine.get(engine) {
+                Some(&p) => cluster.processes[p].agents.clone(),
                 None => Vec::new(),
             }
         };
@@ -909,12 +909,12 @@ impl FakeUcx {
         agent: Option<&AgentName>,
     ) -> NixlStatus {
         let now = Instant::now();
-        let mut world = self.lock();
+        let mut cluster = self.lock();
         let (ucs, status) = match agent {
-            Some(agent) => world.endpoint_op(agent, op, now),
+            Some(agent) => cluster.endpoint_op(agent, op, now),
             None => (None, NixlStatus::ERR_NOT_FOUND),
         };
-        world.record(FakeCall {
+        cluster.record(FakeCall {
             at: now,
             op,
             engine,
@@ -973,17 +973,17 @@ impl FakeUcx {
 
     /// What the decode side holds for one engine id (any start with it).
     pub fn held_by(&self, engine: &EngineId) -> Held {
-        let world = self.lock();
-        world.held_where(|p| &world.processes[p].engine == engine)
+        let cluster = self.lock();
+        cluster.held_where(|p| &cluster.processes[p].engine == engine)
     }
 
     /// Panics, listing what is held, unless every loaded agent was
     /// invalidated and every prepped handle released (resources dropped
     /// without release count as leaked).
     pub fn assert_nothing_leaked(&self) {
-        let world = self.lock();
-        let agents: Vec<&AgentName> = world.loaded.keys().collect();
-        let handles: Vec<&AgentName> = world
+        let cluster = self.lock();
+        let agents: Vec<&AgentName> = cluster.loaded.keys().collect();
+        let handles: Vec<&AgentName> = cluster
             .handles
             .iter()
             .filter(|h| !h.released)
@@ -997,16 +997,16 @@ impl FakeUcx {
     }
 }
 
-/// Removes a failure watch from the world when dropped.
+/// Removes a failure watch from the cluster when dropped.
 struct FakeWatch {
-    world: std::sync::Weak<Mutex<World>>,
+    cluster: std::sync::Weak<Mutex<Cluster>>,
     id: u64,
 }
 
 impl Drop for FakeWatch {
     fn drop(&mut self) {
-        if let Some(world) = self.world.upgrade() {
-            let mut w = world.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(cluster) = self.cluster.upgrade() {
+            let mut w = cluster.lock().unwrap_or_else(|e| e.into_inner());
             w.watchers.retain(|(id, _)| *id != self.id);
         }
     }
@@ -1016,21 +1016,21 @@ impl Transport for FakeUcx {
     type Resources = FakeResources;
 
     fn watch_failures(&self, suspicions: Suspicions) -> Result<FailureWatch, String> {
-        let mut world = self.lock();
-        world.next_watcher += 1;
-        let id = world.next_watcher;
-        world.watchers.push((id, suspicions));
+        let mut cluster = self.lock();
+        cluster.next_watcher += 1;
+        let id = cluster.next_watcher;
+        cluster.watchers.push((id, suspicions));
         Ok(FailureWatch::new(FakeWatch {
-            world: Arc::downgrade(&self.world),
+            cluster: Arc::downgrade(&self.cluster),
             id,
         }))
     }
 
     fn notify(&self, agent: &AgentName, message: &[u8]) -> Result<(), TransportError> {
         let (engine, block) = {
-            let world = self.lock();
-            let engine = world.agent_engine.get(agent).cloned();
-            let block = engine.as_ref().and_then(|e| world.blocks.get(e).cloned());
+            let cluster = self.lock();
+            let engine = cluster.agent_engine.get(agent).cloned();
+            let block = engine.as_ref().and_then(|e| cluster.blocks.get(e).cloned());
             (engine, block)
         };
         match block {
@@ -1039,9 +1039,9 @@ impl Transport for FakeUcx {
             None => {}
         }
         let now = Instant::now();
-        let mut world = self.lock();
-        let (ucs, status) = world.endpoint_op(agent, FakeOp::Notify, now);
-        world.record(FakeCall {
+        let mut cluster = self.lock();
+        let (ucs, status) = cluster.endpoint_op(agent, FakeOp::Notify, now);
+        cluster.record(FakeCall {
             at: now,
             op: FakeOp::Notify,
             engine,
@@ -1074,10 +1074,10 @@ impl Transport for FakeUcx {
         transfers: Transfers,
     ) -> Vec<ReleaseStep> {
         let now = Instant::now();
-        let mut world = self.lock();
+        let mut cluster = self.lock();
         let mut steps = Vec::with_capacity(resources.handles.len() + agents.len());
         for (index, &handle) in resources.handles.iter().enumerate() {
-            let slot = &mut world.handles[handle];
+            let slot = &mut cluster.handles[handle];
             let status = if slot.released {
                 NixlStatus::ERR_NOT_FOUND
             } else {
@@ -1085,7 +1085,7 @@ impl Transport for FakeUcx {
                 NixlStatus::SUCCESS
             };
             let agent = slot.agent.clone();
-            world.record(FakeCall {
+            cluster.record(FakeCall {
                 at: now,
                 op: FakeOp::ReleaseDlist,
                 engine: Some(engine.clone()),
@@ -1099,9 +1099,9 @@ impl Transport for FakeUcx {
                 status,
             });
         }
-        let flush_close = world.config.nixl_flush_close;
+        let flush_close = cluster.config.nixl_flush_close;
         for agent in agents {
-            let removed = world.loaded.remove(agent);
+            let removed = cluster.loaded.remove(agent);
             let status = match removed {
                 Some(_) => NixlStatus::SUCCESS,
                 None => NixlStatus::ERR_NOT_FOUND,
@@ -1116,7 +1116,7 @@ impl Transport for FakeUcx {
                     EndpointClose::Closed { endpoints: 1 }
                 }
             });
-            world.record(FakeCall {
+            cluster.record(FakeCall {
                 at: now,
                 op: FakeOp::InvalidateRemoteMd,
                 engine: Some(engine.clone()),
@@ -1126,7 +1126,7 @@ impl Transport for FakeUcx {
                 status,
             });
             if status.is_ok() && transfers == Transfers::Ended {
-                world.record(FakeCall {
+                cluster.record(FakeCall {
                     at: now,
                     op: FakeOp::ShutConnections,
                     engine: Some(engine.clone()),

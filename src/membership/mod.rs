@@ -90,21 +90,21 @@
 //!   side's lease-backed registration).
 //! - [`Reconciler`]: a synchronous state machine from source events to
 //!   [`Decision`]s; no clock, no I/O.
-//! - [`spawn`]: the driver; it applies the actions to a
+//! - [`spawn`]: the membership task; it applies the actions to a
 //!   [`KeepaliveHandle`](crate::KeepaliveHandle) and tells the runtime through
 //!   [`MembershipUpdate`]s.
 
-mod driver;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod memory;
 mod reconciler;
 mod refusals;
 mod schema;
+mod task;
 
-pub use driver::{spawn, MembershipConfig, MembershipUpdate};
 pub use reconciler::{Decision, MembershipSource, Reconciler, RetireWhy, SourceEvent};
 pub use refusals::{REFUSALS_BURST, REFUSALS_PERIOD};
 pub use schema::{Member, SchemaError, DEFAULT_PREFIX, MAX_KEY, MAX_RECORD};
+pub use task::{spawn, MembershipConfig, MembershipUpdate};
 
 pub use crate::text::{MAX_ADDRESS, MAX_ENGINE_ID, MAX_RANKS};

@@ -1200,7 +1200,7 @@ impl Decoder {
     /// still pending.
     ///
     /// A read given up in progress (timed out, or failed by the service)
-    /// ends its guard with [`nixl_keepalive::ReadGuard::give_up`]: not a
+    /// ends its guard with [`nixl_keepalive::TransferGuard::give_up`]: not a
     /// completion, and for a time-out the service's evidence of a hung
     /// prefill. Its landing slot stays lent until the service says the
     /// transfer is over ([`Destination::Reusable`]), else for good.

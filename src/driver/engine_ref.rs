@@ -1,5 +1,5 @@
 //! The runtime's handles on one registration: [`EngineRef`] to start reads
-//! and report transfers, [`ReadGuard`] for one read in flight,
+//! and report transfers, [`TransferGuard`] for one read in flight,
 //! [`GivenUpRead`] for a read the runtime stopped waiting for while its
 //! transfer was in progress. All are bound to the registration they came
 //! from, never to whatever registration holds the engine id later: a late
@@ -19,11 +19,11 @@
 //!
 //! # A read ends one of two ways
 //!
-//! - [`ReadGuard::finish`] with the status the transfer ended with
+//! - [`TransferGuard::finish`] with the status the transfer ended with
 //!   (`SUCCESS`, or an error): the transfer is over, its destination
 //!   buffer is the runtime's again. Dropping the guard means the same
 //!   (a completion).
-//! - [`ReadGuard::give_up`]: the runtime stopped waiting for a transfer
+//! - [`TransferGuard::give_up`]: the runtime stopped waiting for a transfer
 //!   still in progress (its read timeout, a cancelled request, or the
 //!   service failed the engine's reads) and fails its request now. Not a
 //!   completion: a read given up unanswered is evidence that the engine is
@@ -116,7 +116,7 @@ impl EngineRef {
     /// engine); any other thread's are one atomic read-modify-write each.
     /// A guard may still end on another thread (a task that moved): it is
     /// counted once either way. For a read that outlives the reference,
-    /// use [`EngineRef::begin_read_owned`] (or [`ReadGuard::into_owned`]),
+    /// use [`EngineRef::begin_read_owned`] (or [`TransferGuard::into_owned`]),
     /// as with tokio's `Semaphore::acquire` and `acquire_owned`.
     ///
     /// Fails at once, without waiting, when the engine is unreachable,
@@ -129,7 +129,7 @@ impl EngineRef {
     #[inline]
     pub fn begin_read(&self) -> Result<ReadGuard<'_>, ReadRefused> {
         match self.cell.begin_read() {
-            Ok(begun) => Ok(ReadGuard {
+            Ok(begun) => Ok(TransferGuard {
                 cell: &self.cell,
                 begun,
             }),
@@ -142,7 +142,7 @@ impl EngineRef {
     /// same guard and the same rules as [`EngineRef::begin_read`]: hold it
     /// until the WRITE is DONE, failed or released; the service does not
     /// release the engine (its remote metadata, the keys to its memory)
-    /// before. A write given up in progress ([`ReadGuard::give_up`]) is
+    /// before. A write given up in progress ([`TransferGuard::give_up`]) is
     /// not provably over either: UCX may still be reading the local source
     /// buffer, which is reusable only when the [`GivenUpRead`] says
     /// [`Destination::Reusable`].
@@ -163,7 +163,7 @@ impl EngineRef {
     /// operations per read (the `Arc`'s), for reads whose guard outlives
     /// the reference.
     pub fn begin_read_owned(&self) -> Result<OwnedReadGuard, ReadRefused> {
-        self.begin_read().map(ReadGuard::into_owned)
+        self.begin_read().map(TransferGuard::into_owned)
     }
 
     /// Accounts for a transfer from this engine that is already running
@@ -179,7 +179,7 @@ impl EngineRef {
     /// Never use it to start a transfer.
     pub fn adopt_posted_read(&self) -> Result<OwnedReadGuard, ReadRefused> {
         match self.cell.begin_posted() {
-            Ok(begun) => Ok(ReadGuard {
+            Ok(begun) => Ok(TransferGuard {
                 cell: &self.cell,
                 begun,
             }
@@ -200,7 +200,7 @@ impl EngineRef {
     }
 
     /// Reports how a transfer from this registration ended, for transfers
-    /// not tracked with a [`ReadGuard`] (use [`ReadGuard::finish`]
+    /// not tracked with a [`TransferGuard`] (use [`TransferGuard::finish`]
     /// otherwise). Successes are not sent anywhere.
     pub fn report_transfer(&self, status: NixlStatus) {
         self.cell.report(status);
@@ -222,15 +222,17 @@ impl fmt::Debug for EngineRef {
     }
 }
 
-/// One read in flight, borrowing its [`EngineRef`] (see
+/// One transfer in flight (a pull-mode READ or a push-mode WRITE: the
+/// service counts both alike, hence the one type and its two names,
+/// [`ReadGuard`] and [`WriteGuard`]), borrowing its [`EngineRef`] (see
 /// [`EngineRef::begin_read`]). Dropping it ends the read as a completion.
 ///
-/// Report how the transfer ended with [`ReadGuard::finish`]: a
+/// Report how the transfer ended with [`TransferGuard::finish`]: a
 /// REMOTE_DISCONNECT result is how production learns of most dead peers.
 /// A transfer the runtime stops waiting for while it is in progress ends
-/// with [`ReadGuard::give_up`] instead.
+/// with [`TransferGuard::give_up`] instead.
 #[must_use = "dropping the guard ends the read at once, as a completion"]
-pub struct ReadGuard<'a> {
+pub struct TransferGuard<'a> {
     cell: &'a Arc<EngineCell>,
     /// What the cell's `begin_read` returned (the engine's completed count
     /// when the read began, and which count the read is in), or
@@ -239,35 +241,43 @@ pub struct ReadGuard<'a> {
     begun: u64,
 }
 
-/// One read in flight, like [`ReadGuard`], owning a reference to its
+/// One read in flight, like [`TransferGuard`], owning a reference to its
 /// registration: for reads whose guard moves to another task or thread
 /// ([`EngineRef::begin_read_owned`]). Dropping it ends the read as a
 /// completion.
 #[must_use = "dropping the guard ends the read at once, as a completion"]
-pub struct OwnedReadGuard {
+pub struct OwnedTransferGuard {
     cell: Arc<EngineCell>,
-    /// As in [`ReadGuard`].
+    /// As in [`TransferGuard`].
     begun: u64,
 }
 
+/// One pull-mode read in flight: the name the pull-mode runtimes know
+/// it by (see [`TransferGuard`]).
+pub type ReadGuard<'a> = TransferGuard<'a>;
+
 /// One push-mode write in flight: the same guard as a read's (see the
 /// module docs, "Reads and writes").
-pub type WriteGuard<'a> = ReadGuard<'a>;
+pub type WriteGuard<'a> = TransferGuard<'a>;
+
+/// One pull-mode read in flight, owning a reference to its registration
+/// (see [`OwnedTransferGuard`]).
+pub type OwnedReadGuard = OwnedTransferGuard;
 
 /// One push-mode write in flight, owning a reference to its registration:
-/// the same guard as [`OwnedReadGuard`].
-pub type OwnedWriteGuard = OwnedReadGuard;
+/// the same guard as [`OwnedTransferGuard`].
+pub type OwnedWriteGuard = OwnedTransferGuard;
 
 /// Not a begin's value (those are a 36-bit completed count, with at most
 /// the top bit set for the owner's path): marks a guard whose read is no
 /// longer its to end.
 const GIVEN_UP: u64 = u64::MAX;
 
-impl ReadGuard<'_> {
+impl TransferGuard<'_> {
     /// The same read, with a guard that owns a reference to the
     /// registration (one more atomic operation now and one at its end).
-    pub fn into_owned(mut self) -> OwnedReadGuard {
-        OwnedReadGuard {
+    pub fn into_owned(mut self) -> OwnedTransferGuard {
+        OwnedTransferGuard {
             cell: Arc::clone(self.cell),
             begun: std::mem::replace(&mut self.begun, GIVEN_UP),
         }
@@ -370,8 +380,8 @@ macro_rules! read_guard {
     };
 }
 
-read_guard!(ReadGuard<'_>, "ReadGuard", |this| this.cell);
-read_guard!(OwnedReadGuard, "OwnedReadGuard", |this| &this.cell);
+read_guard!(TransferGuard<'_>, "TransferGuard", |this| this.cell);
+read_guard!(OwnedTransferGuard, "OwnedTransferGuard", |this| &this.cell);
 
 /// What may become of the destination buffer of a given-up read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -403,7 +413,7 @@ const OVER: u8 = 1;
 const ABANDONED: u8 = 2;
 
 /// A read given up while its transfer was in progress
-/// ([`ReadGuard::give_up`]): the runtime's token for the read's destination
+/// ([`TransferGuard::give_up`]): the runtime's token for the read's destination
 /// buffer, and the fence on the engine while the transfer may still run.
 ///
 /// The request is failed at once, but the transfer is not over, so until

@@ -16,7 +16,7 @@ use crate::transport::{AgentName, EngineId, PeerAddr};
 use nixl_agent::NixlStatus;
 use ucx_sys::UcsStatus;
 
-/// Index of a process in `World::processes`: one per engine start.
+/// Index of a process in `Cluster::processes`: one per engine start.
 pub(super) type ProcessId = usize;
 
 /// How the network sees a prefill process.
@@ -72,8 +72,10 @@ pub(super) enum NotifyBlock {
     Sleep(std::time::Duration),
 }
 
+/// The simulated cluster: every prefill process the fake started (each
+/// engine start is one), and the decode agent's view of them.
 #[derive(Debug)]
-pub(super) struct World {
+pub(super) struct Cluster {
     pub(super) config: FakeConfig,
     pub(super) next_engine: u64,
     pub(super) processes: Vec<Process>,
@@ -94,7 +96,7 @@ pub(super) struct World {
     pub(super) next_watcher: u64,
 }
 
-impl World {
+impl Cluster {
     pub(super) fn new(config: FakeConfig) -> Self {
         Self {
             config,
