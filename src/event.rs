@@ -97,7 +97,8 @@ pub struct WaitedFor {
 /// `_ => {}`, and name fields with `..`. Its `Display` is the one text form
 /// of an event, `<kind> key=value ...` (what `nixl-keepalive decode`
 /// prints after `event: `); with the `serde` feature it serializes as a
-/// map of the same fields under `"event": <kind>`.
+/// map of the same fields under `"event": <kind>`. Both walk
+/// [`Event::each_field`], as the Python package's event dicts do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Event {
@@ -272,9 +273,12 @@ impl Event {
     }
 }
 
-/// One value of an event's rendering: what it is decides how the line and
-/// the serialized form write it.
-enum Value<'a> {
+/// One field's value, as [`Event::each_field`] gives it: what it is
+/// decides how a rendering writes it. New kinds of value may come in any
+/// release: end a match with a fallback.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EventField<'a> {
     /// A name from a peer (engine id, address): escaped in the line, a
     /// string as it is when serialized.
     Name(&'a str),
@@ -290,8 +294,9 @@ enum Value<'a> {
     /// A raw NIXL status: `NAME (raw)` in the line; the raw number, and
     /// its name under `<key>_name`, when serialized.
     Status(NixlStatus),
-    /// A time, in whole milliseconds (the key says `_ms`).
-    Millis(Duration),
+    /// A time in whole milliseconds (the key says `_ms`), the one unit of
+    /// every rendering.
+    Millis(u64),
 }
 
 impl Event {
@@ -313,15 +318,27 @@ impl Event {
         }
     }
 
-    /// Every field of the event, in the order the line shows them: the one
-    /// list both renderings (`Display`, `Serialize`) walk, so they cannot
-    /// disagree.
-    fn each_field<E>(
+    /// Every field of the event with its key, in the order the line shows
+    /// them, stopping at the first error `f` returns. The one walk every
+    /// rendering of an event makes: `Display`, `Serialize` and the Python
+    /// package's event dicts, so that they cannot disagree on a key, a
+    /// unit or an order (they did, when each had its own list). A
+    /// rendering of its own should walk it too, writing the kind
+    /// ([`Event::kind`]) first.
+    ///
+    /// The keys are the line's: `reads`, `stalled_ms` and `given_up` for
+    /// [`Event::Stalled`]; `waited_ms`, `reads_at_mark` and `handshake`
+    /// (the [`WaitedFor`], flat) for [`Event::Released`]; `old`,
+    /// `old_registration`, `new` and `address` for [`Event::Replaced`];
+    /// `kind` (what collided, [`Conflict::kind`]), `engine` and `detail`
+    /// for [`Event::Conflict`].
+    pub fn each_field<E>(
         &self,
-        mut f: impl FnMut(&'static str, Value<'_>) -> Result<(), E>,
+        mut f: impl FnMut(&'static str, EventField<'_>) -> Result<(), E>,
     ) -> Result<(), E> {
-        use Value::*;
+        use EventField::*;
         let id = |r: &RegistrationId| Number(r.get());
+        let ms = |d: &Duration| Millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         match self {
             Event::Registered {
                 engine,
@@ -380,7 +397,7 @@ impl Event {
                 f("engine", Name(engine.as_str()))?;
                 f("registration", id(registration))?;
                 f("reads", Number(*reads_in_flight))?;
-                f("stalled_ms", Millis(*stalled_for))?;
+                f("stalled_ms", ms(stalled_for))?;
                 f("given_up", Number(*given_up))?;
                 f("failed", Flag(*failed))
             }
@@ -405,7 +422,7 @@ impl Event {
                 f("engine", Name(engine.as_str()))?;
                 f("registration", id(registration))?;
                 f("reason", Word(reason.as_str()))?;
-                f("waited_ms", Millis(waited_for.duration))?;
+                f("waited_ms", ms(&waited_for.duration))?;
                 f("reads_at_mark", Number(waited_for.reads_in_flight_at_mark))?;
                 f("handshake", Flag(waited_for.handshake))?;
                 f("failed_steps", Number(*failed_steps as u64))?;
@@ -444,13 +461,13 @@ impl std::fmt::Display for Event {
         self.each_field(|key, value| {
             write!(f, " {key}=")?;
             match value {
-                Value::Name(name) => crate::text::write_escaped_uncut(f, name),
-                Value::Text(text) => write!(f, "{text:?}"),
-                Value::Word(word) => f.write_str(word),
-                Value::Number(n) => write!(f, "{n}"),
-                Value::Flag(b) => write!(f, "{b}"),
-                Value::Status(status) => write!(f, "{status}"),
-                Value::Millis(d) => write!(f, "{}", d.as_millis()),
+                EventField::Name(name) => crate::text::write_escaped_uncut(f, name),
+                EventField::Text(text) => write!(f, "{text:?}"),
+                EventField::Word(word) => f.write_str(word),
+                EventField::Number(n) => write!(f, "{n}"),
+                EventField::Flag(b) => write!(f, "{b}"),
+                EventField::Status(status) => write!(f, "{status}"),
+                EventField::Millis(ms) => write!(f, "{ms}"),
             }
         })
     }
@@ -467,17 +484,15 @@ impl serde::Serialize for Event {
         let mut map = serializer.serialize_map(None)?;
         map.serialize_entry("event", self.kind())?;
         self.each_field(|key, value| match value {
-            Value::Name(s) | Value::Text(s) => map.serialize_entry(key, s),
-            Value::Word(word) => map.serialize_entry(key, word),
-            Value::Number(n) => map.serialize_entry(key, &n),
-            Value::Flag(b) => map.serialize_entry(key, &b),
-            Value::Status(status) => {
+            EventField::Name(s) | EventField::Text(s) => map.serialize_entry(key, s),
+            EventField::Word(word) => map.serialize_entry(key, word),
+            EventField::Number(n) => map.serialize_entry(key, &n),
+            EventField::Flag(b) => map.serialize_entry(key, &b),
+            EventField::Status(status) => {
                 map.serialize_entry(key, &status.raw())?;
                 map.serialize_entry(&format!("{key}_name"), status.name())
             }
-            Value::Millis(d) => {
-                map.serialize_entry(key, &u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-            }
+            EventField::Millis(ms) => map.serialize_entry(key, &ms),
         })?;
         map.end()
     }
@@ -571,6 +586,120 @@ mod tests {
         let json = serde_json::to_value(unreachable).unwrap();
         assert_eq!(json["status"], -10);
         assert_eq!(json["status_name"], "NIXL_ERR_REMOTE_DISCONNECT");
+    }
+
+    /// The keys of every kind, pinned: the Python package's event dicts
+    /// are made of them too, so a change here is a breaking change there
+    /// (CHANGELOG).
+    #[test]
+    fn the_walk_s_keys_of_every_kind() {
+        let engine = || EngineId::from("p-1");
+        let reg = RegistrationId(7);
+        let addr = || PeerAddr::from("10.0.0.1:5600");
+        let events = [
+            Event::Registered {
+                engine: engine(),
+                registration: reg,
+                address: addr(),
+            },
+            Event::Unreachable {
+                engine: engine(),
+                registration: reg,
+                status: NixlStatus::ERR_REMOTE_DISCONNECT,
+                source: Source::Heartbeat,
+            },
+            Event::Replaced {
+                old: engine(),
+                old_registration: reg,
+                new: EngineId::from("p-2"),
+                address: addr(),
+            },
+            Event::Retiring {
+                engine: engine(),
+                registration: reg,
+                fail_reads: true,
+            },
+            Event::Stalled {
+                engine: engine(),
+                registration: reg,
+                reads_in_flight: 2,
+                stalled_for: Duration::from_millis(1_500),
+                given_up: 1,
+                failed: true,
+            },
+            Event::ReadsFailed {
+                engine: engine(),
+                registration: reg,
+                count: 2,
+            },
+            Event::TransientError {
+                engine: engine(),
+                registration: reg,
+                status: NixlStatus::ERR_BACKEND,
+                source: Source::Transfer,
+            },
+            released(),
+            Event::Conflict {
+                conflict: Conflict::EngineInUse {
+                    engine: engine(),
+                    address: addr(),
+                },
+            },
+            Event::TransportPanicked {
+                engine: engine(),
+                registration: reg,
+                call: "genNotif",
+                message: "boom".into(),
+            },
+        ];
+        let keys: Vec<(&str, Vec<&str>)> = events
+            .iter()
+            .map(|e| {
+                let mut keys = Vec::new();
+                e.each_field(|key, _| {
+                    keys.push(key);
+                    Ok::<_, ()>(())
+                })
+                .unwrap();
+                (e.kind(), keys)
+            })
+            .collect();
+        let base = ["engine", "registration"];
+        let with = |rest: &[&'static str]| [&base[..], rest].concat();
+        assert_eq!(
+            keys,
+            vec![
+                ("registered", with(&["address"])),
+                ("unreachable", with(&["status", "source"])),
+                (
+                    "replaced",
+                    vec!["old", "old_registration", "new", "address"]
+                ),
+                ("retiring", with(&["fail_reads"])),
+                (
+                    "stalled",
+                    with(&["reads", "stalled_ms", "given_up", "failed"])
+                ),
+                ("reads_failed", with(&["count"])),
+                ("transient_error", with(&["status", "source"])),
+                (
+                    "released",
+                    with(&[
+                        "reason",
+                        "waited_ms",
+                        "reads_at_mark",
+                        "handshake",
+                        "failed_steps",
+                        "panicked",
+                        "endpoints_left_open"
+                    ])
+                ),
+                ("conflict", vec!["kind", "engine", "detail"]),
+                ("transport_panicked", with(&["call", "message"])),
+            ]
+        );
+        let stalled = events[4].to_string();
+        assert!(stalled.contains(" stalled_ms=1500 "), "{stalled}");
     }
 
     #[cfg(all(feature = "serde", feature = "membership"))]

@@ -23,92 +23,105 @@ EngineStateName = Literal["live", "unreachable", "replaced", "retiring", "stalle
 DestinationName = Literal["reusable", "retire"]
 GiveUpName = Literal["timed_out", "cancelled"]
 
+# An event's dict is its line's fields (``nixl-keepalive decode`` prints
+# the line; the Rust crate's JSON has the same keys), made by the library's
+# one walk of them (``Event::each_field``): ``kind``, then each field under
+# the line's key. A status is its raw int with its name under
+# ``<key>_name``, a time whole milliseconds under an ``_ms`` key.
+
 class _EventBase(TypedDict, total=False):
-    registration: int
     #: Set by the Python side's own collectors (tests), not by the service.
     at: float
 
 class RegisteredEvent(_EventBase):
     kind: Literal["registered"]
     engine: str
+    registration: int
     address: str
 
 class UnreachableEvent(_EventBase):
     kind: Literal["unreachable"]
     engine: str
+    registration: int
     status: int
     status_name: str
     source: Literal["heartbeat", "transfer"]
 
 class ReplacedEvent(_EventBase):
     kind: Literal["replaced"]
-    engine: str
+    #: The engine that was at the address, and its registration (released
+    #: once idle).
     old: str
+    old_registration: int
+    #: The engine there now.
     new: str
     address: str
 
 class RetiringEvent(_EventBase):
     kind: Literal["retiring"]
     engine: str
+    registration: int
     fail_reads: bool
 
 class StalledEvent(_EventBase):
     kind: Literal["stalled"]
     engine: str
-    reads_in_flight: int
-    stalled_for: float
-    failed: bool
+    registration: int
+    #: Reads in flight when it was found stalled.
+    reads: int
+    #: How long at least it had a read outstanding and none completed.
+    stalled_ms: int
     given_up: int
+    failed: bool
 
 class ReadsFailedEvent(_EventBase):
     kind: Literal["reads_failed"]
     engine: str
+    registration: int
     count: int
 
 class TransientErrorEvent(_EventBase):
     kind: Literal["transient_error"]
     engine: str
+    registration: int
     status: int
     status_name: str
     source: Literal["heartbeat", "transfer"]
 
-class WaitedFor(TypedDict):
-    duration: float
-    reads_in_flight_at_mark: int
-    handshake: bool
-
 class ReleasedEvent(_EventBase):
     kind: Literal["released"]
     engine: str
+    registration: int
     reason: str
-    waited_for: WaitedFor
+    #: From the engine's mark to the start of its release.
+    waited_ms: int
+    #: Reads in flight when it was marked.
+    reads_at_mark: int
+    #: Whether a handshake at its address held the release back.
+    handshake: bool
     failed_steps: int
     panicked: bool
     endpoints_left_open: int
 
-class ConflictEvent(_EventBase, total=False):
+class ConflictEvent(_EventBase):
     kind: Literal["conflict"]
+    #: What collided (``agent_in_use``, ``address_in_use``, ...): the
+    #: line's and the JSON's ``kind``, which the event's own kind would hide.
     conflict: str
     engine: str
-    agent: Optional[str]
-    holder: Optional[str]
-    message: str
+    #: The conflict in words.
+    detail: str
 
 class TransportPanickedEvent(_EventBase):
     kind: Literal["transport_panicked"]
     engine: str
+    registration: int
     call: str
     message: str
 
 class LaggedEvent(TypedDict):
     kind: Literal["lagged"]
     missed: int
-
-class OtherEvent(_EventBase):
-    """An event newer than this binding: ``message`` is the library's words."""
-
-    kind: Literal["other"]
-    message: str
 
 Event = Union[
     RegisteredEvent,
@@ -122,7 +135,6 @@ Event = Union[
     ConflictEvent,
     TransportPanickedEvent,
     LaggedEvent,
-    OtherEvent,
 ]
 
 class LastHeartbeat(TypedDict):

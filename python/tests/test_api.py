@@ -423,7 +423,7 @@ def test_an_engine_id_live_at_another_address_is_refused_and_kept(ka, agent):
             h.ready_to_load("e1", ["e1-rank0"], incarnation=2)
     assert e.value.conflict == "engine_elsewhere"
     c = log.wait("conflict", 5, engine="e1")
-    assert c["conflict"] == "engine_elsewhere" and "10.0.0.7:7" in c["message"], c
+    assert c["conflict"] == "engine_elsewhere" and "10.0.0.7:7" in c["detail"], c
     assert first.is_live and not agent.of("remove_remote_agent")
 
 
@@ -881,6 +881,91 @@ def test_the_events_are_typed_in_the_stubs_with_every_key_they_carry(ka, agent):
         assert e["kind"] in kinds, f"no TypedDict for {e['kind']!r} in _native.pyi"
         undeclared = set(e) - kinds[e["kind"]] - {"at"}
         assert not undeclared, f"{e['kind']}: keys not in the stubs: {undeclared}"
+
+
+def test_an_event_s_dict_is_its_line_and_its_json_field_by_field(ka, agent):
+    """One walk of an event's fields (the library's ``Event::each_field``)
+    makes its dict, its line (``nixl-keepalive decode``) and its JSON: for
+    one event of every kind, the dict is the JSON with ``event`` named
+    ``kind`` (a conflict's own ``kind`` under ``conflict``), key for key,
+    value for value and in the same order, the line names the same keys,
+    and the stubs declare exactly those keys."""
+    import json
+    import re
+
+    events = ka.events()
+    rendered = []
+    stop = threading.Event()
+
+    def collect():
+        while True:
+            got = events._rendered_nowait()
+            if got is not None:
+                rendered.append(got)
+            elif stop.is_set():
+                return
+            else:
+                time.sleep(0.002)
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+
+    def kinds():
+        return {d["kind"] for d, _, _ in rendered}
+
+    # registered, transient_error, transport_panicked, stalled, released
+    e1 = connect(ka, engine="e1", address="10.0.0.1:1", agents=("e1-rank0",))
+    agent.fail["e1-rank0"] = nixlBackendError
+    wait_for("a transient error", lambda: "transient_error" in kinds(), 5, seen=kinds)
+    agent.fail["e1-rank0"] = KeyError
+    wait_for("a transport panic", lambda: "transport_panicked" in kinds(), 5, seen=kinds)
+    del agent.fail["e1-rank0"]
+    given = e1.read().give_up(nk.GiveUp.TIMED_OUT)
+    wait_for("a stall", lambda: "stalled" in kinds(), 5, seen=kinds)
+    given.ended("DONE")
+    # retiring, reads_failed
+    e2 = connect(ka, engine="e2", address="10.0.0.2:2", agents=("e2-rank0",))
+    read = e2.read()
+    ka.peer_gone(address="10.0.0.2:2", mode="fail")
+    wait_for("the read failed", lambda: read.failed, 5)
+    read.finish("DONE")
+    # unreachable
+    connect(ka, engine="e3", address="10.0.0.3:3", agents=("e3-rank0",))
+    agent.fail["e3-rank0"] = nixlRemoteDisconnectError
+    # conflict
+    connect(ka, engine="e4", address="10.0.0.4:4", agents=("e4-rank0",))
+    with ka.handshake("10.0.0.7:7") as h:
+        with pytest.raises(nk.IdentityConflict):
+            h.ready_to_load("e4", ["e4-rank0"], incarnation=2)
+    # replaced
+    connect(ka, engine="e5", address="10.0.0.5:5", agents=("e5-rank0",))
+    connect(ka, engine="e6", address="10.0.0.5:5", agents=("e6-rank0",))
+    every = {"registered", "unreachable", "replaced", "retiring", "stalled", "reads_failed",
+             "transient_error", "released", "conflict", "transport_panicked"}
+    wait_for("an event of every kind", lambda: kinds() >= every, 5, seen=kinds)
+    stop.set()
+    collector.join(5)
+
+    stubs = _stub_event_kinds()
+    for d, line, text in list(rendered):
+        j = json.loads(text)
+        expected = {"kind": j["event"]}
+        for key, value in j.items():
+            if key != "event":
+                expected["conflict" if key == "kind" else key] = value
+        assert list(d.items()) == list(expected.items()), (d, text)
+        named = {f"{k}_name" for k in j if f"{k}_name" in j}
+        assert line.split(" ", 1)[0] == d["kind"], line
+        assert re.findall(r" (\w+)=", line) == [k for k in j if k != "event" and k not in named], (line, text)
+        assert set(d) == stubs[d["kind"]] - {"at"}, f"{d['kind']}: the stubs declare {stubs[d['kind']]}"
+    stalled = next(d for d, _, _ in rendered if d["kind"] == "stalled")
+    assert isinstance(stalled["stalled_ms"], int) and stalled["reads"] == 1, stalled
+    released = next(d for d, _, _ in rendered if d["kind"] == "released")
+    assert isinstance(released["waited_ms"], int) and isinstance(released["handshake"], bool), released
+    replaced = next(d for d, _, _ in rendered if d["kind"] == "replaced")
+    assert (replaced["old"], replaced["new"], replaced["address"]) == ("e5", "e6", "10.0.0.5:5"), replaced
+    conflict = next(d for d, _, _ in rendered if d["kind"] == "conflict")
+    assert (conflict["conflict"], conflict["engine"]) == ("engine_elsewhere", "e4"), conflict
 
 
 @pytest.mark.parametrize(

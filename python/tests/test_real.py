@@ -251,7 +251,7 @@ def test_a_sigstopped_prefill_with_reads_in_flight_is_stalled_fenced_and_release
     # frozen bound the library documents): the requests fail then.
     f.until_failed(1.25 * READ_STALL + 1.0 + MARGIN)
     stalled = log.find("stalled", engine=frozen.id)
-    assert stalled and stalled["failed"] and stalled["reads_in_flight"] == 2, log.all()
+    assert stalled and stalled["failed"] and stalled["reads"] == 2, log.all()
     assert all(outcomes[r].result == "abandoned" for r in stuck), outcomes
     failed_at = time.monotonic()
     f.fenced()
