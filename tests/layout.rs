@@ -210,20 +210,9 @@ fn the_core_names_no_thread_lock_system_call_or_atomic() {
     let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/core/tests");
     let mut files = Vec::new();
     rust_files(&tests, &mut files);
-    let real: Vec<String> = files
-        .iter()
-        .flat_map(|f| {
-            let text = std::fs::read_to_string(f).expect("read");
-            text.lines()
-                .enumerate()
-                .filter(|(_, l)| {
-                    let code = l.split("//").next().unwrap_or("");
-                    code.contains("EngineCell") || code.contains("read_accounting")
-                })
-                .map(|(i, l)| format!("{}:{}: {}", f.display(), i + 1, l.trim()))
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let real = lines_naming(&files, |code| {
+        code.contains("EngineCell") || code.contains("read_accounting")
+    });
     assert!(
         real.is_empty(),
         "the core's tests must run over the plain accounting: {real:#?}"
@@ -235,20 +224,26 @@ fn the_core_names_nothing_of_tokio() {
     let core = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/core");
     let mut files = Vec::new();
     rust_files(&core, &mut files);
-    let mut uses = Vec::new();
-    for f in &files {
-        let text = std::fs::read_to_string(f).expect("read");
-        for (i, line) in text.lines().enumerate() {
-            let code = line.split("//").next().unwrap_or("");
-            if code.contains("tokio") {
-                uses.push(format!("{}:{}: {}", f.display(), i + 1, line.trim()));
-            }
-        }
-    }
+    let uses = lines_naming(&files, |code| code.contains("tokio"));
     assert!(
         uses.is_empty(),
         "the core must not depend on tokio (take `now` from the driver instead): {uses:#?}"
     );
+}
+
+/// The lines of `files` whose code (comments cut) `names` picks, as
+/// `path:line: text`.
+fn lines_naming(files: &[PathBuf], names: impl Fn(&str) -> bool) -> Vec<String> {
+    let mut found = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(f).expect("read");
+        for (i, line) in text.lines().enumerate() {
+            if names(line.split("//").next().unwrap_or("")) {
+                found.push(format!("{}:{}: {}", f.display(), i + 1, line.trim()));
+            }
+        }
+    }
+    found
 }
 
 /// A file's code, without its comments and its test module (the part from

@@ -497,7 +497,10 @@ impl<R, A: ReadAccounting> Core<R, A> {
         self.releases.finished();
         let engine = peer.id().clone();
         let (failed_steps, panicked, endpoints_left_open) = match steps {
-            Ok(steps) => self.release_steps(&engine, &steps),
+            Ok(steps) => {
+                let (failed, left_open) = self.release_steps(&engine, &steps);
+                (failed, false, left_open)
+            }
             Err(p) => {
                 self.count(Count::TransportPanicked("release"));
                 tracing::error!(%engine, message = %p.message, "the transport panicked while releasing: its resources are consumed, not retried");
@@ -544,7 +547,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
     /// A release's steps: the failed ones (a NIXL `NOT_FOUND` counts as
     /// released: NIXL had dropped it already) counted and logged; the
     /// endpoints left open.
-    fn release_steps(&mut self, engine: &EngineId, steps: &[ReleaseStep]) -> (usize, bool, u32) {
+    fn release_steps(&mut self, engine: &EngineId, steps: &[ReleaseStep]) -> (usize, u32) {
         let mut failed = 0;
         let mut endpoints_left_open = 0u32;
         for step in steps {
@@ -557,7 +560,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
                 tracing::error!(%engine, target = ?step.target, status = %step.status, raw = step.status.raw(), "release step failed");
             }
         }
-        (failed, false, endpoints_left_open)
+        (failed, endpoints_left_open)
     }
 
     /// The service is stopping: every live registration is marked (each
@@ -743,12 +746,12 @@ impl<R, A: ReadAccounting> Core<R, A> {
         if !peer.is_live() || self.config.read_stall.is_none() {
             return;
         }
-        let (reads, done_now) = (peer.cell.reads_in_flight(), done);
+        let reads = peer.cell.reads_in_flight();
         let engine = peer.id().clone();
         let timed_out = why == GiveUp::TimedOut;
         let Some(unanswered) = peer
             .progress
-            .given_up(now, reads, done_now, unanswered, timed_out)
+            .given_up(now, reads, done, unanswered, timed_out)
         else {
             tracing::debug!(%engine, why = why.as_str(), "read given up at an engine that completes reads: not evidence of a stall");
             return;
