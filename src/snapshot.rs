@@ -190,3 +190,261 @@ impl fmt::Display for Snapshot {
         Ok(())
     }
 }
+
+/// The shapes of the table's JSON, borrowed from the snapshot.
+#[cfg(feature = "serde")]
+mod json {
+    use std::time::Duration;
+
+    use super::EngineSnapshot;
+
+    pub(super) fn ms(d: Duration) -> u64 {
+        u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    #[derive(serde::Serialize)]
+    pub(super) struct Engine<'a> {
+        pub(super) engine: &'a str,
+        pub(super) address: &'a str,
+        /// The process start the registration is of (a restart at the same
+        /// address is a new one), as its handshake sent it; `null` when it
+        /// carried none.
+        pub(super) incarnation: Option<String>,
+        pub(super) agents: Vec<&'a str>,
+        pub(super) state: &'static str,
+        pub(super) reads_in_flight: u64,
+        pub(super) given_up: Vec<GivenUp>,
+        pub(super) leases: &'a [String],
+        pub(super) last_heartbeat: Option<Heartbeat>,
+        pub(super) next_heartbeat_in_ms: Option<u64>,
+        pub(super) transient_errors: u64,
+        pub(super) why: &'a str,
+    }
+
+    #[derive(serde::Serialize)]
+    pub(super) struct GivenUp {
+        pub(super) held_for_ms: u64,
+        pub(super) blocks: u64,
+    }
+
+    #[derive(serde::Serialize)]
+    pub(super) struct Heartbeat {
+        pub(super) ago_ms: u64,
+        pub(super) status: i32,
+        pub(super) status_name: &'static str,
+    }
+
+    #[derive(serde::Serialize)]
+    pub(super) struct Table<'a> {
+        pub(super) engines: &'a [EngineSnapshot],
+        pub(super) handshakes_pending: Vec<Pending<'a>>,
+        pub(super) waiting_for_reload: Vec<&'a str>,
+        pub(super) silent_peer_note: &'a str,
+        pub(super) limiter_keys: usize,
+        pub(super) heartbeat_timers: usize,
+        pub(super) detection_bound_ms: Option<Bounds>,
+        pub(super) transport: Transport<'a>,
+    }
+
+    #[derive(serde::Serialize)]
+    pub(super) struct Pending<'a> {
+        pub(super) address: &'a str,
+        pub(super) count: usize,
+    }
+
+    #[derive(serde::Serialize)]
+    pub(super) struct Bounds {
+        pub(super) crashed: Option<u64>,
+        pub(super) silent: Option<u64>,
+        pub(super) frozen: Option<u64>,
+    }
+
+    #[derive(serde::Serialize)]
+    pub(super) struct Transport<'a> {
+        pub(super) threads: usize,
+        pub(super) idle: usize,
+        pub(super) cap: usize,
+        pub(super) queued: usize,
+        pub(super) hung_total: u64,
+        pub(super) in_flight: Vec<Call<'a>>,
+    }
+
+    #[derive(serde::Serialize)]
+    pub(super) struct Call<'a> {
+        pub(super) engine: &'a str,
+        pub(super) call: &'static str,
+        pub(super) age_ms: u64,
+        pub(super) hung: bool,
+    }
+}
+
+/// The table's one JSON rendering: what `GET /v1/snapshot` answers and
+/// what the Python package's `Keepalive.snapshot()` returns, key for key
+/// (one rendering, so a router and an in-process caller never see two
+/// shapes of one table). Times are whole milliseconds under `_ms` keys; a
+/// status is its raw number with its name beside it (`"status": -10,
+/// "status_name": "NIXL_ERR_REMOTE_DISCONNECT"`), as in the events' JSON;
+/// an incarnation is a decimal string (JSON numbers lose precision above
+/// 2^53).
+#[cfg(feature = "serde")]
+impl serde::Serialize for Snapshot {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let t = &self.transport;
+        json::Table {
+            engines: &self.engines,
+            handshakes_pending: self
+                .handshakes_pending
+                .iter()
+                .map(|(a, n)| json::Pending {
+                    address: a.as_str(),
+                    count: *n,
+                })
+                .collect(),
+            waiting_for_reload: self.waiting_for_reload.iter().map(|e| e.as_str()).collect(),
+            silent_peer_note: &self.silent_peer_note,
+            limiter_keys: self.limiter_keys,
+            heartbeat_timers: self.heartbeat_timers,
+            detection_bound_ms: self.detection_bound.map(|d| json::Bounds {
+                crashed: d.crashed.map(json::ms),
+                silent: d.silent.map(json::ms),
+                frozen: d.frozen.map(json::ms),
+            }),
+            transport: json::Transport {
+                threads: t.threads,
+                idle: t.idle,
+                cap: t.cap,
+                queued: t.queued,
+                hung_total: t.hung_total,
+                in_flight: t
+                    .in_flight
+                    .iter()
+                    .map(|c| json::Call {
+                        engine: c.engine.as_str(),
+                        call: c.call,
+                        age_ms: json::ms(c.age),
+                        hung: c.hung,
+                    })
+                    .collect(),
+            },
+        }
+        .serialize(serializer)
+    }
+}
+
+/// One engine of the table's JSON rendering (`Snapshot`'s `Serialize`).
+#[cfg(feature = "serde")]
+impl serde::Serialize for EngineSnapshot {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        json::Engine {
+            engine: self.engine.as_str(),
+            address: self.address.as_str(),
+            incarnation: self.incarnation.map(|i| i.0.to_string()),
+            agents: self.agents.iter().map(|a| a.as_str()).collect(),
+            state: self.state.as_str(),
+            reads_in_flight: self.reads_in_flight,
+            given_up: self
+                .given_up
+                .iter()
+                .map(|g| json::GivenUp {
+                    held_for_ms: json::ms(g.held_for),
+                    blocks: g.blocks,
+                })
+                .collect(),
+            leases: &self.leases,
+            last_heartbeat: self.last_heartbeat.as_ref().map(|h| json::Heartbeat {
+                ago_ms: json::ms(h.ago),
+                status: h.status.raw(),
+                status_name: h.status.name(),
+            }),
+            next_heartbeat_in_ms: self.next_heartbeat_in.map(json::ms),
+            transient_errors: self.transient_errors,
+            why: &self.why,
+        }
+        .serialize(serializer)
+    }
+}
+
+#[cfg(all(test, feature = "serde", feature = "membership"))]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn the_json_is_milliseconds_raw_statuses_with_names_and_every_given_up_transfer() {
+        let engine = EngineSnapshot {
+            engine: EngineId::from("p-1"),
+            address: PeerAddr::from("10.0.0.1:5600"),
+            incarnation: Some(Incarnation(u64::MAX)),
+            agents: vec![AgentName::from("p-1-rank0")],
+            state: EngineState::Stalled,
+            reads_in_flight: 2,
+            given_up: vec![GivenUpSnapshot {
+                held_for: Duration::from_micros(12_900),
+                blocks: 3,
+            }],
+            leases: vec!["req-1".into()],
+            last_heartbeat: Some(HeartbeatSnapshot {
+                ago: Duration::from_millis(40),
+                status: NixlStatus::ERR_REMOTE_DISCONNECT,
+            }),
+            next_heartbeat_in: None,
+            transient_errors: 1,
+            why: "stalled: ...".into(),
+        };
+        let snapshot = Snapshot {
+            engines: vec![engine],
+            handshakes_pending: vec![(PeerAddr::from("10.0.0.2:5600"), 1)],
+            detection_bound: Some(DetectionSummary {
+                crashed: Some(Duration::from_secs(2)),
+                silent: None,
+                frozen: Some(Duration::from_millis(12_500)),
+            }),
+            ..Snapshot::default()
+        };
+        let json = serde_json::to_value(&snapshot).unwrap();
+        assert_eq!(
+            json["engines"][0],
+            serde_json::json!({
+                "engine": "p-1",
+                "address": "10.0.0.1:5600",
+                "incarnation": "18446744073709551615",
+                "agents": ["p-1-rank0"],
+                "state": "stalled",
+                "reads_in_flight": 2,
+                "given_up": [{"held_for_ms": 12, "blocks": 3}],
+                "leases": ["req-1"],
+                "last_heartbeat": {"ago_ms": 40, "status": -10, "status_name": "NIXL_ERR_REMOTE_DISCONNECT"},
+                "next_heartbeat_in_ms": null,
+                "transient_errors": 1,
+                "why": "stalled: ...",
+            })
+        );
+        assert_eq!(
+            json["handshakes_pending"],
+            serde_json::json!([{"address": "10.0.0.2:5600", "count": 1}])
+        );
+        assert_eq!(
+            json["detection_bound_ms"],
+            serde_json::json!({"crashed": 2000, "silent": null, "frozen": 12500})
+        );
+        let keys: Vec<&str> = json
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        let mut expected = vec![
+            "engines",
+            "handshakes_pending",
+            "waiting_for_reload",
+            "silent_peer_note",
+            "limiter_keys",
+            "heartbeat_timers",
+            "detection_bound_ms",
+            "transport",
+        ];
+        expected.sort_unstable();
+        assert_eq!(keys, expected);
+    }
+}

@@ -15,7 +15,7 @@ use std::time::Duration;
 use nixl_keepalive::control::{self, ControlConfig, ControlError, ControlServer, ControlToken};
 use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
-    Config, EngineId, EngineRef, EngineState, Event, KeepaliveHandle, NixlStatus,
+    Config, EngineId, EngineRef, EngineState, Event, GiveUp, KeepaliveHandle, NixlStatus,
 };
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -40,13 +40,23 @@ struct Decode {
 }
 
 async fn decode(token: Option<&str>) -> Decode {
+    decode_with(token, Config::default(), None).await
+}
+
+async fn decode_with(
+    token: Option<&str>,
+    config: Config,
+    metrics: Option<control::MetricsRender>,
+) -> Decode {
     let ucx = FakeUcx::new(FakeConfig::default());
     let shutdown = CancellationToken::new();
-    let (handle, _task) =
-        nixl_keepalive::spawn(Arc::new(ucx.clone()), Config::default(), shutdown.clone());
+    let (handle, _task) = nixl_keepalive::spawn(Arc::new(ucx.clone()), config, shutdown.clone());
     let events = handle.subscribe();
-    let config = ControlConfig::new("127.0.0.1:0".parse().unwrap())
+    let mut config = ControlConfig::new("127.0.0.1:0".parse().unwrap())
         .token(token.map(|t| ControlToken::new(t).unwrap()));
+    if let Some(render) = metrics {
+        config = config.metrics(render);
+    }
     let control = control::serve(handle.clone(), config, shutdown.child_token())
         .await
         .expect("binds");
@@ -121,6 +131,30 @@ async fn request(to: SocketAddr, path: &str, headers: &str, body: &str) -> (u16,
     let (head, json) = answer.split_once("\r\n\r\n").expect("a whole response");
     let status = head[9..12].parse().expect("a status line");
     (status, serde_json::from_str(json).expect("a JSON body"))
+}
+
+/// One HTTP/1.1 GET over a fresh connection: the status, the content
+/// type and the body.
+async fn get(to: SocketAddr, path: &str) -> (u16, String, String) {
+    let mut stream = TcpStream::connect(to).await.unwrap();
+    let raw = format!("GET {path} HTTP/1.1\r\nHost: decode\r\n\r\n");
+    stream.write_all(raw.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut answer))
+        .await
+        .expect("answered within 10 s")
+        .unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a whole response");
+    let status = head[9..12].parse().expect("a status line");
+    let kind = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-type")
+                .then(|| value.trim().to_owned())
+        })
+        .unwrap_or_default();
+    (status, kind, body.to_owned())
 }
 
 /// The outcome of each node, in order.
@@ -321,4 +355,127 @@ async fn the_v1_route_still_answers_404_for_an_engine_that_is_not_registered() {
         .await;
     assert_eq!(status, 202, "{answer}");
     assert_eq!(answer["engine"], a.as_str());
+}
+
+/// Where two renderings of the table differ: keys anywhere, values
+/// anywhere but a time, which may be `slack_ms` apart (a number under an
+/// `_ms` key, or a duration in a `why` sentence).
+fn differences(a: &Value, b: &Value, slack_ms: u64, at: &str, out: &mut Vec<String>) {
+    let masked = |s: &str| {
+        // A `Duration`'s `Debug` (`12.5ms`, `3µs`, `1s`) as `<t>`.
+        let mut out = String::new();
+        let mut rest = s;
+        while let Some(i) = rest.find(|c: char| c.is_ascii_digit()) {
+            out.push_str(&rest[..i]);
+            let tail = &rest[i..];
+            let n = tail
+                .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+                .unwrap_or(tail.len());
+            let unit = ["ns", "µs", "ms", "s"]
+                .into_iter()
+                .find(|u| tail[n..].starts_with(u));
+            match unit {
+                Some(_) => out.push_str("<t>"),
+                None => out.push_str(&tail[..n]),
+            }
+            rest = &tail[n + unit.map_or(0, str::len)..];
+        }
+        out + rest
+    };
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys = |m: &serde_json::Map<String, Value>| m.keys().cloned().collect::<Vec<_>>();
+            if keys(x) != keys(y) {
+                out.push(format!("{at}: keys {:?} vs {:?}", keys(x), keys(y)));
+                return;
+            }
+            for (k, v) in x {
+                let w = &y[k];
+                let here = format!("{at}.{k}");
+                match (v, w) {
+                    (Value::Number(p), Value::Number(q)) if k.ends_with("_ms") => {
+                        let (p, q) = (p.as_u64().unwrap(), q.as_u64().unwrap());
+                        if p.abs_diff(q) > slack_ms {
+                            out.push(format!("{here}: {p} vs {q}, over {slack_ms} ms apart"));
+                        }
+                    }
+                    (Value::String(p), Value::String(q)) if k == "why" => {
+                        if masked(p) != masked(q) {
+                            out.push(format!("{here}: {p:?} vs {q:?}"));
+                        }
+                    }
+                    _ => differences(v, w, slack_ms, &here, out),
+                }
+            }
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+            for (i, (v, w)) in x.iter().zip(y).enumerate() {
+                differences(v, w, slack_ms, &format!("{at}[{i}]"), out);
+            }
+        }
+        _ if a == b => {}
+        _ => out.push(format!("{at}: {a} vs {b}")),
+    }
+}
+
+/// Heartbeats off: between two looks at the table only the time moves.
+fn still() -> Config {
+    Config::builder().heartbeat_interval(None).build().unwrap()
+}
+
+/// A read of `engine` given up as timed out, holding 3 blocks; returns
+/// once the engine is stalled.
+async fn stall_with_a_given_up_read(
+    d: &mut Decode,
+    id: &EngineId,
+    engine: &EngineRef,
+) -> nixl_keepalive::GivenUpRead {
+    let given = engine
+        .begin_read()
+        .unwrap()
+        .give_up_holding(GiveUp::TimedOut, 3);
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match d.events.recv().await.expect("events flow") {
+                Event::Stalled { engine: e, .. } if &e == id => return,
+                _ => {}
+            }
+        }
+    })
+    .await
+    .expect("stalled within 10 s");
+    given
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_snapshot_route_answers_the_table_s_one_rendering_given_up_transfers_included() {
+    let mut d = decode_with(None, still(), None).await;
+    let (id, engine) = d.prefill(1).await;
+    let _given = stall_with_a_given_up_read(&mut d, &id, &engine).await;
+    let started = std::time::Instant::now();
+    let ours = serde_json::to_value(d.handle.snapshot().await.unwrap()).unwrap();
+    let (status, kind, body) = get(d.control, "/v1/snapshot").await;
+    let slack_ms = started.elapsed().as_millis() as u64 + 1;
+    assert_eq!((status, kind.as_str()), (200, "application/json"), "{body}");
+    let served: Value = serde_json::from_str(&body).unwrap();
+    let mut found = Vec::new();
+    differences(&ours, &served, slack_ms, "", &mut found);
+    assert!(found.is_empty(), "{found:#?}");
+    let e = &served["engines"][0];
+    assert_eq!(e["state"], "stalled", "{e}");
+    assert_eq!(e["given_up"][0]["blocks"], 3, "{e}");
+    assert!(e["given_up"][0]["held_for_ms"].is_u64(), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_what_the_runtime_s_renderer_gives_and_404_without_one() {
+    let d = decode(None).await;
+    let (status, _, body) = get(d.control, "/metrics").await;
+    assert_eq!(status, 404, "{body}");
+    let d = decode_with(None, still(), Some(Arc::new(|| "m 1\n".to_owned()))).await;
+    let (status, kind, body) = get(d.control, "/metrics").await;
+    assert_eq!(
+        (status, kind.as_str(), body.as_str()),
+        (200, "text/plain; version=0.0.4", "m 1\n")
+    );
 }

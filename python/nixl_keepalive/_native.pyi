@@ -137,26 +137,56 @@ Event = Union[
     LaggedEvent,
 ]
 
+# The snapshot's one rendering: the library's, which `GET /v1/snapshot`
+# answers too (times in whole milliseconds under `_ms` keys).
+
 class LastHeartbeat(TypedDict):
-    ago: float
+    ago_ms: int
     status: int
     status_name: str
+
+class GivenUpSnapshot(TypedDict):
+    held_for_ms: int
+    blocks: int
 
 class EngineSnapshot(TypedDict):
     engine: str
     address: str
+    #: The process's incarnation as a decimal string; None when its
+    #: handshake carried none.
+    incarnation: Optional[str]
     agents: list[str]
     state: EngineStateName
     reads_in_flight: int
+    given_up: list[GivenUpSnapshot]
     leases: list[str]
     last_heartbeat: Optional[LastHeartbeat]
-    next_heartbeat_in: Optional[float]
+    next_heartbeat_in_ms: Optional[int]
     transient_errors: int
     why: str
 
+class HandshakesPending(TypedDict):
+    address: str
+    count: int
+
 class DetectionBound(TypedDict):
-    crashed: Optional[float]
-    silent: Optional[float]
+    crashed: Optional[int]
+    silent: Optional[int]
+    frozen: Optional[int]
+
+class CallInFlight(TypedDict):
+    engine: str
+    call: str
+    age_ms: int
+    hung: bool
+
+class TransportSnapshot(TypedDict):
+    threads: int
+    idle: int
+    cap: int
+    queued: int
+    hung_total: int
+    in_flight: list[CallInFlight]
 
 class EndpointsSnapshot(TypedDict, total=False):
     mode: str
@@ -170,12 +200,16 @@ class EndpointsSnapshot(TypedDict, total=False):
 
 class Snapshot(TypedDict, total=False):
     engines: list[EngineSnapshot]
-    handshakes_pending: dict[str, int]
+    handshakes_pending: list[HandshakesPending]
     waiting_for_reload: list[str]
     silent_peer_note: str
     limiter_keys: int
     heartbeat_timers: int
-    detection_bound: Optional[DetectionBound]
+    #: Milliseconds.
+    detection_bound_ms: Optional[DetectionBound]
+    transport: TransportSnapshot
+    #: Added by the package (not served over HTTP): what releases did to
+    #: the agent's UCX endpoints.
     endpoints: EndpointsSnapshot
     #: Added by ``Keepalive.snapshot``: who puts posted heartbeats on the wire.
     heartbeat_delivery: Literal["progress_thread", "caller", "unknown"]

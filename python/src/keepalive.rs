@@ -11,6 +11,7 @@ use nixl_keepalive::{
     AgentName, EngineId, GoneMode, PeerAddr, PeerRef, ReleaseTarget, Snapshot, Stopped, Transport,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use tokio_util::sync::CancellationToken;
@@ -526,68 +527,14 @@ fn stopped_dict(
     Ok(d)
 }
 
-/// The snapshot as plain dicts (durations in seconds).
+/// The snapshot as plain dicts: its one rendering (the library's
+/// `Serialize`, what `GET /v1/snapshot` answers), read by Python's own
+/// `json.loads`, so the dict is what a router parses from the control
+/// endpoint, key for key and in order.
 fn snapshot_dict<'py>(py: Python<'py>, s: &Snapshot) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    let engines = PyList::empty(py);
-    for e in &s.engines {
-        let x = PyDict::new(py);
-        x.set_item("engine", e.engine.as_str())?;
-        x.set_item("address", e.address.as_str())?;
-        x.set_item(
-            "agents",
-            PyList::new(py, e.agents.iter().map(|a| a.as_str()))?,
-        )?;
-        x.set_item("state", e.state.as_str())?;
-        x.set_item("reads_in_flight", e.reads_in_flight)?;
-        let given_up = PyList::empty(py);
-        for g in &e.given_up {
-            let one = PyDict::new(py);
-            one.set_item("held_for", g.held_for.as_secs_f64())?;
-            one.set_item("blocks", g.blocks)?;
-            given_up.append(one)?;
-        }
-        x.set_item("given_up", given_up)?;
-        x.set_item("leases", PyList::new(py, &e.leases)?)?;
-        match &e.last_heartbeat {
-            Some(h) => {
-                let hb = PyDict::new(py);
-                hb.set_item("ago", h.ago.as_secs_f64())?;
-                hb.set_item("status", h.status.raw())?;
-                hb.set_item("status_name", h.status.name())?;
-                x.set_item("last_heartbeat", hb)?;
-            }
-            None => x.set_item("last_heartbeat", py.None())?,
-        }
-        x.set_item(
-            "next_heartbeat_in",
-            e.next_heartbeat_in.map(|t| t.as_secs_f64()),
-        )?;
-        x.set_item("transient_errors", e.transient_errors)?;
-        x.set_item("why", e.why.as_str())?;
-        engines.append(x)?;
-    }
-    d.set_item("engines", engines)?;
-    let pending = PyDict::new(py);
-    for (addr, n) in &s.handshakes_pending {
-        pending.set_item(addr.as_str(), *n)?;
-    }
-    d.set_item("handshakes_pending", pending)?;
-    d.set_item(
-        "waiting_for_reload",
-        PyList::new(py, s.waiting_for_reload.iter().map(|e| e.as_str()))?,
-    )?;
-    d.set_item("silent_peer_note", s.silent_peer_note.as_str())?;
-    d.set_item("limiter_keys", s.limiter_keys)?;
-    d.set_item("heartbeat_timers", s.heartbeat_timers)?;
-    match &s.detection_bound {
-        Some(b) => {
-            let x = PyDict::new(py);
-            x.set_item("crashed", b.crashed.map(|t| t.as_secs_f64()))?;
-            x.set_item("silent", b.silent.map(|t| t.as_secs_f64()))?;
-            d.set_item("detection_bound", x)?;
-        }
-        None => d.set_item("detection_bound", py.None())?,
-    }
-    Ok(d)
+    let text = serde_json::to_string(s).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    let loads = py
+        .import(intern!(py, "json"))?
+        .getattr(intern!(py, "loads"))?;
+    Ok(loads.call1((text,))?.cast_into::<PyDict>()?)
 }

@@ -354,7 +354,7 @@ def test_the_snapshot_is_plain_dicts(ka, agent):
     assert (e["engine"], e["address"], e["agents"], e["state"], e["reads_in_flight"]) == (
         "e1", "10.0.0.1:1", ["e1-rank0"], "live", 0)
     assert e["last_heartbeat"]["status_name"] == "NIXL_SUCCESS" and isinstance(e["why"], str)
-    assert snap["detection_bound"]["crashed"] is not None
+    assert snap["detection_bound_ms"]["crashed"] is not None
     assert asyncio.run(ka.snapshot_async())["engines"][0]["engine"] == "e1"
 
 

@@ -61,7 +61,7 @@ def push_prefill(vllm_ready):
 
 
 def crashed_bound(p) -> float:
-    return float(p.ka.snapshot()["detection_bound"]["crashed"])
+    return p.ka.snapshot()["detection_bound_ms"]["crashed"] / 1000
 
 
 def push(p, d, blocks: Dict[str, List[int]], local_from: int = 0, results: bool = True) -> Dict[str, List[int]]:

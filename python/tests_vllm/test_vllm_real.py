@@ -19,7 +19,7 @@ FAST = {"interval": "500ms"}
 
 def crashed_bound(d) -> float:
     """The service's own bound on detecting a crashed prefill (snapshot)."""
-    return float(d.ka.snapshot()["detection_bound"]["crashed"])
+    return d.ka.snapshot()["detection_bound_ms"]["crashed"] / 1000
 
 
 def verify(d, seed: int, local, remote) -> None:

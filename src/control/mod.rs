@@ -31,9 +31,12 @@
 //!   here, with each node's outcome in the body (`releasing`, `released`,
 //!   `unknown`, `unresolved`), a no-op for the unknown ones: a decode that
 //!   never loaded a prefill is not an error for a broadcast.
-//! - `GET /v1/snapshot`: the service's table as JSON.
+//! - `GET /v1/snapshot`: the service's table as JSON, its one rendering
+//!   (`Snapshot`'s `Serialize`, what the Python package's
+//!   `Keepalive.snapshot()` returns too).
 //! - `GET /metrics`: Prometheus text, when the runtime hands a renderer
-//!   ([`ControlConfig::metrics`]); else `404`.
+//!   ([`ControlConfig::metrics`]: the CLI's `decode` and the Python
+//!   package's `Keepalive(control=...)` do); else `404`.
 //!
 //! Every error is an HTTP status with a JSON body `{"error": "..."}` that
 //! says what was wrong and what is accepted, the ones the server writes

@@ -16,7 +16,7 @@ use serde_json::json;
 use super::recent::Recent;
 use super::{ControlToken, MetricsRender, MAX_BODY};
 use crate::log_limit::LogLimiter;
-use crate::{EngineId, GoneMode, KeepaliveHandle, PeerAddr, PeerRef, Snapshot};
+use crate::{EngineId, GoneMode, KeepaliveHandle, PeerAddr, PeerRef};
 
 /// Every route, for the messages of the 404 and the 405.
 const ROUTES: &str =
@@ -323,61 +323,14 @@ pub(super) async fn snapshot<R: Send + 'static>(
         return error(client, status, message);
     }
     match state.handle.snapshot().await {
-        Ok(s) => axum::Json(snapshot_json(&s)).into_response(),
+        // The table's one rendering (`Snapshot`'s `Serialize`), the one
+        // the Python package's `Keepalive.snapshot()` returns too.
+        Ok(s) => axum::Json(s).into_response(),
         Err(_) => {
             let (status, message) = stopped();
             error(client, status, message)
         }
     }
-}
-
-/// The snapshot as JSON (durations in milliseconds).
-fn snapshot_json(s: &Snapshot) -> serde_json::Value {
-    let ms = |d: std::time::Duration| d.as_millis() as u64;
-    json!({
-        "engines": s.engines.iter().map(|e| json!({
-            "engine": e.engine.as_str(),
-            "address": e.address.as_str(),
-            // The process start the registration is of (a restart at the
-            // same address is a new one), as its handshake sent it: a
-            // decimal u64 (JSON numbers lose precision above 2^53), or null
-            // when the handshake carried none.
-            "incarnation": e.incarnation.map(|i| i.0.to_string()),
-            "agents": e.agents.iter().map(|a| a.as_str()).collect::<Vec<_>>(),
-            "state": e.state.as_str(),
-            "reads_in_flight": e.reads_in_flight,
-            "leases": e.leases,
-            "last_heartbeat": e.last_heartbeat.as_ref().map(|h| json!({
-                "ago_ms": ms(h.ago),
-                "status": h.status.to_string(),
-            })),
-            "next_heartbeat_in_ms": e.next_heartbeat_in.map(ms),
-            "transient_errors": e.transient_errors,
-            "why": e.why,
-        })).collect::<Vec<_>>(),
-        "handshakes_pending": s.handshakes_pending.iter().map(|(a, n)| json!({"address": a.as_str(), "count": n})).collect::<Vec<_>>(),
-        "waiting_for_reload": s.waiting_for_reload.iter().map(|e| e.as_str()).collect::<Vec<_>>(),
-        "silent_peer_note": s.silent_peer_note,
-        "limiter_keys": s.limiter_keys,
-        "heartbeat_timers": s.heartbeat_timers,
-        "detection_bound_ms": s.detection_bound.map(|d| json!({
-            "crashed": d.crashed.map(ms),
-            "silent": d.silent.map(ms),
-        })),
-        "transport": json!({
-            "threads": s.transport.threads,
-            "idle": s.transport.idle,
-            "cap": s.transport.cap,
-            "queued": s.transport.queued,
-            "hung_total": s.transport.hung_total,
-            "in_flight": s.transport.in_flight.iter().map(|c| json!({
-                "engine": c.engine.as_str(),
-                "call": c.call,
-                "age_ms": ms(c.age),
-                "hung": c.hung,
-            })).collect::<Vec<_>>(),
-        }),
-    })
 }
 
 #[cfg(test)]
