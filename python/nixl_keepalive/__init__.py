@@ -479,7 +479,8 @@ class Keepalive:
             heartbeat interval).
         control: serve the control endpoint for a router here (the
             library's server: ``POST /fault_tolerance/event``, ``POST
-            /v1/peer_gone``, ``GET /v1/snapshot``; see the operations
+            /v1/peer_gone``, ``GET /v1/snapshot``, and ``GET /metrics``
+            for Prometheus, from the process's recorder; see the operations
             guide): ``"host:port"`` (an IP literal or ``localhost``; port 0
             picks a free one, read back from :attr:`control_addr`), or a
             mapping with ``addr`` and ``token`` or ``token_file``. Stopped
@@ -604,9 +605,12 @@ class Keepalive:
     # -- looking at it ------------------------------------------------------
 
     def snapshot(self) -> "Snapshot":
-        """The service's table as plain dicts: per engine its state, reads
-        in flight, leases, last heartbeat and, in words, why it is kept or
-        what its release waits for; and ``endpoints``: the close mode
+        """The service's table as plain dicts, the control endpoint's ``GET
+        /v1/snapshot`` key for key (the library's one rendering; times in
+        whole milliseconds under ``_ms`` keys): per engine its state,
+        reads in flight, given-up transfers held, leases, last heartbeat
+        and, in words, why it is kept or what its release waits for; and,
+        the package's own, ``endpoints``: the close mode
         (:func:`endpoint_close_mode`), what the releases did to UCX
         endpoints so far (``closed``, ``left_open``, ``none_closed``,
         ``not_observed``) and to their TCP connections

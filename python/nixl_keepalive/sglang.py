@@ -50,7 +50,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import nixl_keepalive
 from nixl_keepalive import GiveUp, Keepalive
@@ -415,14 +415,18 @@ class KeepaliveNixlKVManager(NixlKVManager):
     """SGLang's ``NixlKVManager`` with the keepalive service on the prefill
     side. ``keepalive`` takes :class:`nixl_keepalive.Config` keywords
     (``interval``, ``read_stall``, ...), over the ``NIXL_KEEPALIVE_*``
-    variables. A decode-mode manager is SGLang's own (no service) with one
+    variables. ``control`` (a prefill-mode manager) is
+    :class:`nixl_keepalive.Keepalive`'s: the control endpoint, whose
+    ``GET /metrics`` serves the service's metrics to Prometheus. A
+    decode-mode manager is SGLang's own (no service) with one
     addition: every ``drain_every`` seconds (``None``: never) it takes the
     NIXL notifications waiting in its agent, which SGLang's decode never
     reads, so the prefills' heartbeats do not pile up there."""
 
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any,
                  is_mla_backend: Optional[bool] = False, *, keepalive: Optional[Dict[str, Any]] = None,
-                 drain_every: Optional[float] = 1.0, **kwargs: Any) -> None:
+                 drain_every: Optional[float] = 1.0, control: Union[str, Mapping[str, Any], None] = None,
+                 **kwargs: Any) -> None:
         self._ka: Optional[Keepalive] = None
         self._ka_ready = threading.Event()
         self._ka_lock = threading.Lock()
@@ -476,7 +480,7 @@ class KeepaliveNixlKVManager(NixlKVManager):
         real = self.agent
         conf = next((c for a, c in recorder.made if a is real), None)
         try:
-            self._ka = Keepalive(real, config, agent_config=conf)
+            self._ka = Keepalive(real, config, agent_config=conf, control=control)
             self.agent = _GuardedAgent(real, self)
         finally:
             self._ka_ready.set()

@@ -1,5 +1,6 @@
 //! `Keepalive(control=...)`: the library's control server
-//! (`nixl_keepalive::control`: the router's endpoint, the snapshot) on
+//! (`nixl_keepalive::control`: the router's endpoint, the snapshot, and
+//! `/metrics` from the process's recorder, see [`crate::prometheus`]) on
 //! the binding's runtime, beside the service it speaks for.
 //!
 //! Checked and bound before the service starts, so a bad address, a
@@ -17,6 +18,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::errors;
+use crate::prometheus;
 use crate::runtime;
 
 /// A `ConfigError` about the control server.
@@ -62,6 +64,8 @@ pub(crate) fn bind(
     };
     let config = ControlConfig::new(listen_addr(addr)?).token(token);
     config.check().map_err(refused)?;
+    // Installed before the service starts, so it records from its start.
+    let config = config.metrics(prometheus::render().map_err(refused)?);
     runtime::wait(py, ControlServer::bind(config))?.map_err(refused)
 }
 

@@ -26,6 +26,7 @@ mod endpoints;
 mod engine;
 mod errors;
 mod keepalive;
+mod prometheus;
 mod protocol;
 mod runtime;
 mod shared;

@@ -1,7 +1,8 @@
 """What the control endpoint of ``Keepalive(control=...)`` shows an
 operator, over the real package and a recording stand-in for the agent (no
 NIXL needed; these always run): its ``GET /v1/snapshot`` is
-``Keepalive.snapshot()`` key for key (one rendering, the library's).
+``Keepalive.snapshot()`` key for key (one rendering, the library's), and
+its ``GET /metrics`` serves the service's metrics.
 
 The service runs on the wall clock; each test waits for the state it
 asserts with a deadline, never a fixed sleep.
@@ -109,3 +110,32 @@ def test_the_snapshot_s_keys_are_the_ones_the_stubs_declare():
         assert set(snap["transport"]) == declared["TransportSnapshot"]
         assert set(snap["detection_bound_ms"]) == declared["DetectionBound"]
         given.ended("DONE")
+
+
+def _gauge(text: str, name: str):
+    """The value of unlabelled metric ``name`` in Prometheus text, or None."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def test_metrics_are_served_on_the_control_endpoint_with_the_given_up_gauges():
+    with nk.Keepalive(RecordingAgent(), control="127.0.0.1:0", **STILL) as ka:
+        given = _stalled_with_a_given_up_read(ka)
+        status, kind, text = _get(ka.control_addr, "/metrics")
+        assert status == 200 and kind.startswith("text/plain"), (status, kind)
+        # The recorder is the process's: another service of this process
+        # may have set the gauges last, so wait for this one's.
+        wait_for("the given-up gauges of this service",
+                 lambda: _gauge(_get(ka.control_addr, "/metrics")[2], "nixl_keepalive_given_up_blocks") == 3
+                 and _gauge(_get(ka.control_addr, "/metrics")[2], "nixl_keepalive_given_up_transfers") == 1,
+                 5, seen=lambda: _get(ka.control_addr, "/metrics")[2])
+        text = _get(ka.control_addr, "/metrics")[2]
+        assert re.search(r'^nixl_keepalive_reads_given_up_total\{[^}]*why="timed_out"[^}]*\} [1-9]', text, re.M), text
+        assert re.search(r'^nixl_keepalive_read_stalls_total\{[^}]*\} [1-9]', text, re.M), text
+        # The transfer ended: the blocks are back.
+        assert given.ended("DONE") == "reusable"
+        wait_for("the given-up gauges back to 0",
+                 lambda: _gauge(_get(ka.control_addr, "/metrics")[2], "nixl_keepalive_given_up_blocks") == 0,
+                 5, seen=lambda: _get(ka.control_addr, "/metrics")[2])

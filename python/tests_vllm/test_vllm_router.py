@@ -4,11 +4,12 @@ connector serves the library's control endpoint, and a router's ``POST``
 of either shape (``/fault_tolerance/event`` with engine ids or addresses,
 ``/v1/peer_gone``) releases the prefill it names from the decode's service
 and from vLLM's tables; the event is idempotent and a no-op for unknown
-engines."""
+engines. The same endpoint serves the rank's metrics to a scrape."""
 
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -97,3 +98,68 @@ def test_a_control_address_that_cannot_serve_fails_the_worker(decode):
     with pytest.raises((nixl_keepalive.ConfigError, ValueError)) as e:
         decode(keepalive={"control_addr": "0.0.0.0:0"})
     assert "token" in str(e.value), e.value
+
+
+def _get(addr: str, path: str):
+    with urllib.request.urlopen(f"http://{addr}{path}", timeout=30) as r:
+        return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    """The value of ``name`` with exactly ``labels`` in a scrape, or None."""
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+)(?:\{(.*)\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'([a-z_]+)="([^"]*)"', m.group(2) or ""))
+        if got == labels:
+            return float(m.group(3))
+    return None
+
+
+def test_a_scrape_of_a_vllm_decodes_control_endpoint_shows_the_given_up_gauges(prefills, decode):
+    """Issue 58: the operator's view of a frozen prefill from outside the
+    vLLM process. A READ given up as timed_out on a SIGSTOPped prefill:
+    the rank's ``GET /metrics`` shows one given-up transfer holding its 2
+    blocks (and the give-up counted), its ``GET /v1/snapshot`` the stalled
+    engine with that transfer, as ``Keepalive.snapshot()`` does; after
+    SIGCONT the READ ends, the engine is released and the gauges are 0."""
+    import signal
+
+    p = prefills("P-scrape")
+    d = decode(keepalive={"read_timeout": "2s", "read_stall": "60s", "control_addr": "127.0.0.1:0"})
+    addr = d.ka.control_addr
+    req, _ = d.read(p.engine_id, p.port, [1])
+    assert d.wait([req], 60)[req].ok
+    p.signal(signal.SIGSTOP)
+    resumed = False
+    try:
+        rid, _ = d.read(p.engine_id, p.port, [9, 10])
+        d.wait([rid], 2 + MARGIN, "the timed-out read's request failed")
+        assert not d.outcomes[rid].ok
+        d.poll("the engine stalled after the give-up",
+               lambda: (d.engines().get(p.engine_id) or {}).get("state") == "stalled", MARGIN)
+        status, kind, text = _get(addr, "/metrics")
+        assert status == 200 and kind.startswith("text/plain"), (status, kind)
+        # One decode in this process: the gauges are its own.
+        scrape = d.poll("the given-up gauges in the scrape",
+                        lambda: (lambda t: t if _metric(t, "nixl_keepalive_given_up_transfers") == 1
+                                 and _metric(t, "nixl_keepalive_given_up_blocks") == 2 else None)(
+                                     _get(addr, "/metrics")[2]), MARGIN)
+        assert _metric(scrape, "nixl_keepalive_reads_given_up_total", why="timed_out", answered="false") >= 1, scrape
+        # The router's snapshot shows the held blocks, as the in-process one does.
+        served = json.loads(_get(addr, "/v1/snapshot")[2])
+        engine = next(e for e in served["engines"] if e["engine"] == p.engine_id)
+        ours = d.engines()[p.engine_id]
+        assert engine["state"] == "stalled" and [g["blocks"] for g in engine["given_up"]] == [2], engine
+        assert set(engine) == set(ours) and set(served) == set(d.ka.snapshot()) - {"endpoints", "heartbeat_delivery"}, \
+            (sorted(engine), sorted(ours))
+        p.signal(signal.SIGCONT)
+        resumed = True
+        d.poll("released once the READ ended", lambda: released(d, p.engine_id), MARGIN)
+        d.poll("the given-up gauges back to 0",
+               lambda: _metric(_get(addr, "/metrics")[2], "nixl_keepalive_given_up_blocks") == 0, MARGIN)
+        assert _metric(_get(addr, "/metrics")[2], "nixl_keepalive_releases_total", reason="stalled") >= 1
+    finally:
+        if not resumed:
+            p.signal(signal.SIGCONT)
