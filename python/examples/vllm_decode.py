@@ -31,6 +31,12 @@ place is marked ``# KEEPALIVE``:
    or died) ``given.ended(status)`` frees the slot; the engine is not
    released before. On completion the lease is removed.
 5. ``shutdown``: ``keepalive.close()`` drains and releases.
+6. ``main``: this worker handshakes on the thread that polls its given-up
+   reads, so it polls them to their end before it handshakes with the
+   engine again. A handshake with the same engine id waits for the older
+   registration's release, which waits for exactly those reads: waiting
+   there would be waiting for itself (``ready_to_load`` gives up after its
+   ``timeout`` with ``ReleaseHeld``, naming what holds the release).
 
 Run it against a prefill::
 
@@ -342,10 +348,11 @@ class NixlConnectorWorker:
             else:
                 self.retired_slots.append(slot)
 
-    def held_slots(self) -> int:
-        """Slots held by given-up reads still running."""
+    def held_slots(self, engine_id: Optional[str] = None) -> int:
+        """Slots held by given-up reads still running (of ``engine_id``
+        only, when given)."""
         with self._lock:
-            return len(self._given_up)
+            return sum(1 for _, g in self._given_up.values() if engine_id is None or g.engine == engine_id)
 
     def _verify(self, t: Transfer) -> Optional[int]:
         start = t.slot * self.block_size
@@ -419,12 +426,29 @@ def main(argv: List[str]) -> int:
     end = time.monotonic() + seconds
     counts: Dict[str, int] = {}
     engine: Optional[nixl_keepalive.Engine] = None
+    last_id: Optional[str] = None  # the engine read from last, live or not
+    waiting = False
     while time.monotonic() < end:
         while (e := events.get_nowait()) is not None:
             print("event:", e, flush=True)
         try:
             if engine is None or not engine.is_live:
+                # KEEPALIVE 7: the given-up reads of the engine read from
+                # last are polled to their end (the prefill resumed or
+                # died) before its handshake: that engine's release waits
+                # for them, and only this thread ends them.
+                worker.reclaim_slots()
+                held = worker.held_slots(last_id)
+                if held:
+                    if not waiting:
+                        print(f"waiting for {held} given-up read(s) of {last_id} to end before handshaking again",
+                              flush=True)
+                    waiting = True
+                    time.sleep(0.005)
+                    continue
+                waiting = False
                 engine = worker.add_remote_agent(address)
+                last_id = engine.id
                 print(f"connected to {engine.id} at {address}", flush=True)
             o = worker.read_block(engine.id, 0, int(np.random.randint(engine_blocks(worker, engine))))
             counts[o.result] = counts.get(o.result, 0) + 1

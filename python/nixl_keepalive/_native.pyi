@@ -256,6 +256,22 @@ class IdentityConflict(KeepaliveError):
     agent: Optional[str]
     holder: Optional[str]
 
+class ReleaseHeld(KeepaliveError):
+    """``Handshake.ready_to_load`` waited its ``timeout`` for an older
+    registration of the engine id to be released, and transfers of it still
+    run (reads in flight, given-up reads) that only the runtime ends:
+    often the very thread that waited. Nothing was loaded, the handshake
+    has ended; end those transfers, then handshake again. ``state`` and
+    the counts are ``None`` when no registration of the id was left."""
+
+    engine: str
+    state: Optional[str]
+    reads_in_flight: Optional[int]
+    given_up: Optional[int]
+    given_up_blocks: Optional[int]
+    waited: float
+    why: str
+
 Status = Union[int, str, BaseException, type]
 
 class Config:
@@ -368,11 +384,17 @@ class Handshake:
     @property
     def ended(self) -> bool: ...
     def ready_to_load(
-        self, engine_id: str, agents: Sequence[Union[str, bytes]], incarnation: Optional[int] = None
+        self,
+        engine_id: str,
+        agents: Sequence[Union[str, bytes]],
+        incarnation: Optional[int] = None,
+        timeout: Optional[float] = 5.0,
     ) -> Optional[Engine]:
         """``None``: load now, then :meth:`register`. An ``Engine``: this
-        exact incarnation is already registered; load nothing. Raises
-        :class:`IdentityConflict` or :class:`ServiceStopped`."""
+        exact incarnation is already registered; load nothing. Waits at most
+        ``timeout`` seconds (``None``: no limit) for an older registration
+        of the id to be released. Raises :class:`IdentityConflict`,
+        :class:`ReleaseHeld` or :class:`ServiceStopped`."""
     def ready_to_load_async(
         self, engine_id: str, agents: Sequence[Union[str, bytes]], incarnation: Optional[int] = None
     ) -> Awaitable[Optional[Engine]]: ...

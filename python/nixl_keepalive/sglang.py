@@ -575,7 +575,9 @@ class KeepaliveNixlKVManager(NixlKVManager):
             # not replaced on it (ka.handshake's declared=True).
             with ka.handshake(address, declared=True) as h:
                 try:
-                    engine = h.ready_to_load(name, [name])
+                    # On SGLang's bootstrap thread; our watcher thread
+                    # ends the given-up writes: no limit on the wait.
+                    engine = h.ready_to_load(name, [name], timeout=None)
                 except nixl_keepalive.IdentityConflict as e:
                     if e.conflict != "address_in_use" or last_try:
                         # Refused before anything is loaded; the registered

@@ -59,7 +59,10 @@ class HandshakeHooks:
             engine_id = collected[0][0].engine_id
             agents = [c[4] for c in collected]
             self._ka_guard_untracked()  # ready_to_load may replace the engine last at this address
-            current = h.ready_to_load(engine_id, agents)
+            # vLLM handshakes on its handshake thread, never the one whose
+            # step ends the transfers an older registration waits for: no
+            # limit on the wait (see ReleaseHeld).
+            current = h.ready_to_load(engine_id, agents, timeout=None)
             if current is not None:
                 # This incarnation is registered: vLLM's tables must hold it.
                 with self._handshake_lock:

@@ -330,7 +330,9 @@ class KeepaliveNixlPushConnectorWorker(NixlPushConnectorWorker):
             # live decode there is not replaced on it (declared=True).
             with ka.handshake(address, declared=True) as h:
                 try:
-                    current = h.ready_to_load(engine_id, agents)
+                    # On vLLM's handshake thread, which ends no transfer:
+                    # no limit on the wait (see ReleaseHeld).
+                    current = h.ready_to_load(engine_id, agents, timeout=None)
                 except nixl_keepalive.IdentityConflict as e:
                     if e.conflict != "address_in_use" or last_try:
                         raise RuntimeError(

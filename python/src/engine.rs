@@ -324,7 +324,7 @@ impl Read {
 
 /// `timeout` in seconds as a `Duration` (`None`: no limit); a negative or
 /// non-number value is refused naming the argument.
-fn seconds(value: Option<f64>, name: &str) -> PyResult<Option<Duration>> {
+pub(crate) fn seconds(value: Option<f64>, name: &str) -> PyResult<Option<Duration>> {
     match value {
         None => Ok(None),
         Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),

@@ -49,6 +49,18 @@ create_exception!(
      loaded: load nothing."
 );
 
+create_exception!(
+    _native,
+    ReleaseHeld,
+    KeepaliveError,
+    "A handshake's `ready_to_load` waited its `timeout` for an older registration of the engine \
+     id to be released, and transfers of it still run: reads in flight or given-up reads that \
+     only the runtime ends (`Read.finish`, `GivenUpRead.ended`). Often the waiting thread is the \
+     one that would end them. Nothing was loaded and the handshake has ended; `engine`, `state`, \
+     `reads_in_flight`, `given_up`, `given_up_blocks`, `waited` and `why` say what holds it: end \
+     those transfers (poll them), then handshake again."
+);
+
 /// `ConfigError` is also a `ValueError`: a bad value.
 pub(crate) struct ConfigError;
 
@@ -115,5 +127,6 @@ pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ReadRefused", py.get_type::<ReadRefused>())?;
     m.add("RegistrationRefused", py.get_type::<RegistrationRefused>())?;
     m.add("IdentityConflict", py.get_type::<IdentityConflict>())?;
+    m.add("ReleaseHeld", py.get_type::<ReleaseHeld>())?;
     Ok(())
 }

@@ -232,6 +232,120 @@ pub(crate) async fn register_direct(
     }
 }
 
+/// How long a blocking `ready_to_load` waits by default, in seconds, for
+/// an older registration of the claimed engine id to be released.
+///
+/// That release waits for the registration's transfers (reads in flight,
+/// and given-up reads still running) to end, and only the runtime ends
+/// them (`Read.finish`, `GivenUpRead.ended`), from whatever thread polls
+/// them. A runtime that handshakes on that very thread would wait for
+/// itself for good (issue 58: the example decode, re-handshaking a
+/// stalled prefill whose given-up READ only its handshaking thread
+/// polled). So the wait is bounded and its end names what holds the
+/// release ([`release_held`]). Five seconds is vLLM's own handshake
+/// timeout, and far above what a live peer needs: the side channel has
+/// just answered, and a resumed prefill's given-up READs end 10-16 ms
+/// after its resume (`real_given_up.rs`, `test_vllm_real.py`). A runtime
+/// whose handshakes run on a thread that ends no transfer passes
+/// `timeout=None`.
+pub(crate) const RELEASE_WAIT: f64 = 5.0;
+
+/// `ReleaseHeld` for a claim of `engine` that waited `waited` without the
+/// older registration's release: its state and the transfers that hold
+/// it, from the service's snapshot.
+fn release_held(
+    py: Python<'_>,
+    shared: &Shared,
+    engine: &EngineId,
+    address: &str,
+    waited: Duration,
+) -> PyErr {
+    let snap = match runtime::wait_for(py, shared.handle.snapshot(), Some(WAIT_FOR_SNAPSHOT)) {
+        Ok(Some(Ok(snap))) => snap,
+        Ok(Some(Err(_))) => return to_pyerr(Failure::Stopped),
+        Ok(None) => return release_held_unknown(py, engine, waited),
+        Err(interrupted) => return interrupted,
+    };
+    let Some(e) = snap.engine(engine) else {
+        // Released as the wait ran out, or another handshake of the id is
+        // loading it: nothing of it counts transfers.
+        return release_held_unknown(py, engine, waited);
+    };
+    let given_up = e.given_up.len() as u64;
+    let blocks: u64 = e.given_up.iter().map(|g| g.blocks).sum();
+    let oldest = e.given_up.iter().map(|g| g.held_for).max();
+    let held = match oldest {
+        Some(h) => format!(
+            "{} read(s) in flight, {given_up} of them given up (holding {blocks} block(s), the \
+             oldest for {:.1} s)",
+            e.reads_in_flight,
+            h.as_secs_f64()
+        ),
+        None => format!("{} read(s) in flight", e.reads_in_flight),
+    };
+    let message = format!(
+        "ready_to_load of engine {engine} at {} waited {:.1} s for its older registration \
+         (state {}) to be released, held by {held}: {}. Only the runtime ends them \
+         (Read.finish, GivenUpRead.ended); if this thread is the one that polls them, poll them \
+         before handshaking again, or handshake on another thread (timeout=None). Nothing was \
+         loaded; the handshake has ended",
+        PeerAddr::from(address),
+        waited.as_secs_f64(),
+        e.state.as_str(),
+        e.why,
+    );
+    let text = |s: &str| PyString::new(py, s).into_any();
+    let int = |n: u64| n.into_pyobject(py).map(|v| v.into_any());
+    let attrs = (|| -> PyResult<Vec<(&str, Bound<'_, PyAny>)>> {
+        Ok(vec![
+            ("engine", text(engine.as_str())),
+            ("state", text(e.state.as_str())),
+            ("reads_in_flight", int(e.reads_in_flight)?),
+            ("given_up", int(given_up)?),
+            ("given_up_blocks", int(blocks)?),
+            (
+                "waited",
+                pyo3::types::PyFloat::new(py, waited.as_secs_f64()).into_any(),
+            ),
+            ("why", text(&e.why)),
+        ])
+    })();
+    match attrs {
+        Ok(attrs) => errors::with_attrs(py, errors::ReleaseHeld::new_err(message), &attrs),
+        Err(e) => e,
+    }
+}
+
+/// How long `release_held` waits for the snapshot that names the holders.
+const WAIT_FOR_SNAPSHOT: Duration = Duration::from_secs(2);
+
+/// `ReleaseHeld` when the snapshot names no registration of the id.
+fn release_held_unknown(py: Python<'_>, engine: &EngineId, waited: Duration) -> PyErr {
+    let none = || py.None().into_bound(py);
+    let waited_s = pyo3::types::PyFloat::new(py, waited.as_secs_f64()).into_any();
+    let why = "no registration of the id is left: another handshake of it is loading, or it \
+               was released as the wait ran out";
+    let attrs = vec![
+        ("engine", PyString::new(py, engine.as_str()).into_any()),
+        ("state", none()),
+        ("reads_in_flight", none()),
+        ("given_up", none()),
+        ("given_up_blocks", none()),
+        ("waited", waited_s),
+        ("why", PyString::new(py, why).into_any()),
+    ];
+    errors::with_attrs(
+        py,
+        errors::ReleaseHeld::new_err(format!(
+            "ready_to_load of engine {engine} waited {:.1} s and the service names no \
+             registration of it: another handshake of the id is loading it, or its release came \
+             as the wait ran out. Nothing was loaded; the handshake has ended: handshake again",
+            waited.as_secs_f64()
+        )),
+        &attrs,
+    )
+}
+
 /// The Python exception for a failure.
 fn to_pyerr(failure: Failure) -> PyErr {
     Python::attach(|py| match failure {
@@ -369,26 +483,45 @@ impl Handshake {
     /// prep the dlists, then `register`. Returns the `Engine` when this
     /// exact incarnation is already registered and live: load nothing,
     /// the handshake has ended. Blocks (GIL released) while an older
-    /// registration of the id drains and is released. Raises
-    /// `IdentityConflict` (nothing may be loaded) or `ServiceStopped`.
-    #[pyo3(signature = (engine_id, agents, incarnation = None))]
+    /// registration of the id drains and is released, for at most
+    /// `timeout` seconds (`None`: no limit, for a thread that never ends
+    /// a transfer itself). Raises `IdentityConflict` (nothing may be
+    /// loaded), `ReleaseHeld` (the wait ran out: what holds the release,
+    /// see [`RELEASE_WAIT`]) or `ServiceStopped`.
+    #[pyo3(signature = (engine_id, agents, incarnation = None, timeout = Some(RELEASE_WAIT)))]
     fn ready_to_load(
         &self,
         py: Python<'_>,
         engine_id: String,
         agents: &Bound<'_, PyAny>,
         incarnation: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
     ) -> PyResult<Option<Engine>> {
+        let patience = crate::engine::seconds(timeout, "timeout")?;
         let c = Claim {
             engine: EngineId::from(engine_id.as_str()),
             agents: args::agent_names(agents, "agents")?,
             incarnation: args::incarnation(incarnation)?,
         };
+        let engine = c.engine.clone();
         let handshake = take_open(&self.stage).map_err(to_pyerr)?;
         let fut = claim(self.shared.clone(), handshake, self.address.clone(), c);
         let stage = self.stage.clone();
-        let out = runtime::wait(py, fut);
-        settle_claim(&stage, out.and_then(|r| r.map_err(to_pyerr)))
+        let started = std::time::Instant::now();
+        // Ran out: the future is dropped, which ends the handshake (a mark
+        // it made stands, nothing was loaded under it).
+        let out = match runtime::wait_for(py, fut, patience) {
+            Ok(Some(judged)) => judged.map_err(to_pyerr),
+            Ok(None) => Err(release_held(
+                py,
+                &self.shared,
+                &engine,
+                &self.address,
+                started.elapsed(),
+            )),
+            Err(interrupted) => Err(interrupted),
+        };
+        settle_claim(&stage, out)
     }
 
     /// `ready_to_load` as an awaitable (cancelling it ends the

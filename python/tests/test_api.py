@@ -1025,3 +1025,33 @@ def test_the_vllm_connectors_knobs_are_read_without_vllm():
         capture_output=True, text=True, check=True,
     )
     assert out.stdout.strip() == "False", out
+
+
+def test_a_handshake_waiting_for_a_release_only_its_own_thread_can_allow_raises_release_held(ka, agent):
+    # Issue 58: this thread gave a read up and is the one that would see it
+    # end; its re-handshake of the stalled engine waits for the release,
+    # which waits for that read. The wait ends, naming what holds it.
+    log = EventLog(ka)
+    engine = connect(ka)
+    given = engine.read().give_up(nk.GiveUp.TIMED_OUT, 3)
+    log.wait("stalled", 5, engine="e1")
+    with ka.handshake("10.0.0.1:1") as h:
+        started = time.monotonic()
+        with pytest.raises(nk.ReleaseHeld, match="1 read\\(s\\) in flight, 1 of them given up") as held:
+            h.ready_to_load("e1", ["e1-rank0"], incarnation=1, timeout=0.2)
+        assert time.monotonic() - started < 5
+        assert h.ended, "nothing may be loaded under it"
+    e = held.value
+    assert isinstance(e, nk.KeepaliveError)
+    assert (e.engine, e.state, e.reads_in_flight, e.given_up, e.given_up_blocks) == ("e1", "stalled", 1, 1, 3)
+    assert e.waited >= 0.2 and "given-up transfer" in e.why, e.why
+    assert engine.state == "stalled" and not agent.of("remove_remote_agent")
+    # Once this thread ends the read, the release goes and the engine
+    # loads again.
+    given.ended("DONE")
+    log.wait("released", 5, engine="e1")
+    with ka.handshake("10.0.0.1:1") as h:
+        assert h.ready_to_load("e1", ["e1-rank0"], incarnation=1, timeout=None) is None
+    with ka.handshake("10.0.0.1:1") as h:
+        with pytest.raises(ValueError, match="timeout=-1"):
+            h.ready_to_load("e1", ["e1-rank0"], timeout=-1)
