@@ -13,6 +13,8 @@ fn main() {
     println!("cargo:rerun-if-changed=shim/nixl_shim.cpp");
     println!("cargo:rerun-if-changed=shim/ep_close.c");
     println!("cargo:rerun-if-changed=shim/ep_watch.c");
+    println!("cargo:rerun-if-changed=shim/gpu_map.c");
+    println!("cargo:rerun-if-changed=tests/fake_cuda");
     println!("cargo:rerun-if-changed=shim/interpose.h");
     println!("cargo:rerun-if-env-changed=NIXL_PREFIX");
 
@@ -28,6 +30,7 @@ fn main() {
         .compile("nixl_keepalive_shim");
 
     build_ep_close_interposer();
+    build_fake_cuda();
 
     // Default runtime location baked into the binary: NIXL_PREFIX at build
     // time if set, else `<workspace root>/.nixl-runtime`, where
@@ -70,11 +73,53 @@ fn build_ep_close_interposer() {
         .arg(&so)
         .arg("shim/ep_close.c")
         .arg("shim/ep_watch.c")
+        .arg("shim/gpu_map.c")
         .args(["-ldl", "-lpthread"])
         .status()
         .unwrap_or_else(|e| panic!("cannot run the C compiler ({:?}): {e}", compiler.path()));
     assert!(
         status.success(),
         "building shim/ep_close.c and shim/ep_watch.c as a shared object failed ({status})"
+    );
+}
+
+/// Builds the GPU-mapping tests' fakes (tests/fake_cuda/) into
+/// OUT_DIR/fake-cuda: a fake CUDA driver named `libcuda.so.1`, a fake
+/// NVML, a fake libuct and a library that behaves as UCX's cuda_ipc cache
+/// and calls the others through its relocations, as libuct_cuda does.
+/// Small C files, built in well under a second; no test needs a GPU.
+fn build_fake_cuda() {
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets it")).join("fake-cuda");
+    std::fs::create_dir_all(&out).expect("create OUT_DIR/fake-cuda");
+    let compiler = cc::Build::new().cargo_metadata(false).get_compiler();
+    let build = |name: &str, source: &str, extra: &[&str]| {
+        let status = compiler
+            .to_command()
+            .args(["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror"])
+            .args(["-fvisibility=hidden", &format!("-Wl,-soname,{name}"), "-o"])
+            .arg(out.join(name))
+            .arg(format!("tests/fake_cuda/{source}"))
+            .args(extra)
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run the C compiler ({:?}): {e}", compiler.path()));
+        assert!(
+            status.success(),
+            "building tests/fake_cuda/{source} failed ({status})"
+        );
+    };
+    let dir = format!("-L{}", out.display());
+    build("libcuda.so.1", "fake_driver.c", &["-lpthread"]);
+    build("libnvidia-ml.so.1", "fake_nvml.c", &[]);
+    build("libfake_uct.so", "fake_uct.c", &[]);
+    build(
+        "libfake_uct_cuda.so",
+        "fake_uct_cuda.c",
+        &[
+            &dir,
+            "-l:libcuda.so.1",
+            "-l:libfake_uct.so",
+            "-Wl,-rpath,$ORIGIN",
+            "-lpthread",
+        ],
     );
 }

@@ -118,6 +118,7 @@ const METRICS_PERIOD: &str = "NIXL_KEEPALIVE_METRICS_PERIOD";
 const READ_STALL: &str = "NIXL_KEEPALIVE_READ_STALL";
 const READ_STALL_ACTION: &str = "NIXL_KEEPALIVE_READ_STALL_ACTION";
 const ENDPOINT_EVENTS: &str = "NIXL_KEEPALIVE_ENDPOINT_EVENTS";
+const GPU_UNMAP: &str = "NIXL_KEEPALIVE_GPU_UNMAP";
 
 /// Every knob the service reads from the environment. Hidden for the
 /// reason [`Knob`] is.
@@ -198,6 +199,17 @@ pub const KNOBS: &[Knob] = &[
                   engine gets a heartbeat at once instead of at its next round; only that \
                   heartbeat's REMOTE_DISCONNECT marks it. `off`: heartbeats alone.",
     },
+    Knob {
+        env: GPU_UNMAP,
+        default: "on",
+        syntax: "`on` or `off`",
+        meaning: "`on`: a release gives back the GPU mappings UCX's CUDA IPC cache keeps of \
+                  the engine's memory (UCX_CUDA_IPC_CACHE=y, UCX's default, otherwise keeps \
+                  them until the decode exits, and a restarted prefill cannot get its memory \
+                  back), once no transfer holds them; a peer that comes back maps afresh. \
+                  `off`: left to UCX. Read once per process, before UCX maps anything \
+                  (docs/design/gpu-mappings.md).",
+    },
 ];
 
 /// The service's configuration. Build it with [`Config::builder`] or read
@@ -243,6 +255,9 @@ pub struct Config {
     /// Whether the transport's endpoint failures send an engine a
     /// heartbeat at once ([`crate::Transport::watch_failures`]).
     pub(crate) endpoint_events: bool,
+    /// Whether releases give the engine's GPU mappings back
+    /// ([`crate::Transport::gpu_mappings`]).
+    pub(crate) gpu_unmap: bool,
 }
 
 impl Config {
@@ -304,6 +319,12 @@ impl Config {
         self.endpoint_events
     }
 
+    /// Whether a release gives back the GPU mappings UCX cached of the
+    /// engine's memory.
+    pub fn gpu_unmap(&self) -> bool {
+        self.gpu_unmap
+    }
+
     /// This configuration with the jitter's seed `seed` (`None`: from the
     /// OS). No seed is out of bounds.
     pub fn with_seed(mut self, seed: Option<u64>) -> Config {
@@ -341,6 +362,7 @@ impl Default for Config {
             stall_action: StallAction::Fail,
             seed: None,
             endpoint_events: true,
+            gpu_unmap: true,
         }
     }
 }
@@ -550,6 +572,17 @@ impl Config {
                     }),
                 }
                 .map(|on| builder.config.endpoint_events = on),
+                GPU_UNMAP => match value.trim() {
+                    "on" => Ok(true),
+                    "off" => Ok(false),
+                    _ => Err(ConfigError::Env {
+                        var: knob.env,
+                        value: value.clone(),
+                        reason: "not a switch".into(),
+                        expected: "`on` or `off`",
+                    }),
+                }
+                .map(|on| builder.config.gpu_unmap = on),
                 other => unreachable!("knob {other} has no reader"),
             };
             if let Err(e) = read {
@@ -731,11 +764,12 @@ impl fmt::Display for Config {
         };
         write!(
             f,
-            "interval={interval} jitter={:?} rate=1/{:?} burst={} endpoint_events={}",
+            "interval={interval} jitter={:?} rate=1/{:?} burst={} endpoint_events={} gpu_unmap={}",
             self.jitter,
             self.rate_period,
             self.rate_burst,
-            if self.endpoint_events { "on" } else { "off" }
+            if self.endpoint_events { "on" } else { "off" },
+            if self.gpu_unmap { "on" } else { "off" }
         )
     }
 }
@@ -862,6 +896,14 @@ impl ConfigBuilder {
     /// a heartbeat at once (default on).
     pub fn endpoint_events(mut self, on: bool) -> Self {
         self.config.endpoint_events = on;
+        self
+    }
+
+    /// Whether a release gives back the GPU mappings UCX's CUDA IPC cache
+    /// keeps of the engine's memory (default on; see
+    /// [`crate::Transport::gpu_mappings`]).
+    pub fn gpu_unmap(mut self, on: bool) -> Self {
+        self.config.gpu_unmap = on;
         self
     }
 

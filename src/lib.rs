@@ -193,7 +193,7 @@ pub use text::NameError;
 
 pub use nixl_agent::NixlStatus;
 pub use transport::{
-    AgentName, EndpointClose, EngineId, FailureWatch, PeerAddr, ReleaseStep, ReleaseTarget,
-    ResolveError, Suspicion, Suspicions, Transfers, Transport, TransportError,
+    AgentName, EndpointClose, EngineId, FailureWatch, GpuMappings, PeerAddr, ReleaseStep,
+    ReleaseTarget, ResolveError, Suspicion, Suspicions, Transfers, Transport, TransportError,
 };
 pub use ucx_sys::UcsStatus;

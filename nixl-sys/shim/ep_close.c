@@ -68,6 +68,43 @@ static pthread_mutex_t slots_lock = PTHREAD_MUTEX_INITIALIZER;
 
 void *ucp_ep_close_nbx(void *ep, const void *param) NKS_EXPORT;
 
+struct definer_query {
+    const char *symbol;
+    const void *self;
+    void *fn;
+};
+
+static int
+definer_cb(struct dl_phdr_info *info, size_t size, void *arg) {
+    struct definer_query *q = arg;
+    Dl_info where;
+    void *h, *fn;
+    (void)size;
+    if (info->dlpi_name == NULL || info->dlpi_name[0] == '\0') {
+        return 0;
+    }
+    h = dlopen(info->dlpi_name, RTLD_NOLOAD | RTLD_LAZY);
+    if (h == NULL) {
+        return 0;
+    }
+    fn = dlsym(h, q->symbol);
+    dlclose(h);
+    if (fn != NULL && fn != q->self && dladdr(fn, &where) &&
+        where.dli_fbase == (void *)info->dlpi_addr) {
+        q->fn = fn;
+        return 1;
+    }
+    return 0;
+}
+
+/* The first loaded object (other than `self`'s) that defines `symbol`. */
+static void *
+defined_anywhere(const char *symbol, const void *self) {
+    struct definer_query q = {symbol, self, NULL};
+    dl_iterate_phdr(definer_cb, &q);
+    return q.fn;
+}
+
 void *
 nks_resolve(struct nks_resolved *table, pthread_mutex_t *lock, void *caller_addr,
             const char *symbol, const void *self) {
@@ -102,6 +139,13 @@ nks_resolve(struct nks_resolved *table, pthread_mutex_t *lock, void *caller_addr
     }
     if (fn == NULL || fn == self) {
         fn = dlsym(RTLD_NEXT, symbol);
+    }
+    if (fn == NULL || fn == self) {
+        /* The caller's own tree has none: a tail call made the return
+         * address another object's (a caller of the caller), or the
+         * definition sits in a local scope. The one loaded object that
+         * defines the symbol itself. */
+        fn = defined_anywhere(symbol, self);
     }
     if (fn == NULL || fn == self) {
         return NULL;
@@ -200,6 +244,7 @@ struct bound_query {
     const void *target;
     int found;
     int bound;
+    int prefix; /* `suffix` is a prefix of the base name (hashed UCX names) */
 };
 
 static const char *
@@ -215,6 +260,19 @@ dyn_ptr(const struct dl_phdr_info *info, uintptr_t p) {
 }
 
 static int
+in_object(const struct dl_phdr_info *info, const void *p) {
+    int i;
+    for (i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        uintptr_t lo = (uintptr_t)info->dlpi_addr + ph->p_vaddr;
+        if (ph->p_type == PT_LOAD && (uintptr_t)p >= lo && (uintptr_t)p < lo + ph->p_memsz) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int
 scan_relocs(const struct dl_phdr_info *info, const ElfW(Rela) * rela, size_t size,
             const ElfW(Sym) * symtab, const char *strtab, const struct bound_query *q) {
     size_t n = size / sizeof(ElfW(Rela));
@@ -226,7 +284,12 @@ scan_relocs(const struct dl_phdr_info *info, const ElfW(Rela) * rela, size_t siz
         }
         if (strcmp(strtab + symtab[sym].st_name, q->symbol) == 0) {
             void **slot = (void **)(info->dlpi_addr + rela[i].r_offset);
-            return *slot == q->target ? 1 : 0;
+            if (*slot == q->target) {
+                return 1;
+            }
+            /* Lazy binding not done yet: the slot still points into the
+             * object's own PLT. */
+            return in_object(info, *slot) ? 2 : 0;
         }
     }
     return -1;
@@ -243,7 +306,9 @@ bound_cb(struct dl_phdr_info *info, size_t size, void *arg) {
     int i, r;
     (void)size;
 
-    if (info->dlpi_name == NULL || strcmp(base_name(info->dlpi_name), q->suffix) != 0) {
+    if (info->dlpi_name == NULL ||
+        (q->prefix ? strncmp(base_name(info->dlpi_name), q->suffix, strlen(q->suffix))
+                   : strcmp(base_name(info->dlpi_name), q->suffix)) != 0) {
         return 0;
     }
     q->found = 1;
@@ -289,6 +354,27 @@ bound_cb(struct dl_phdr_info *info, size_t size, void *arg) {
 }
 
 /*
+ * Whether the loaded object whose base name is `name` (or starts with it,
+ * with `prefix`) calls `target` for `symbol`: 1 bound; 2 not resolved yet
+ * (lazy binding), and the first definition in the global scope, where a
+ * lazy lookup from an object loaded without RTLD_DEEPBIND starts, is
+ * `target`; 0 bound elsewhere; -1 it does not import the symbol; -2 no
+ * such object is loaded.
+ */
+int
+nks_reloc_bound(const char *name, int prefix, const char *symbol, const void *target) {
+    struct bound_query q = {name, symbol, target, 0, -1, prefix};
+    dl_iterate_phdr(bound_cb, &q);
+    if (!q.found) {
+        return -2;
+    }
+    if (q.bound == 2) {
+        return dlsym(RTLD_DEFAULT, symbol) == target ? 2 : 0;
+    }
+    return q.bound;
+}
+
+/*
  * Whether the loaded object named `file_name` (its base name, e.g.
  * "libplugin_UCX.so") calls this file's ucp_ep_close_nbx: 1 bound, 0 bound
  * elsewhere (loaded before this file, or with RTLD_DEEPBIND), -1 it does
@@ -296,9 +382,8 @@ bound_cb(struct dl_phdr_info *info, size_t size, void *arg) {
  */
 NKS_EXPORT int
 nks_ep_close_bound(const char *file_name) {
-    struct bound_query q = {file_name, "ucp_ep_close_nbx", (const void *)ucp_ep_close_nbx, 0, -1};
-    dl_iterate_phdr(bound_cb, &q);
-    return q.found ? q.bound : -2;
+    int r = nks_reloc_bound(file_name, 0, "ucp_ep_close_nbx", (const void *)ucp_ep_close_nbx);
+    return r == 2 ? 1 : r;
 }
 
 /* The same for ep_watch.c's ucp_ep_create. */
@@ -306,7 +391,6 @@ int ucp_ep_create(void *worker, const void *params, void **ep_p);
 
 NKS_EXPORT int
 nks_ep_create_bound(const char *file_name) {
-    struct bound_query q = {file_name, "ucp_ep_create", (const void *)ucp_ep_create, 0, -1};
-    dl_iterate_phdr(bound_cb, &q);
-    return q.found ? q.bound : -2;
+    int r = nks_reloc_bound(file_name, 0, "ucp_ep_create", (const void *)ucp_ep_create);
+    return r == 2 ? 1 : r;
 }

@@ -28,4 +28,12 @@ struct nks_resolved {
 void *nks_resolve(struct nks_resolved *table, pthread_mutex_t *lock, void *caller_addr,
                   const char *symbol, const void *self);
 
+/*
+ * How the loaded object named `name` (its base name, or a prefix of it with
+ * `prefix`) binds `symbol`: 1 to `target`, 2 not yet (lazy) but a lookup
+ * will find `target`, 0 elsewhere, -1 not imported, -2 no such object
+ * (ep_close.c).
+ */
+int nks_reloc_bound(const char *name, int prefix, const char *symbol, const void *target);
+
 #endif

@@ -21,6 +21,8 @@ use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
 
+use crate::gpu::GpuHooks;
+
 /// The environment variable that chooses the endpoint close mode.
 pub const EP_CLOSE_ENV: &str = "NIXL_SYS_EP_CLOSE";
 
@@ -139,6 +141,7 @@ struct Interposer {
     watch_end: unsafe extern "C" fn(*mut u64, usize) -> usize,
     mode: OnceLock<EndpointCloseMode>,
     watch_mode: OnceLock<EndpointWatchMode>,
+    gpu: GpuHooks,
     _lib: Library,
 }
 
@@ -449,6 +452,44 @@ pub struct WatchedEps {
     pub created: usize,
 }
 
+/// The service's knob for the GPU-mapping ledger, read here too because
+/// the ledger must be on (or off) before UCX maps anything: `0`, `n`,
+/// `no`, `off` or `false` turn it off for the process. The service
+/// validates the value itself and refuses a bad one at start-up.
+pub const GPU_UNMAP_ENV: &str = "NIXL_KEEPALIVE_GPU_UNMAP";
+
+fn gpu_unmap_off_in_env() -> bool {
+    std::env::var(GPU_UNMAP_ENV).is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "n" | "no" | "off" | "false"
+        )
+    })
+}
+
+impl EpClose {
+    /// The GPU-mapping ledger's hooks ([`crate::gpu`]), when the
+    /// interposer is loaded.
+    pub fn gpu(&self) -> Option<&GpuHooks> {
+        match &self.0 {
+            State::Loaded(i) => Some(&i.gpu),
+            State::Off(_) => None,
+        }
+    }
+
+    /// Why the GPU-mapping ledger cannot run, when the interposer is not
+    /// loaded.
+    pub fn gpu_unavailable(&self) -> Option<String> {
+        match &self.0 {
+            State::Loaded(_) => None,
+            State::Off(EndpointCloseMode::Nixl) => Some(format!(
+                "the interposer is not loaded ({EP_CLOSE_ENV}=nixl)"
+            )),
+            State::Off(mode) => Some(format!("the interposer is not loaded: {mode}")),
+        }
+    }
+}
+
 /// Whether NIXL's UCX plugin is in the process already (then it is bound).
 fn plugin_already_loaded() -> bool {
     let name = CString::new(UCX_PLUGIN_FILE).expect("no NUL");
@@ -527,6 +568,12 @@ fn load_interposer() -> Result<Interposer, String> {
         let watch_end = *lib
             .get::<unsafe extern "C" fn(*mut u64, usize) -> usize>(b"nks_ep_watch_scope_end\0")
             .map_err(|e| e.to_string())?;
+        // SAFETY: `lib` is the interposer, and moves into the same
+        // `Interposer` as the hooks: never unloaded.
+        let gpu = GpuHooks::load(&lib)?;
+        // On from the start, before any UCX map call, unless turned off
+        // for the process (the service's knob can turn it off later).
+        gpu.set_enabled(!gpu_unmap_off_in_env());
         Ok(Interposer {
             begin,
             end,
@@ -539,6 +586,7 @@ fn load_interposer() -> Result<Interposer, String> {
             watch_end,
             mode: OnceLock::new(),
             watch_mode: OnceLock::new(),
+            gpu,
             _lib: lib,
         })
     }

@@ -31,6 +31,7 @@
 pub mod cuda;
 pub mod endpoints;
 mod error;
+pub mod gpu;
 mod runtime;
 mod status;
 /// Test support for the real runtime (feature `testing`): not part of the

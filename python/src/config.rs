@@ -36,7 +36,7 @@ fn kind(env: &str) -> Kind {
     match env {
         "NIXL_KEEPALIVE_RATE_BURST" | "NIXL_KEEPALIVE_EVENT_CAPACITY" => Kind::Count,
         "NIXL_KEEPALIVE_READ_STALL_ACTION" => Kind::Word,
-        "NIXL_KEEPALIVE_ENDPOINT_EVENTS" => Kind::Switch,
+        "NIXL_KEEPALIVE_ENDPOINT_EVENTS" | "NIXL_KEEPALIVE_GPU_UNMAP" => Kind::Switch,
         _ => Kind::Time,
     }
 }
@@ -192,6 +192,7 @@ impl Config {
             },
         )?;
         d.set_item("endpoint_events", c.endpoint_events())?;
+        d.set_item("gpu_unmap", c.gpu_unmap())?;
         d.set_item("seed", c.seed())?;
         Ok(d)
     }

@@ -143,6 +143,9 @@ pub(crate) fn remove_remote_agent(
             Classified::Other(_) => Err(e),
         },
     };
+    if let Some(gpu) = &closes.gpu {
+        nixl_keepalive::transport::nixl::record_release_gpu(name.as_str(), gpu);
+    }
     let close = match &status {
         Ok(s) if *s == NixlStatus::SUCCESS => Some(EndpointClose::from(closes)),
         _ => None,

@@ -285,4 +285,11 @@ impl Transport for PyTransport {
             .ok_or("the agent has no `name` that is a str")?;
         nixl_keepalive::transport::nixl::watch_endpoint_failures(local, suspicions)
     }
+
+    /// The process's GPU-mapping ledger (`nixl_agent::gpu`), on or off: the
+    /// same one as the Rust transport's (NIXL's Python agent loads through
+    /// `nixl_keepalive.load_remote_agent` name their rkeys).
+    fn gpu_mappings(&self, on: bool) -> nixl_keepalive::GpuMappings {
+        nixl_keepalive::transport::nixl::gpu_mappings(on)
+    }
 }

@@ -28,8 +28,10 @@ use crate::event::Event;
 use crate::registration::Registration;
 use crate::snapshot::DetectionSummary;
 use crate::telemetry;
-use crate::transport::{EngineId, FailureWatch, Suspicions, Transport};
-use crate::ucx::settings::{detection_bound, secs_text, warnings, UcxSettings};
+use crate::transport::{EngineId, FailureWatch, GpuMappings, Suspicions, Transport};
+use crate::ucx::settings::{
+    detection_bound, is_cuda_ipc_cache_warning, secs_text, warnings, UcxSettings,
+};
 
 /// What the service could not release when it stopped, each registration
 /// once: engines whose reads were still in flight at the drain deadline,
@@ -72,6 +74,8 @@ pub struct Keepalive<T: Transport> {
     /// which).
     _failure_watch: Option<FailureWatch>,
     endpoint_events: EndpointEvents,
+    /// What releases do with the engines' GPU mappings, found at start-up.
+    gpu_mappings: GpuMappings,
 }
 
 /// Whether the transport's endpoint failures reach the service.
@@ -124,6 +128,7 @@ impl<T: Transport> Keepalive<T> {
         } else {
             (None, EndpointEvents::Off)
         };
+        let gpu_mappings = transport.gpu_mappings(config.gpu_unmap);
         let service = Keepalive {
             offload: Offload::new(transport),
             core,
@@ -141,6 +146,7 @@ impl<T: Transport> Keepalive<T> {
             bound: None,
             _failure_watch: failure_watch,
             endpoint_events,
+            gpu_mappings,
         };
         (service, handle)
     }
@@ -210,7 +216,15 @@ impl<T: Transport> Keepalive<T> {
             self.startup.line
         );
         for warning in &self.startup.warnings {
+            // UCX's cache costs nothing where releases give its mappings back.
+            if self.gpu_mappings.memory_comes_back() && is_cuda_ipc_cache_warning(warning) {
+                continue;
+            }
             tracing::warn!("{warning}");
+        }
+        match &self.gpu_mappings {
+            GpuMappings::Unavailable(_) => tracing::warn!("{}", self.gpu_mappings),
+            other => tracing::info!("{other}"),
         }
         match &self.endpoint_events {
             EndpointEvents::On => tracing::info!("endpoint events on: an engine whose UCX endpoint fails gets a heartbeat at once"),

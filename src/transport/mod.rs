@@ -310,4 +310,53 @@ pub trait Transport: Send + Sync + 'static {
         let _ = suspicions;
         Err("this transport reports no endpoint failures".into())
     }
+
+    /// Turns the giving back of released engines' GPU mappings on or off
+    /// (`NIXL_KEEPALIVE_GPU_UNMAP`; the NIXL transports: the mappings
+    /// UCX's CUDA IPC cache keeps, see `nixl_agent::gpu`) and says what it
+    /// does in this process. The service calls it once, at start-up. The
+    /// default maps no GPU memory.
+    fn gpu_mappings(&self, on: bool) -> GpuMappings {
+        let _ = on;
+        GpuMappings::NotApplicable
+    }
+}
+
+/// Whether a release gives the engine's GPU mappings back: what
+/// [`Transport::gpu_mappings`] found at start-up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GpuMappings {
+    /// Yes, UCX's CUDA IPC cache included: each release gives back the
+    /// mappings no other engine uses, once no transfer holds them.
+    Unmapping,
+    /// No GPU mapping is made in this process (UCX's CUDA transport is not
+    /// loaded): nothing to give back.
+    NoCudaTransport,
+    /// Turned off (`NIXL_KEEPALIVE_GPU_UNMAP=off`).
+    Off,
+    /// Wanted, not possible here; why.
+    Unavailable(String),
+    /// This transport maps no GPU memory.
+    NotApplicable,
+}
+
+impl GpuMappings {
+    /// Whether a dead engine's GPU memory comes back at its release (or
+    /// nothing is mapped to keep it): UCX_CUDA_IPC_CACHE=y costs nothing
+    /// then.
+    pub fn memory_comes_back(&self) -> bool {
+        matches!(self, GpuMappings::Unmapping | GpuMappings::NoCudaTransport)
+    }
+}
+
+impl std::fmt::Display for GpuMappings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuMappings::Unmapping => write!(f, "GPU mappings: unmapped at each release (UCX's cuda_ipc cache and the CUDA driver calls are bound)"),
+            GpuMappings::NoCudaTransport => write!(f, "GPU mappings: none (UCX's CUDA transport is not loaded in this process)"),
+            GpuMappings::Off => write!(f, "GPU mappings: left to UCX (NIXL_KEEPALIVE_GPU_UNMAP=off)"),
+            GpuMappings::Unavailable(why) => write!(f, "GPU mappings: left to UCX, unmapping unavailable: {why}"),
+            GpuMappings::NotApplicable => write!(f, "GPU mappings: none (this transport maps no GPU memory)"),
+        }
+    }
 }

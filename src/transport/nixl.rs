@@ -36,11 +36,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use nixl_agent::gpu::{GpuReleaseCounts, GpuUnmapMode};
 use nixl_agent::{Agent, Connections, DlistHandle, EndpointCloses, NixlError, NixlStatus};
 
 use crate::transport::{
-    AgentName, EndpointClose, EngineId, FailureWatch, ReleaseStep, ReleaseTarget, Suspicion,
-    Suspicions, Transfers, Transport, TransportError,
+    AgentName, EndpointClose, EngineId, FailureWatch, GpuMappings, ReleaseStep, ReleaseTarget,
+    Suspicion, Suspicions, Transfers, Transport, TransportError,
 };
 use ucx_sys::UcsStatus;
 
@@ -244,6 +245,11 @@ impl Transport for NixlTransport {
         watch_endpoint_failures(self.agent.name(), suspicions)
     }
 
+    /// The process's GPU-mapping ledger (`nixl_agent::gpu`), on or off.
+    fn gpu_mappings(&self, on: bool) -> GpuMappings {
+        gpu_mappings(on)
+    }
+
     /// With [`Transfers::Ended`] the agents' TCP connections are shut down
     /// after their invalidation ([`Connections::Shut`]), so a released live
     /// peer's descriptors go at once instead of at its next UCX keepalive
@@ -282,6 +288,9 @@ impl Transport for NixlTransport {
                 .invalidate_remote_metadata_with(agent.as_str(), connections)
             {
                 Ok(closes) => {
+                    if let Some(gpu) = &closes.gpu {
+                        record_release_gpu(agent.as_str(), gpu);
+                    }
                     let close = EndpointClose::from(closes);
                     record_release_endpoints(&close);
                     if let EndpointClose::LeftOpen { left_open, .. } = close {
@@ -344,6 +353,69 @@ const RELEASE_ENDPOINTS: &str = "nixl_keepalive_release_endpoints_total";
 /// introspection (its VFS tree), read after each release: NIXL's loopback
 /// endpoint plus one per loaded remote agent when nothing is left behind.
 const UCX_ENDPOINTS: &str = "nixl_keepalive_ucx_endpoints";
+/// GPU mappings of released agents (UCX's CUDA IPC cache, see
+/// `nixl_agent::gpu`), by `outcome`: `unmapped` (UCX removed and closed
+/// it), `deferred` (in use: closed at its last transfer's end),
+/// `kept_shared` (another agent uses it), `kept_unknown` (a load made
+/// without nixl-keepalive uses it), `raced` (mapped again meanwhile),
+/// `failed` (the driver refused the close).
+const RELEASE_GPU_MAPPINGS: &str = "nixl_keepalive_release_gpu_mappings_total";
+/// Bytes of GPU mappings the releases unmapped.
+const RELEASE_GPU_BYTES: &str = "nixl_keepalive_release_gpu_unmapped_bytes_total";
+/// GPU mappings UCX's cache holds now that the ledger saw opened, and
+/// their bytes (read after each release).
+const GPU_MAPPINGS: &str = "nixl_keepalive_gpu_mappings";
+const GPU_MAPPED_BYTES: &str = "nixl_keepalive_gpu_mapped_bytes";
+
+/// What one agent's release did to the GPU mappings UCX cached for it:
+/// metrics, and a log line (a warning for failures and for mappings kept
+/// because a load this process made without nixl-keepalive uses them).
+/// Every NIXL transport's release calls it (the Python package's too).
+pub fn record_release_gpu(agent: &str, gpu: &GpuReleaseCounts) {
+    let count = |outcome: &'static str, n: u32| {
+        if n > 0 {
+            metrics::counter!(RELEASE_GPU_MAPPINGS, "outcome" => outcome).increment(u64::from(n));
+        }
+    };
+    count("unmapped", gpu.unmapped);
+    count("deferred", gpu.deferred);
+    count("kept_shared", gpu.kept_shared);
+    count("kept_unknown", gpu.kept_unknown);
+    count("raced", gpu.raced);
+    count("failed", gpu.failures);
+    if gpu.bytes > 0 {
+        metrics::counter!(RELEASE_GPU_BYTES).increment(gpu.bytes);
+    }
+    let now = nixl_agent::gpu::counts();
+    metrics::gauge!(GPU_MAPPINGS).set(now.regions as f64);
+    metrics::gauge!(GPU_MAPPED_BYTES).set(now.bytes as f64);
+    if gpu.failures > 0 {
+        tracing::warn!(%agent, failed = gpu.failures, unmapped = gpu.unmapped, "the CUDA driver refused to close GPU mappings of a released agent (UCX forgot them all the same)");
+    }
+    if gpu.kept_unknown > 0 {
+        tracing::warn!(%agent, kept = gpu.kept_unknown, "GPU mappings of a released agent kept: a load made without nixl-keepalive uses them (route loads through nixl_keepalive.load_remote_agent)");
+    }
+    if gpu.unmapped > 0 || gpu.deferred > 0 {
+        tracing::info!(%agent, unmapped = gpu.unmapped, bytes = gpu.bytes, deferred = gpu.deferred, kept_shared = gpu.kept_shared, "GPU mappings of a released agent given back");
+    }
+}
+
+/// The NIXL transports' [`crate::transport::GpuMappings`]: turns the
+/// process's ledger on or off (the `NIXL_KEEPALIVE_GPU_UNMAP` knob) and
+/// says what it does here.
+pub fn gpu_mappings(on: bool) -> GpuMappings {
+    nixl_agent::gpu::set_enabled(on);
+    match nixl_agent::gpu::mode() {
+        GpuUnmapMode::Unmapping => GpuMappings::Unmapping,
+        GpuUnmapMode::Off => GpuMappings::Off,
+        GpuUnmapMode::NoCudaTransport => GpuMappings::NoCudaTransport,
+        GpuUnmapMode::Pending => GpuMappings::Unavailable(
+            "no UCX backend in this process yet (the ledger is on; checked at the first release)"
+                .into(),
+        ),
+        GpuUnmapMode::Unavailable(why) => GpuMappings::Unavailable(why),
+    }
+}
 /// What one agent's invalidation did to its endpoints.
 fn record_release_endpoints(close: &EndpointClose) {
     let count = |outcome: &'static str, n: u32| {

@@ -809,6 +809,16 @@ pub fn detection_bound_for(
     }
 }
 
+/// The first words of the [`warnings`] line about `UCX_CUDA_IPC_CACHE`,
+/// which the service leaves out where releases give UCX's cached GPU
+/// mappings back ([`crate::GpuMappings::memory_comes_back`]).
+const CUDA_IPC_CACHE_WARNING: &str = "UCX_CUDA_IPC_CACHE=";
+
+/// Whether `warning` (one of [`warnings`]) is the `UCX_CUDA_IPC_CACHE` one.
+pub fn is_cuda_ipc_cache_warning(warning: &str) -> bool {
+    warning.starts_with(CUDA_IPC_CACHE_WARNING)
+}
+
 /// Settings that defeat detection, one warning each (log them once).
 pub fn warnings(settings: &UcxSettings) -> Vec<String> {
     let mut w = Vec::new();
@@ -844,9 +854,10 @@ pub fn warnings(settings: &UcxSettings) -> Vec<String> {
     }
     if settings.cuda_ipc_cache.value {
         w.push(format!(
-            "UCX_CUDA_IPC_CACHE={} ({}): UCX keeps its cached CUDA IPC / MNNVL mappings of a \
-             dead peer's GPU memory after the peer is released, until this process exits (so a \
-             restarted peer cannot get that memory back; measured, docs/gpu-check.md); set \
+            "{CUDA_IPC_CACHE_WARNING}{} ({}): UCX keeps its cached CUDA IPC / MNNVL mappings of \
+             a dead peer's GPU memory after the peer is released, until this process exits (so \
+             a restarted peer cannot get that memory back; measured, docs/gpu-check.md), and \
+             releases cannot give them back here (see the GPU mappings line); set \
              UCX_CUDA_IPC_CACHE=n for a release to give it back",
             settings.cuda_ipc_cache.raw, settings.cuda_ipc_cache.source
         ));

@@ -204,6 +204,7 @@ impl Drop for AgentInner {
         // agent is destroyed next either way.
         let _ = self.take_notifs();
         crate::failures::forget_agent(&self.name);
+        crate::gpu::forget_agent(&self.name);
         // SAFETY: `self.capi` is the live handle `Agent::new` created;
         // every registration, dlist handle and request made by this agent
         // holds an `Arc` to it, so none is left and this is the last use
@@ -698,6 +699,9 @@ impl Agent {
             let (shut, pending) = self.inner.shut_recorded(remote.as_bytes(), connections);
             closes.connections_shut = shut;
             closes.connections_pending = pending;
+            // The agent's rkeys went with the invalidation: UCX's
+            // references left are transfers of other agents.
+            closes.gpu = crate::gpu::released(&self.inner.name, remote);
         }
         result?;
         Ok(closes)

@@ -92,6 +92,10 @@ pub struct EndpointCloses {
     /// had not closed yet when the invalidation returned (it closes them at
     /// its next progress of the worker).
     pub connections_pending: u32,
+    /// What the invalidation gave back of the GPU mappings UCX's CUDA IPC
+    /// cache held for the agent ([`crate::gpu`]); `None` when the ledger
+    /// does not run in this process or the agent's loads were not seen.
+    pub gpu: Option<crate::gpu::GpuReleaseCounts>,
 }
 
 impl EndpointCloses {
@@ -107,6 +111,7 @@ impl EndpointCloses {
                 observed: true,
                 connections_shut: 0,
                 connections_pending: 0,
+                gpu: None,
             },
         }
     }
@@ -227,6 +232,9 @@ impl EndpointCloser {
             let (n, pending) = crate::foreign::released(local, remote, shut);
             closes.connections_shut = n;
             closes.connections_pending = pending;
+            // Every rkey of the agent went with the invalidation: UCX's
+            // references left are transfers of other agents.
+            closes.gpu = crate::gpu::released(local, remote);
         }
         (out, closes)
     }

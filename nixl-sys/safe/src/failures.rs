@@ -112,7 +112,7 @@ pub fn counts() -> EpWatchCounts {
 /// [`LoadedEndpoints::belong_to`] once the load said which agent it was.
 #[must_use = "name the endpoints with belong_to, or their failures reach every watcher unnamed"]
 #[derive(Debug, Default)]
-pub struct LoadedEndpoints(Option<WatchedEps>);
+pub struct LoadedEndpoints(Option<WatchedEps>, crate::gpu::LoadedMappings);
 
 impl LoadedEndpoints {
     /// How many endpoints the load created (0 when not watched).
@@ -122,7 +122,10 @@ impl LoadedEndpoints {
 
     /// Records that these endpoints connect `local` to `remote` (replacing
     /// what an earlier load of the pair recorded).
+    /// The rkeys the load unpacked are named too, for the release of the
+    /// pair's GPU mappings (see [`crate::gpu`]).
     pub fn belong_to(self, local: &str, remote: &str) {
+        self.1.belong_to(local, remote);
         let Some(w) = self.0 else {
             return;
         };
@@ -145,14 +148,14 @@ impl LoadedEndpoints {
 
 /// Runs `load`, another binding's `loadRemoteMD` (NIXL's Python
 /// `add_remote_agent`), and lists the endpoints it created on this thread.
+///
+/// The rkeys NIXL unpacks in it are listed too (see [`crate::gpu`]).
 pub fn around_load<T>(load: impl FnOnce() -> T) -> (T, LoadedEndpoints) {
-    match ep_close() {
-        Some(e) => {
-            let (out, eps) = e.watching(load);
-            (out, LoadedEndpoints(eps))
-        }
-        None => (load(), LoadedEndpoints(None)),
-    }
+    let ((out, eps), mappings) = crate::gpu::around_load(|| match ep_close() {
+        Some(e) => e.watching(load),
+        None => (load(), None),
+    });
+    (out, LoadedEndpoints(eps, mappings))
 }
 
 /// Forgets the endpoints `local` holds to `remote` (its metadata was

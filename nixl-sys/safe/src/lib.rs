@@ -56,6 +56,7 @@ pub mod endpoints;
 mod error;
 pub mod failures;
 mod foreign;
+pub mod gpu;
 mod sockets;
 /// Test support for the real runtime (feature `testing`; `nixl-sys`'s,
 /// re-exported): not part of the binding's API, for this workspace's tests
