@@ -561,28 +561,10 @@ impl Config {
                     }),
                 }
                 .map(|a| builder.config.stall_action = a),
-                ENDPOINT_EVENTS => match value.trim() {
-                    "on" => Ok(true),
-                    "off" => Ok(false),
-                    _ => Err(ConfigError::Env {
-                        var: knob.env,
-                        value: value.clone(),
-                        reason: "not a switch".into(),
-                        expected: "`on` or `off`",
-                    }),
+                ENDPOINT_EVENTS => {
+                    switch(knob.env, &value).map(|on| builder.config.endpoint_events = on)
                 }
-                .map(|on| builder.config.endpoint_events = on),
-                GPU_UNMAP => match value.trim() {
-                    "on" => Ok(true),
-                    "off" => Ok(false),
-                    _ => Err(ConfigError::Env {
-                        var: knob.env,
-                        value: value.clone(),
-                        reason: "not a switch".into(),
-                        expected: "`on` or `off`",
-                    }),
-                }
-                .map(|on| builder.config.gpu_unmap = on),
+                GPU_UNMAP => switch(knob.env, &value).map(|on| builder.config.gpu_unmap = on),
                 other => unreachable!("knob {other} has no reader"),
             };
             if let Err(e) = read {
@@ -753,6 +735,20 @@ fn invalid(setting: &'static str, value: String, reason: String) -> ConfigError 
         value,
         reason,
         expected: knob(setting).syntax,
+    }
+}
+
+/// An `on`/`off` knob's value.
+fn switch(var: &'static str, value: &str) -> Result<bool, ConfigError> {
+    match value.trim() {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(ConfigError::Env {
+            var,
+            value: value.to_owned(),
+            reason: "not a switch".into(),
+            expected: "`on` or `off`",
+        }),
     }
 }
 

@@ -88,3 +88,69 @@ fn the_snapshot_names_each_engines_incarnation() {
     );
     d.stop();
 }
+
+/// The decode's log, once it holds a line containing `part` (at most
+/// `within`).
+fn log_line(d: &DecodeProc, part: &str, within: Duration) -> String {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let log = std::fs::read_to_string(&d.log).unwrap_or_default();
+        if let Some(l) = log.lines().find(|l| l.contains(part)) {
+            return l.to_string();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {part:?} in the decode's log within {within:?}:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 56: the decode's start-up line says what its releases do with the
+/// GPU mappings UCX's CUDA IPC cache keeps. On the real runtime: without a
+/// CUDA driver UCX loads no CUDA transport (nothing to give back, no
+/// `UCX_CUDA_IPC_CACHE` warning); with one (here the fake driver, which
+/// has no device, so that UCX loads its real `libuct_cuda`) the ledger is
+/// bound, and the warning is given only when the ledger is turned off.
+#[test]
+fn the_decodes_start_up_line_says_whether_ucxs_cuda_transport_binds_the_gpu_ledger() {
+    let Some(_rt) = runtime_or_skip() else { return };
+    let _serial = serial();
+    let p = PrefillProc::start(&PrefillSpec::default());
+    let fake = nixl_agent::testing::FAKE_CUDA_DIR;
+    let warning = "UCX_CUDA_IPC_CACHE=y";
+    // (the decode's environment, its start-up line, whether it warns)
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a str, bool);
+    let cases: [Case; 3] = [
+        (
+            &[],
+            "GPU mappings: none (UCX's CUDA transport is not loaded",
+            false,
+        ),
+        (
+            &[("LD_LIBRARY_PATH", fake)],
+            "GPU mappings: unmapped at each release",
+            false,
+        ),
+        (
+            &[
+                ("LD_LIBRARY_PATH", fake),
+                ("NIXL_KEEPALIVE_GPU_UNMAP", "off"),
+            ],
+            "GPU mappings: left to UCX (NIXL_KEEPALIVE_GPU_UNMAP=off)",
+            true,
+        ),
+    ];
+    for (env, line, warned) in cases {
+        let mut d = DecodeProc::start(&["--prefill", p.addr.as_str()], env, MARGIN);
+        d.wait_nth(1, &["event: registered", &p.engine], MARGIN);
+        report(&log_line(&d, line, MARGIN));
+        let log = std::fs::read_to_string(&d.log).expect("the decode's log");
+        assert_eq!(
+            log.lines().any(|l| l.contains(warning)),
+            warned,
+            "{env:?}: the {warning} warning:\n{log}"
+        );
+        d.stop();
+    }
+}

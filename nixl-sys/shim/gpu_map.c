@@ -249,6 +249,9 @@ map_del(struct u64map *m, uint64_t k) {
 
 struct region {
     struct nks_gpu_mapping pub;
+    /* Unique per region made: an address the driver hands out again is
+     * another region. */
+    uint64_t serial;
     /* The arguments of UCX's last unmap of it: what giving our reference
      * back passes, and the function that takes it. */
     uint32_t pid_ns;
@@ -264,6 +267,7 @@ static int enabled;
 static struct u64map regions;  /* mapped address -> struct region * */
 static struct u64map keys;     /* UCT rkey (the cuda_ipc key pointer) -> pair */
 static struct nks_gpu_counts totals;
+static uint64_t serials;
 
 /* This thread is inside UCX's map call: the driver opens it makes are
  * mappings of UCX's cache. */
@@ -363,6 +367,7 @@ opened(uint64_t addr, uint64_t size, uint32_t kind) {
             free(r);
             return;
         }
+        r->serial = ++serials;
         r->pub.addr = addr;
         r->pub.size = size;
         r->pub.kind = kind;
@@ -859,7 +864,9 @@ nks_gpu_assign(uint64_t batch, uint64_t pair) {
 NKS_EXPORT void
 nks_gpu_release(uint64_t pair, struct nks_gpu_release *out) {
     struct nks_gpu_release res = {0};
-    struct region **evict = NULL;
+    struct evict {
+        uint64_t addr, serial;
+    } *evict = NULL;
     size_t n = 0, i;
 
     pthread_mutex_lock(&ledger_lock);
@@ -885,9 +892,12 @@ nks_gpu_release(uint64_t pair, struct nks_gpu_release *out) {
         } else if (r->pub.unknown) {
             res.kept_unknown++;
         } else if (r->pub.refs == 0 && r->pub.held && r->real_unmap != NULL && evict != NULL) {
+            /* Ours to give back: from here on no other path does. */
             r->pub.held = 0;
             totals.held--;
-            evict[n++] = r;
+            evict[n].addr = r->pub.addr;
+            evict[n].serial = r->serial;
+            n++;
         } else if (r->pub.refs > 0) {
             r->pub.doomed = 1;
             res.deferred++;
@@ -895,15 +905,9 @@ nks_gpu_release(uint64_t pair, struct nks_gpu_release *out) {
         /* Otherwise UCX holds no reference and keeps nothing of ours:
          * its cache is off, it closes the region itself. */
     }
-    /* Their addresses: a region closed by another thread meanwhile is
-     * freed, so only addresses are carried past the lock. */
-    for (i = 0; i < n; i++) {
-        evict[i] = (struct region *)(uintptr_t)evict[i]->pub.addr;
-    }
     pthread_mutex_unlock(&ledger_lock);
 
     for (i = 0; i < n; i++) {
-        uint64_t addr = (uint64_t)(uintptr_t)evict[i];
         struct region *r;
         unmap_fn real;
         int pid, dev;
@@ -911,8 +915,10 @@ nks_gpu_release(uint64_t pair, struct nks_gpu_release *out) {
         uintptr_t d_bptr;
 
         pthread_mutex_lock(&ledger_lock);
-        r = region_at(addr);
-        if (r == NULL) {
+        r = region_at(evict[i].addr);
+        if (r == NULL || r->serial != evict[i].serial) {
+            /* UCX closed it meanwhile (a collision, its clean-up): the
+             * reference went with it. */
             pthread_mutex_unlock(&ledger_lock);
             continue;
         }
@@ -925,7 +931,7 @@ nks_gpu_release(uint64_t pair, struct nks_gpu_release *out) {
 
         release_closed = release_failed = 0;
         release_bytes = 0;
-        give_back(real, pid, ns, d_bptr, addr, dev, 0);
+        give_back(real, pid, ns, d_bptr, evict[i].addr, dev, 0);
         pthread_mutex_lock(&ledger_lock);
         if (release_closed > 0) {
             res.unmapped += release_closed;
@@ -934,7 +940,7 @@ nks_gpu_release(uint64_t pair, struct nks_gpu_release *out) {
             totals.unmapped_bytes += release_bytes;
         } else if (release_failed > 0) {
             res.failures += release_failed;
-        } else if (region_at(addr) != NULL) {
+        } else if (region_at(evict[i].addr) != NULL) {
             /* A transfer mapped it again between the decision and the
              * call: UCX kept it, the transfer holds it. */
             res.raced++;

@@ -458,7 +458,8 @@ pub struct WatchedEps {
 /// validates the value itself and refuses a bad one at start-up.
 pub const GPU_UNMAP_ENV: &str = "NIXL_KEEPALIVE_GPU_UNMAP";
 
-fn gpu_unmap_off_in_env() -> bool {
+/// Whether [`GPU_UNMAP_ENV`] turns the ledger off for the process.
+pub fn gpu_unmap_off_in_env() -> bool {
     std::env::var(GPU_UNMAP_ENV).is_ok_and(|v| {
         matches!(
             v.trim().to_ascii_lowercase().as_str(),

@@ -32,3 +32,10 @@ pub fn runtime_or_skip() -> Option<&'static Runtime> {
         }
     }
 }
+
+/// Where build.rs put the GPU-mapping tests' fakes (`tests/fake_cuda/`): a
+/// fake CUDA driver named `libcuda.so.1` and a fake `libnvidia-ml.so.1`,
+/// with every symbol UCX's `libuct_cuda` imports. With this folder on a
+/// process's `LD_LIBRARY_PATH`, the real UCX loads its CUDA transport
+/// (which finds no device): enough to check what binds to what, no GPU.
+pub const FAKE_CUDA_DIR: &str = concat!(env!("OUT_DIR"), "/fake-cuda");

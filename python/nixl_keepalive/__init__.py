@@ -85,6 +85,7 @@ from ._native import (
     canonical_address,
     classify_exception,
     endpoint_close_mode,
+    gpu_mappings,
     knobs,
     load_remote_agent,
     parse_ucx_time,
@@ -130,6 +131,7 @@ __all__ = [
     "canonical_address",
     "classify_exception",
     "endpoint_close_mode",
+    "gpu_mappings",
     "knobs",
     "load_remote_agent",
     "make_agent",
@@ -537,6 +539,14 @@ class Keepalive:
             warnings.warn(
                 "nixl_keepalive: releases cannot close a live prefill's UCX endpoints in this process "
                 f"(one TCP connection per rank stays open per release): {closing['reason']}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        gpu = gpu_mappings()
+        if gpu["mode"] == "unavailable":
+            warnings.warn(
+                "nixl_keepalive: releases cannot give back the GPU mappings UCX's CUDA IPC cache keeps "
+                f"(a dead prefill's memory stays allocated; set UCX_CUDA_IPC_CACHE=n): {gpu['reason']}",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -278,8 +278,8 @@ class Config:
     """The service's configuration: ``NIXL_KEEPALIVE_*`` knobs as keyword
     arguments (``interval``, ``jitter``, ``rate_period``, ``rate_burst``,
     ``event_capacity``, ``shutdown_drain``, ``metrics_period``,
-    ``read_stall``, ``read_stall_action``, ``endpoint_events``: a bool or
-    ``"on"``/``"off"``) over the environment
+    ``read_stall``, ``read_stall_action``, ``endpoint_events`` and
+    ``gpu_unmap``: a bool or ``"on"``/``"off"``) over the environment
     (``env=False`` ignores it); ``seed`` fixes the jitter's randomness.
     Time values: UCX syntax strings (``"250ms"``, ``"inf"``), seconds, or
     ``timedelta``. Raises :class:`ConfigError`."""
@@ -486,6 +486,11 @@ def knobs() -> list[dict[str, str]]:
 def endpoint_close_mode() -> dict[str, Optional[str]]:
     """How releases close a released agent's UCX endpoints in this process:
     ``{"mode": "force" | "nixl" | "unavailable" | "pending", "reason"}``."""
+
+def gpu_mappings() -> dict[str, Any]:
+    """What releases do with the GPU mappings UCX's CUDA IPC cache keeps:
+    ``{"mode": "unmapping" | "off" | "none" | "pending" | "unavailable",
+    "reason", "counts"}`` (docs/design/gpu-mappings.md)."""
 
 def remove_remote_agent(agent: Any, name: str) -> dict[str, Any]:
     """``agent.remove_remote_agent(name)`` with its endpoints closed as the

@@ -356,6 +356,9 @@ class KeepaliveNixlConnectorWorker(HandshakeHooks, ReadHooks, PurgeHooks, Heartb
             self._ka_events = self._ka.events()
             logger.info("nixl_keepalive.vllm: keepalive on (%r, read_timeout=%s)", self._ka.config,
                         self._ka_read_timeout)
+            gpu = nixl_keepalive.gpu_mappings()
+            logger.info("nixl_keepalive.vllm: GPU mappings: %s%s", gpu["mode"],
+                        f" ({gpu['reason']})" if gpu["reason"] else "")
             if self._ka.control_addr is not None:
                 logger.info("nixl_keepalive.vllm: rank %s serves the router's control endpoint on %s "
                             "(POST /fault_tolerance/event, POST /v1/peer_gone, GET /v1/snapshot)",

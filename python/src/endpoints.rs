@@ -92,6 +92,59 @@ pub(crate) fn endpoint_close_mode(py: Python<'_>) -> PyResult<Bound<'_, PyDict>>
     Ok(d)
 }
 
+/// What releases do with the GPU mappings UCX's CUDA IPC cache keeps in
+/// this process (`nixl_agent::gpu`): `{"mode": "unmapping" | "off" |
+/// "none" | "pending" | "unavailable", "reason": str | None, "counts":
+/// {...}}`. `unmapping`: each release gives back the mappings of the
+/// released engine's memory that no other engine uses, once no transfer
+/// holds them. `none`: UCX's CUDA transport is not loaded (no GPU mapping
+/// here). `off`: `NIXL_KEEPALIVE_GPU_UNMAP=off`. `pending`: no UCX backend
+/// yet. `unavailable`: the CUDA driver or UCX binds its calls elsewhere
+/// (loaded before this package), the reason names them: set
+/// `UCX_CUDA_IPC_CACHE=n` there. `counts`: the ledger's process-wide
+/// counts (maps, hits, opens, regions and bytes held now, unmapped).
+#[pyfunction]
+pub(crate) fn gpu_mappings(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    use nixl_agent::gpu::GpuUnmapMode;
+    let _ = CLOSER.get_or_init(EndpointCloser::install);
+    let (mode, reason) = match nixl_agent::gpu::mode() {
+        GpuUnmapMode::Unmapping => ("unmapping", None),
+        GpuUnmapMode::Off => ("off", Some("NIXL_KEEPALIVE_GPU_UNMAP=off".to_string())),
+        GpuUnmapMode::NoCudaTransport => (
+            "none",
+            Some("UCX's CUDA transport (libuct_cuda) is not loaded in this process".to_string()),
+        ),
+        GpuUnmapMode::Pending => (
+            "pending",
+            Some("no NIXL agent has created a UCX backend yet".to_string()),
+        ),
+        GpuUnmapMode::Unavailable(why) => ("unavailable", Some(why)),
+    };
+    let c = nixl_agent::gpu::counts();
+    let counts = PyDict::new(py);
+    for (k, v) in [
+        ("maps", c.maps),
+        ("hits", c.hits),
+        ("opens", c.opens),
+        ("open_failures", c.open_failures),
+        ("closes", c.closes),
+        ("close_failures", c.close_failures),
+        ("unmapped", c.unmapped),
+        ("unmapped_bytes", c.unmapped_bytes),
+        ("regions", c.regions),
+        ("bytes", c.bytes),
+        ("held", c.held),
+        ("unknown_keys", c.unknown_keys),
+    ] {
+        counts.set_item(k, v)?;
+    }
+    let d = PyDict::new(py);
+    d.set_item("mode", mode)?;
+    d.set_item("reason", reason)?;
+    d.set_item("counts", counts)?;
+    Ok(d)
+}
+
 /// A bad `NIXL_SYS_EP_CLOSE`, for `Keepalive(...)` to refuse.
 pub(crate) fn bad_setting() -> Option<BadEpCloseSetting> {
     CLOSER

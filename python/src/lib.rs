@@ -77,6 +77,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(config::parse_ucx_time, m)?)?;
     m.add_function(wrap_pyfunction!(keepalive::canonical_address, m)?)?;
     m.add_function(wrap_pyfunction!(endpoints::endpoint_close_mode, m)?)?;
+    m.add_function(wrap_pyfunction!(endpoints::gpu_mappings, m)?)?;
     m.add_function(wrap_pyfunction!(endpoints::remove_remote_agent_py, m)?)?;
     m.add_function(wrap_pyfunction!(endpoints::load_remote_agent_py, m)?)?;
     #[cfg(feature = "bench")]

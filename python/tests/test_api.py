@@ -778,6 +778,19 @@ def test_every_bad_argument_is_refused_at_the_call_naming_it(ka, agent):
     assert not agent.of("release_dlist_handle"), "nothing reached the agent"
 
 
+def test_the_gpu_mapping_knob_is_a_switch_on_by_default(monkeypatch):
+    monkeypatch.delenv("NIXL_KEEPALIVE_GPU_UNMAP", raising=False)
+    assert nk.Config().as_dict()["gpu_unmap"] is True
+    assert nk.Config(gpu_unmap=False, env=False).as_dict()["gpu_unmap"] is False
+    assert nk.Config(gpu_unmap="off", env=False).as_dict()["gpu_unmap"] is False
+    monkeypatch.setenv("NIXL_KEEPALIVE_GPU_UNMAP", "off")
+    assert nk.Config().as_dict()["gpu_unmap"] is False
+    monkeypatch.setenv("NIXL_KEEPALIVE_GPU_UNMAP", "maybe")
+    with pytest.raises(nk.ConfigError, match=r"NIXL_KEEPALIVE_GPU_UNMAP.*`on` or `off`"):
+        nk.Config()
+    assert "gpu_unmap" in [k["keyword"] for k in nk.knobs()], "a knob of vLLM's and SGLang's too"
+
+
 def test_a_misspelt_variable_is_reported_with_the_knob_it_resembles(monkeypatch):
     monkeypatch.setenv("NIXL_KEEPALIVE_INTERVALL", "1s")
     with pytest.warns(RuntimeWarning, match="NIXL_KEEPALIVE_INTERVALL.*did you mean NIXL_KEEPALIVE_INTERVAL"):

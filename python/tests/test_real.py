@@ -66,6 +66,20 @@ def test_a_sigkilled_prefill_is_released_within_the_bound(prefills, make_worker,
         w.read_blocks(engine.id, 0, 0)
 
 
+def test_without_a_cuda_transport_the_gpu_mapping_ledger_says_so_and_holds_nothing(prefills, make_worker):
+    # Issue 56: on this machine UCX loads no CUDA transport; the ledger is
+    # in the process (the interposer) and says there is nothing to give
+    # back, and a release with reads reports no GPU mapping.
+    p = prefills()
+    w = make_worker()
+    engine = w.add_remote_agent(p.address)
+    read_verified(w, engine)
+    gpu = nk.gpu_mappings()
+    assert gpu["mode"] == "none", gpu
+    assert "libuct_cuda" in gpu["reason"], gpu
+    assert gpu["counts"]["regions"] == 0 and gpu["counts"]["maps"] == 0, gpu
+
+
 def test_with_heartbeats_off_a_sigkilled_idle_prefill_is_released_by_its_endpoint_event(prefills, make_worker):
     # Issue 45: no heartbeat is due, no read runs: only UCX failing the
     # endpoint (the killed process's kernel closes its sockets) can start

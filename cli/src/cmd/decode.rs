@@ -142,6 +142,13 @@ pub(crate) struct InitiatorArgs {
     /// The CUDA device of `--memory vram`.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=1023))]
     cuda_device: i32,
+
+    /// Leave each read's bytes unchecked (counted as
+    /// `nixl_keepalive_pd_reads_total{outcome="unchecked"}`): for timing
+    /// the reads alone (the GPU check's cost table), since checking a VRAM
+    /// slot copies it back to the host.
+    #[arg(long)]
+    no_check: bool,
 }
 
 /// `prefill --push`'s flags: the decodes to write into, and the
@@ -364,6 +371,7 @@ async fn serve(args: DecodeArgs, checked: Checked, nixl: Nixl) -> Result<ExitCod
         probe_interval: Duration::from_millis(args.run.probe_ms),
         memory,
         direction: args.direction,
+        check: !args.run.no_check,
         ..DecodeOptions::default()
     };
     // Readers stop on their own token, before the service's: see

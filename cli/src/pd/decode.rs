@@ -254,6 +254,8 @@ pub enum ReadOutcome {
         /// The landing slot the transfer may still write.
         slot: usize,
     },
+    /// Completed; its bytes were not checked ([`RemoteEngine::unchecked`]).
+    Unchecked,
     /// The engine's dlists were already released: nothing was posted.
     Released,
     /// Every landing slot was busy: nothing was posted.
@@ -264,9 +266,10 @@ impl ReadOutcome {
     /// The status to report to the service, when there is one.
     pub fn status(self) -> Option<NixlStatus> {
         match self {
-            ReadOutcome::Verified | ReadOutcome::Written | ReadOutcome::Corrupt { .. } => {
-                Some(NixlStatus::SUCCESS)
-            }
+            ReadOutcome::Verified
+            | ReadOutcome::Written
+            | ReadOutcome::Unchecked
+            | ReadOutcome::Corrupt { .. } => Some(NixlStatus::SUCCESS),
             ReadOutcome::Failed(s) => Some(s),
             _ => None,
         }
@@ -286,6 +289,7 @@ impl ReadOutcome {
         match self {
             ReadOutcome::Verified => "verified",
             ReadOutcome::Written => "written",
+            ReadOutcome::Unchecked => "unchecked",
             ReadOutcome::Corrupt { .. } => "corrupt",
             ReadOutcome::Failed(_) => "failed",
             ReadOutcome::TimedOut { .. } => "timed_out",
@@ -404,6 +408,9 @@ pub struct RemoteEngine {
     /// them).
     pub dlists: RemoteDlists,
     seed: u64,
+    /// Whether a read's bytes are checked against the pattern
+    /// ([`RemoteEngine::unchecked`] turns it off).
+    check: bool,
     local: LocalSlots,
 }
 
@@ -544,6 +551,7 @@ impl RemoteEngine {
         };
         Ok(RemoteEngine {
             seed: pattern::seed(&reply.engine),
+            check: true,
             engine,
             address,
             incarnation: reply.incarnation,
@@ -556,6 +564,15 @@ impl RemoteEngine {
     }
 
     /// Ranks.
+    /// This engine with its reads left unchecked: they end as
+    /// [`ReadOutcome::Unchecked`]. For timing the reads themselves (the
+    /// GPU check's cost table): checking a VRAM slot copies it back to the
+    /// host, which would be most of a read's time.
+    pub fn unchecked(mut self) -> Self {
+        self.check = false;
+        self
+    }
+
     pub fn ranks(&self) -> u16 {
         self.agents.len() as u16
     }
@@ -755,6 +772,9 @@ impl RemoteEngine {
         if direction == Direction::Write {
             return ReadOutcome::Written;
         }
+        if !self.check {
+            return ReadOutcome::Unchecked;
+        }
         let region = self.local.regions[slot]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
@@ -835,6 +855,7 @@ fn count(
             &stats.verified
         }
         ReadOutcome::Written => &stats.written,
+        ReadOutcome::Unchecked => &stats.unchecked,
         ReadOutcome::Corrupt { offset } => {
             tracing::error!(%engine, rank, block, offset, "read returned wrong bytes");
             &stats.corrupt
@@ -889,6 +910,9 @@ pub struct DecodeOptions {
     /// Which way [`Decoder::spawn`]'s transfers go: pull mode's reads, or
     /// push mode's writes (`prefill --push`).
     pub direction: Direction,
+    /// Whether each read's bytes are checked (see
+    /// [`RemoteEngine::unchecked`]).
+    pub check: bool,
 }
 
 impl Default for DecodeOptions {
@@ -904,6 +928,7 @@ impl Default for DecodeOptions {
             read_pause: Duration::from_millis(20),
             memory: Memory::Dram,
             direction: Direction::Read,
+            check: true,
         }
     }
 }
@@ -943,6 +968,8 @@ pub struct ReadStats {
     pub slots_lent: AtomicU64,
     /// Reads refused before posting (engine not live, released, no slot).
     pub refused: AtomicU64,
+    /// Reads completed and not checked ([`DecodeOptions::check`] off).
+    pub unchecked: AtomicU64,
     /// Handshakes that registered an engine.
     pub handshakes: AtomicU64,
 }
@@ -1116,8 +1143,15 @@ impl Decoder {
         let addr = address.clone();
         let slots = self.options.reads_in_flight.max(1);
         let memory = self.options.memory;
+        let check = self.options.check;
         let loaded = tokio::task::spawn_blocking(move || {
-            RemoteEngine::load_in(&agent, addr, &reply, slots, memory)
+            RemoteEngine::load_in(&agent, addr, &reply, slots, memory).map(|r| {
+                if check {
+                    r
+                } else {
+                    r.unchecked()
+                }
+            })
         })
         .await
         .expect("load does not panic");

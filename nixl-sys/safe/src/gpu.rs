@@ -41,7 +41,13 @@ struct Pairs {
 fn pairs() -> MutexGuard<'static, Pairs> {
     static PAIRS: OnceLock<Mutex<Pairs>> = OnceLock::new();
     PAIRS
-        .get_or_init(Default::default)
+        .get_or_init(|| {
+            // As the interposer found it at its load.
+            Mutex::new(Pairs {
+                off: nixl_sys::endpoints::gpu_unmap_off_in_env(),
+                ..Pairs::default()
+            })
+        })
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
 }

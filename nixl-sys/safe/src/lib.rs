@@ -63,7 +63,7 @@ mod sockets;
 /// and anyone testing against the real runtime the same way.
 #[cfg(feature = "testing")]
 pub mod testing {
-    pub use nixl_sys::testing::{runtime_or_skip, REQUIRE_REAL_ENV};
+    pub use nixl_sys::testing::{runtime_or_skip, FAKE_CUDA_DIR, REQUIRE_REAL_ENV};
 }
 
 pub use agent::{

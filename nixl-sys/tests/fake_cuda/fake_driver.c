@@ -322,28 +322,37 @@ cuIpcOpenMemHandle_v2(uint64_t *dptr, ipc_handle handle, unsigned int flags) {
     return CUDA_SUCCESS;
 }
 
+/* The start of a close of `addr` (a legacy one, or a VMM unmap with
+ * `vmm`), with the lock held: its mapping, or -1 with the status in
+ * `*err` (an injected failure, or a close of what is not mapped so). */
+static int
+closing(uint64_t addr, int vmm, int *err) {
+    int m;
+    *err = injected(&fail_close, &fail_close_times);
+    if (*err) {
+        return -1;
+    }
+    m = map_at(addr);
+    if (m < 0 || maps[m].vmm != vmm) {
+        stats.bad_closes++;
+        *err = CUDA_ERROR_INVALID_VALUE;
+        return -1;
+    }
+    stats.closes++;
+    return m;
+}
+
 EXPORT int
 cuIpcCloseMemHandle(uint64_t dptr) {
     int m, err;
     pthread_mutex_lock(&lock);
-    err = injected(&fail_close, &fail_close_times);
-    if (err) {
-        pthread_mutex_unlock(&lock);
-        return err;
-    }
-    m = map_at(dptr);
-    if (m < 0 || maps[m].vmm) {
-        stats.bad_closes++;
-        pthread_mutex_unlock(&lock);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    stats.closes++;
-    if (--maps[m].opens == 0) {
+    m = closing(dptr, 0, &err);
+    if (m >= 0 && --maps[m].opens == 0) {
         va_give(dptr);
         drop_map(m);
     }
     pthread_mutex_unlock(&lock);
-    return CUDA_SUCCESS;
+    return m < 0 ? err : CUDA_SUCCESS;
 }
 
 EXPORT int
@@ -459,21 +468,12 @@ cuMemUnmap(uint64_t ptr, size_t size) {
     int m, err;
     (void)size;
     pthread_mutex_lock(&lock);
-    err = injected(&fail_close, &fail_close_times);
-    if (err) {
-        pthread_mutex_unlock(&lock);
-        return err;
+    m = closing(ptr, 1, &err);
+    if (m >= 0) {
+        drop_map(m);
     }
-    m = map_at(ptr);
-    if (m < 0 || !maps[m].vmm) {
-        stats.bad_closes++;
-        pthread_mutex_unlock(&lock);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    stats.closes++;
-    drop_map(m);
     pthread_mutex_unlock(&lock);
-    return CUDA_SUCCESS;
+    return m < 0 ? err : CUDA_SUCCESS;
 }
 
 /* Every other entry point libuct_cuda imports: no device here. */
