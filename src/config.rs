@@ -90,7 +90,8 @@ pub struct Knob {
 /// `NIXL_KEEPALIVE_*` variables read by other parts of the project: the
 /// test harness (`REQUIRE_REAL`: a missing NIXL runtime fails the real
 /// tests instead of skipping them; `BIN`: the prefill binary the Python
-/// tests start; the rest: sizes and roles of the Python tests' child
+/// tests start; `FREEZE_CYCLES`: how many freeze cycles the real
+/// given-up tests run; the rest: sizes and roles of the Python tests' child
 /// processes), the UCX loader (`UCX_LIB`: an explicit `libucp` to load) and
 /// the Python package's SGLang and vLLM plugins (`SGLANG`, `VLLM`: their
 /// on/off switches).
@@ -102,6 +103,7 @@ pub const NOT_SERVICE_KNOBS: &[&str] = &[
     "NIXL_KEEPALIVE_BIN",
     "NIXL_KEEPALIVE_PY_RELEASES",
     "NIXL_KEEPALIVE_PY_CYCLES",
+    "NIXL_KEEPALIVE_FREEZE_CYCLES",
     "NIXL_KEEPALIVE_FROZEN_CHILD",
     "NIXL_KEEPALIVE_BUFFER_CHILD",
     "NIXL_KEEPALIVE_SGLANG",
