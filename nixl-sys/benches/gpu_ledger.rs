@@ -14,8 +14,7 @@ mod fake_cuda;
 
 use std::time::Instant;
 
-use fake_cuda::{load, pair, pid, setup, Bundle, Fakes, GIB};
-use nixl_sys::gpu::GpuHooks;
+use fake_cuda::{crowd, load, pair, pid, setup, Bundle, Fakes, GIB};
 
 /// Nanoseconds per read (map, read through the mapping, unmap), best of 5
 /// rounds of `n`.
@@ -29,23 +28,6 @@ fn per_read(fakes: &Fakes, key: &Bundle, n: u32) -> f64 {
         best = best.min(start.elapsed().as_nanos() as f64 / f64::from(n));
     }
     best
-}
-
-fn peers(hooks: &GpuHooks, fakes: &Fakes, n: usize) -> Vec<(u64, Vec<Bundle>)> {
-    (0..n)
-        .map(|_| {
-            let pid = pid();
-            let exports: Vec<_> = (0..10u64)
-                .map(|i| fakes.export(pid, 0x10_0000_0000 + i * GIB, 64 << 20, i + 1))
-                .collect();
-            let p = pair();
-            let keys = load(hooks, fakes, p, &exports);
-            for k in &keys {
-                assert_eq!(fakes.read(k), 0);
-            }
-            (p, keys)
-        })
-        .collect()
 }
 
 fn main() {
@@ -67,7 +49,7 @@ fn main() {
         on / off
     );
 
-    let crowd = peers(hooks, fakes, 100);
+    let crowd = crowd(hooks, fakes, 100);
     let crowded = per_read(fakes, &keys[0], n);
     println!(
         "gpu_ledger on, 1,000 regions over 100 peers: {crowded:.0} ns per read, {:.2}x the baseline",
@@ -75,7 +57,7 @@ fn main() {
     );
     let start = Instant::now();
     let mut unmapped = 0;
-    for (p, keys) in &crowd {
+    for (p, _, keys) in &crowd {
         for k in keys {
             fakes.destroy(k);
         }

@@ -11,7 +11,7 @@
 
 mod fake_cuda;
 
-use fake_cuda::{load, pair, pid, setup, GIB};
+use fake_cuda::{crowd, load, pair, pid, setup, GIB};
 use nixl_sys::gpu::{Binding, GpuImport, GpuReleaseCounts};
 
 #[test]
@@ -302,19 +302,7 @@ fn turned_off_the_ledger_gives_its_references_back_to_ucx() {
 fn a_thousand_mappings_over_a_hundred_peers_all_come_back() {
     let (_g, hooks, fakes) = setup();
     let before = fakes.stats();
-    let mut peers = Vec::new();
-    for _ in 0..100 {
-        let pid = pid();
-        let exports: Vec<_> = (0..10u64)
-            .map(|i| fakes.export(pid, 0x10_0000_0000 + i * GIB, 64 << 20, i + 1))
-            .collect();
-        let p = pair();
-        let keys = load(hooks, fakes, p, &exports);
-        for k in &keys {
-            assert_eq!(fakes.read(k), 0);
-        }
-        peers.push((p, exports, keys));
-    }
+    let peers = crowd(hooks, fakes, 100);
     assert_eq!(fakes.stats().live_maps, before.live_maps + 1000);
     let mut unmapped = 0;
     for (p, exports, keys) in &peers {

@@ -297,8 +297,7 @@ cuIpcOpenMemHandle_v2(uint64_t *dptr, ipc_handle handle, unsigned int flags) {
     int a, i, err;
     (void)flags;
     pthread_mutex_lock(&lock);
-    err = injected(&fail_open, &fail_open_times);
-    if (err) {
+    if ((err = injected(&fail_open, &fail_open_times)) != 0) {
         pthread_mutex_unlock(&lock);
         return err;
     }
@@ -440,8 +439,7 @@ cuMemMap(uint64_t ptr, size_t size, size_t offset, uint64_t handle, uint64_t fla
     (void)offset;
     (void)flags;
     pthread_mutex_lock(&lock);
-    err = injected(&fail_open, &fail_open_times);
-    if (err) {
+    if ((err = injected(&fail_open, &fail_open_times)) != 0) {
         pthread_mutex_unlock(&lock);
         return err;
     }

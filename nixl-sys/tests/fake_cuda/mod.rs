@@ -209,3 +209,24 @@ pub fn load(hooks: &GpuHooks, fakes: &Fakes, pair: u64, exports: &[Export]) -> V
     hooks.assign(batch, pair);
     keys
 }
+
+/// One peer of [`crowd`]: its pair, its exports, its unpacked keys.
+pub type Peer = (u64, Vec<Export>, Vec<Bundle>);
+
+/// `peers` peers of 10 regions of 64 MiB each, loaded and read once.
+pub fn crowd(hooks: &GpuHooks, fakes: &Fakes, peers: usize) -> Vec<Peer> {
+    (0..peers)
+        .map(|_| {
+            let pid = pid();
+            let exports: Vec<_> = (0..10u64)
+                .map(|i| fakes.export(pid, 0x10_0000_0000 + i * GIB, 64 << 20, i + 1))
+                .collect();
+            let p = pair();
+            let keys = load(hooks, fakes, p, &exports);
+            for k in &keys {
+                assert_eq!(fakes.read(k), 0);
+            }
+            (p, exports, keys)
+        })
+        .collect()
+}
