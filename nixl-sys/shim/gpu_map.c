@@ -728,8 +728,8 @@ cuMemUnmap(uint64_t ptr, size_t size) {
 /* ---- nixl-sys's side ---------------------------------------------------- */
 
 /*
- * Turns the ledger on (1) or off (0). Off gives back every reference the
- * ledger holds (UCX then keeps those regions cached as it would have) and
+ * Turns the ledger on (1) or off (0); already so, nothing happens. Off
+ * gives back every reference the ledger holds (UCX then keeps those regions cached as it would have) and
  * forgets the ledger; UCX's calls are forwarded unchanged from then on.
  */
 NKS_EXPORT void
@@ -737,6 +737,11 @@ nks_gpu_enable(int on) {
     struct region **back = NULL;
     size_t n = 0, i;
     pthread_mutex_lock(&ledger_lock);
+    if (!on == !enabled) {
+        /* Already so: nothing to give back, nothing to forget. */
+        pthread_mutex_unlock(&ledger_lock);
+        return;
+    }
     if (on) {
         __atomic_store_n(&enabled, 1, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&ledger_lock);
@@ -768,6 +773,12 @@ nks_gpu_enable(int on) {
         free(r);
     }
     free(back);
+}
+
+/* Whether the ledger is on. */
+NKS_EXPORT int
+nks_gpu_enabled(void) {
+    return __atomic_load_n(&enabled, __ATOMIC_ACQUIRE);
 }
 
 /* Opens a load scope on this thread (nested scopes are one). */

@@ -320,15 +320,10 @@ impl EpClose {
     pub fn watch_mode(&self) -> EndpointWatchMode {
         let i = match &self.0 {
             State::Loaded(i) => i,
-            State::Off(EndpointCloseMode::Nixl) => {
-                return EndpointWatchMode::Unavailable(format!(
-                    "the interposer is not loaded ({EP_CLOSE_ENV}=nixl)"
-                ))
-            }
-            State::Off(mode) => {
-                return EndpointWatchMode::Unavailable(format!(
-                    "the interposer is not loaded: {mode}"
-                ))
+            State::Off(_) => {
+                return EndpointWatchMode::Unavailable(
+                    self.not_loaded().expect("the interposer is not loaded"),
+                )
             }
         };
         if let Some(m) = i.watch_mode.get() {
@@ -458,8 +453,7 @@ pub struct WatchedEps {
 /// validates the value itself and refuses a bad one at start-up.
 pub const GPU_UNMAP_ENV: &str = "NIXL_KEEPALIVE_GPU_UNMAP";
 
-/// Whether [`GPU_UNMAP_ENV`] turns the ledger off for the process.
-pub fn gpu_unmap_off_in_env() -> bool {
+fn gpu_unmap_off_in_env() -> bool {
     std::env::var(GPU_UNMAP_ENV).is_ok_and(|v| {
         matches!(
             v.trim().to_ascii_lowercase().as_str(),
@@ -478,9 +472,9 @@ impl EpClose {
         }
     }
 
-    /// Why the GPU-mapping ledger cannot run, when the interposer is not
-    /// loaded.
-    pub fn gpu_unavailable(&self) -> Option<String> {
+    /// Why the interposer is not loaded (the endpoint watch and the
+    /// GPU-mapping ledger live in it), or `None` when it is.
+    pub fn not_loaded(&self) -> Option<String> {
         match &self.0 {
             State::Loaded(_) => None,
             State::Off(EndpointCloseMode::Nixl) => Some(format!(

@@ -216,6 +216,7 @@ pub enum Binding {
 /// The ledger's functions in the loaded interposer.
 pub struct GpuHooks {
     pub(crate) enable: unsafe extern "C" fn(c_int),
+    pub(crate) enabled: unsafe extern "C" fn() -> c_int,
     pub(crate) scope_begin: unsafe extern "C" fn(),
     pub(crate) scope_end: unsafe extern "C" fn() -> u64,
     pub(crate) assign: unsafe extern "C" fn(u64, u64),
@@ -243,6 +244,7 @@ impl GpuHooks {
         }
         Ok(GpuHooks {
             enable: sym!("nks_gpu_enable"),
+            enabled: sym!("nks_gpu_enabled"),
             scope_begin: sym!("nks_gpu_scope_begin"),
             scope_end: sym!("nks_gpu_scope_end"),
             assign: sym!("nks_gpu_assign"),
@@ -253,9 +255,15 @@ impl GpuHooks {
         })
     }
 
-    /// Turns the ledger on or off for the process. Off gives back every
-    /// reference it holds (UCX keeps those regions cached, as without the
-    /// ledger) and forgets it.
+    /// Whether the ledger is on.
+    pub fn is_enabled(&self) -> bool {
+        // SAFETY: `nks_gpu_enabled` (`int (void)`) reads one atomic flag.
+        unsafe { (self.enabled)() != 0 }
+    }
+
+    /// Turns the ledger on or off for the process (already so: nothing
+    /// happens). Off gives back every reference it holds (UCX keeps those
+    /// regions cached, as without the ledger) and forgets it.
     pub fn set_enabled(&self, on: bool) {
         // SAFETY: `nks_gpu_enable` (`void (int)`), kept loaded with the
         // interposer; it takes its own lock and calls UCX's unmap, which
@@ -351,6 +359,9 @@ impl GpuHooks {
     /// Whether UCX's CUDA transport and libucp in this process call the
     /// ledger: [`GpuUnmapMode::Unmapping`], or why not.
     pub fn check(&self) -> GpuUnmapMode {
+        if !self.is_enabled() {
+            return GpuUnmapMode::Off;
+        }
         let mut elsewhere = Vec::new();
         for (file, symbols) in [
             (UCT_CUDA_FILE, &UCT_CUDA_SYMBOLS[..]),

@@ -187,9 +187,14 @@ impl<T: Transport> Keepalive<T> {
             "UCX keepalive is off (inf or NUM_EPS 0): a silent peer is never reported".to_string()
         };
         self.core.set_silent_peer_note(note);
+        // UCX's cache costs nothing where releases give its mappings back.
+        let cache_is_free = self.gpu_mappings.memory_comes_back();
         self.startup = Startup {
             line,
-            warnings: warnings(settings),
+            warnings: warnings(settings)
+                .into_iter()
+                .filter(|w| !(cache_is_free && is_cuda_ipc_cache_warning(w)))
+                .collect(),
             ucx: settings.summary(),
         };
         self.bound = Some(DetectionSummary {
@@ -216,10 +221,6 @@ impl<T: Transport> Keepalive<T> {
             self.startup.line
         );
         for warning in &self.startup.warnings {
-            // UCX's cache costs nothing where releases give its mappings back.
-            if self.gpu_mappings.memory_comes_back() && is_cuda_ipc_cache_warning(warning) {
-                continue;
-            }
             tracing::warn!("{warning}");
         }
         match &self.gpu_mappings {

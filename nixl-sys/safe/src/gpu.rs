@@ -35,19 +35,12 @@ pub use nixl_sys::gpu::{GpuCounts, GpuImport, GpuMapping, GpuReleaseCounts, GpuU
 struct Pairs {
     by_pair: HashMap<(String, String), u64>,
     next: u64,
-    off: bool,
 }
 
 fn pairs() -> MutexGuard<'static, Pairs> {
     static PAIRS: OnceLock<Mutex<Pairs>> = OnceLock::new();
     PAIRS
-        .get_or_init(|| {
-            // As the interposer found it at its load.
-            Mutex::new(Pairs {
-                off: nixl_sys::endpoints::gpu_unmap_off_in_env(),
-                ..Pairs::default()
-            })
-        })
+        .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
 }
@@ -64,11 +57,8 @@ pub fn mode() -> GpuUnmapMode {
     let Ok(process) = EpClose::process() else {
         return GpuUnmapMode::Unavailable("NIXL_SYS_EP_CLOSE has a bad value".into());
     };
-    if let Some(why) = process.gpu_unavailable() {
+    if let Some(why) = process.not_loaded() {
         return GpuUnmapMode::Unavailable(why);
-    }
-    if pairs().off {
-        return GpuUnmapMode::Off;
     }
     match process.gpu() {
         Some(h) => h.check(),
@@ -83,11 +73,6 @@ pub fn mode() -> GpuUnmapMode {
 /// on.
 pub fn set_enabled(on: bool) {
     if let Some(h) = hooks() {
-        let mut p = pairs();
-        if p.off != on {
-            return;
-        }
-        p.off = !on;
         h.set_enabled(on);
     }
 }
