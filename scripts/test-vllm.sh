@@ -57,13 +57,14 @@ export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 "${py}" python/tests_vllm/tiny_model.py "${HF_HUB_CACHE}" >/dev/null
 
 status=0
-stamp "(a) our real scenarios: python/tests_vllm"
-a_start=$(date +%s)
-"${py}" -m pytest -p no:cacheprovider -rsfE --durations=0 -o asyncio_default_fixture_loop_scope=function \
-    --timeout=600 python/tests_vllm "$@" || status=1
-stamp "(a) took $(( $(date +%s) - a_start ))s"
-
-if [[ "${VLLM_UNIT:-1}" != "0" ]]; then
+# vLLM's unit tests (b, c) run beside our scenarios (a): (a) mostly waits
+# on real processes, (b) and (c) on the CPU, so on 2 cores the two take
+# about as long as (a) alone (measured: docs/testing.md, "CI's steps and
+# their time"). (b) and (c) write to a log, printed after (a) so that
+# neither is interleaved with the other. VLLM_TIER_SERIAL=1 runs them one
+# after the other, as before.
+unit_tests() {
+    local unit_status=0
     sdist="${venv}/vllm-sdist"
     # Each deselection and its reason: docs/vllm.md, "vLLM's own unit tests".
     deselect=(
@@ -84,7 +85,7 @@ if [[ "${VLLM_UNIT:-1}" != "0" ]]; then
         "${py}" -m pytest -p no:cacheprovider -p vllm_unit_plugin -q -rsfE --timeout=600 \
         -o asyncio_default_fixture_loop_scope=function "${args[@]}" \
         tests/v1/kv_connector/unit/test_nixl_connector.py tests/v1/kv_connector/unit/test_nixl_heartbeat.py) \
-        || status=1
+        || unit_status=1
     stamp "(b) took $(( $(date +%s) - b_start ))s"
 
     # Each deselection and its reason: docs/vllm.md, "vLLM's own unit tests".
@@ -106,8 +107,33 @@ if [[ "${VLLM_UNIT:-1}" != "0" ]]; then
         "${py}" -m pytest -p no:cacheprovider -p vllm_push_unit_plugin -q -rsfE --timeout=600 \
         -o asyncio_default_fixture_loop_scope=function "${push_args[@]}" \
         tests/v1/kv_connector/unit/test_nixl_push_connector.py) \
-        || status=1
+        || unit_status=1
     stamp "(c) took $(( $(date +%s) - c_start ))s"
+    return "${unit_status}"
+}
+
+unit_log="${repo}/target/test-vllm-unit-${VLLM_VERSION}.log"
+unit_pid=""
+if [[ "${VLLM_UNIT:-1}" != "0" && "${VLLM_TIER_SERIAL:-0}" != "1" ]]; then
+    mkdir -p "$(dirname "${unit_log}")"
+    unit_tests >"${unit_log}" 2>&1 &
+    unit_pid=$!
+fi
+
+stamp "(a) our real scenarios: python/tests_vllm"
+a_start=$(date +%s)
+"${py}" -m pytest -p no:cacheprovider -rsfE --durations=0 -o asyncio_default_fixture_loop_scope=function \
+    --timeout=600 python/tests_vllm "$@" || status=1
+stamp "(a) took $(( $(date +%s) - a_start ))s"
+
+if [[ -n "${unit_pid}" ]]; then
+    unit_rc=0
+    wait "${unit_pid}" || unit_rc=$?
+    stamp "(b) and (c), run beside (a), exit ${unit_rc}: ${unit_log}"
+    cat "${unit_log}"
+    [[ ${unit_rc} -eq 0 ]] || status=1
+elif [[ "${VLLM_UNIT:-1}" != "0" ]]; then
+    unit_tests || status=1
 fi
 
 stamp "total $(( $(date +%s) - start ))s"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +26,8 @@ sys.path.insert(0, str(HERE.parent / "tests_common"))
 
 from ports import free_port  # noqa: E402  (shared with the SGLang tier)
 from processes import SignalledProcess  # noqa: E402
+
+import warm_start  # noqa: E402
 
 #: What a deadline adds to the bound under test on a loaded 2-core machine.
 MARGIN = 10.0
@@ -52,6 +53,16 @@ def pytest_configure(config) -> None:
         "markers",
         f"{EVERY_RELEASE}: run on every tested vLLM release in CI (the rest on the current one only)",
     )
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    line = warm_start.summary()
+    if line is not None:
+        terminalreporter.write_line(line)
+
+
+def pytest_sessionfinish(session) -> None:
+    warm_start.pool().close()
 
 
 def real_required() -> bool:
@@ -95,6 +106,9 @@ def vllm_ready():
     import vllm_env
 
     vllm_env.setup_environment()
+    # The first peers' imports start now (in the environment they will
+    # run in), beside this process's own.
+    warm_start.pool().fill()
     import nixl_keepalive  # noqa: F401
 
     vllm_env.patch_cpu_block_sizes()
@@ -113,10 +127,10 @@ class Prefill(SignalledProcess):
         self.lines: List[str] = []
         self.heartbeats: List[tuple] = []  # (monotonic, ids)
         self._lock = threading.Lock()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "vllm_peer.py"), "--port", str(port), "--engine-id", engine_id,
+        self.proc = warm_start.pool().popen(
+            [str(HERE / "vllm_peer.py"), "--port", str(port), "--engine-id", engine_id,
              "--connector", connector, "--blocks", str(blocks)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ),
+            env=dict(os.environ),
         )
         self.info: Dict = {}
         self._ready = threading.Event()

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 import vllm_env
+import warm_start
 from processes import SignalledProcess
 
 HERE = Path(__file__).resolve().parent
@@ -40,11 +39,10 @@ class PushDecode(SignalledProcess):
         self.heartbeats: List[float] = []
         self.done: Dict[str, Dict[str, Any]] = {}
         self._lock = threading.Lock()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "vllm_push_decode.py"), "--port", str(port), "--engine-id", engine_id,
+        self.proc = warm_start.pool().popen(
+            [str(HERE / "vllm_push_decode.py"), "--port", str(port), "--engine-id", engine_id,
              "--blocks", str(blocks)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            env=dict(os.environ),
+            env=dict(os.environ), stdin=True,
         )
         self.info: Dict = {}
         self._ready = threading.Event()
