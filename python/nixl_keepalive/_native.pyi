@@ -481,7 +481,9 @@ def unknown_env_vars() -> list[str]:
     """``NIXL_KEEPALIVE_*`` variables set that no knob reads."""
 
 def knobs() -> list[dict[str, str]]:
-    """Every knob: keyword, variable, default, syntax, meaning."""
+    """Every knob: keyword, variable, default, syntax, meaning, and kind
+    (``"time"``, ``"count"``, ``"word"``, ``"switch"``: what its keyword
+    takes), from the service's own knob table."""
 
 def endpoint_close_mode() -> dict[str, Optional[str]]:
     """How releases close a released agent's UCX endpoints in this process:

@@ -791,6 +791,34 @@ def test_the_gpu_mapping_knob_is_a_switch_on_by_default(monkeypatch):
     assert "gpu_unmap" in [k["keyword"] for k in nk.knobs()], "a knob of vLLM's and SGLang's too"
 
 
+#: What a keyword of each kind of the knob table takes, as its TypeError
+#: says when given a bool.
+_KIND_TAKES = {
+    "time": "a time",
+    "count": "a whole number",
+    "word": "a string",
+}
+
+
+def test_every_knob_takes_the_values_of_its_table_kind():
+    # The kinds are the Rust knob table's (KnobKind): a knob added there is
+    # read in Python as its table says, never by its name.
+    kinds = {k["keyword"]: k["kind"] for k in nk.knobs()}
+    assert set(kinds.values()) <= set(_KIND_TAKES) | {"switch"}, kinds
+    assert kinds["rate_burst"] == "count" and kinds["interval"] == "time", kinds
+    for keyword, kind in kinds.items():
+        if kind == "switch":
+            nk.Config(env=False, **{keyword: False})
+            continue
+        with pytest.raises(TypeError, match=f"{keyword} .* takes {_KIND_TAKES[kind]}"):
+            nk.Config(env=False, **{keyword: True})
+        if kind == "count":
+            assert nk.Config(env=False, **{keyword: 1}).as_dict()[keyword] == 1
+        if kind == "time":
+            with pytest.raises(TypeError, match="takes a time"):
+                nk.Config(env=False, **{keyword: object()})
+
+
 def test_a_misspelt_variable_is_reported_with_the_knob_it_resembles(monkeypatch):
     monkeypatch.setenv("NIXL_KEEPALIVE_INTERVALL", "1s")
     with pytest.warns(RuntimeWarning, match="NIXL_KEEPALIVE_INTERVALL.*did you mean NIXL_KEEPALIVE_INTERVAL"):
