@@ -353,18 +353,20 @@ class ServiceHooks:
         dropped with them (the pull worker's leases); nothing here."""
 
     def _ka_log_events(self) -> None:
-        """The service's events since the last step, logged."""
+        """The service's events since the last step, logged in the one
+        line every surface prints them in."""
         events = self._ka_events
         while events is not None:
             try:
-                e = events.get_nowait()
+                got = events.get_line_nowait()
             except nixl_keepalive.ServiceStopped:
                 break
-            if e is None:
+            if got is None:
                 break
+            e, line = got
             kind = e.get("kind")
             level = logging.INFO if kind in ("registered", "released", "replaced", "retiring") else logging.WARNING
-            self._ka_log.log(level, "nixl_keepalive: %s", e)
+            self._ka_log.log(level, "nixl_keepalive: event: %s", line)
 
     def _ka_close_service(self, ka: Keepalive) -> None:
         """Stops the service while the agent is whole: it drains and

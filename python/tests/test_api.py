@@ -924,6 +924,20 @@ def test_the_events_are_typed_in_the_stubs_with_every_key_they_carry(ka, agent):
         assert not undeclared, f"{e['kind']}: keys not in the stubs: {undeclared}"
 
 
+def test_an_event_s_line_is_the_library_s_one_line(ka, agent):
+    """What the connectors log: the event's line as the library renders
+    it (``nixl-keepalive decode`` prints it after ``event: ``), beside its
+    dict; never the dict's repr."""
+    events = ka.events()
+    connect(ka, engine="e1", address="10.0.0.1:1", agents=("e1-rank0",))
+    got = wait_for("the registered event", events.get_line_nowait, 5)
+    event, line = got
+    assert event["kind"] == "registered", got
+    assert line.startswith("registered engine=e1 "), line
+    assert "{" not in line and "\n" not in line, line
+    assert events.get_line_nowait() is None
+
+
 def test_an_event_s_dict_is_its_line_and_its_json_field_by_field(ka, agent):
     """One walk of an event's fields (the library's ``Event::each_field``)
     makes its dict, its line (``nixl-keepalive decode``) and its JSON: for
