@@ -91,9 +91,10 @@ unit_tests() {
     # Each deselection and its reason: docs/vllm.md, "vLLM's own unit tests".
     push_deselect=(
         # These patch `NixlPushConnectorWorker.__mro__[1]`, which they take
-        # for the base worker; with ours substituted it is vLLM's push
-        # worker, so the patch replaces the very get_transfer_results the
-        # test checks (they pass on vLLM's own worker).
+        # for the base worker; with ours substituted it is the first of our
+        # worker's mixins (LoadHooks), so the patch misses the
+        # get_transfer_results the test checks (they pass on vLLM's own
+        # worker).
         "tests/v1/kv_connector/unit/test_nixl_push_connector.py::TestPushWriterNotifs::test_get_transfer_results_evicts_completed_state"
         "tests/v1/kv_connector/unit/test_nixl_push_connector.py::TestPushWriterNegative::test_get_transfer_results_enqueues_each_completed_request"
         "tests/v1/kv_connector/unit/test_nixl_push_connector.py::TestPushWriterNegative::test_empty_transfer_results_do_not_enqueue_eviction"

@@ -85,6 +85,35 @@ pub struct Knob {
     pub syntax: &'static str,
     /// What it does.
     pub meaning: &'static str,
+    /// How its value is written: readers other than the environment's
+    /// (the Python binding's keywords) take its values by this.
+    pub kind: KnobKind,
+}
+
+/// How a knob's value is written. Hidden for the reason [`Knob`] is.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KnobKind {
+    /// A UCX time (`250ms`; `inf` where the knob's syntax allows it).
+    Time,
+    /// A whole number.
+    Count,
+    /// One of the words its syntax lists.
+    Word,
+    /// `on` or `off`.
+    Switch,
+}
+
+impl KnobKind {
+    /// The kind's name, as the Python binding's `knobs()` lists it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KnobKind::Time => "time",
+            KnobKind::Count => "count",
+            KnobKind::Word => "word",
+            KnobKind::Switch => "switch",
+        }
+    }
 }
 
 /// `NIXL_KEEPALIVE_*` variables read by other parts of the project: the
@@ -132,6 +161,7 @@ pub const KNOBS: &[Knob] = &[
         syntax: "UCX time (TIME_UNITS), 10ms to 1 day (86400s); `inf` disables periodic heartbeats",
         meaning: "How often every known prefill engine gets a heartbeat (`HB:` + lease ids). \
                   The crash-detection bound follows it.",
+        kind: KnobKind::Time,
     },
     Knob {
         env: JITTER,
@@ -139,6 +169,7 @@ pub const KNOBS: &[Knob] = &[
         syntax: "UCX time (TIME), 0 up to (not including) the interval",
         meaning: "Each engine's next heartbeat is drawn uniformly within +/- this of the \
                   interval, so engines registered together do not beat together.",
+        kind: KnobKind::Time,
     },
     Knob {
         env: RATE_PERIOD,
@@ -146,12 +177,14 @@ pub const KNOBS: &[Knob] = &[
         syntax: "UCX time (TIME), 10ms up to the interval (1 day at most)",
         meaning: "Per-engine rate cap: on average at most one notification round per period \
                   to one engine, heartbeats and runtime-requested lease renewals together.",
+        kind: KnobKind::Time,
     },
     Knob {
         env: RATE_BURST,
         default: "2",
         syntax: "integer, 1 to 1000",
         meaning: "How many rounds one engine may get back to back before the rate cap applies.",
+        kind: KnobKind::Count,
     },
     Knob {
         env: EVENT_CAPACITY,
@@ -159,6 +192,7 @@ pub const KNOBS: &[Knob] = &[
         syntax: "integer, 1 to 1048576 (2^20)",
         meaning: "Events buffered per subscriber; a slower subscriber skips the oldest and is \
                   told how many it missed.",
+        kind: KnobKind::Count,
     },
     Knob {
         env: SHUTDOWN_DRAIN,
@@ -167,12 +201,14 @@ pub const KNOBS: &[Knob] = &[
         meaning: "At shutdown, how long reads in flight may go on: every engine is marked at \
                   once (no new reads), each is released as its reads end, and what still has \
                   reads after this is handed back unreleased.",
+        kind: KnobKind::Time,
     },
     Knob {
         env: METRICS_PERIOD,
         default: "1s",
         syntax: "UCX time (TIME_UNITS), 10ms to 1 day (86400s); `inf` disables",
         meaning: "How often the engines-by-state and reads-in-flight gauges are refreshed.",
+        kind: KnobKind::Time,
     },
     Knob {
         env: READ_STALL,
@@ -183,6 +219,7 @@ pub const KNOBS: &[Knob] = &[
                   NIC: UCX reports none of these on shm/tcp). 10s: far above a KV read's \
                   time, twice the default heartbeat interval, and no later than a 5s decode \
                   read timeout twice over. Checked four times per bound.",
+        kind: KnobKind::Time,
     },
     Knob {
         env: READ_STALL_ACTION,
@@ -191,6 +228,7 @@ pub const KNOBS: &[Knob] = &[
         meaning: "What a stall does: `fail` marks the engine stalled, fails its reads (their \
                   guards say `is_failed`) and releases it once they end; `report` only emits \
                   the event, the metric and a log line, once per stall.",
+        kind: KnobKind::Word,
     },
     Knob {
         env: ENDPOINT_EVENTS,
@@ -200,6 +238,7 @@ pub const KNOBS: &[Knob] = &[
                   connection closed: a killed process, milliseconds after its death), that \
                   engine gets a heartbeat at once instead of at its next round; only that \
                   heartbeat's REMOTE_DISCONNECT marks it. `off`: heartbeats alone.",
+        kind: KnobKind::Switch,
     },
     Knob {
         env: GPU_UNMAP,
@@ -211,6 +250,7 @@ pub const KNOBS: &[Knob] = &[
                   back), once no transfer holds them; a peer that comes back maps afresh. \
                   `off`: left to UCX. Read once per process, before UCX maps anything \
                   (docs/design/gpu-mappings.md).",
+        kind: KnobKind::Switch,
     },
 ];
 
@@ -979,6 +1019,44 @@ mod tests {
         let e = errors.errors()[0].clone();
         assert_eq!(e.setting(), setting, "{errors}");
         e
+    }
+
+    /// A value written as `kind` writes it, within every knob's range.
+    fn sample(knob: &Knob, kind: KnobKind) -> String {
+        match kind {
+            KnobKind::Time => "100ms".into(),
+            KnobKind::Count => "1".into(),
+            KnobKind::Switch => "off".into(),
+            // The first word its syntax lists (`fail` or `report`).
+            KnobKind::Word => knob
+                .syntax
+                .split('`')
+                .nth(1)
+                .expect("a word in backticks")
+                .into(),
+        }
+    }
+
+    #[test]
+    fn every_knob_reads_values_of_its_table_kind_and_refuses_the_others() {
+        for knob in KNOBS {
+            let own = sample(knob, knob.kind);
+            assert!(
+                from(&[(knob.env, &own)]).is_ok(),
+                "{} ({:?}) refused {own:?}",
+                knob.env,
+                knob.kind
+            );
+            // A word is sampled from a word knob's own syntax only; a count
+            // is also a time in seconds to UCX's parser.
+            let others = [KnobKind::Time, KnobKind::Count, KnobKind::Switch]
+                .into_iter()
+                .filter(|k| *k != knob.kind)
+                .filter(|k| !(knob.kind == KnobKind::Time && *k == KnobKind::Count));
+            for other in others {
+                refused(&[(knob.env, &sample(knob, other))], knob.env);
+            }
+        }
     }
 
     #[test]

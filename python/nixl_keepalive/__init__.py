@@ -245,6 +245,25 @@ def _end_transfer_guard(guard: Any, outcome: Any) -> None:
         guard.finish(outcome)
 
 
+def _raw_status(agent: Any, handle: Any) -> Any:
+    """What a polled transfer's guard ends with: its raw status (an int,
+    :func:`xfer_status`), or the exception asking for it raised (the
+    agent could not say). For a stand-in that is not NIXL's agent (vLLM's
+    unit tests' fake), its ``check_xfer_state`` mapped: ``"DONE"``
+    :data:`SUCCESS`, ``"PROC"`` :data:`IN_PROG`, anything else
+    :data:`BACKEND`. The connectors' one reading of a transfer's end."""
+    if _is_nixl_agent(agent):
+        try:
+            return xfer_status(agent, handle)
+        except Exception as e:  # noqa: BLE001 - the status of the call
+            return e
+    try:
+        state = agent.check_xfer_state(handle)
+    except Exception as e:  # noqa: BLE001
+        return e
+    return {"DONE": SUCCESS, "PROC": IN_PROG}.get(state, BACKEND)
+
+
 def _is_nixl_agent(agent: Any) -> bool:
     """Whether ``agent`` is NIXL's Python ``nixl_agent`` or a subclass of
     it, from any of NIXL's distributions (the class ``nixl_agent`` of a

@@ -416,6 +416,11 @@ class Events:
         :class:`ServiceStopped` once the service stopped and every event
         was read."""
     def get_nowait(self) -> Optional[Event]: ...
+    def get_line_nowait(self) -> Optional[tuple[Event, str]]:
+        """The next event if one is waiting, with its one line (what
+        ``nixl-keepalive decode`` prints after ``event: ``), else ``None``;
+        missed events as ``({"kind": "lagged", "missed": n}, "(n events
+        missed)")``."""
     def __iter__(self) -> Iterator[Event]: ...
     def __next__(self) -> Event: ...
     def __aiter__(self) -> AsyncIterator[Event]: ...
@@ -481,7 +486,9 @@ def unknown_env_vars() -> list[str]:
     """``NIXL_KEEPALIVE_*`` variables set that no knob reads."""
 
 def knobs() -> list[dict[str, str]]:
-    """Every knob: keyword, variable, default, syntax, meaning."""
+    """Every knob: keyword, variable, default, syntax, meaning, and kind
+    (``"time"``, ``"count"``, ``"word"``, ``"switch"``: what its keyword
+    takes), from the service's own knob table."""
 
 def endpoint_close_mode() -> dict[str, Optional[str]]:
     """How releases close a released agent's UCX endpoints in this process:

@@ -71,10 +71,6 @@ except ImportError as _e:  # SGLang missing, or a layout this module does not kn
 
 logger = logging.getLogger("nixl_keepalive.sglang")
 
-#: nixl_status_t NIXL_ERR_BACKEND: a given-up write over with a status that
-#: is not NIXL's.
-_BACKEND = -3
-
 __all__ = ["SUPPORTED_SGLANG", "KeepaliveNixlKVManager", "check_sglang_version", "install"]
 
 
@@ -245,10 +241,7 @@ class _GuardedAgent:
         return self._real.release_xfer_handle(handle, *args, **kwargs)
 
     def _raw_status(self, handle: Any) -> Any:
-        try:
-            return nixl_keepalive.xfer_status(self._real, handle)
-        except Exception as e:  # the agent could not say: the exception is the status
-            return e
+        return nixl_keepalive._raw_status(self._real, handle)
 
     def _end(self, handle: Any, outcome: Any) -> None:
         guard = self._take(handle)
@@ -357,7 +350,7 @@ class _GuardedAgent:
                 try:
                     given_up.ended(status)
                 except (TypeError, ValueError):
-                    given_up.ended(_BACKEND)  # over, with a status that is not NIXL's
+                    given_up.ended(nixl_keepalive.BACKEND)  # over, with a status that is not NIXL's
                 name = "DONE" if state == "DONE" else (
                     nixl_keepalive.status_name(status) if isinstance(status, int) else type(status).__name__)
                 with self._guards_lock:

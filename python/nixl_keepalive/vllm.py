@@ -59,86 +59,28 @@ WARNING.
 
 from __future__ import annotations
 
-import importlib.metadata
-import inspect
 import logging
 import threading
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import nixl_keepalive
-from nixl_keepalive import Keepalive, parse_agent_name
-
-from nixl_keepalive import vllm_hooks
+from nixl_keepalive import parse_agent_name
 from nixl_keepalive.vllm_hooks import TESTED_VLLM
+from nixl_keepalive.vllm_service import _needs_vllm, check_vllm_version
 
 SUPPORTED_VLLM = TESTED_VLLM
 """The older name of :data:`nixl_keepalive.vllm_hooks.TESTED_VLLM`."""
-
-_TESTED_TEXT = ", ".join(f"{s}.x" for s in TESTED_VLLM)
-
-
-def _vllm_version() -> Optional[str]:
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-_untested_warned: Set[str] = set()
-
-
-def check_vllm_version(version: Optional[str] = None) -> str:
-    """Checks the installed vLLM's NIXL connector for every hook this
-    module relies on (:mod:`nixl_keepalive.vllm_hooks`): raises
-    ``RuntimeError`` naming each one missing or reshaped, with the version
-    found and the tested ones. On a version outside the tested series
-    (``version``, default the installed one) with every hook in place it
-    logs one WARNING naming it. Returns the version."""
-    found = _vllm_version() if version is None else version
-    if found is None:
-        raise RuntimeError(
-            f"nixl_keepalive.vllm needs vLLM (tested: {_TESTED_TEXT}); vLLM is not installed"
-        )
-    wrong = (vllm_hooks.problems("worker", NixlPullConnectorWorker)
-             + vllm_hooks.problems("base_worker", _base_worker)
-             + vllm_hooks.problems("connector", NixlBaseConnector)
-             + vllm_hooks.problems("scheduler", NixlPullConnectorScheduler))
-    if wrong:
-        raise RuntimeError(
-            f"nixl_keepalive.vllm cannot run on vLLM {found}: its NIXL connector lacks what the keepalive "
-            f"relies on: {'; '.join(wrong)}. Tested on vLLM {_TESTED_TEXT}; use one of those, or vLLM's own "
-            "NixlConnector without the keepalive."
-        )
-    if not vllm_hooks.tested(found) and found not in _untested_warned:
-        _untested_warned.add(found)
-        logger.warning(
-            "nixl_keepalive.vllm: vLLM %s is not a tested release (tested: %s). Every hook the keepalive "
-            "uses is present with the parameters it expects (%d checked), so it runs; what they do may "
-            "have changed, which only the tier's tests on that release can tell.",
-            found, _TESTED_TEXT, len(vllm_hooks.HOOKS))
-    return found
 
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _base_worker
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-        NixlBaseConnector,
-        NixlPullConnector,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-        NixlPullConnectorScheduler,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
-        NixlPullConnectorWorker,
-    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPullConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 except ImportError as _e:  # vLLM missing, or a layout this module does not know
-    _found = _vllm_version()
-    raise ImportError(
-        f"nixl_keepalive.vllm needs vLLM's pull-mode NIXL connector (tested: {_TESTED_TEXT}; "
-        "vllm.distributed.kv_transfer.kv_connector.v1.nixl); "
-        f"{'vLLM is not installed' if _found is None else 'found vLLM ' + _found}: {_e}"
-    ) from _e
+    raise _needs_vllm("nixl_keepalive.vllm", "pull-mode NIXL connector",
+                      "vllm.distributed.kv_transfer.kv_connector.v1.nixl", _e) from _e
 
 logger = logging.getLogger("nixl_keepalive.vllm")
 
@@ -153,104 +95,19 @@ __all__ = [
 
 from nixl_keepalive.vllm_handshake import HandshakeHooks
 from nixl_keepalive.vllm_heartbeats import HeartbeatHooks
-from nixl_keepalive.vllm_purge import _RELEASE_WAIT, PurgeHooks  # noqa: F401 - vllm_push's name
-from nixl_keepalive.vllm_reads import (  # noqa: F401 - vllm_push's and the tier's names
-    _BACKEND,
-    _IN_PROG,
-    _SUCCESS,
-    ReadHooks,
-    _Fenced,
-    _Held,
-    _Tracked,
-)
 from nixl_keepalive.vllm_knobs import (  # noqa: F401 - the connectors' names since before the split
     _CONFIG_KNOBS,
     _KNOBS,
     control_addr_of_rank,
     keepalive_knobs,
 )
-
-_is_nixl_agent = nixl_keepalive._is_nixl_agent
-
-
-# The agent vLLM makes: its config with the RW thread-sync mode. vLLM's
-# worker builds `nixl_agent_config(...)` from base_worker's globals; while
-# our worker's constructor runs (under this lock) that name returns the
-# same config with `sync_mode` set. Nothing of vLLM's is edited.
-_agent_config_lock = threading.Lock()
+from nixl_keepalive.vllm_purge import PurgeHooks
+from nixl_keepalive.vllm_reads import ReadHooks, _Fenced, _Held, _Tracked
+from nixl_keepalive.vllm_service import ServiceHooks
 
 
-def _rw_sync_mode() -> Any:
-    try:
-        from nixl._api import nixl_thread_sync_t  # type: ignore
-    except ImportError:  # pragma: no cover - vLLM imports the same module
-        return None
-    return nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
-
-
-def _takes(fn: Any, name: str) -> bool:
-    """Whether ``fn`` takes a keyword argument ``name`` (``True`` when its
-    signature cannot be read)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return True
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-class _RwAgentConfig:
-    """Stands for base_worker's ``nixl_agent_config`` during our
-    constructor: the same class, with ``sync_mode`` RW unless set."""
-
-    def __init__(self, real: Any, sync_mode: Any) -> None:
-        self._real = real
-        # A stand-in that takes no sync_mode (vLLM 0.34's unit tests patch
-        # nixl_agent_config with one) is called as vLLM calls it; the
-        # service then sees the mode it was made with.
-        self._sync_mode = sync_mode if _takes(real, "sync_mode") else None
-        self.made: List[Any] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sync_mode is not None and kwargs.get("sync_mode") is None:
-            kwargs["sync_mode"] = self._sync_mode
-        conf = self._real(*args, **kwargs)
-        self.made.append(conf)
-        return conf
-
-
-class _WorkerAgent:
-    """The agent a test double stands for, as the service sees it: each
-    call goes to the worker's ``nixl_wrapper`` of the moment (vLLM's unit
-    tests wrap it in a spy after the worker is built). Only for agents that
-    are not NIXL's ``nixl_agent``."""
-
-    __slots__ = ("_worker", "__weakref__")
-
-    def __init__(self, worker: Any) -> None:
-        import weakref
-
-        self._worker = weakref.ref(worker)
-
-    def _agent(self) -> Any:
-        worker = self._worker()
-        if worker is None:
-            raise RuntimeError("the vLLM worker of this agent is gone")
-        return worker.nixl_wrapper
-
-    def send_notif(self, agent_name: Any, notif_msg: Any) -> Any:
-        return self._agent().send_notif(agent_name, notif_msg=notif_msg)
-
-    def release_dlist_handle(self, handle: Any) -> Any:
-        return self._agent().release_dlist_handle(handle)
-
-    def remove_remote_agent(self, agent_name: Any) -> Any:
-        return self._agent().remove_remote_agent(agent_name)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent(), name)
-
-
-class KeepaliveNixlConnectorWorker(HandshakeHooks, ReadHooks, PurgeHooks, HeartbeatHooks, NixlPullConnectorWorker):
+class KeepaliveNixlConnectorWorker(HandshakeHooks, ReadHooks, PurgeHooks, HeartbeatHooks, ServiceHooks,
+                                   NixlPullConnectorWorker):
     """vLLM's pull-mode NIXL connector worker with the keepalive service
     embedded (see the module docs). What it adapts of vLLM is in one
     module per concern, each a mixin before vLLM's worker in the bases:
@@ -258,19 +115,19 @@ class KeepaliveNixlConnectorWorker(HandshakeHooks, ReadHooks, PurgeHooks, Heartb
     (:mod:`nixl_keepalive.vllm_reads`), the purge of an engine
     (:mod:`nixl_keepalive.vllm_purge`), the heartbeats
     (:mod:`nixl_keepalive.vllm_heartbeats`), the knobs
-    (:mod:`nixl_keepalive.vllm_knobs`); here are its construction and its
-    shutdown."""
+    (:mod:`nixl_keepalive.vllm_knobs`), and what the push worker shares
+    with it: the service made inside vLLM's constructor, its events, its
+    stop (:mod:`nixl_keepalive.vllm_service`); here are its construction
+    and its shutdown."""
+
+    _ka_vllm_worker = NixlPullConnectorWorker
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         check_vllm_version()
         config_knobs, own = keepalive_knobs(vllm_config.kv_transfer_config)
         # Refuse bad knobs before anything is made.
         ka_config = nixl_keepalive.Config(**config_knobs)
-        self._ka: Optional[Keepalive] = None
         self._ka_read_timeout: Optional[float] = own["read_timeout"]
-        self._ka_control = own["control_addr"]
-        self._ka_control_token_file = own["control_token_file"]
-        self._ka_engines: Dict[str, Any] = {}
         self._ka_reads: Dict[Any, _Tracked] = {}
         # Guards _ka_reads against the handshake thread's
         # _ka_guard_untracked (vLLM's main thread polls the reads).
@@ -297,63 +154,12 @@ class KeepaliveNixlConnectorWorker(HandshakeHooks, ReadHooks, PurgeHooks, Heartb
         self._ka_unguarded = 0
         self._ka_leases: Dict[Tuple[str, str], Set[str]] = {}
         self._ka_hb_seen: Dict[Tuple[str, str], float] = {}
-        self._ka_local = threading.local()
-        self._ka_failures: Dict[int, BaseException] = {}
-        self._ka_events = None
-        self._ka_closed: Optional[dict] = None
         kv_lease = vllm_config.kv_transfer_config.get_from_extra_config("kv_lease_duration", 30)
         # A heartbeat-only lease (a request waiting in vLLM's scheduler) is
         # dropped when two of vLLM's heartbeat packages went by without it.
         self._ka_hb_stale = 2.0 * max(1, int(kv_lease) // 6) + 1.0
-
-        real_config = _base_worker.nixl_agent_config
-        rw_config = _RwAgentConfig(real_config, _rw_sync_mode()) if real_config is not None else None
-        with _agent_config_lock:
-            if rw_config is not None:
-                _base_worker.nixl_agent_config = rw_config
-            try:
-                super().__init__(vllm_config, engine_id, kv_cache_config)
-            finally:
-                _base_worker.nixl_agent_config = real_config
-        missing = vllm_hooks.problems("worker instance", self)
-        if missing:
-            self._ka_undo_construction()
-            raise RuntimeError(
-                f"nixl_keepalive.vllm cannot run on vLLM {_vllm_version()}: its NIXL worker lacks what the "
-                f"keepalive relies on: {'; '.join(missing)} (tested on vLLM {_TESTED_TEXT})"
-            )
-
-        agent = self.nixl_wrapper
-        # The config the agent was made with (the last one vLLM built):
-        # the service checks its sync mode and progress thread.
-        agent_conf = rw_config.made[-1] if rw_config is not None and rw_config.made else None
-        # NIXL's own agent is handed to the service as is (it calls the
-        # native agent). A test double (vLLM's unit tests' fake, which they
-        # may swap for a spy after construction) is reached through the
-        # worker: the service then calls whatever `nixl_wrapper` is.
-        service_agent = agent if _is_nixl_agent(agent) else _WorkerAgent(self)
-        control = None
-        if self._ka_control is not None:
-            # One port per rank: a router reaches every rank of the decode.
-            control = {"addr": control_addr_of_rank(self._ka_control, int(getattr(self, "tp_rank", 0) or 0))}
-            if self._ka_control_token_file is not None:
-                control["token_file"] = self._ka_control_token_file
-        try:
-            self._ka = Keepalive(service_agent, ka_config, agent_config=agent_conf, control=control)
-        except Exception as e:
-            if _is_nixl_agent(agent) or control is not None:
-                self._ka_undo_construction()
-                raise
-            # A test double of vLLM's own unit tests, which the service
-            # cannot run over: vLLM's behaviour, said loudly.
-            logger.warning(
-                "nixl_keepalive.vllm: the keepalive is OFF for this worker: its agent %r is not "
-                "NIXL's nixl_agent and the service refused it (%s: %s)",
-                type(agent).__name__, type(e).__name__, e,
-            )
-            self._ka = None
+        self._ka_construct(vllm_config, engine_id, kv_cache_config, ka_config, own)
         if self._ka is not None:
-            self._ka_events = self._ka.events()
             logger.info("nixl_keepalive.vllm: keepalive on (%r, read_timeout=%s)", self._ka.config,
                         self._ka_read_timeout)
             gpu = nixl_keepalive.gpu_mappings()
@@ -363,23 +169,6 @@ class KeepaliveNixlConnectorWorker(HandshakeHooks, ReadHooks, PurgeHooks, Heartb
                 logger.info("nixl_keepalive.vllm: rank %s serves the router's control endpoint on %s "
                             "(POST /fault_tolerance/event, POST /v1/peer_gone, GET /v1/snapshot)",
                             getattr(self, "tp_rank", 0), self._ka.control_addr)
-
-    def _ka_undo_construction(self) -> None:
-        """A construction refused after vLLM's own ran: what vLLM made (its
-        agent, its threads) given back before the refusal propagates."""
-        self._ka = None
-        try:
-            NixlPullConnectorWorker.shutdown(self)
-        except Exception:  # noqa: BLE001 - the refusal being raised says what matters
-            logger.debug("vLLM's shutdown after the refused construction failed", exc_info=True)
-
-    def _ka_on(self) -> bool:
-        ka = getattr(self, "_ka", None)
-        return ka is not None and getattr(self, "_ka_closed", None) is None
-
-    def keepalive(self) -> Optional[Keepalive]:
-        """The service (``None`` when off)."""
-        return getattr(self, "_ka", None)
 
     def shutdown(self) -> None:
         ka = getattr(self, "_ka", None)
@@ -413,22 +202,7 @@ class KeepaliveNixlConnectorWorker(HandshakeHooks, ReadHooks, PurgeHooks, Heartb
         self._ka_fenced.clear()
         # The service first: it drains and releases every engine it holds,
         # while the agent is whole.
-        left = ka.close()
-        self._ka_closed = left
-        for registration in left.get("unreleased", []):
-            try:
-                ka.give_back(registration)
-            except Exception:  # noqa: BLE001
-                logger.warning("give_back at shutdown failed", exc_info=True)
-        try:
-            # A release's endpoint closes finish in UCX's next progress.
-            self.nixl_wrapper.get_new_notifs()
-        except Exception:  # noqa: BLE001
-            pass
-        for eid in list(self._ka_engines):
-            self._ka_engines.pop(eid, None)
-            if eid in self._remote_agents:
-                self._ka_forget_tables(eid)
+        self._ka_close_service(ka)
         # vLLM's own: local handles, engines not the service's, memory.
         super().shutdown()
 

@@ -49,6 +49,12 @@ class HeartbeatHooks:
                 except nixl_keepalive.KeepaliveError:
                     pass
 
+    def _ka_forgot(self, engine_id: str) -> None:
+        # The engine left vLLM's tables: its leases go with it.
+        for key in [k for k in self._ka_leases if k[0] == engine_id]:
+            self._ka_leases.pop(key, None)
+            self._ka_hb_seen.pop(key, None)
+
     def _send_heartbeats(self, metadata: Any) -> None:
         if not self._ka_on():
             return super()._send_heartbeats(metadata)

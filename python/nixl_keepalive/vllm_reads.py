@@ -16,18 +16,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 import nixl_keepalive
 
 # The connector's one logger: every line of the pull connector, from any
 # of its modules, under the name operators filter on.
 logger = logging.getLogger("nixl_keepalive.vllm")
-_is_nixl_agent = nixl_keepalive._is_nixl_agent
-
-_SUCCESS = nixl_keepalive.SUCCESS
-_IN_PROG = getattr(nixl_keepalive, "IN_PROG", 1)
-_BACKEND = -3  # nixl_status_t NIXL_ERR_BACKEND, for a test double's "ERR"
 
 
 @dataclass
@@ -38,6 +33,10 @@ class _Tracked:
     engine: Any
     req_id: str
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def guard(self) -> Any:
+        return self.read
 
 
 @dataclass
@@ -83,21 +82,6 @@ class ReadHooks:
         """The KV blocks held by given-up READs still running."""
         return sum(h.blocks for h in getattr(self, "_ka_held", {}).values())
 
-    def _ka_raw_status(self, handle: Any) -> Any:
-        """The transfer's raw status (an int), or the exception asking for
-        it raised; for a test double, its check_xfer_state mapped."""
-        agent = self.nixl_wrapper
-        if _is_nixl_agent(agent):
-            try:
-                return nixl_keepalive.xfer_status(agent, handle)
-            except Exception as e:  # noqa: BLE001 - the status of the call
-                return e
-        try:
-            state = agent.check_xfer_state(handle)
-        except Exception as e:  # noqa: BLE001
-            return e
-        return {"DONE": _SUCCESS, "PROC": _IN_PROG}.get(state, _BACKEND)
-
     def _ka_guard_untracked(self) -> None:
         """Every transfer vLLM holds in flight (``_recving_transfers``) from
         an engine the service holds runs under a read guard, so the service
@@ -137,12 +121,6 @@ class ReadHooks:
                             "code other than this connector's _read_blocks)", req_id, engine.id, refused.state)
                         continue
                     self._ka_reads[handle] = _Tracked(read, engine, req_id)
-
-    def _log_failure(self, failure_type: str, req_id: Optional[str], msg: str = "",
-                     error: Optional[BaseException] = None, meta: Any = None, **extra_context: Any) -> None:
-        if error is not None and getattr(self, "_ka_failures", None) is not None:
-            self._ka_failures[threading.get_ident()] = error
-        return super()._log_failure(failure_type, req_id, msg, error, meta, **extra_context)
 
     def start_load_kv(self, metadata: Any) -> None:
         wanted = getattr(metadata, "ka_free_when_over", None)
@@ -221,82 +199,12 @@ class ReadHooks:
             return self._ka_pop_done_transfers(transfers)
 
     def _ka_pop_done_transfers(self, transfers: Dict[str, List[Any]]) -> Tuple[Set[str], Set[str]]:
+        failed, remaining = self._ka_poll_guarded(transfers, self._ka_reads)
         done: Set[str] = set()
-        failed: Set[str] = set()
-        now = time.monotonic()
-        untracked: Dict[str, List[Any]] = {}
-        tracked_left: Dict[str, List[Any]] = {}
-        for req_id, handles in list(transfers.items()):
-            left: List[Any] = []
-            for handle in handles:
-                t = self._ka_reads.get(handle)
-                if t is None:
-                    untracked.setdefault(req_id, []).append(handle)
-                    continue
-                status = self._ka_raw_status(handle)
-                if isinstance(status, int) and status == _IN_PROG:
-                    why = None
-                    if t.read.failed:
-                        why = nixl_keepalive.GiveUp.CANCELLED
-                    elif self._ka_read_timeout is not None and now - t.started >= self._ka_read_timeout:
-                        why = nixl_keepalive.GiveUp.TIMED_OUT
-                    if why is None:
-                        left.append(handle)
-                        continue
-                    self._log_failure("transfer_given_up", req_id,
-                                      msg=f"read given up ({why}) after {now - t.started:.1f} s; the request "
-                                          "fails, its blocks are held until the READ ends",
-                                      dst_engine_id=t.engine.id)
-                    del self._ka_reads[handle]
-                    meta = self._recving_metadata.get(req_id)
-                    blocks = sum(len(g) for g in meta.local_block_ids) if meta is not None else 0
-                    # Kept, not released: releasing does not end a READ in
-                    # progress (its bytes still land when the prefill
-                    # resumes), it only hides its end. Polled to its end.
-                    given_up = t.read.give_up(why, blocks)
-                    self._ka_fenced[handle] = _Fenced(given_up, req_id)
-                    self._ka_drop_read_leases(req_id)  # P may free them: we will not read them
-                    self.xfer_stats.record_failed_transfer()
-                    held = self._ka_held.get(req_id)
-                    if held is None:
-                        self._ka_held[req_id] = _Held([given_up], t.engine.id, blocks)
-                    else:
-                        held.given_up.append(given_up)
-                        held.blocks = max(held.blocks, blocks)
-                    failed.add(req_id)
-                    continue
-                del self._ka_reads[handle]
-                if isinstance(status, int) and status == _SUCCESS:
-                    t.read.finish(_SUCCESS)
-                    try:
-                        res = self.nixl_wrapper.get_xfer_telemetry(handle)
-                        self.xfer_stats.record_transfer(res)
-                        self.nixl_wrapper.release_xfer_handle(handle)
-                    except Exception as e:  # noqa: BLE001 - as vLLM handles it
-                        self._log_failure("transfer_exception", req_id, error=e)
-                        if not self._handle_failed_transfer(req_id, handle, failed):
-                            left.append(handle)
-                            self._ka_ended.add(handle)
-                    continue
-                # Failed: the raw status, never check_xfer_state's "ERR"; an
-                # exception that is not NIXL's ends the read without one.
-                nixl_keepalive._end_transfer_guard(t.read, status)
-                name = nixl_keepalive.status_name(status) if isinstance(status, int) else type(status).__name__
-                self._log_failure("transfer_failed", req_id, xfer_state=name,
-                                  error=status if isinstance(status, BaseException) else None)
-                if not self._handle_failed_transfer(req_id, handle, failed):
-                    left.append(handle)
-                    self._ka_ended.add(handle)
-            if left:
-                tracked_left[req_id] = left
-        if untracked:
-            u_done, u_failed = super()._pop_done_transfers(untracked)
-            failed |= u_failed
         self._ka_poll_fenced()
-        for req_id in list(transfers):
-            remaining = tracked_left.get(req_id, []) + untracked.get(req_id, [])
-            if remaining:
-                transfers[req_id] = remaining
+        for req_id, left in remaining.items():
+            if left:
+                transfers[req_id] = left
                 continue
             if req_id in self._ka_held and not self._ka_report_at_once:
                 # "recompute": vLLM would hand the blocks to the retry at
@@ -310,6 +218,44 @@ class ReadHooks:
             del transfers[req_id]
         return done, failed
 
+    def _ka_running(self, req_id: str, handle: Any, t: Any, failed: Set[str]) -> bool:
+        """A READ still in progress: polled on, or given up (timed out, or
+        its engine failed by the service): its request fails now, its
+        blocks are held, the READ is kept and polled to its end."""
+        now = time.monotonic()
+        why = None
+        if t.read.failed:
+            why = nixl_keepalive.GiveUp.CANCELLED
+        elif self._ka_read_timeout is not None and now - t.started >= self._ka_read_timeout:
+            why = nixl_keepalive.GiveUp.TIMED_OUT
+        if why is None:
+            return True
+        self._log_failure("transfer_given_up", req_id,
+                          msg=f"read given up ({why}) after {now - t.started:.1f} s; the request "
+                              "fails, its blocks are held until the READ ends",
+                          dst_engine_id=t.engine.id)
+        del self._ka_reads[handle]
+        meta = self._recving_metadata.get(req_id)
+        blocks = sum(len(g) for g in meta.local_block_ids) if meta is not None else 0
+        # Kept, not released: releasing does not end a READ in progress
+        # (its bytes still land when the prefill resumes), it only hides its
+        # end. Polled to its end.
+        given_up = t.read.give_up(why, blocks)
+        self._ka_fenced[handle] = _Fenced(given_up, req_id)
+        self._ka_drop_read_leases(req_id)  # P may free them: we will not read them
+        self.xfer_stats.record_failed_transfer()
+        held = self._ka_held.get(req_id)
+        if held is None:
+            self._ka_held[req_id] = _Held([given_up], t.engine.id, blocks)
+        else:
+            held.given_up.append(given_up)
+            held.blocks = max(held.blocks, blocks)
+        failed.add(req_id)
+        return False
+
+    def _ka_kept_ended(self, handle: Any) -> None:
+        self._ka_ended.add(handle)
+
     def _ka_poll_fenced(self) -> None:
         """Polls the given-up READs: one that stopped being in progress
         ended (the prefill resumed or died): the service hears it (the
@@ -317,10 +263,10 @@ class ReadHooks:
         whose READs all ended has its blocks back."""
         for handle, f in list(getattr(self, "_ka_fenced", {}).items()):
             status = self._ka_raw_status(handle)
-            if isinstance(status, int) and status == _IN_PROG:
+            if isinstance(status, int) and status == nixl_keepalive.IN_PROG:
                 continue
             del self._ka_fenced[handle]
-            f.given_up.ended(status if not isinstance(status, BaseException) else _BACKEND)
+            f.given_up.ended(status if not isinstance(status, BaseException) else nixl_keepalive.BACKEND)
             try:
                 self.nixl_wrapper.release_xfer_handle(handle)
             except Exception:  # noqa: BLE001 - an ended transfer's handle; logged

@@ -14,32 +14,13 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use nixl_keepalive::config::{Knob, KNOBS};
+use nixl_keepalive::config::{Knob, KnobKind as Kind, KNOBS};
 use nixl_keepalive::{ConfigError as RustConfigError, StallAction};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::errors;
-
-/// How a knob's value is written.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Time,
-    Count,
-    Word,
-    /// `on`/`off`, or a bool.
-    Switch,
-}
-
-fn kind(env: &str) -> Kind {
-    match env {
-        "NIXL_KEEPALIVE_RATE_BURST" | "NIXL_KEEPALIVE_EVENT_CAPACITY" => Kind::Count,
-        "NIXL_KEEPALIVE_READ_STALL_ACTION" => Kind::Word,
-        "NIXL_KEEPALIVE_ENDPOINT_EVENTS" | "NIXL_KEEPALIVE_GPU_UNMAP" => Kind::Switch,
-        _ => Kind::Time,
-    }
-}
 
 /// The keyword of a knob: its name without the prefix, lowercase.
 fn keyword(knob: &Knob) -> String {
@@ -66,18 +47,18 @@ fn text_of(knob: &Knob, value: &Bound<'_, PyAny>) -> PyResult<String> {
         return Ok(text);
     }
     if value.is_instance_of::<pyo3::types::PyBool>() {
-        if kind(knob.env) == Kind::Switch {
+        if knob.kind == Kind::Switch {
             let on: bool = value.extract()?;
             return Ok(if on { "on" } else { "off" }.into());
         }
-        return Err(refuse(match kind(knob.env) {
+        return Err(refuse(match knob.kind {
             Kind::Time => "a time (a string such as \"250ms\", seconds, or a timedelta)",
             Kind::Count => "a whole number",
             Kind::Word => "a string",
             Kind::Switch => "a bool or \"on\"/\"off\"",
         }));
     }
-    match kind(knob.env) {
+    match knob.kind {
         Kind::Word => Err(refuse("a string")),
         Kind::Switch => Err(refuse("a bool or \"on\"/\"off\"")),
         Kind::Count => match value.extract::<i128>() {
@@ -288,8 +269,9 @@ fn config_error(
     )
 }
 
-/// Every knob: keyword, variable, default, syntax and meaning (the
-/// README's table).
+/// Every knob: keyword, variable, default, syntax, meaning (the README's
+/// table) and kind (`time`, `count`, `word`, `switch`: what its keyword
+/// takes).
 #[pyfunction]
 pub(crate) fn knobs(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     let list = PyList::empty(py);
@@ -300,6 +282,7 @@ pub(crate) fn knobs(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
         d.set_item("default", k.default)?;
         d.set_item("syntax", k.syntax)?;
         d.set_item("meaning", k.meaning)?;
+        d.set_item("kind", k.kind.as_str())?;
         list.append(d)?;
     }
     Ok(list)

@@ -809,6 +809,28 @@ impl Events {
         }
     }
 
+    /// The next event if one is waiting, with its one line (the library's
+    /// rendering: what `nixl-keepalive decode` prints after `event: `), as
+    /// `(event, line)`; else `None`. Where events were missed:
+    /// `({"kind": "lagged", "missed": n}, "(n events missed)")`, as the
+    /// command line says it. For a log, which then reads as every other
+    /// surface's.
+    fn get_line_nowait<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<(Bound<'py, PyDict>, String)>> {
+        let Ok(mut rx) = self.rx.try_lock() else {
+            return Ok(None);
+        };
+        match rx.try_recv() {
+            Ok(e) => Ok(Some((event_dict(py, &e)?, e.to_string()))),
+            Err(broadcast::error::TryRecvError::Lagged(n)) => {
+                Ok(next_to_py(py, Next::Lagged(n))?.map(|d| (d, format!("({n} events missed)"))))
+            }
+            Err(_) => Ok(None),
+        }
+    }
+
     /// For the tests, not the API: the next event if one is waiting, as
     /// `(dict, line, json)`: its dict, its `Display` line and its JSON
     /// (`Serialize`), the three renderings of one walk side by side. `None`

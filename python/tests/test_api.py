@@ -791,6 +791,34 @@ def test_the_gpu_mapping_knob_is_a_switch_on_by_default(monkeypatch):
     assert "gpu_unmap" in [k["keyword"] for k in nk.knobs()], "a knob of vLLM's and SGLang's too"
 
 
+#: What a keyword of each kind of the knob table takes, as its TypeError
+#: says when given a bool.
+_KIND_TAKES = {
+    "time": "a time",
+    "count": "a whole number",
+    "word": "a string",
+}
+
+
+def test_every_knob_takes_the_values_of_its_table_kind():
+    # The kinds are the Rust knob table's (KnobKind): a knob added there is
+    # read in Python as its table says, never by its name.
+    kinds = {k["keyword"]: k["kind"] for k in nk.knobs()}
+    assert set(kinds.values()) <= set(_KIND_TAKES) | {"switch"}, kinds
+    assert kinds["rate_burst"] == "count" and kinds["interval"] == "time", kinds
+    for keyword, kind in kinds.items():
+        if kind == "switch":
+            nk.Config(env=False, **{keyword: False})
+            continue
+        with pytest.raises(TypeError, match=f"{keyword} .* takes {_KIND_TAKES[kind]}"):
+            nk.Config(env=False, **{keyword: True})
+        if kind == "count":
+            assert nk.Config(env=False, **{keyword: 1}).as_dict()[keyword] == 1
+        if kind == "time":
+            with pytest.raises(TypeError, match="takes a time"):
+                nk.Config(env=False, **{keyword: object()})
+
+
 def test_a_misspelt_variable_is_reported_with_the_knob_it_resembles(monkeypatch):
     monkeypatch.setenv("NIXL_KEEPALIVE_INTERVALL", "1s")
     with pytest.warns(RuntimeWarning, match="NIXL_KEEPALIVE_INTERVALL.*did you mean NIXL_KEEPALIVE_INTERVAL"):
@@ -894,6 +922,20 @@ def test_the_events_are_typed_in_the_stubs_with_every_key_they_carry(ka, agent):
         assert e["kind"] in kinds, f"no TypedDict for {e['kind']!r} in _native.pyi"
         undeclared = set(e) - kinds[e["kind"]] - {"at"}
         assert not undeclared, f"{e['kind']}: keys not in the stubs: {undeclared}"
+
+
+def test_an_event_s_line_is_the_library_s_one_line(ka, agent):
+    """What the connectors log: the event's line as the library renders
+    it (``nixl-keepalive decode`` prints it after ``event: ``), beside its
+    dict; never the dict's repr."""
+    events = ka.events()
+    connect(ka, engine="e1", address="10.0.0.1:1", agents=("e1-rank0",))
+    got = wait_for("the registered event", events.get_line_nowait, 5)
+    event, line = got
+    assert event["kind"] == "registered", got
+    assert line.startswith("registered engine=e1 "), line
+    assert "{" not in line and "\n" not in line, line
+    assert events.get_line_nowait() is None
 
 
 def test_an_event_s_dict_is_its_line_and_its_json_field_by_field(ka, agent):

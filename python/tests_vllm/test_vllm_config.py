@@ -155,4 +155,6 @@ def test_agent_name_parsed_from_nixl_metadata(vllm_ready):
     # The package's one test of what a nixl_agent is, on vLLM's own NIXL.
     import nixl_keepalive
 
-    assert kv._is_nixl_agent is nixl_keepalive._is_nixl_agent and kv._is_nixl_agent(a)
+    from nixl_keepalive import vllm_service
+
+    assert vllm_service._is_nixl_agent is nixl_keepalive._is_nixl_agent and vllm_service._is_nixl_agent(a)

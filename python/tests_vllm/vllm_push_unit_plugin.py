@@ -19,8 +19,8 @@ factory resolve to the push connector or its worker points at ours:
 
 vLLM's push tests build their workers with ``object.__new__`` (no NIXL
 agent, no ``__init__``) and drive one method at a time. Every method our
-worker defines is wrapped to count, per test, which of them ran and on
-what:
+worker defines, or takes from the mixins it shares with the pull worker,
+is wrapped to count, per test, which of them ran and on what:
 
 - ``service on``: on a worker of ours whose service ran;
 - ``service off``: on a worker of ours whose service refused the agent;
@@ -116,20 +116,28 @@ def _kind(self) -> str:
 def _counted(name: str, fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        _used.add(_kind(self))
-        _methods[name] += 1
+        # The mixins are the pull worker's too: only our push worker counts.
+        if isinstance(self, KeepaliveNixlPushConnectorWorker):
+            _used.add(_kind(self))
+            _methods[name] += 1
         return fn(self, *args, **kwargs)
 
     return wrapper
 
 
+#: Our classes in the push worker's bases: the worker and the mixins it
+#: shares with the pull worker (nixl_keepalive.vllm_service, ...), each
+#: method counted where it is defined.
+_OURS = [c for c in KeepaliveNixlPushConnectorWorker.__mro__ if c.__module__.startswith("nixl_keepalive.")]
+
 # Not counted: ``shutdown``, which vLLM's ``__del__`` calls whenever the
 # garbage collector takes an earlier test's worker (it would count a test
-# that never used ours).
-for _name, _fn in list(vars(KeepaliveNixlPushConnectorWorker).items()):
-    if callable(_fn) and not isinstance(_fn, (staticmethod, classmethod, type)) and _name not in (
-            "__init__", "shutdown"):
-        setattr(KeepaliveNixlPushConnectorWorker, _name, _counted(_name, _fn))
+# that never used ours), nor the constructor's own steps.
+for _cls in _OURS:
+    for _name, _fn in list(vars(_cls).items()):
+        if callable(_fn) and not isinstance(_fn, (staticmethod, classmethod, type)) and _name not in (
+                "__init__", "shutdown", "_ka_construct", "_ka_undo_construction"):
+            setattr(_cls, _name, _counted(_name, _fn))
 
 _our_init = KeepaliveNixlPushConnectorWorker.__init__
 
