@@ -20,6 +20,7 @@ use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
 
 use crate::endpoints::{EndpointCloseMode, EpClose, EP_CLOSE_ACCEPTED, EP_CLOSE_ENV};
 use crate::error::LoadError;
+use crate::locate::find_lib_dir;
 use crate::status::{NixlStatus, StatusSource};
 
 /// Where `scripts/install-nixl.sh` installs the runtime for this build (or
@@ -691,30 +692,6 @@ fn points_into_writable_memory(p: CapiHandle) -> bool {
         };
         perms.starts_with("rw") && (lo..hi).contains(&addr)
     })
-}
-
-/// Candidate library folders under a runtime location, in search order.
-fn lib_dir_candidates(location: &Path) -> Vec<PathBuf> {
-    vec![
-        location.join(".nixl_cu12.mesonpy.libs"),
-        location.join("lib"),
-        location.join("lib64"),
-        location.join("lib/x86_64-linux-gnu"),
-        location.to_path_buf(),
-    ]
-}
-
-fn find_lib_dir(location: &Path) -> Result<PathBuf, Vec<PathBuf>> {
-    let mut tried = Vec::new();
-    for dir in lib_dir_candidates(location) {
-        let nixl = dir.join("libnixl.so");
-        let capi = dir.join("libnixl_capi.so");
-        if nixl.is_file() && capi.is_file() {
-            return Ok(dir);
-        }
-        tried.push(nixl);
-    }
-    Err(tried)
 }
 
 // ---------------------------------------------------------------------------
