@@ -22,7 +22,7 @@ use nixl_agent::testing::real_runtime;
 const ENV: &[(&str, &str)] = &[("RUST_LOG", "warn")];
 
 /// `decode` asks a conflicting address again after this pause
-/// (`CONFLICT_PAUSE` in `cli/src/pd/decode.rs`), so a retry is within it
+/// (`CONFLICT_PAUSE` in `cli/src/pd/decode/reader.rs`), so a retry is within it
 /// plus one handshake.
 const CONFLICT_RETRY: Duration = Duration::from_secs(12);
 
