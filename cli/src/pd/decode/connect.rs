@@ -6,8 +6,10 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use nixl_keepalive::transport::nixl::RemoteDlists;
 use nixl_keepalive::{
     AgentName, Claim, ClaimRefused, EngineId, EngineRef, EngineState, Incarnation, PeerAddr, Ready,
+    ReadyToLoad,
 };
 
 use super::handshake::{fetch, HandshakeError};
@@ -84,8 +86,12 @@ impl Decoder {
         (result, claimant)
     }
 
-    /// The handshake and registration calls themselves (see `connect`):
-    /// the library's protocol, step by step.
+    /// One engine's start-up, in order (see `connect`): the library's
+    /// ticket first (`handshake`: a release racing this one is ordered
+    /// before or after it), the side-channel reply, the claim
+    /// (`ready_to_load`: NIXL must not load metadata over loaded
+    /// metadata), the load, `register`. Each step that fails ends it
+    /// with nothing of it left loaded.
     async fn handshake(
         &self,
         address: &PeerAddr,
@@ -97,75 +103,17 @@ impl Decoder {
         *claimant = Some((reply.engine.clone(), reply.incarnation));
         let ready = match handshake.ready_to_load(claim_of(&reply)).await {
             Ok(Ready::Load(ready)) => ready,
-            Ok(Ready::Current(engine)) => {
-                // This process is registered already: nothing to load.
-                if let Some(c) = current.filter(|c| c.engine.same_registration(&engine)) {
-                    let _ = c;
-                    return Ok(Found::Unchanged);
-                }
-                return match self.loaded(&engine) {
-                    Some(connected) => Ok(Found::New(connected)),
-                    None => Err(HandshakeError::Invalid(format!(
-                        "engine {} is registered by another runtime of this agent",
-                        engine.id()
-                    ))),
-                };
-            }
-            Err(ClaimRefused::Conflict(conflict)) => {
-                return Err(HandshakeError::Conflict(conflict))
-            }
-            Err(ClaimRefused::Invalid { reason, .. }) => {
-                return Err(HandshakeError::Invalid(reason))
-            }
-            Err(ClaimRefused::Stopped(stopped)) => return Err(HandshakeError::Stopped(stopped)),
-            // A refusal this build does not know: nothing may be loaded.
-            Err(other) => return Err(HandshakeError::Invalid(other.to_string())),
+            Ok(Ready::Current(engine)) => return self.registered_already(&engine, current),
+            Err(refused) => return Err(claim_refused(refused)),
         };
-        let agent = self.transport.agent().clone();
-        let addr = address.clone();
-        let slots = self.options.reads_in_flight.max(1);
-        let memory = self.options.memory;
-        let check = self.options.check;
-        let loaded = tokio::task::spawn_blocking(move || {
-            RemoteEngine::load_in(&agent, addr, &reply, slots, memory).map(|r| {
-                if check {
-                    r
-                } else {
-                    r.unchecked()
-                }
-            })
-        })
-        .await
-        .expect("load does not panic");
-        let remote = match loaded {
+        let remote = match self.load(address, reply).await {
             Ok(remote) => remote,
-            Err(HandshakeError::AgentMismatch {
-                rank,
-                expected,
-                got,
-            }) => {
-                // NIXL loaded a name the reply did not claim. Unload it only
-                // if it is nobody else's (granted to this handshake now).
-                let stray = AgentName::new(got.as_str());
-                match ready.claim_agent(stray.clone()).await {
-                    Ok(()) => {
-                        let agent = self.transport.agent().clone();
-                        let _ = tokio::task::spawn_blocking(move || {
-                            agent.invalidate_remote_metadata(stray.as_str())
-                        })
-                        .await;
-                    }
-                    Err(e) => {
-                        tracing::warn!(%address, agent = %stray, error = %e, "the reply's metadata named another engine's agent: left loaded for its owner");
-                    }
+            Err(e) => {
+                if let HandshakeError::AgentMismatch { got, .. } = &e {
+                    self.unload_stray(&ready, address, got).await;
                 }
-                return Err(HandshakeError::AgentMismatch {
-                    rank,
-                    expected,
-                    got,
-                });
+                return Err(e);
             }
-            Err(e) => return Err(e),
         };
         let engine = match ready.register(remote.dlists.clone()).await {
             Ok(engine) => engine,
@@ -187,6 +135,72 @@ impl Decoder {
         Ok(Found::New(connected))
     }
 
+    /// This process has `engine` registered already: nothing to load. It
+    /// is `current`'s registration ([`Found::Unchanged`]), another
+    /// reader's of this decoder (that reader's [`Connected`]), or another
+    /// runtime's of this agent (refused).
+    fn registered_already(
+        &self,
+        engine: &EngineRef,
+        current: Option<&Connected>,
+    ) -> Result<Found, HandshakeError> {
+        if current.is_some_and(|c| c.engine.same_registration(engine)) {
+            return Ok(Found::Unchanged);
+        }
+        match self.loaded(engine) {
+            Some(connected) => Ok(Found::New(connected)),
+            None => Err(HandshakeError::Invalid(format!(
+                "engine {} is registered by another runtime of this agent",
+                engine.id()
+            ))),
+        }
+    }
+
+    /// Loads `reply` into the decode agent on a blocking thread (NIXL's
+    /// loads block): the step between the library's `ready_to_load` and
+    /// `register`, with the options' slots, memory and check.
+    async fn load(
+        &self,
+        address: &PeerAddr,
+        reply: HandshakeReply,
+    ) -> Result<RemoteEngine, HandshakeError> {
+        let agent = self.transport.agent().clone();
+        let addr = address.clone();
+        let slots = self.options.reads_in_flight.max(1);
+        let memory = self.options.memory;
+        let check = self.options.check;
+        tokio::task::spawn_blocking(move || {
+            RemoteEngine::load_in(&agent, addr, &reply, slots, memory).map(|r| {
+                if check {
+                    r
+                } else {
+                    r.unchecked()
+                }
+            })
+        })
+        .await
+        .expect("load does not panic")
+    }
+
+    /// NIXL loaded an agent name `got` the reply did not claim: unloads it
+    /// only if it is nobody else's (granted to this handshake now), else
+    /// leaves it for its owner and says so.
+    async fn unload_stray(&self, ready: &ReadyToLoad<RemoteDlists>, address: &PeerAddr, got: &str) {
+        let stray = AgentName::new(got);
+        match ready.claim_agent(stray.clone()).await {
+            Ok(()) => {
+                let agent = self.transport.agent().clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    agent.invalidate_remote_metadata(stray.as_str())
+                })
+                .await;
+            }
+            Err(e) => {
+                tracing::warn!(%address, agent = %stray, error = %e, "the reply's metadata named another engine's agent: left loaded for its owner");
+            }
+        }
+    }
+
     /// Keeps what reads from a registration need, for any reader that
     /// finds the engine registered already (two readers of one prefill).
     fn remember(&self, connected: &Connected) {
@@ -203,5 +217,16 @@ impl Decoder {
             .iter()
             .find(|c| c.engine.same_registration(engine))
             .cloned()
+    }
+}
+
+/// Why the library refused a claim, as a handshake error. Nothing was
+/// loaded: a refusal this build does not know is refused as invalid.
+fn claim_refused(refused: ClaimRefused) -> HandshakeError {
+    match refused {
+        ClaimRefused::Conflict(conflict) => HandshakeError::Conflict(conflict),
+        ClaimRefused::Invalid { reason, .. } => HandshakeError::Invalid(reason),
+        ClaimRefused::Stopped(stopped) => HandshakeError::Stopped(stopped),
+        other => HandshakeError::Invalid(other.to_string()),
     }
 }
