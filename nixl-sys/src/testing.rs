@@ -1,7 +1,7 @@
 //! Test support shared by every test that needs the real NIXL runtime.
 //!
 //! Whether a real test runs is decided when it is compiled: build.rs
-//! searches for the runtime where [`Runtime::get`] will (`src/locate.rs`)
+//! searches for the runtime where [`Runtime::get`](crate::Runtime::get) will (`src/locate.rs`)
 //! and sets cfg `nixl_runtime` when it is there (nixl-agent's and the
 //! CLI's build scripts forward it). Every real test carries
 //!
@@ -12,7 +12,7 @@
 //! so that without the runtime cargo prints it `ignored`, never `ok`. What
 //! cargo cannot ignore on its own, a run that must not pass without the
 //! runtime (CI), each real test binary checks in one test that calls
-//! [`fail_when_required_and_missing`].
+//! [`fail_when_required_and_missing`](crate::testing::fail_when_required_and_missing).
 
 use crate::runtime::Runtime;
 
