@@ -1,5 +1,6 @@
-//! Compiles the C++ shim and the endpoint-close interposer, and records
-//! where the NIXL runtime is expected.
+//! Compiles the C++ shim and the endpoint-close interposer, records where
+//! the NIXL runtime is expected, and whether it is there (for the real
+//! tests: `record_runtime`).
 //!
 //! Nothing here needs NIXL or UCX: the shim declares its own opaque types
 //! and receives member-function addresses at run time, and the interposer
@@ -7,7 +8,10 @@
 //! without either.
 
 use std::env;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+#[path = "src/locate.rs"]
+mod locate;
 
 fn main() {
     println!("cargo:rerun-if-changed=shim/nixl_shim.cpp");
@@ -48,6 +52,35 @@ fn main() {
         "cargo:rustc-env=NIXL_SYS_DEFAULT_RUNTIME={}",
         default.display()
     );
+    record_runtime(&default);
+}
+
+/// Whether the runtime is where `Runtime::get` will look when the tests run
+/// (this location, NIXL_PREFIX being the same variable then, and the same
+/// search, `src/locate.rs`): cfg `nixl_runtime` here, and metadata
+/// `runtime` = `found` or `missing` (`DEP_NIXL_KEEPALIVE_SHIM_RUNTIME`) for
+/// the crates that depend on this one directly (nixl-agent, the CLI),
+/// whose build scripts turn it into the same cfg. The workspace's real
+/// tests are `#[cfg_attr(not(nixl_runtime), ignore = ...)]`: without the
+/// runtime cargo reports them ignored, not "ok". Nothing is downloaded.
+fn record_runtime(location: &Path) {
+    println!("cargo:rustc-check-cfg=cfg(nixl_runtime)");
+    match locate::find_lib_dir(location) {
+        Ok(dir) => {
+            // Removing the libraries runs this again, and the tests are
+            // ignored again.
+            for lib in ["libnixl.so", "libnixl_capi.so"] {
+                println!("cargo:rerun-if-changed={}", dir.join(lib).display());
+            }
+            println!("cargo:rustc-cfg=nixl_runtime");
+            println!("cargo:runtime=found");
+        }
+        // Nothing to watch for an install that does not exist yet: a path
+        // that is missing makes cargo run this script, and rebuild every
+        // crate above it, on every build. scripts/install-nixl.sh touches
+        // this file instead once it has installed a runtime.
+        Err(_) => println!("cargo:runtime=missing"),
+    }
 }
 
 /// Builds `shim/ep_close.c` and `shim/ep_watch.c` as one shared object in

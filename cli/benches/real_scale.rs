@@ -958,9 +958,15 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    // SKIPPED (or a panic with NIXL_KEEPALIVE_REQUIRE_REAL=1) without it.
-    let Some(rt) = nixl_agent::testing::runtime_or_skip() else {
-        return;
+    // SKIPPED without it (a benchmark has no "ignored"), or a panic with
+    // NIXL_KEEPALIVE_REQUIRE_REAL=1.
+    let rt = match nixl_agent::Runtime::get() {
+        Ok(rt) => rt,
+        Err(e) => {
+            nixl_agent::testing::fail_when_required_and_missing();
+            eprintln!("SKIPPED: real_scale: {e}");
+            return;
+        }
     };
     let (sizes, notifiers, windows): (&[usize], &[usize], _) = if quick() {
         (

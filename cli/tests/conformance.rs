@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{decode_transport, report, serial, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 use nixl_keepalive::fake::{FakeConfig, FakeError, FakeHandshake, FakeUcx};
 use nixl_keepalive::transport::nixl::{NixlTransport, ProgressPoller};
 use nixl_keepalive::{
@@ -673,8 +673,9 @@ macro_rules! both {
         }
 
         #[test]
+        #[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
         fn $real() {
-            let Some(rt) = runtime_or_skip() else { return };
+            let rt = real_runtime();
             let _serial = serial();
             let out = $behaviour(&mut RealStage::new(rt));
             report(&format!("{}: {:?}", stringify!($behaviour), out));

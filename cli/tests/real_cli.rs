@@ -9,11 +9,12 @@ use std::time::Duration;
 use common::decode::DecodeProc;
 use common::wait::MARGIN;
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn an_operator_kills_a_prefill_and_the_decode_command_releases_it() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let mut p = PrefillProc::start(&PrefillSpec::default());
     // A second prefill address where nobody listens: its failed handshakes
@@ -68,8 +69,9 @@ fn an_operator_kills_a_prefill_and_the_decode_command_releases_it() {
 /// same pinned id) from the one it knew. Each engine now carries the
 /// incarnation its handshake sent, as a decimal string.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn the_snapshot_names_each_engines_incarnation() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let p = PrefillProc::start(&PrefillSpec::default());
     let mut d = DecodeProc::start(&["--prefill", p.addr.as_str()], &[], MARGIN);
@@ -113,8 +115,9 @@ fn log_line(d: &DecodeProc, part: &str, within: Duration) -> String {
 /// has no device, so that UCX loads its real `libuct_cuda`) the ledger is
 /// bound, and the warning is given only when the ledger is turned off.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn the_decodes_start_up_line_says_whether_ucxs_cuda_transport_binds_the_gpu_ledger() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let p = PrefillProc::start(&PrefillSpec::default());
     let fake = nixl_agent::testing::FAKE_CUDA_DIR;

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 
 const FD_LIMIT: usize = 256;
 const IDLE: usize = 400;
@@ -124,8 +124,9 @@ fn status_and_json(answer: &str) -> (u16, serde_json::Value) {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn the_control_server_under_floods_past_the_fd_limit_keeps_the_decoder_working() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let mut p = PrefillProc::start(&PrefillSpec::default());
     let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))

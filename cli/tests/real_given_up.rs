@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use common::wait::{check, until_async, MARGIN};
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 use nixl_keepalive::{EngineId, Event, ReleaseReason, StallAction};
 use nixl_keepalive_cli::pd::decode::DecodeOptions;
 
@@ -29,8 +29,9 @@ const STALL: Duration = Duration::from_secs(2);
 const FENCE_WATCH: Duration = Duration::from_millis(1500);
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_frozen_prefill_fails_its_reads_at_once_and_gives_every_slot_back_when_it_resumes_or_dies() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     let cycles: usize = std::env::var("NIXL_KEEPALIVE_FREEZE_CYCLES")
         .ok()

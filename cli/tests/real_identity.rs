@@ -16,13 +16,13 @@ use std::time::{Duration, Instant};
 use common::decode::{DecodeProc, SUMMARY_PERIOD};
 use common::wait::MARGIN;
 use common::{report, serial, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 
 /// The decode's log level here: its WARN lines are what is counted.
 const ENV: &[(&str, &str)] = &[("RUST_LOG", "warn")];
 
 /// `decode` asks a conflicting address again after this pause
-/// (`CONFLICT_PAUSE` in `cli/src/pd/decode.rs`), so a retry is within it
+/// (`CONFLICT_PAUSE` in `cli/src/pd/decode/reader.rs`), so a retry is within it
 /// plus one handshake.
 const CONFLICT_RETRY: Duration = Duration::from_secs(12);
 
@@ -132,8 +132,9 @@ fn assert_healthy_kept(decode: &DecodeProc, engine: &str, registered: Instant) {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_hostile_prefill_replaying_a_healthy_reply_is_refused_and_the_healthy_one_keeps_reading() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let healthy = PrefillProc::start(&PrefillSpec::default());
     let armed = Arc::new(AtomicBool::new(false));
@@ -172,8 +173,9 @@ fn a_hostile_prefill_replaying_a_healthy_reply_is_refused_and_the_healthy_one_ke
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn one_prefill_listed_twice_and_under_an_alias_gets_one_reader_and_one_warning_per_duplicate() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let p = PrefillProc::start(&PrefillSpec::default());
     let port = p.addr.as_str().rsplit_once(':').unwrap().1.to_string();
@@ -206,8 +208,9 @@ fn one_prefill_listed_twice_and_under_an_alias_gets_one_reader_and_one_warning_p
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn two_prefills_started_with_one_engine_id_do_not_churn_and_the_first_keeps_reading() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let id = common::unique("pinned");
     let spec = PrefillSpec {
@@ -246,8 +249,9 @@ fn two_prefills_started_with_one_engine_id_do_not_churn_and_the_first_keeps_read
 /// a reader waiting out a conflict asks the address every retry step and
 /// ends the wait as soon as another claimant (or nobody) answers.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn an_honest_prefill_starting_where_a_conflicting_one_was_is_registered_without_its_back_off() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let id = common::unique("pinned");
     let healthy = PrefillProc::start(&PrefillSpec {

@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use common::{config, report, serial, DecodeSide, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 use nixl_keepalive::{EngineId, Event};
 use nixl_keepalive_cli::pd::decode::DecodeOptions;
 use nixl_keepalive_cli::pd::prefill::agent_name;
@@ -39,9 +39,10 @@ fn expired(log: &str, request: &str) -> bool {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn over_three_leases_no_block_is_read_after_its_lease_expired_and_completed_requests_are_not_renewed(
 ) {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     // The reader loop's logs (its handshake failures), shown on failure.
     let _ = tracing_subscriber::fmt()
@@ -235,9 +236,10 @@ fn late_requests(log: &str) -> Vec<String> {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn with_the_prefill_frozen_again_and_again_no_read_given_up_or_done_after_a_freeze_completes_late()
 {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     let _ = tracing_subscriber::fmt()
         .with_test_writer()

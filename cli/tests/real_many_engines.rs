@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::procfs::held;
 use common::wait::{check, until_async, MARGIN};
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 use nixl_keepalive::{EngineId, EngineState, Event, ReleaseReason};
 use nixl_keepalive_cli::pd::decode::{Connected, DecodeOptions, Found, ReadOutcome};
 
@@ -29,8 +29,9 @@ fn connected(h: Found) -> Connected {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_killed_process_of_twelve_engines_has_each_released_once_and_its_descriptors_come_back() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let spec = PrefillSpec {

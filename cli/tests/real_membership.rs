@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use common::decode::DecodeProc;
 use common::etcd::EtcdServer;
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 
 /// The etcd lease of every prefill here.
 const TTL_SECS: u64 = 2;
@@ -52,8 +52,9 @@ fn decode(args: &[&str], env: &[(&str, &str)]) -> DecodeProc {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_prefill_registered_in_etcd_is_discovered_and_read_without_a_prefill_flag() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -92,8 +93,9 @@ fn a_prefill_registered_in_etcd_is_discovered_and_read_without_a_prefill_flag() 
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_killed_prefill_is_released_by_remote_disconnect_first_and_its_lease_expiry_changes_nothing() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -146,8 +148,9 @@ fn a_killed_prefill_is_released_by_remote_disconnect_first_and_its_lease_expiry_
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_frozen_idle_prefill_is_retired_when_its_lease_expires_and_picked_up_again_under_a_new_lease() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -211,17 +214,19 @@ fn a_frozen_idle_prefill_is_retired_when_its_lease_expires_and_picked_up_again_u
 /// then an hour's pause: released while frozen) and reading (reads in
 /// flight when it froze: given up, and the release waits for the resume).
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_record_naming_a_frozen_idle_prefills_address_does_not_lock_it_out() {
     record_at_a_frozen_prefills_address(false);
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_record_naming_a_frozen_reading_prefills_address_does_not_lock_it_out() {
     record_at_a_frozen_prefills_address(true);
 }
 
 fn record_at_a_frozen_prefills_address(reading: bool) {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -275,8 +280,9 @@ fn record_at_a_frozen_prefills_address(reading: bool) {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn etcd_stopped_for_longer_than_the_lease_releases_nothing_and_is_reconciled_when_back() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(mut etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -352,8 +358,9 @@ fn etcd_stopped_for_longer_than_the_lease_releases_nothing_and_is_reconciled_whe
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn the_router_endpoint_retires_in_drain_and_fail_modes_and_refuses_bad_requests_with_json_errors() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let p1 = PrefillProc::start(&PrefillSpec::default());
     let p2 = PrefillProc::start(&PrefillSpec::default());
@@ -916,8 +923,9 @@ impl DecodeProc {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_prefix_delete_of_every_key_retires_and_releases_every_engine_once() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -971,8 +979,9 @@ fn a_prefix_delete_of_every_key_retires_and_releases_every_engine_once() {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_multi_put_transaction_announces_every_engine_in_it() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -1005,8 +1014,9 @@ fn a_multi_put_transaction_announces_every_engine_in_it() {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_revoked_lease_holding_several_keys_retires_and_releases_exactly_the_engines_on_it() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -1055,8 +1065,9 @@ fn a_revoked_lease_holding_several_keys_retires_and_releases_exactly_the_engines
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn etcd_paused_past_the_ttl_loses_the_leases_and_every_prefill_registers_again_and_is_read_again() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -1116,9 +1127,10 @@ fn etcd_paused_past_the_ttl_loses_the_leases_and_every_prefill_registers_again_a
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn etcd_restarted_empty_retires_no_healthy_prefill_and_only_the_one_that_never_came_back_after_the_grace(
 ) {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(mut etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -1318,8 +1330,9 @@ fn a_prefix_over_4_mib_is_listed_whole_in_pages_and_a_value_over_the_limit_is_re
 /// over the record limit. Before, the list failed for ever ("etcd
 /// unreachable") and the decode had 0 members.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_fresh_decode_on_a_prefix_over_4_mib_finds_its_prefill_and_refuses_the_oversized_records() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -1364,8 +1377,9 @@ fn a_fresh_decode_on_a_prefix_over_4_mib_finds_its_prefill_and_refuses_the_overs
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn hostile_records_change_nothing_print_escaped_and_are_reported_at_a_bounded_rate() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -1507,8 +1521,9 @@ fn hostile_records_change_nothing_print_escaped_and_are_reported_at_a_bounded_ra
 /// never released and is read the whole time. (Issue 30, item 3: before,
 /// the copy's deletion released the healthy prefill.)
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn conflicting_records_never_release_a_healthy_prefill() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -1629,8 +1644,9 @@ fn signal_pid(pid: u32, sig: &str) {
 /// released. Now the store epoch the decode keeps in etcd is gone with the
 /// wipe: a store reset, a grace period, nothing released.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn etcd_restarted_empty_with_the_same_flags_and_a_higher_revision_releases_no_healthy_prefill() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(mut etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -1707,8 +1723,9 @@ fn etcd_restarted_empty_with_the_same_flags_and_a_higher_revision_releases_no_he
 /// reads it. Before, the second overwrote the key (taking it under its own
 /// lease) and could be lost for good.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_second_prefill_with_one_engine_id_waits_for_the_key_and_is_found_when_its_owner_dies() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -1856,8 +1873,9 @@ fn two_claimants_of_one_key_at_once_one_holds_it_and_a_stopped_claimant_leaves_t
 /// says how many it suppressed; every failure is still counted in the
 /// metrics.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn ten_thousand_dead_members_cost_the_log_budget_not_a_line_each() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };

@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use common::procfs::tcp_sockets;
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 use nixl_keepalive::PeerAddr;
 
 /// The decode's heartbeat interval (its jitter derives: 50 ms).
@@ -543,8 +543,9 @@ fn events(lines: &[(String, Instant)]) -> Vec<&str> {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_partitioned_prefill_is_released_within_the_reported_bound_and_a_short_one_is_kept() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let host_before = host_network();
     let Some(ns) = netns_or_skip(1) else { return };
@@ -761,8 +762,9 @@ fn assert_host_untouched(before: &BTreeSet<String>, ours: &[String]) {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_prefill_behind_a_removed_address_is_released_with_its_sockets_and_reads_to_another_go_on() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let host_before = host_network();
     let Some(ns) = netns_or_skip(2) else { return };

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::wait::{check, until_async, MARGIN};
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 use nixl_keepalive::{EngineId, EngineState, Event, NixlStatus, ReleaseReason};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found, ReadOutcome};
 
@@ -22,8 +22,9 @@ fn connected(h: Found) -> nixl_keepalive_cli::pd::decode::Connected {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_sigkilled_idle_prefill_is_detected_by_heartbeat_and_released() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let mut p = PrefillProc::start(&PrefillSpec {
@@ -126,8 +127,9 @@ fn a_sigkilled_idle_prefill_is_detected_by_heartbeat_and_released() {
 /// its REMOTE_DISCONNECT releases it. A live prefill beside it is never
 /// touched.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_sigkilled_idle_prefill_is_released_by_its_endpoint_event_with_heartbeats_off() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let spec = PrefillSpec {
@@ -210,9 +212,10 @@ fn a_sigkilled_idle_prefill_is_released_by_its_endpoint_event_with_heartbeats_of
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_sigkilled_prefill_with_reads_in_flight_fails_them_promptly_and_is_released_after_the_last_guard(
 ) {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         // Big blocks, several reads at once, no pause: reads are on the wire
@@ -350,8 +353,9 @@ fn a_sigkilled_prefill_with_reads_in_flight_fails_them_promptly_and_is_released_
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_prefill_restarted_with_a_new_id_on_the_same_port_replaces_the_old_engine() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let mut p1 = PrefillProc::start(&PrefillSpec::default());
@@ -424,8 +428,9 @@ fn a_prefill_restarted_with_a_new_id_on_the_same_port_replaces_the_old_engine() 
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_prefill_restarted_with_the_same_id_is_invalidated_before_it_is_loaded_again() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let id = common::unique("pinned");
@@ -498,8 +503,9 @@ fn a_prefill_restarted_with_the_same_id_is_invalidated_before_it_is_loaded_again
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn the_reader_loop_re_handshakes_after_a_release_when_a_prefill_listens_again() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let mut p1 = PrefillProc::start(&PrefillSpec::default());
@@ -566,8 +572,9 @@ fn the_reader_loop_re_handshakes_after_a_release_when_a_prefill_listens_again() 
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_prefill_refuses_bad_side_channel_input_and_keeps_answering() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let p = PrefillProc::start(&PrefillSpec {
         env: vec![(

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use common::procfs::held;
 use common::wait::MARGIN;
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 use nixl_keepalive::{EngineId, EngineState, Event, NixlStatus, ReleaseReason};
 use nixl_keepalive_cli::pd::decode::ReadOutcome;
 use nixl_keepalive_cli::pd::decode::{Connected, DecodeOptions, Decoder, Direction, Found};
@@ -112,8 +112,9 @@ fn stop_and_count(d: &mut PrefillProc) -> Checked {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn writes_into_a_live_decode_land_byte_for_byte_and_the_prefills_heartbeats_renew_their_leases() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         // 64 blocks a rank: each writer comes back to a block after 16
@@ -187,8 +188,9 @@ fn writes_into_a_live_decode_land_byte_for_byte_and_the_prefills_heartbeats_rene
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_decode_sigkilled_under_writes_is_released_at_the_prefill_within_one_heartbeat_gap() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let mut d = PrefillProc::start(&decode_spec());
@@ -260,8 +262,9 @@ fn a_decode_sigkilled_under_writes_is_released_at_the_prefill_within_one_heartbe
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_decode_restarted_with_a_new_id_and_with_the_same_id_is_released_and_loaded_again() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let id = common::unique("pinned-decode");
@@ -354,8 +357,9 @@ fn a_decode_restarted_with_a_new_id_and_with_the_same_id_is_released_and_loaded_
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_decode_sigstopped_with_writes_in_flight_is_fenced_and_released_once_they_ended() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         // Big blocks: writes are on the wire when the stop lands.
@@ -440,8 +444,9 @@ fn a_decode_sigstopped_with_writes_in_flight_is_fenced_and_released_once_they_en
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn the_prefills_descriptors_and_endpoints_stay_flat_over_a_hundred_decode_restarts() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let cycles = 100;

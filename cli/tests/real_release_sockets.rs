@@ -32,7 +32,7 @@ use common::decode::DecodeProc;
 use common::procfs::{between, held, Held};
 use common::wait::{check, until, MARGIN};
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 
 /// Generous bound for anything a cycle waits for (a handshake retry backs
 /// off to 4 s at most; a release follows its mark within milliseconds).
@@ -225,8 +225,9 @@ fn wait_released(d: &mut DecodeProc, n: usize, engine: &str) -> Instant {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_hundred_router_releases_of_a_live_prefill_leave_both_processes_flat() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let p = PrefillProc::start(&prefill_spec());
     let mut d = DecodeProc::start(&["--prefill", p.addr.as_str()], &[], PATIENCE);
@@ -299,8 +300,9 @@ fn a_hundred_router_releases_of_a_live_prefill_leave_both_processes_flat() {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_hundred_killed_and_restarted_prefills_leave_the_decode_flat() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let pinned = common::unique("pinned");
     let mut p = PrefillProc::start(&prefill_spec());
@@ -374,11 +376,12 @@ fn a_hundred_killed_and_restarted_prefills_leave_the_decode_flat() {
 
 #[cfg(feature = "etcd")]
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_hundred_membership_removals_of_a_live_prefill_leave_both_processes_flat() {
     use common::etcd::EtcdServer;
     use std::process::{Command, Stdio};
 
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let Some(etcd) = EtcdServer::start_or_skip() else {
         return;
     };
@@ -483,8 +486,9 @@ fn prefill_without_ucx_keepalive() -> PrefillSpec {
 /// `real_buffer`): measured, 50 fail retires among the 100 left 15
 /// connections until the peer's keepalive.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_hundred_router_retires_close_their_connections_at_release_whatever_the_peers_keepalive() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     drained_retires_leave_both_flat(
         &prefill_without_ucx_keepalive(),
@@ -502,8 +506,9 @@ fn a_hundred_router_retires_close_their_connections_at_release_whatever_the_peer
 /// after 100 retires in 6.8 s. (The leak found from outside at these settings was
 /// the Python path's: `python/tests/test_real_releases.py`.)
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_hundred_router_retires_at_ucx_defaults_leave_both_processes_flat() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let spec = PrefillSpec {
         ranks: Some(RANKS),

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::wait::{check, until, MARGIN};
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 use nixl_keepalive_cli::pd::decode::{fetch, DecodeOptions};
 
 const FLOOD: usize = 400;
@@ -57,8 +57,9 @@ fn flood(addr: String, stop: Arc<AtomicBool>, open_now: Arc<AtomicU64>) -> u64 {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn handshakes_complete_while_an_attacker_holds_400_idle_connections_to_a_prefill_with_256_fds() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let p = PrefillProc::start(&PrefillSpec::default());
     let st = std::process::Command::new("prlimit")
@@ -126,13 +127,14 @@ fn handshakes_complete_while_an_attacker_holds_400_idle_connections_to_a_prefill
 /// other memory). The decoder refuses the reply before loading anything;
 /// `RemoteEngine::load` refuses it too when handed it directly.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_hostile_reply_naming_one_agent_for_two_ranks_is_refused_and_nothing_is_loaded() {
     use nixl_agent::NixlStatus;
     use nixl_keepalive::EngineId;
     use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found, HandshakeError, RemoteEngine};
     use nixl_keepalive_cli::pd::wire;
 
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     let p = PrefillProc::start(&PrefillSpec {
         ranks: Some(2),
@@ -209,9 +211,10 @@ fn a_hostile_reply_naming_one_agent_for_two_ranks_is_refused_and_nothing_is_load
 /// each gets its first line. Before, the line was keyed by the host alone
 /// and the second peer got none.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn two_broken_clients_on_one_host_with_the_same_fault_each_get_their_first_log_line() {
     use std::io::{Read, Write};
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let prefill = PrefillProc::start(&PrefillSpec::default());
     let mut peers = Vec::new();

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use common::decode::DecodeProc;
 use common::procfs::{held, Held, Resident};
 use common::{report, serial, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 
 const PATIENCE: Duration = Duration::from_secs(60);
 
@@ -88,7 +88,7 @@ fn slope(samples: &[Sample]) -> f64 {
 #[test]
 #[ignore = "an hour-long soak: run with --ignored"]
 fn soak_kills_restarts_and_live_releases() {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let cycles = env_or("SOAK_CYCLES", 3000);
     let every = env_or("SOAK_SAMPLE", 100).max(1);

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use common::wait::{check, until_async, MARGIN};
 use common::{config, ms, report, serial, DecodeSide, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 use nixl_keepalive::ucx::settings::{detection_bound, UcxSettings};
 use nixl_keepalive::{Config, EngineId, EngineState, Event, ReleaseReason, StallAction};
 use nixl_keepalive_cli::pd::decode::{DecodeOptions, Found};
@@ -243,8 +243,9 @@ async fn freeze_and_thaw(
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_frozen_prefill_with_reads_in_flight_is_stalled_fenced_released_on_sigcont_and_read_again() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let frozen = PrefillProc::start(&PrefillSpec::default());
@@ -287,8 +288,9 @@ fn a_frozen_prefill_with_reads_in_flight_is_stalled_fenced_released_on_sigcont_a
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn with_every_default_a_frozen_prefill_with_reads_in_flight_is_stalled_within_the_frozen_bound() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let frozen = PrefillProc::start(&PrefillSpec::default());
@@ -336,8 +338,9 @@ fn with_every_default_a_frozen_prefill_with_reads_in_flight_is_stalled_within_th
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn a_slow_prefill_whose_reads_still_complete_is_never_marked() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let slow = PrefillProc::start(&PrefillSpec::default());
@@ -389,8 +392,9 @@ fn a_slow_prefill_whose_reads_still_complete_is_never_marked() {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn an_idle_frozen_prefill_is_kept_and_the_snapshot_says_who_can_retire_it() {
-    let Some(rt) = runtime_or_skip() else { return };
+    let rt = real_runtime();
     let _serial = serial();
     common::block_on(async move {
         let p = PrefillProc::start(&PrefillSpec::default());

@@ -11,7 +11,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{ms, report, serial, PrefillProc, PrefillSpec};
-use nixl_agent::testing::runtime_or_skip;
+use nixl_agent::testing::real_runtime;
 
 /// Starts `decode` against `p` with reads always in flight (4 at once, no
 /// pause, 4 MiB blocks), waits until it registered the engine and read for
@@ -129,7 +129,7 @@ fn stop_once(p: &PrefillProc, sig: &str) -> Duration {
 }
 
 fn stop_several_times(sig: &str) {
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let mut p = PrefillProc::start(&PrefillSpec {
         blocks: Some(8),
@@ -159,11 +159,13 @@ fn stop_several_times(sig: &str) {
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn sigterm_with_reads_in_flight_releases_every_engine_and_exits_0() {
     stop_several_times("TERM");
 }
 
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn sigint_with_reads_in_flight_releases_every_engine_and_exits_0() {
     stop_several_times("INT");
 }
@@ -174,9 +176,10 @@ fn sigint_with_reads_in_flight_releases_every_engine_and_exits_0() {
 /// more `reads:` line at stop (` at=stop`) counting at least the reads
 /// verified before the stop.
 #[test]
+#[cfg_attr(not(nixl_runtime), ignore = "needs NIXL: scripts/install-nixl.sh")]
 fn decode_prints_a_final_read_summary_at_stop() {
     use common::decode::{DecodeProc, SUMMARY_PERIOD};
-    let Some(_rt) = runtime_or_skip() else { return };
+    let _rt = real_runtime();
     let _serial = serial();
     let p = PrefillProc::start(&PrefillSpec::default());
     let mut d = DecodeProc::start(&["--prefill", p.addr.as_str()], &[], common::wait::MARGIN);

@@ -32,6 +32,7 @@ pub mod cuda;
 pub mod endpoints;
 mod error;
 pub mod gpu;
+mod locate;
 mod runtime;
 mod status;
 /// Test support for the real runtime (feature `testing`): not part of the

@@ -31,6 +31,16 @@ use nixl_keepalive_cli::pd::decode::{DecodeOptions, Decoder};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
+/// Every test binary that includes this module holds real tests, ignored
+/// without the NIXL runtime (cfg `nixl_runtime`, from nixl-sys's build
+/// script); a run that requires the runtime
+/// (`NIXL_KEEPALIVE_REQUIRE_REAL=1`, CI) fails here instead of passing
+/// with every one of them ignored.
+#[test]
+fn the_real_runtime_is_there_when_required() {
+    nixl_agent::testing::fail_when_required_and_missing();
+}
+
 /// Real tests take this lock: one at a time in a test binary, so the suite
 /// fits a 2-core machine and timings are not skewed by each other. Taking
 /// it also pins UCX to loopback ([`pin_ucx_to_loopback`]).
@@ -50,7 +60,7 @@ pub const UCX_DEVICES: &str = "lo";
 /// finds, and a temporary address elsewhere on the machine that vanishes
 /// (measured: another test's veth) hangs reads over it until their
 /// timeout. Set once, under the [`serial`] lock: no other thread is inside
-/// UCX then (real tests finish loading the runtime, `runtime_or_skip`,
+/// UCX then (real tests finish loading the runtime, `real_runtime`,
 /// before they take the lock, and create UCX contexts only under it), and
 /// UCX reads `UCX_*` when a context is created.
 pub fn pin_ucx_to_loopback() {

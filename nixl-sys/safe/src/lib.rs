@@ -63,7 +63,10 @@ mod sockets;
 /// and anyone testing against the real runtime the same way.
 #[cfg(feature = "testing")]
 pub mod testing {
-    pub use nixl_sys::testing::{runtime_or_skip, FAKE_CUDA_DIR, REQUIRE_REAL_ENV};
+    pub use nixl_sys::testing::{
+        fail_when_required_and_missing, real_runtime, BUILT_WITH_RUNTIME, FAKE_CUDA_DIR,
+        REQUIRE_REAL_ENV,
+    };
 }
 
 pub use agent::{
