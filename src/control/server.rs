@@ -350,7 +350,6 @@ mod tests {
     use crate::control::recent::Recent;
     use crate::control::routes::Control;
     use crate::control::{router, ControlToken};
-    use crate::transport::nixl::RemoteDlists;
     use crate::{AgentName, Config, EngineId, Keepalive, ReleaseStep, Transport, TransportError};
 
     use super::*;
@@ -359,11 +358,11 @@ mod tests {
     struct NoTransport;
 
     impl Transport for NoTransport {
-        type Resources = RemoteDlists;
+        type Resources = ();
         fn notify(&self, _: &AgentName, _: &[u8]) -> Result<(), TransportError> {
             Ok(())
         }
-        fn release(&self, _: &EngineId, _: &[AgentName], _: RemoteDlists) -> Vec<ReleaseStep> {
+        fn release(&self, _: &EngineId, _: &[AgentName], _: ()) -> Vec<ReleaseStep> {
             Vec::new()
         }
     }

@@ -10,8 +10,8 @@
 use std::collections::{BTreeSet, VecDeque};
 
 use super::{Map, RequestId, TicketId};
+use crate::names::{AgentName, EngineId, PeerAddr};
 use crate::registration::{Claim, RegistrationId};
-use crate::transport::{AgentName, EngineId, PeerAddr};
 
 /// A handshake in progress.
 pub(super) struct Ticket {

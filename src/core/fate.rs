@@ -11,7 +11,7 @@ use super::TicketId;
 use crate::event::{ReleaseReason, WaitedFor};
 use crate::state::EngineState;
 use crate::transport::Transfers;
-use nixl_agent::NixlStatus;
+use nixl_status::NixlStatus;
 
 /// What a status means for the engine it came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -308,7 +308,7 @@ impl Releases {
 #[cfg(test)]
 mod tests {
     use super::{classify, Releases, Verdict};
-    use nixl_agent::NixlStatus;
+    use nixl_status::NixlStatus;
     use std::time::{Duration, Instant};
 
     #[test]

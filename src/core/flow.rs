@@ -35,10 +35,11 @@ use crate::config::StallAction;
 use crate::error::{ClaimRefused, Conflict, RegisterError};
 use crate::event::{Event, ReleaseReason, Source};
 use crate::give_up::GiveUp;
+use crate::names::{AgentName, EngineId, PeerAddr};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration, RegistrationId};
 use crate::snapshot::{EngineSnapshot, HeartbeatSnapshot, Snapshot};
-use crate::transport::{AgentName, EngineId, PeerAddr, ReleaseStep, Suspicion};
-use nixl_agent::NixlStatus;
+use crate::transport::{ReleaseStep, Suspicion};
+use nixl_status::NixlStatus;
 
 impl<R, A: ReadAccounting> Core<R, A> {
     // ---- What happens to the core: time passing, and its inputs ----

@@ -45,9 +45,9 @@ use std::sync::Arc;
 
 use super::{Map, TicketId};
 use crate::error::Conflict;
+use crate::names::{AgentName, EngineId, PeerAddr};
 use crate::registration::{Claim, Incarnation};
 use crate::text::{check_name, MAX_AGENT_NAME, MAX_ENGINE_ID, MAX_RANKS};
-use crate::transport::{AgentName, EngineId, PeerAddr};
 
 /// A registration's identities, kept in its record: the address it is
 /// known at, its incarnation, its agent names, and the newest handshake
@@ -246,7 +246,7 @@ pub(super) fn malformed(engine: &EngineId, agents: &[AgentName]) -> Option<Strin
 mod tests {
     use super::{ConflictLog, Notice, CONFLICTS_REMEMBERED};
     use crate::error::Conflict;
-    use crate::transport::{EngineId, PeerAddr};
+    use crate::names::{EngineId, PeerAddr};
 
     /// The conflict of `engine` registering again while in use at
     /// address `n`: one engine and kind, a distinct conflict per `n`.

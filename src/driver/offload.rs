@@ -1111,7 +1111,7 @@ mod tests {
             if agent.as_str().starts_with("fail") {
                 Err(TransportError::new(
                     "genNotif",
-                    nixl_agent::NixlStatus::ERR_REMOTE_DISCONNECT,
+                    nixl_status::NixlStatus::ERR_REMOTE_DISCONNECT,
                 ))
             } else {
                 Ok(())

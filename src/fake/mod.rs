@@ -157,8 +157,8 @@ use crate::transport::{
     AgentName, EndpointClose, EngineId, FailureWatch, PeerAddr, ReleaseStep, ReleaseTarget,
     Suspicion, Suspicions, Transfers, Transport, TransportError,
 };
-use nixl_agent::NixlStatus;
-use ucx_sys::UcsStatus;
+use nixl_status::NixlStatus;
+use nixl_status::UcsStatus;
 
 /// How the simulated UCX behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]

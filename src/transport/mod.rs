@@ -7,17 +7,20 @@
 //! never from a tokio worker: a hung call to one engine holds one thread and
 //! nothing else.
 //!
-//! Here: the trait and what crosses it (`mod.rs`), the names a peer is
-//! known by (`names.rs`), resolving an address (`resolve.rs`), and the
-//! NIXL transport itself ([`nixl`]).
+//! Here: the trait and what crosses it (`mod.rs`), resolving an address
+//! (`resolve.rs`), and the NIXL transport itself (`nixl`, feature `nixl`).
+//! The names a peer is known by are the crate's `names.rs`, re-exported
+//! here.
 
-mod names;
+#[cfg(feature = "nixl")]
 pub mod nixl;
 mod resolve;
 
-use nixl_agent::NixlStatus;
+use nixl_status::NixlStatus;
 
-pub use names::{AgentName, EngineId, PeerAddr, ResolveError};
+// The names live outside the transport: the core keys its tables by them
+// and names nothing of the transport's calls to get them.
+pub use crate::names::{AgentName, EngineId, PeerAddr, ResolveError};
 
 /// A NIXL call that did not succeed, with the raw status it returned.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -182,12 +185,12 @@ pub struct Suspicion {
     pub agent: Option<AgentName>,
     /// UCX's status for the failure (`UCS_ERR_CONNECTION_RESET`, ...),
     /// raw, when the transport has one.
-    pub ucs_status: Option<ucx_sys::UcsStatus>,
+    pub ucs_status: Option<nixl_status::UcsStatus>,
 }
 
 impl Suspicion {
     /// A suspicion of `agent` (`None`: of whoever it was).
-    pub fn new(agent: Option<AgentName>, ucs_status: Option<ucx_sys::UcsStatus>) -> Self {
+    pub fn new(agent: Option<AgentName>, ucs_status: Option<nixl_status::UcsStatus>) -> Self {
         Suspicion { agent, ucs_status }
     }
 }

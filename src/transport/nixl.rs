@@ -43,7 +43,7 @@ use crate::transport::{
     AgentName, EndpointClose, EngineId, FailureWatch, GpuMappings, ReleaseStep, ReleaseTarget,
     Suspicion, Suspicions, Transfers, Transport, TransportError,
 };
-use ucx_sys::UcsStatus;
+use nixl_status::UcsStatus;
 
 /// The prepped remote dlist handles of one engine registration, one per
 /// rank, in rank order: the real transport's [`Transport::Resources`].
