@@ -350,7 +350,9 @@ mod tests {
     use crate::control::recent::Recent;
     use crate::control::routes::Control;
     use crate::control::{router, ControlToken};
-    use crate::{AgentName, Config, EngineId, Keepalive, ReleaseStep, Transport, TransportError};
+    use crate::{
+        AgentName, Config, EngineId, Keepalive, ReleaseStep, Transfers, Transport, TransportError,
+    };
 
     use super::*;
 
@@ -362,7 +364,13 @@ mod tests {
         fn notify(&self, _: &AgentName, _: &[u8]) -> Result<(), TransportError> {
             Ok(())
         }
-        fn release(&self, _: &EngineId, _: &[AgentName], _: ()) -> Vec<ReleaseStep> {
+        fn release_with(
+            &self,
+            _: &EngineId,
+            _: &[AgentName],
+            _: (),
+            _: Transfers,
+        ) -> Vec<ReleaseStep> {
             Vec::new()
         }
     }

@@ -1057,15 +1057,6 @@ impl Transport for FakeUcx {
         }
     }
 
-    fn release(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-        resources: FakeResources,
-    ) -> Vec<ReleaseStep> {
-        self.release_with(engine, agents, resources, Transfers::MayBeRunning)
-    }
-
     fn release_with(
         &self,
         engine: &EngineId,

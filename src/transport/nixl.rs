@@ -226,15 +226,6 @@ impl Transport for NixlTransport {
         }
     }
 
-    fn release(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-        resources: RemoteDlists,
-    ) -> Vec<ReleaseStep> {
-        self.release_with(engine, agents, resources, Transfers::MayBeRunning)
-    }
-
     /// UCX's endpoint failures of this agent, from `nixl_agent::failures`:
     /// named by the remote agent for endpoints this agent's loads created,
     /// unnamed for any other. UCX runs its error handlers only inside
