@@ -3,9 +3,10 @@
 
 use std::fmt;
 
+use crate::names::{AgentName, EngineId, PeerAddr};
 use crate::registration::{Incarnation, Registration};
 use crate::state::EngineState;
-use crate::transport::{AgentName, EngineId, PeerAddr, ReleaseStep, Transport};
+use crate::transport::{ReleaseStep, Transport};
 
 /// A read was not started: the engine is no longer one a decoder may read
 /// from. Nothing was counted; no transfer should be posted.

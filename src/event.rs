@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use crate::error::Conflict;
+use crate::names::{EngineId, PeerAddr};
 use crate::registration::RegistrationId;
-use crate::transport::{EngineId, PeerAddr};
 use crate::NixlStatus;
 
 /// Where a status came from. One classifier judges every status

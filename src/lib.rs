@@ -156,6 +156,7 @@ pub mod lease;
 pub mod log_limit;
 #[cfg(feature = "membership")]
 pub mod membership;
+mod names;
 mod read_accounting;
 mod registration;
 mod shrink;
@@ -191,9 +192,9 @@ pub use snapshot::{
 pub use state::EngineState;
 pub use text::NameError;
 
-pub use nixl_agent::NixlStatus;
+pub use nixl_status::NixlStatus;
+pub use nixl_status::UcsStatus;
 pub use transport::{
     AgentName, EndpointClose, EngineId, FailureWatch, GpuMappings, PeerAddr, ReleaseStep,
     ReleaseTarget, ResolveError, Suspicion, Suspicions, Transfers, Transport, TransportError,
 };
-pub use ucx_sys::UcsStatus;

@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use crate::transport::{AgentName, EngineId, PeerAddr};
+use crate::names::{AgentName, EngineId, PeerAddr};
 
 /// One registration: a unique number per registration in this process,
 /// never reused. The unit of an engine's lifecycle: a pinned engine id that

@@ -4,9 +4,9 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::names::{AgentName, EngineId, PeerAddr};
 use crate::registration::Incarnation;
 use crate::state::EngineState;
-use crate::transport::{AgentName, EngineId, PeerAddr};
 use crate::NixlStatus;
 
 /// The last heartbeat round of an engine.

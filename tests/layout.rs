@@ -3,10 +3,13 @@
 //! functions are small, and the core is sans-IO: it names nothing of
 //! tokio (its clock is `std::time::Instant` values the driver hands in),
 //! no thread, lock, system call or read accounting of the driver's, and
-//! neither does anything it imports from the rest of the crate.
+//! neither does anything it imports from the rest of the crate, and it
+//! builds without C or C++: no native binding in what it imports, and no
+//! native build in the library's graph without its `nixl` feature.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 /// The most lines a function of the core's own code may have, signature
 /// and closing brace included: one screen. (It replaced a cap of 600
@@ -313,13 +316,19 @@ fn named_files(src: &Path, file: &Path, code: &[String]) -> Vec<PathBuf> {
     out
 }
 
+/// The native bindings: crates that build or load C and C++ (`nixl-sys`
+/// compiles a C++ shim and C interposers; `ucx-sys` loads UCX), as code
+/// names them.
+const NATIVE_BINDINGS: [&str; 3] = ["nixl_agent", "nixl_sys", "ucx_sys"];
+
 /// What the core imports from the rest of the crate (followed from file to
-/// file) names nothing of tokio either: the core built apart from the
-/// driver would not need the runtime. A module's other children are not
-/// followed (`transport/resolve.rs` looks addresses up on the runtime; the
-/// core names none of it).
+/// file) names nothing of tokio either, nor a native binding: the core
+/// built apart from the driver would need neither the runtime nor a C
+/// compiler (its statuses are `nixl_status`'s plain tables). A module's
+/// other children are not followed (`transport/resolve.rs` looks addresses
+/// up on the runtime; the core names none of it).
 #[test]
-fn nothing_the_core_imports_names_tokio() {
+fn nothing_the_core_imports_names_tokio_or_a_native_binding() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut todo = Vec::new();
     rust_files(&src.join("core"), &mut todo);
@@ -328,7 +337,7 @@ fn nothing_the_core_imports_names_tokio() {
     while let Some(file) = todo.pop() {
         let code = code_of(&file);
         for (i, line) in code.iter().enumerate() {
-            if line.contains("tokio") {
+            if line.contains("tokio") || NATIVE_BINDINGS.iter().any(|n| line.contains(n)) {
                 uses.push(format!("{}:{}: {}", file.display(), i + 1, line.trim()));
             }
         }
@@ -348,7 +357,7 @@ fn nothing_the_core_imports_names_tokio() {
                 .to_string()
         })
         .collect();
-    for expected in ["transport/names.rs", "config.rs", "registration.rs"] {
+    for expected in ["names.rs", "config.rs", "registration.rs"] {
         assert!(
             reached.iter().any(|r| r == expected),
             "the walk did not reach {expected} (reached: {reached:?}): the import walk is broken"
@@ -356,10 +365,114 @@ fn nothing_the_core_imports_names_tokio() {
     }
     assert!(
         uses.is_empty(),
-        "what the core imports must not depend on tokio: {uses:#?} (reached from src/core/: {reached:?})"
+        "what the core imports must name neither tokio nor a native binding: {uses:#?} (reached from src/core/: {reached:?})"
     );
     assert!(
         !reached.iter().any(|r| r.starts_with("read_accounting")),
         "the core reaches the driver's read accounting: {reached:?}"
     );
+}
+
+/// Runs cargo in the workspace and returns what it printed.
+fn cargo(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO"))
+        .args(args)
+        .args(["--offline", "--locked"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo runs");
+    assert!(
+        out.status.success(),
+        "cargo {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+/// The packages of the library's graph without its `nixl` feature (what
+/// the core, the service and the fake build on), normal and build edges,
+/// as `name version`, each with the native library it declares it links
+/// (its manifest's `links`, from `cargo metadata`), if any.
+fn graph_without_nixl() -> Vec<(String, Option<String>)> {
+    let tree = cargo(&[
+        "tree",
+        "-p",
+        "nixl-keepalive",
+        "--no-default-features",
+        "-e",
+        "normal,build",
+        "--prefix",
+        "none",
+        "--format",
+        "{p}",
+    ]);
+    let meta: serde_json::Value =
+        serde_json::from_str(&cargo(&["metadata", "--format-version", "1"])).expect("json");
+    let links = |name: &str, version: &str| {
+        meta["packages"]
+            .as_array()
+            .expect("packages")
+            .iter()
+            .find(|p| p["name"] == name && p["version"] == version)
+            .and_then(|p| p["links"].as_str().map(str::to_string))
+    };
+    let mut graph: Vec<(String, Option<String>)> = tree
+        .lines()
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            let (name, version) = (words.next()?, words.next()?.trim_start_matches('v'));
+            Some((format!("{name} {version}"), links(name, version)))
+        })
+        .collect();
+    graph.sort();
+    graph.dedup();
+    graph
+}
+
+/// The core builds, tests and fuzzes without compiling C or C++: in the
+/// library's graph without `nixl`, no package links a native library
+/// (declares `links`) and none of the native bindings or the build tools
+/// of one (`cc`, `cmake`, `bindgen`, `pkg-config`) appears, build
+/// dependencies included. The statuses come from `nixl-status`, which has
+/// neither a dependency nor a build script.
+#[test]
+fn the_core_s_crate_graph_has_no_native_build() {
+    let graph = graph_without_nixl();
+    let name = |p: &str| p.split(' ').next().unwrap_or("").to_string();
+    // The check sees what it looks for: the graph is there.
+    for present in ["nixl-keepalive", "nixl-status", "governor", "tokio"] {
+        assert!(
+            graph.iter().any(|(p, _)| name(p) == present),
+            "{present} missing from the graph: {graph:#?}"
+        );
+    }
+    const NATIVE: [&str; 7] = [
+        "nixl-sys",
+        "nixl-agent",
+        "ucx-sys",
+        "cc",
+        "cmake",
+        "bindgen",
+        "pkg-config",
+    ];
+    let native: Vec<&(String, Option<String>)> = graph
+        .iter()
+        .filter(|(p, links)| links.is_some() || NATIVE.contains(&name(p).as_str()))
+        .collect();
+    assert!(
+        native.is_empty(),
+        "the core's graph builds native code (package, links): {native:#?}"
+    );
+    // And the check would see one: with `nixl`, nixl-sys is there and
+    // declares the shim it links.
+    let with_nixl = cargo(&[
+        "tree",
+        "-p",
+        "nixl-keepalive",
+        "-e",
+        "normal",
+        "--prefix",
+        "none",
+    ]);
+    assert!(with_nixl.contains("nixl-sys"), "{with_nixl}");
 }

@@ -7,8 +7,8 @@ use std::time::Duration;
 use nixl_keepalive::fake::{FakeConfig, FakeResources, FakeUcx};
 use nixl_keepalive::{
     AgentName, Config, Destination, EngineId, EngineRef, EngineState, Event, GiveUp, GivenUpRead,
-    GoneMode, Keepalive, NixlStatus, PeerAddr, PeerRef, ReleaseReason, ReleaseStep, Transport,
-    TransportError, UcsStatus, HEARTBEAT_SLOT,
+    GoneMode, Keepalive, NixlStatus, PeerAddr, PeerRef, ReleaseReason, ReleaseStep, Transfers,
+    Transport, TransportError, UcsStatus, HEARTBEAT_SLOT,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -761,11 +761,12 @@ impl Transport for ClosingUcx {
     fn notify(&self, agent: &AgentName, message: &[u8]) -> Result<(), TransportError> {
         self.0.notify(agent, message)
     }
-    fn release(
+    fn release_with(
         &self,
         engine: &EngineId,
         agents: &[AgentName],
         resources: FakeResources,
+        _transfers: Transfers,
     ) -> Vec<ReleaseStep> {
         self.0.release(engine, agents, resources)
     }

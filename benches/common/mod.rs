@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use nixl_keepalive::{AgentName, EngineId, ReleaseStep, Transport, TransportError};
+use nixl_keepalive::{AgentName, EngineId, ReleaseStep, Transfers, Transport, TransportError};
 
 /// `--quick` (or `BENCH_QUICK=1`): shorter measurements, for development.
 pub fn quick() -> bool {
@@ -33,11 +33,12 @@ impl Transport for NoopTransport {
         Ok(())
     }
 
-    fn release(
+    fn release_with(
         &self,
         _engine: &EngineId,
         _agents: &[AgentName],
         _resources: (),
+        _transfers: Transfers,
     ) -> Vec<ReleaseStep> {
         self.releases.fetch_add(1, Ordering::Relaxed);
         Vec::new()
@@ -103,21 +104,12 @@ impl<T: Transport> Transport for Lateness<T> {
         self.inner.notify(agent, message)
     }
 
-    fn release(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-        resources: T::Resources,
-    ) -> Vec<ReleaseStep> {
-        self.inner.release(engine, agents, resources)
-    }
-
     fn release_with(
         &self,
         engine: &EngineId,
         agents: &[AgentName],
         resources: T::Resources,
-        transfers: nixl_keepalive::Transfers,
+        transfers: Transfers,
     ) -> Vec<ReleaseStep> {
         self.inner
             .release_with(engine, agents, resources, transfers)

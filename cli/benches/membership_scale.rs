@@ -27,7 +27,9 @@ use nixl_keepalive::membership::etcd::etcd_client::{
 };
 use nixl_keepalive::membership::etcd::{EtcdOptions, EtcdSource};
 use nixl_keepalive::membership::{self, Member, MembershipConfig, MembershipUpdate};
-use nixl_keepalive::{AgentName, Config, EngineId, ReleaseStep, Transport, TransportError};
+use nixl_keepalive::{
+    AgentName, Config, EngineId, ReleaseStep, Transfers, Transport, TransportError,
+};
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use tokio_util::sync::CancellationToken;
 
@@ -62,7 +64,7 @@ impl Transport for Noop {
     fn notify(&self, _: &AgentName, _: &[u8]) -> Result<(), TransportError> {
         Ok(())
     }
-    fn release(&self, _: &EngineId, _: &[AgentName], _: ()) -> Vec<ReleaseStep> {
+    fn release_with(&self, _: &EngineId, _: &[AgentName], _: (), _: Transfers) -> Vec<ReleaseStep> {
         Vec::new()
     }
 }

@@ -287,10 +287,6 @@ impl<T: Transport> Transport for Timed<T> {
         self.inner.notify(agent, message)
     }
 
-    fn release(&self, e: &EngineId, a: &[AgentName], r: T::Resources) -> Vec<ReleaseStep> {
-        self.inner.release(e, a, r)
-    }
-
     fn release_with(
         &self,
         e: &EngineId,

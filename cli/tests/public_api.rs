@@ -825,6 +825,7 @@ const CRATES: &[(&str, &str)] = &[
     ("nixl-sys", "nixl-sys"),
     ("nixl-agent", "nixl-sys/safe"),
     ("ucx-sys", "ucx-sys"),
+    ("nixl-status", "status"),
 ];
 
 #[test]
@@ -901,11 +902,11 @@ fn the_listing_sees_what_the_api_promises() {
         "feature gates"
     );
     assert!(
-        has("pub use nixl_keepalive::NixlStatus = nixl_agent::NixlStatus"),
+        has("pub use nixl_keepalive::NixlStatus = nixl_status::NixlStatus"),
         "external re-exports"
     );
     assert!(
-        has("pub use nixl_keepalive::EngineId = crate::transport::names::EngineId (made by a macro)"),
+        has("pub use nixl_keepalive::EngineId = crate::names::EngineId (made by a macro)"),
         "macro-made names"
     );
     assert!(

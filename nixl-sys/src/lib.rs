@@ -43,8 +43,9 @@ pub mod testing;
 
 pub use endpoints::{BadEpCloseSetting, EndpointCloseMode};
 pub use error::LoadError;
+pub use nixl_status::NixlStatus;
 pub use runtime::{
     ApiKind, Capi, CapiAgentConfig, CapiHandle, CapiStatus, RawStatus, Runtime,
     DEFAULT_RUNTIME_DIR, PREFIX_ENV,
 };
-pub use status::{NixlStatus, StatusSource};
+pub use status::StatusSource;

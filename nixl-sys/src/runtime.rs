@@ -21,7 +21,8 @@ use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
 use crate::endpoints::{EndpointCloseMode, EpClose, EP_CLOSE_ACCEPTED, EP_CLOSE_ENV};
 use crate::error::LoadError;
 use crate::locate::find_lib_dir;
-use crate::status::{NixlStatus, StatusSource};
+use crate::status::StatusSource;
+use crate::NixlStatus;
 
 /// Where `scripts/install-nixl.sh` installs the runtime for this build (or
 /// `NIXL_PREFIX` as it was at build time).

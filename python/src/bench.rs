@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nixl_keepalive::{
-    AgentName, Config, EngineId, NixlStatus, PeerAddr, Registration, ReleaseStep, Transport,
-    TransportError,
+    AgentName, Config, EngineId, NixlStatus, PeerAddr, Registration, ReleaseStep, Transfers,
+    Transport, TransportError,
 };
 use pyo3::prelude::*;
 
@@ -43,7 +43,7 @@ impl Transport for Counting {
         self.notified.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
-    fn release(&self, _: &EngineId, _: &[AgentName], _: ()) -> Vec<ReleaseStep> {
+    fn release_with(&self, _: &EngineId, _: &[AgentName], _: (), _: Transfers) -> Vec<ReleaseStep> {
         Vec::new()
     }
 }

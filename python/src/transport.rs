@@ -202,15 +202,6 @@ impl Transport for PyTransport {
         }
     }
 
-    fn release(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-        resources: PyResources,
-    ) -> Vec<ReleaseStep> {
-        self.release_with(engine, agents, resources, Transfers::MayBeRunning)
-    }
-
     /// With [`Transfers::Ended`] the TCP connections recorded at the
     /// agents' loads (`nixl_keepalive.load_remote_agent`) are shut down
     /// after their invalidation, as the Rust transport's are; otherwise

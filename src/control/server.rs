@@ -350,8 +350,9 @@ mod tests {
     use crate::control::recent::Recent;
     use crate::control::routes::Control;
     use crate::control::{router, ControlToken};
-    use crate::transport::nixl::RemoteDlists;
-    use crate::{AgentName, Config, EngineId, Keepalive, ReleaseStep, Transport, TransportError};
+    use crate::{
+        AgentName, Config, EngineId, Keepalive, ReleaseStep, Transfers, Transport, TransportError,
+    };
 
     use super::*;
 
@@ -359,11 +360,17 @@ mod tests {
     struct NoTransport;
 
     impl Transport for NoTransport {
-        type Resources = RemoteDlists;
+        type Resources = ();
         fn notify(&self, _: &AgentName, _: &[u8]) -> Result<(), TransportError> {
             Ok(())
         }
-        fn release(&self, _: &EngineId, _: &[AgentName], _: RemoteDlists) -> Vec<ReleaseStep> {
+        fn release_with(
+            &self,
+            _: &EngineId,
+            _: &[AgentName],
+            _: (),
+            _: Transfers,
+        ) -> Vec<ReleaseStep> {
             Vec::new()
         }
     }

@@ -7,10 +7,10 @@
 //! threaded accounting instead of the real one (`tests/plain.rs`).
 
 use crate::give_up::GiveUp;
+use crate::names::EngineId;
 use crate::registration::RegistrationId;
 use crate::state::EngineState;
-use crate::transport::EngineId;
-use nixl_agent::NixlStatus;
+use nixl_status::NixlStatus;
 
 /// One registration's reads, as the core sees them.
 pub(crate) trait ReadAccounting {

@@ -5,7 +5,8 @@ use super::key::PeerKey;
 use crate::registration::RegistrationId;
 use std::sync::Arc;
 
-use crate::transport::{AgentName, EngineId, ReleaseStep, Transfers, TransportError};
+use crate::names::{AgentName, EngineId};
+use crate::transport::{ReleaseStep, Transfers, TransportError};
 
 /// A transport call the core wants made. The driver runs it on a blocking
 /// worker (it is blocking FFI that may never return) and hands the

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::event::{ReleaseReason, Source};
 use crate::give_up::GiveUp;
-use nixl_agent::NixlStatus;
+use nixl_status::NixlStatus;
 
 /// One thing to count.
 #[derive(Clone, Debug, PartialEq)]

@@ -10,8 +10,8 @@
 use std::collections::{BTreeSet, VecDeque};
 
 use super::{Map, RequestId, TicketId};
-use crate::registration::{Claim, RegistrationId};
-use crate::transport::{AgentName, EngineId, PeerAddr};
+use crate::names::{AgentName, EngineId, PeerAddr};
+use crate::registration::{Claim, Registration, RegistrationId};
 
 /// A handshake in progress.
 pub(super) struct Ticket {
@@ -205,6 +205,26 @@ impl Directory {
         }
         let extra = Vec::new();
         self.set_stage(ticket, Stage::Loading { claim, extra });
+    }
+
+    /// Whether `registration` is what the handshake `ticket` claimed and
+    /// is loading (the same claim at the same address): if so, whether
+    /// that address was declared by the peer; `None` when it is not.
+    pub(super) fn granted<R>(
+        &self,
+        ticket: TicketId,
+        registration: &Registration<R>,
+    ) -> Option<bool> {
+        match self.tickets.get(&ticket)? {
+            Ticket {
+                stage: Stage::Loading { claim, .. },
+                address,
+                declared,
+            } if *claim == registration.claim() && *address == registration.address => {
+                Some(*declared)
+            }
+            _ => None,
+        }
     }
 
     /// The loading handshake `ticket` holds one more agent name.

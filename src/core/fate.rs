@@ -10,14 +10,12 @@ use std::time::{Duration, Instant};
 use super::TicketId;
 use crate::event::{ReleaseReason, WaitedFor};
 use crate::state::EngineState;
-use crate::transport::Transfers;
-use nixl_agent::NixlStatus;
+use crate::transport::{ReleaseStep, Transfers};
+use nixl_status::NixlStatus;
 
 /// What a status means for the engine it came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Verdict {
-    /// Success (or still in progress): nothing to do.
-    Fine,
     /// REMOTE_DISCONNECT: UCX has failed the endpoint. Deterministic: the
     /// engine is marked unreachable and its reads in flight are failed.
     Disconnect,
@@ -32,17 +30,39 @@ pub(super) enum Verdict {
     Transient,
 }
 
-/// Judges `status`.
-pub(super) fn classify(status: NixlStatus) -> Verdict {
+/// Judges `status`: `None` for success (or still in progress), where
+/// there is nothing to do.
+pub(super) fn classify(status: NixlStatus) -> Option<Verdict> {
     if status.is_remote_disconnect() {
-        Verdict::Disconnect
+        Some(Verdict::Disconnect)
     } else if status == NixlStatus::ERR_NOT_FOUND {
-        Verdict::MetadataGone
+        Some(Verdict::MetadataGone)
     } else if status.is_ok() {
-        Verdict::Fine
+        None
     } else {
-        Verdict::Transient
+        Some(Verdict::Transient)
     }
+}
+
+/// The status a heartbeat round stands for, from its failed agents'
+/// `statuses`: a REMOTE_DISCONNECT among them first (the one that marks),
+/// else the first failure, else SUCCESS.
+pub(super) fn round_status(mut statuses: impl Iterator<Item = NixlStatus> + Clone) -> NixlStatus {
+    let first = statuses.clone().next();
+    statuses
+        .find(|s| s.is_remote_disconnect())
+        .or(first)
+        .unwrap_or(NixlStatus::SUCCESS)
+}
+
+/// Whether a release step failed: a NIXL `NOT_FOUND` counts as released
+/// (NIXL had dropped it already), any other error is a failure.
+pub(super) fn step_failed(step: &ReleaseStep) -> bool {
+    if step.status == NixlStatus::ERR_NOT_FOUND {
+        tracing::debug!(target = ?step.target, "already dropped by NIXL: counts as released");
+        return false;
+    }
+    !step.status.is_ok()
 }
 
 /// Why a registration was marked, and what its release has waited for.
@@ -165,18 +185,28 @@ impl<R> Fate<R> {
         }));
     }
 
-    /// The handshakes that may hold a marked registration's release back.
-    pub(super) fn handshakes_before(&self) -> &[TicketId] {
-        self.mark
-            .as_ref()
-            .map_or(&[][..], |m| &m.handshakes_before[..])
-    }
-
-    /// A handshake held the release back.
-    pub(super) fn held(&mut self) {
-        if let Some(mark) = self.mark.as_mut() {
-            mark.held_by_handshake = true;
-        }
+    /// Whether a handshake holds the marked registration's release back,
+    /// noted for the `Released` event when one does. A handshake that was
+    /// pending at the mark (`is_open` says which still are) may yet decide
+    /// the engine at this address is new, so the old one waits; not for a
+    /// handshake begun after the mark (a loop of them would hold a dead
+    /// prefill's memory for as long as it runs), not when somebody waits to
+    /// load this very engine id again (`reload_wanted`: they wait for this
+    /// release), and not once the service is `stopping` (nothing new will
+    /// register).
+    pub(super) fn held_by_handshake(
+        &mut self,
+        stopping: bool,
+        reload_wanted: bool,
+        is_open: impl Fn(TicketId) -> bool,
+    ) -> bool {
+        let Some(mark) = self.mark.as_mut() else {
+            return false;
+        };
+        let held =
+            !stopping && !reload_wanted && mark.handshakes_before.iter().any(|&t| is_open(t));
+        mark.held_by_handshake |= held;
+        held
     }
 
     /// Hands the resources over for the release call: with what is known
@@ -308,7 +338,7 @@ impl Releases {
 #[cfg(test)]
 mod tests {
     use super::{classify, Releases, Verdict};
-    use nixl_agent::NixlStatus;
+    use nixl_status::NixlStatus;
     use std::time::{Duration, Instant};
 
     #[test]
@@ -380,13 +410,13 @@ mod tests {
             let status = NixlStatus::from_raw(raw);
             let verdict = classify(status);
             if raw == NixlStatus::ERR_REMOTE_DISCONNECT.raw() {
-                assert_eq!(verdict, Verdict::Disconnect);
+                assert_eq!(verdict, Some(Verdict::Disconnect));
             } else if raw == NixlStatus::ERR_NOT_FOUND.raw() {
-                assert_eq!(verdict, Verdict::MetadataGone);
+                assert_eq!(verdict, Some(Verdict::MetadataGone));
             } else if status.is_ok() {
-                assert_eq!(verdict, Verdict::Fine, "{status}");
+                assert_eq!(verdict, None, "{status}");
             } else {
-                assert_eq!(verdict, Verdict::Transient, "{status}");
+                assert_eq!(verdict, Some(Verdict::Transient), "{status}");
             }
         }
     }

@@ -20,12 +20,14 @@ use std::time::{Duration, Instant};
 
 use super::accounting::ReadAccounting;
 use super::directory::{Holder, Stage, Ticket};
-use super::fate::{classify, fails_reads, marked_state, Verdict};
+use super::fate::{classify, fails_reads, marked_state, round_status, step_failed, Verdict};
 use super::heartbeat::Renewal;
-use super::identity::{malformed, Against, Judged, Notice, Who};
+use super::identity::{
+    address_in_use, agent_in_use, engine_in_use, malformed, Against, Judged, Who,
+};
 use super::key::PeerKey;
 use super::peer::Peer;
-use super::stall::{stall_check_period, Quiet, Suspect};
+use super::stall::{stall_check_period, Check, Suspect};
 use super::timers::Timer;
 use super::{
     Action, Answer, Call, CallOutcome, Core, Count, Input, Panicked, RequestId, RoundResults,
@@ -35,10 +37,10 @@ use crate::config::StallAction;
 use crate::error::{ClaimRefused, Conflict, RegisterError};
 use crate::event::{Event, ReleaseReason, Source};
 use crate::give_up::GiveUp;
+use crate::names::{AgentName, EngineId, PeerAddr};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration, RegistrationId};
-use crate::snapshot::{EngineSnapshot, HeartbeatSnapshot, Snapshot};
-use crate::transport::{AgentName, EngineId, PeerAddr, ReleaseStep, Suspicion};
-use nixl_agent::NixlStatus;
+use crate::transport::{ReleaseStep, Suspicion};
+use nixl_status::NixlStatus;
 
 impl<R, A: ReadAccounting> Core<R, A> {
     // ---- What happens to the core: time passing, and its inputs ----
@@ -103,7 +105,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
                 ticket,
                 address,
                 declared,
-            } => self.handshake_started(ticket, address, declared),
+            } => self.directory.ticket_started(ticket, address, declared),
             Input::Claim {
                 ticket,
                 request,
@@ -120,7 +122,10 @@ impl<R, A: ReadAccounting> Core<R, A> {
                 ticket,
                 registration,
                 cell,
-            } => self.register(now, request, ticket, registration, cell),
+            } => match ticket {
+                Some(ticket) => self.register_loaded(now, request, ticket, registration, cell),
+                None => self.register_alone(now, request, registration, cell),
+            },
             Input::Read(wake) => self.read_woke(now, wake),
             Input::AddLeases {
                 engine,
@@ -175,7 +180,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
 
     // ---- Heartbeats and leases ----
 
-    pub(super) fn live_serial(&self, id: &EngineId) -> Option<RegistrationId> {
+    fn live_serial(&self, id: &EngineId) -> Option<RegistrationId> {
         let serial = self.directory.serial_of(id)?;
         self.peers
             .get(&serial)
@@ -183,13 +188,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
             .map(|_| serial)
     }
 
-    pub(super) fn add_leases(
-        &mut self,
-        now: Instant,
-        id: &EngineId,
-        requests: Vec<String>,
-        renew_now: bool,
-    ) {
+    fn add_leases(&mut self, now: Instant, id: &EngineId, requests: Vec<String>, renew_now: bool) {
         let Some(serial) = self.live_serial(id) else {
             tracing::debug!(engine = %id, "lease for an engine that is not live: ignored");
             return;
@@ -201,7 +200,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
         }
     }
 
-    pub(super) fn remove_leases(&mut self, id: &EngineId, requests: &[String]) {
+    fn remove_leases(&mut self, id: &EngineId, requests: &[String]) {
         if let Some(peer) = (self.directory.serial_of(id)).and_then(|s| self.peers.get_mut(&s)) {
             peer.beat.remove_leases(requests);
         }
@@ -212,7 +211,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
     /// any, marks it by the usual rules. Nothing is marked here: a live
     /// peer's false alarm costs one round. A failure the transport could
     /// not name checks every live engine.
-    pub(super) fn suspect(&mut self, now: Instant, suspicion: Suspicion) {
+    fn suspect(&mut self, now: Instant, suspicion: Suspicion) {
         let status = suspicion.ucs_status.map(|s| s.name());
         let Some(agent) = suspicion.agent else {
             self.count(Count::EndpointFailure("unnamed"));
@@ -260,7 +259,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
 
     /// A round the runtime asked for (a lease renewal, a suspicion) of a
     /// live registration.
-    pub(super) fn renew(&mut self, now: Instant, serial: RegistrationId) {
+    fn renew(&mut self, now: Instant, serial: RegistrationId) {
         let key = self.peers.key(serial).expect("live serial");
         let peer = self.peers.at_mut(key).expect("live serial");
         let agents = peer.who.agents();
@@ -274,7 +273,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
     /// A round came back: its status (a REMOTE_DISCONNECT among them
     /// first) goes to the one place statuses are acted on, which may mark
     /// the engine; a renewal that waited for the round goes now.
-    pub(super) fn heartbeat_done(
+    fn heartbeat_done(
         &mut self,
         now: Instant,
         key: PeerKey,
@@ -291,12 +290,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
             self.heartbeats.sent(sent);
             return;
         };
-        let status = failed
-            .iter()
-            .map(|(_, e)| e.status)
-            .find(|s| s.is_remote_disconnect())
-            .or(failed.first().map(|(_, e)| e.status))
-            .unwrap_or(NixlStatus::SUCCESS);
+        let status = round_status(failed.iter().map(|(_, e)| e.status));
         self.heartbeats
             .round_back(&mut peer.beat, now, sent, agents, status);
         // The engine id only where a panic is reported: cloning it for
@@ -326,7 +320,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
 
     /// A status from `source` for registration `serial` (and `agent`, for
     /// a heartbeat). The one place a status is acted on.
-    pub(super) fn on_status(
+    fn on_status(
         &mut self,
         now: Instant,
         serial: RegistrationId,
@@ -334,17 +328,15 @@ impl<R, A: ReadAccounting> Core<R, A> {
         agent: Option<&AgentName>,
         status: NixlStatus,
     ) {
-        let verdict = classify(status);
-        if verdict == Verdict::Fine {
+        let Some(verdict) = classify(status) else {
             return;
-        }
+        };
         self.count(Count::StatusError { source, status });
         let Some(peer) = self.peers.get_mut(&serial) else {
             return;
         };
         let engine = peer.id().clone();
         match verdict {
-            Verdict::Fine => {}
             Verdict::Disconnect => {
                 if peer.is_live() {
                     tracing::warn!(%engine, ?agent, %source, %status, raw = status.raw(), "REMOTE_DISCONNECT: engine unreachable");
@@ -387,7 +379,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
     /// Marks a live registration: no new reads, no more heartbeats; its
     /// reads failed where none will complete; released as soon as it is
     /// idle. The first mark stands.
-    pub(super) fn mark(&mut self, now: Instant, serial: RegistrationId, reason: ReleaseReason) {
+    fn mark(&mut self, now: Instant, serial: RegistrationId, reason: ReleaseReason) {
         let Some(key) = self.peers.key(serial) else {
             return;
         };
@@ -407,7 +399,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
         self.try_release(now, serial);
     }
 
-    pub(super) fn fail_reads(&mut self, serial: RegistrationId) {
+    fn fail_reads(&mut self, serial: RegistrationId) {
         let Some(peer) = self.peers.get(&serial) else {
             return;
         };
@@ -428,46 +420,35 @@ impl<R, A: ReadAccounting> Core<R, A> {
     /// A read of the registration was given up, or ended with an error:
     /// its transfer may still be running at the peer, so the release will
     /// leave the engine's connections to UCX ([`crate::transport::Transfers`]).
-    pub(super) fn transfer_may_be_running(&mut self, serial: RegistrationId) {
+    fn transfer_may_be_running(&mut self, serial: RegistrationId) {
         if let Some(peer) = self.peers.get_mut(&serial) {
             peer.fate.transfer_may_be_running();
         }
     }
 
-    /// Releases a marked registration if no read is in flight and no
-    /// handshake holds it back. Decided here; the transport is called by
-    /// the driver after.
-    pub(super) fn try_release(&mut self, now: Instant, serial: RegistrationId) {
+    /// Releases a marked registration if no handshake holds it back
+    /// (`Fate::held_by_handshake`) and no read is in flight. Decided here;
+    /// the transport is called by the driver after.
+    fn try_release(&mut self, now: Instant, serial: RegistrationId) {
         let Some(peer) = self.peers.get(&serial) else {
             return;
         };
         if peer.is_live() || peer.is_releasing() {
             return;
         }
-        // A handshake that was pending when the engine was marked may yet
-        // decide the engine at this address is new, so the old one waits;
-        // not for a handshake begun after the mark (a loop of them would
-        // hold a dead prefill's memory for as long as it runs), not when
-        // somebody is waiting to load this very engine id again (they wait
-        // for this release), and not once the service is stopping
-        // (nothing new will register).
-        let held = !self.releases.is_stopping()
-            && peer
-                .fate
-                .handshakes_before()
-                .iter()
-                .any(|&t| self.directory.is_open(t))
-            && !self.reload_wanted(peer.id());
-        if held {
-            let address = peer.who.address().clone();
-            self.peers.get_mut(&serial).expect("checked").fate.held();
+        let stopping = self.releases.is_stopping();
+        let reload_wanted = self.directory.is_waited_for(peer.id());
+        let directory = &self.directory;
+        let fate = &mut self.peers.get_mut(&serial).expect("checked").fate;
+        if fate.held_by_handshake(stopping, reload_wanted, |t| directory.is_open(t)) {
+            let address = self.peers[&serial].who.address().clone();
             self.directory.hold(&address, serial);
             return;
         }
+        let peer = self.peers.get_mut(&serial).expect("checked");
         if peer.cell.try_release().is_err() {
             return; // the last read to end wakes us
         }
-        let peer = self.peers.get_mut(&serial).expect("checked");
         let engine = peer.id().clone();
         let (resources, transfers, waited) = peer.fate.hand_over(now);
         tracing::debug!(%engine, ?waited, "releasing");
@@ -485,7 +466,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
 
     /// A release came back: counted, its failed steps logged, its engine
     /// forgotten by id before the `Released` event goes out.
-    pub(super) fn release_done(
+    fn release_done(
         &mut self,
         now: Instant,
         serial: RegistrationId,
@@ -544,29 +525,22 @@ impl<R, A: ReadAccounting> Core<R, A> {
         self.forget_registration(now, serial, &engine, who.address(), who.agents());
     }
 
-    /// A release's steps: the failed ones (a NIXL `NOT_FOUND` counts as
-    /// released: NIXL had dropped it already) counted and logged; the
-    /// endpoints left open.
+    /// A release's steps: the failed ones (`step_failed`) counted and
+    /// logged; the endpoints left open.
     fn release_steps(&mut self, engine: &EngineId, steps: &[ReleaseStep]) -> (usize, u32) {
-        let mut failed = 0;
-        let mut endpoints_left_open = 0u32;
-        for step in steps {
-            endpoints_left_open += step.endpoints_left_open();
-            if step.status == NixlStatus::ERR_NOT_FOUND {
-                tracing::debug!(%engine, target = ?step.target, "already dropped by NIXL: counts as released");
-            } else if !step.status.is_ok() {
-                failed += 1;
-                self.count(Count::ReleaseStepFailed(step.status));
-                tracing::error!(%engine, target = ?step.target, status = %step.status, raw = step.status.raw(), "release step failed");
-            }
+        let failed: Vec<&ReleaseStep> = steps.iter().filter(|s| step_failed(s)).collect();
+        for step in &failed {
+            self.count(Count::ReleaseStepFailed(step.status));
+            tracing::error!(%engine, target = ?step.target, status = %step.status, raw = step.status.raw(), "release step failed");
         }
-        (failed, endpoints_left_open)
+        let left_open = steps.iter().map(ReleaseStep::endpoints_left_open).sum();
+        (failed.len(), left_open)
     }
 
     /// The service is stopping: every live registration is marked (each
     /// idle one is released now), what waits is refused, and nothing is
     /// activated any more. [`Core::into_unreleased`] hands back the rest.
-    pub(super) fn shutdown(&mut self, now: Instant) {
+    fn shutdown(&mut self, now: Instant) {
         let deadline = now + self.config.shutdown_drain;
         if !self.releases.stop(deadline) {
             return;
@@ -595,90 +569,20 @@ impl<R, A: ReadAccounting> Core<R, A> {
         self.directory.clear_holds();
     }
 
-    /// What a shutdown could not release: registrations still held, each
-    /// once, resources and all; and the engines whose release was handed
-    /// to the transport but had not come back.
-    pub(crate) fn into_unreleased(self) -> (Vec<Registration<R>>, Vec<EngineId>) {
-        let mut unreleased = Vec::new();
-        let mut unfinished = Vec::new();
-        for p in self.peers.into_values() {
-            let engine = p.cell.id().clone();
-            match p.fate.into_resources() {
-                Some(resources) => unreleased.push(Registration {
-                    engine,
-                    incarnation: p.who.incarnation(),
-                    agents: p.who.agents().to_vec(),
-                    address: p.who.into_address(),
-                    resources,
-                }),
-                None => unfinished.push(engine),
-            }
-        }
-        unreleased.sort_by(|a, b| a.engine.cmp(&b.engine));
-        unfinished.sort();
-        (unreleased, unfinished)
-    }
-
     // ---- Stalls: the periodic check and its marks (stall) ----
 
-    /// The read-stall check: finds live registrations whose reads stopped
-    /// completing, and judges them.
-    ///
-    /// An engine is *quiet* while it has a read outstanding (in flight, or
-    /// given up unanswered) and no completion has been seen; its quiet
-    /// stretch starts when that was first seen (a check, or a give-up),
-    /// never earlier, so a read that began just before a check is not
-    /// counted from an older check. A quiet engine is a suspect once its
-    /// stretch reaches `bound`, or at once when the runtime gave up one of
-    /// its reads as timed out with none of its reads completing meanwhile
-    /// (the runtime's own bound). Slow is not hung: one completion, however
-    /// late, ends the stretch.
-    ///
-    /// A suspect is judged stalled only when the stall is its own: another
-    /// engine's completion was seen within the last check period, or no
-    /// other engine has a read outstanding to compare with. When others
-    /// have reads outstanding and none completes, the decoder itself looks
-    /// stuck: nobody is blamed, and that is warned about once per episode.
-    ///
-    /// Every engine is sampled first and judged after, so the verdicts do
-    /// not depend on the order of the walk; suspects are judged (and their
-    /// events emitted) in registration order, so a seed reproduces them.
-    pub(super) fn check_stalls(&mut self, now: Instant, bound: Duration) {
-        let window = stall_check_period(bound);
-        let mut outstanding = 0usize;
-        let mut completing = 0usize;
-        let mut suspects = Vec::new();
-        let mut next_due: Option<Instant> = None;
-        for (&serial, peer) in self.peers.iter_mut() {
-            if !peer.is_live() {
-                continue;
-            }
-            let (reads, done) = peer.cell.progress();
-            let sample = peer.progress.sample(now, reads, done, bound, window);
-            outstanding += usize::from(sample.outstanding);
-            completing += usize::from(sample.completing);
-            match sample.quiet {
-                Quiet::No => {}
-                Quiet::Suspect { quiet, given_up } => suspects.push(Suspect {
-                    serial,
-                    reads,
-                    quiet,
-                    given_up,
-                    completing: sample.completing,
-                }),
-                Quiet::JudgedAt(due) => next_due = Some(next_due.map_or(due, |d| d.min(due))),
-            }
+    /// The read-stall check (the rule is `stall.rs`'s [`Check`]): every
+    /// live engine sampled, then the suspects judged, the stalled marked.
+    fn check_stalls(&mut self, now: Instant, bound: Duration) {
+        let mut check = Check::new(now, bound);
+        for (&serial, peer) in self.peers.iter_mut().filter(|(_, p)| p.is_live()) {
+            check.sample(serial, &mut peer.progress, peer.cell.progress());
         }
-        self.timers.set_or_stop(Timer::StallMark, next_due);
-        let judgement = self.stalls.judge(suspects, outstanding, completing);
+        self.timers.set_or_stop(Timer::StallMark, check.next_due());
+        let outstanding = check.outstanding();
+        let judgement = self.stalls.judge(check);
         for suspect in judgement.stalled {
-            self.stalled(
-                now,
-                suspect.serial,
-                suspect.reads,
-                suspect.quiet,
-                suspect.given_up,
-            );
+            self.stalled(now, suspect);
         }
         if judgement.stuck_began {
             self.count(Count::DecoderStuck);
@@ -693,14 +597,14 @@ impl<R, A: ReadAccounting> Core<R, A> {
 
     /// A suspect judged stalled: reported once per stall, and with the
     /// `fail` action marked, its reads failed, released once they end.
-    pub(super) fn stalled(
-        &mut self,
-        now: Instant,
-        serial: RegistrationId,
-        reads: u64,
-        quiet: Duration,
-        given_up: u64,
-    ) {
+    fn stalled(&mut self, now: Instant, suspect: Suspect) {
+        let Suspect {
+            serial,
+            reads,
+            quiet,
+            given_up,
+            ..
+        } = suspect;
         let peer = self.peers.get_mut(&serial).expect("judged while live");
         peer.progress.reported();
         let engine = peer.id().clone();
@@ -720,18 +624,11 @@ impl<R, A: ReadAccounting> Core<R, A> {
         }
     }
 
-    /// The runtime gave up a read of registration `serial` in progress.
-    /// Not a completion. Unanswered (no read of the engine completed while
-    /// it was in flight: the read's own count at its begin against the
-    /// count now), it is evidence: it keeps the engine's quiet stretch going
-    /// with no read in flight, and a timed-out one is judged at once.
-    /// Completions the core has not sampled yet are taken in first, but
-    /// they do not answer the read: they may predate its begin (a read
-    /// that began after the last completion of a prefill that then froze,
-    /// and timed out before the next stall check, is still unanswered).
-    /// The read's count cannot have wrapped while it was in flight: that
-    /// takes 2^36 completions of one engine during one read.
-    pub(super) fn read_given_up(
+    /// The runtime gave up a read of registration `serial` in progress:
+    /// not a completion; evidence for the stall rule when unanswered (no
+    /// read of the engine completed while it was in flight:
+    /// `Progress::given_up`), judged at once when it timed out.
+    fn read_given_up(
         &mut self,
         now: Instant,
         serial: RegistrationId,
@@ -764,46 +661,24 @@ impl<R, A: ReadAccounting> Core<R, A> {
 
     // ---- Handshakes: claims judged before any load (handshake) ----
 
-    pub(super) fn handshake_started(
-        &mut self,
-        ticket: TicketId,
-        address: PeerAddr,
-        declared: bool,
-    ) {
-        self.directory.ticket_started(ticket, address, declared);
-    }
-
     /// The conflict of `engine` declaring `address` when a live engine of
     /// another id holds it, if it does; the holder is asked at once (a
     /// heartbeat, under its rate cap) whether it is still there.
-    pub(super) fn declared_address_conflict(
+    fn declared_address_conflict(
         &mut self,
         now: Instant,
         address: &PeerAddr,
         engine: &EngineId,
     ) -> Option<Conflict> {
         let holder = self.directory.serial_at(address)?;
-        let peer = self.peers.get(&holder)?;
-        if !peer.is_live() || peer.id() == engine {
-            return None;
-        }
-        let conflict = Conflict::AddressInUse {
-            address: address.clone(),
-            claimed_by: engine.clone(),
-            holder: peer.id().clone(),
-        };
+        let peer = self.peers.get(&holder).filter(|p| p.is_live())?;
+        let conflict = address_in_use(engine, address, peer.id())?;
         self.renew(now, holder);
         Some(conflict)
     }
 
     /// The handshake `ticket` found `claim` at its address.
-    pub(super) fn claim(
-        &mut self,
-        now: Instant,
-        ticket: TicketId,
-        request: RequestId,
-        claim: Claim,
-    ) {
+    fn claim(&mut self, now: Instant, ticket: TicketId, request: RequestId, claim: Claim) {
         if self.releases.is_stopping() {
             self.answer(
                 request,
@@ -930,7 +805,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
     /// The loading handshake `ticket` claims one more agent name (NIXL's
     /// load named another agent than the reply did: the runtime may unload
     /// it only if it is its own).
-    pub(super) fn claim_agent(&mut self, ticket: TicketId, request: RequestId, agent: AgentName) {
+    fn claim_agent(&mut self, ticket: TicketId, request: RequestId, agent: AgentName) {
         let Some(Ticket {
             stage: Stage::Loading { claim, extra },
             ..
@@ -959,7 +834,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
     }
 
     /// The handshake `ticket` ended (registered, or dropped at any step).
-    pub(super) fn handshake_finished(&mut self, now: Instant, ticket: TicketId) {
+    fn handshake_finished(&mut self, now: Instant, ticket: TicketId) {
         let Some(t) = self.directory.end_ticket(ticket) else {
             return;
         };
@@ -979,7 +854,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
     /// Something changed for `engine` (a load ended, a registration was
     /// released): the claims waiting for it are judged again, in order,
     /// until one must wait again.
-    pub(super) fn engine_moved(&mut self, now: Instant, engine: EngineId) {
+    fn engine_moved(&mut self, now: Instant, engine: EngineId) {
         while let Some(ticket) = self.directory.next_waiting(&engine) {
             let Some((claim, request)) = self.directory.take_waiting_claim(ticket) else {
                 continue;
@@ -992,52 +867,19 @@ impl<R, A: ReadAccounting> Core<R, A> {
         self.directory.queue_served(&engine);
     }
 
-    /// Someone waits to load `engine`: its registration must not be held
-    /// back by a handshake (they wait for exactly that release).
-    pub(super) fn reload_wanted(&self, engine: &EngineId) -> bool {
-        self.directory.is_waited_for(engine)
-    }
-
     // ---- Identity: registrations, activations, retirements (identity) ----
 
-    pub(super) fn answer(&mut self, request: RequestId, answer: Answer<R, A>) {
-        self.actions.push_back(Action::Answer { request, answer });
-    }
-
-    /// Records a conflict: counted every time (the metric, and the count
-    /// kept in the [`super::identity::ConflictLog`]), logged at WARN and published the
-    /// first time only; the repeats are DEBUG lines with the running count.
-    /// The WARN is keyed by engine and kind, not by the whole conflict
-    /// (see [`Notice::New`]); each is still an event and counted.
-    pub(super) fn conflict(&mut self, conflict: Conflict, source: &'static str) {
+    /// Records a conflict: counted every time; logged and published as
+    /// the [`ConflictLog`](super::identity::ConflictLog) decides.
+    fn conflict(&mut self, conflict: Conflict, source: &'static str) {
         self.count(Count::IdentityConflict(conflict.kind()));
-        let kind = conflict.kind();
-        match self.conflicts.record(&conflict) {
-            Notice::Again { times } => {
-                tracing::debug!(kind, source, %conflict, times, "identity conflict again");
-                return;
-            }
-            Notice::New { distinct: 1, .. } => {
-                tracing::warn!(kind, source, %conflict, "identity conflict: the newcomer is refused, the registered engine kept (logged once per engine and kind; counted in nixl_keepalive_identity_conflicts_total)");
-            }
-            Notice::New {
-                distinct,
-                warn: true,
-            } => {
-                tracing::warn!(kind, source, %conflict, distinct, "identity conflicts of this engine and kind so far (the others at DEBUG)");
-            }
-            Notice::New {
-                distinct,
-                warn: false,
-            } => {
-                tracing::debug!(kind, source, %conflict, distinct, "another identity conflict of this engine and kind");
-            }
+        if self.conflicts.note(&conflict, source) {
+            self.emit(Event::Conflict { conflict });
         }
-        self.emit(Event::Conflict { conflict });
     }
 
     /// The engine holding an agent name, if anyone does.
-    pub(super) fn holder_of(&self, agent: &AgentName) -> Option<&EngineId> {
+    fn holder_of(&self, agent: &AgentName) -> Option<&EngineId> {
         match self.directory.holder(agent)? {
             Holder::Registration(serial) => self.peers.get(&serial).map(|p| p.id()),
             Holder::Load(ticket) => self.directory.loading_engine(ticket),
@@ -1045,40 +887,15 @@ impl<R, A: ReadAccounting> Core<R, A> {
     }
 
     /// The first agent of `agents` held by an engine other than `engine`.
-    pub(super) fn agent_conflict(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-    ) -> Option<Conflict> {
-        agents.iter().find_map(|agent| {
-            let holder = self.holder_of(agent)?;
-            (holder != engine).then(|| Conflict::AgentInUse {
-                agent: agent.clone(),
-                claimed_by: engine.clone(),
-                holder: holder.clone(),
-            })
-        })
+    fn agent_conflict(&self, engine: &EngineId, agents: &[AgentName]) -> Option<Conflict> {
+        agent_in_use(engine, agents, |agent| self.holder_of(agent))
     }
 
     // ----- registrations -----
 
-    /// A registration: through the handshake `ticket` whose claim was
-    /// granted, or on its own (claimed and activated at once).
-    pub(super) fn register(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        ticket: Option<TicketId>,
-        registration: Registration<R>,
-        cell: Arc<A>,
-    ) {
-        match ticket {
-            Some(ticket) => self.register_loaded(now, request, ticket, registration, cell),
-            None => self.register_alone(now, request, registration, cell),
-        }
-    }
-
-    pub(super) fn register_loaded(
+    /// A registration through the handshake `ticket` whose claim was
+    /// granted.
+    fn register_loaded(
         &mut self,
         now: Instant,
         request: RequestId,
@@ -1086,18 +903,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
         registration: Registration<R>,
         cell: Arc<A>,
     ) {
-        let (granted, declared) = match self.directory.ticket(ticket) {
-            Some(Ticket {
-                stage: Stage::Loading { claim, .. },
-                address,
-                declared,
-            }) => (
-                *claim == registration.claim() && *address == registration.address,
-                *declared,
-            ),
-            _ => (false, false),
-        };
-        if !granted {
+        let Some(declared) = self.directory.granted(ticket, &registration) else {
             let error = RegisterError::Invalid {
                 registration,
                 reason: "it is not what its handshake claimed".into(),
@@ -1106,7 +912,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
             self.answer(request, Answer::Refused(error));
             self.handshake_finished(now, ticket);
             return;
-        }
+        };
         // Another engine may have registered at a declared address since
         // the claim was granted (two declaring it at once).
         let conflict = declared
@@ -1137,7 +943,8 @@ impl<R, A: ReadAccounting> Core<R, A> {
         self.engine_moved(now, engine);
     }
 
-    pub(super) fn register_alone(
+    /// A registration on its own: claimed and activated at once.
+    fn register_alone(
         &mut self,
         now: Instant,
         request: RequestId,
@@ -1161,23 +968,15 @@ impl<R, A: ReadAccounting> Core<R, A> {
             return;
         }
         let engine = &registration.engine;
-        let in_use = self
-            .directory
-            .serial_of(engine)
-            .map(|s| self.peers[&s].who.address().clone())
-            .or_else(|| self.directory.load_address(engine).cloned())
-            .or_else(|| {
-                self.directory
-                    .is_waited_for(engine)
-                    .then(|| registration.address.clone())
-            });
-        let conflict = match in_use {
-            Some(address) => Some(Conflict::EngineInUse {
-                engine: engine.clone(),
-                address,
-            }),
-            None => self.agent_conflict(engine, &registration.agents),
-        };
+        let registered = self.directory.serial_of(engine);
+        let conflict = engine_in_use(
+            engine,
+            registered.map(|s| self.peers[&s].who.address()),
+            self.directory.load_address(engine),
+            self.directory.is_waited_for(engine),
+            &registration.address,
+        )
+        .or_else(|| self.agent_conflict(engine, &registration.agents));
         if let Some(conflict) = conflict {
             self.conflict(conflict.clone(), "register");
             self.answer(
@@ -1192,7 +991,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
         self.activate(now, request, registration, cell);
     }
 
-    pub(super) fn activate(
+    fn activate(
         &mut self,
         now: Instant,
         request: RequestId,
@@ -1250,7 +1049,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
     }
 
     /// A registration was released: its names and its id are free.
-    pub(super) fn forget_registration(
+    fn forget_registration(
         &mut self,
         now: Instant,
         serial: RegistrationId,
@@ -1266,7 +1065,7 @@ impl<R, A: ReadAccounting> Core<R, A> {
     // ----- retirement by others -----
 
     /// The router or orchestrator says a peer is gone: authoritative.
-    pub(super) fn peer_gone(&mut self, now: Instant, peer: PeerRef, mode: GoneMode) {
+    fn peer_gone(&mut self, now: Instant, peer: PeerRef, mode: GoneMode) {
         let serial = match &peer {
             PeerRef::Engine(id) => self.directory.serial_of(id),
             PeerRef::Address(addr) => self.directory.serial_at(addr),
@@ -1278,43 +1077,26 @@ impl<R, A: ReadAccounting> Core<R, A> {
         self.retire(now, serial, mode);
     }
 
-    /// A membership record went away: the engine is retired only if the
-    /// record is its own registration's (same address, and the same
-    /// incarnation when both are known). Anything else is a conflict.
-    pub(super) fn member_gone(&mut self, now: Instant, departure: Departure, mode: GoneMode) {
+    /// A membership record went away: the engine is retired unless the
+    /// record is not its registration's (`Who::departed`).
+    fn member_gone(&mut self, now: Instant, departure: Departure, mode: GoneMode) {
         let Some(serial) = self.directory.serial_of(&departure.engine) else {
             tracing::debug!(engine = %departure.engine, "membership record gone for an engine not registered: nothing to do");
             return;
         };
         let peer = &self.peers[&serial];
-        if peer.is_live() {
-            let conflict = if *peer.who.address() != departure.address {
-                Some(Conflict::RecordAddress {
-                    engine: departure.engine.clone(),
-                    record: departure.address.clone(),
-                    registered: peer.who.address().clone(),
-                })
-            } else {
-                match (departure.incarnation, peer.who.incarnation()) {
-                    (Some(record), Some(registered)) if record != registered => {
-                        Some(Conflict::RecordIncarnation {
-                            engine: departure.engine.clone(),
-                            record,
-                            registered,
-                        })
-                    }
-                    _ => None,
-                }
-            };
-            if let Some(conflict) = conflict {
-                self.conflict(conflict, "membership");
-                return;
-            }
+        if let Some(conflict) = peer
+            .is_live()
+            .then(|| peer.who.departed(&departure))
+            .flatten()
+        {
+            self.conflict(conflict, "membership");
+            return;
         }
         self.retire(now, serial, mode);
     }
 
-    pub(super) fn retire(&mut self, now: Instant, serial: RegistrationId, mode: GoneMode) {
+    fn retire(&mut self, now: Instant, serial: RegistrationId, mode: GoneMode) {
         let p = &self.peers[&serial];
         if p.is_live() {
             let engine = p.id().clone();
@@ -1328,102 +1110,6 @@ impl<R, A: ReadAccounting> Core<R, A> {
         }
         if mode == GoneMode::Fail {
             self.fail_reads(serial);
-        }
-    }
-
-    // ---- The table as the operator reads it: why each engine is kept, and the gauges' counts (report) ----
-
-    /// Counts of registrations by state and reads in flight, for the
-    /// gauges. Walks every engine: called at the metrics period.
-    pub(crate) fn census(&self) -> ([usize; 6], u64) {
-        let mut by_state = [0usize; 6];
-        let mut reads = 0;
-        for peer in self.peers.values() {
-            by_state[peer.cell.state() as usize] += 1;
-            reads += peer.cell.reads_in_flight();
-        }
-        (by_state, reads)
-    }
-
-    /// The table as it is now.
-    pub(crate) fn snapshot(&self, now: Instant) -> Snapshot {
-        let mut engines: Vec<EngineSnapshot> = self
-            .peers
-            .values()
-            .map(|p| self.engine_snapshot(now, p))
-            .collect();
-        engines.sort_by(|a, b| a.engine.cmp(&b.engine));
-        Snapshot {
-            engines,
-            handshakes_pending: self.directory.handshakes_pending(),
-            waiting_for_reload: self.directory.waiting_for_reload(),
-            silent_peer_note: self.silent_peer_note.clone(),
-            limiter_keys: self.peers.values().filter(|p| p.beat.has_limiter()).count(),
-            heartbeat_timers: self.heartbeats.scheduled(),
-            // Filled in by the driver, which holds them.
-            detection_bound: None,
-            transport: Default::default(),
-        }
-    }
-
-    pub(super) fn engine_snapshot(&self, now: Instant, p: &Peer<R, A>) -> EngineSnapshot {
-        let reads = p.cell.reads_in_flight();
-        let last_heartbeat = p.beat.last().map(|(at, status)| HeartbeatSnapshot {
-            ago: now.saturating_duration_since(at),
-            status,
-        });
-        let why = match p.fate.reason() {
-            None => {
-                let last = match &last_heartbeat {
-                    Some(h) => format!("last heartbeat {} {:?} ago", h.status.name(), h.ago),
-                    None => "no heartbeat yet".to_string(),
-                };
-                let reads_note = p.progress.note(now, reads, self.config.read_stall);
-                format!(
-                    "live: no REMOTE_DISCONNECT seen ({last}); {reads_note}; a silent peer is reported by UCX: {}",
-                    self.silent_peer_note
-                )
-            }
-            Some(_) if p.is_releasing() => {
-                "releasing: the transport is giving back its NIXL state".into()
-            }
-            Some(reason) => {
-                let mut held = Vec::new();
-                if reads > 0 {
-                    held.push(format!("{reads} read(s) in flight"));
-                }
-                if let Some((n, oldest)) = self.given_up.oldest(now, p.cell.serial()) {
-                    held.push(format!(
-                        "{n} given-up transfer(s) to end (they complete if it resumes, fail if it dies; the oldest held {oldest:?})"
-                    ));
-                }
-                if let Some(n) = self.directory.holding(p.who.address(), p.cell.serial()) {
-                    held.push(format!("{n} handshake(s) pending at {}", p.who.address()));
-                }
-                format!(
-                    "{}: release waits for {}",
-                    reason.as_str(),
-                    if held.is_empty() {
-                        "nothing (about to be released)".to_string()
-                    } else {
-                        held.join(" and ")
-                    }
-                )
-            }
-        };
-        EngineSnapshot {
-            engine: p.id().clone(),
-            address: p.who.address().clone(),
-            incarnation: p.who.incarnation(),
-            agents: p.who.agents().to_vec(),
-            state: p.cell.state(),
-            reads_in_flight: reads,
-            given_up: self.given_up.of(now, p.cell.serial()),
-            leases: p.beat.leases().cloned().collect(),
-            last_heartbeat,
-            next_heartbeat_in: p.beat.next().map(|at| at.saturating_duration_since(now)),
-            transient_errors: p.fate.transient_errors(),
-            why,
         }
     }
 }

@@ -19,8 +19,8 @@ use super::rate::{RateCap, RateState};
 use super::schedule::{self, Schedule};
 use super::{Call, Count, HeartbeatMessages};
 use crate::config::Config;
-use crate::transport::AgentName;
-use nixl_agent::NixlStatus;
+use crate::names::AgentName;
+use nixl_status::NixlStatus;
 
 /// The most bytes of one `HB:` notification. A round whose request ids do
 /// not fit in one is split over several (see [`heartbeat_messages`]): each

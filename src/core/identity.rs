@@ -45,9 +45,9 @@ use std::sync::Arc;
 
 use super::{Map, TicketId};
 use crate::error::Conflict;
-use crate::registration::{Claim, Incarnation};
+use crate::names::{AgentName, EngineId, PeerAddr};
+use crate::registration::{Claim, Departure, Incarnation};
 use crate::text::{check_name, MAX_AGENT_NAME, MAX_ENGINE_ID, MAX_RANKS};
-use crate::transport::{AgentName, EngineId, PeerAddr};
 
 /// A registration's identities, kept in its record: the address it is
 /// known at, its incarnation, its agent names, and the newest handshake
@@ -129,6 +129,85 @@ impl Who {
     }
 }
 
+impl Who {
+    /// Judges a membership record's `departure` of this live
+    /// registration's engine id: the engine is retired only if the record
+    /// is its own registration's (the same address, and the same
+    /// incarnation when both are known); anything else is a conflict, and
+    /// the engine stays.
+    pub(super) fn departed(&self, departure: &Departure) -> Option<Conflict> {
+        if self.address != departure.address {
+            return Some(Conflict::RecordAddress {
+                engine: departure.engine.clone(),
+                record: departure.address.clone(),
+                registered: self.address.clone(),
+            });
+        }
+        match (departure.incarnation, self.incarnation) {
+            (Some(record), Some(registered)) if record != registered => {
+                Some(Conflict::RecordIncarnation {
+                    engine: departure.engine.clone(),
+                    record,
+                    registered,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Where `engine` is in use, for a registration without a handshake of
+/// its own: registered (at `registered_at`), being loaded (at
+/// `loading_at`), or waited for by claims (at the newcomer's own
+/// `address`, which the waiting claims were made at). In use, it is
+/// refused: a registration alone never replaces anything.
+pub(super) fn engine_in_use(
+    engine: &EngineId,
+    registered_at: Option<&PeerAddr>,
+    loading_at: Option<&PeerAddr>,
+    waited_for: bool,
+    address: &PeerAddr,
+) -> Option<Conflict> {
+    let at = registered_at
+        .or(loading_at)
+        .or(waited_for.then_some(address))?;
+    Some(Conflict::EngineInUse {
+        engine: engine.clone(),
+        address: at.clone(),
+    })
+}
+
+/// The conflict of `engine` declaring `address`, which the live engine
+/// `holder` holds, unless it is the same engine.
+pub(super) fn address_in_use(
+    engine: &EngineId,
+    address: &PeerAddr,
+    holder: &EngineId,
+) -> Option<Conflict> {
+    (holder != engine).then(|| Conflict::AddressInUse {
+        address: address.clone(),
+        claimed_by: engine.clone(),
+        holder: holder.clone(),
+    })
+}
+
+/// The first of `agents` held by an engine other than `engine`
+/// (`holder_of` says who holds a name), as the conflict it is.
+pub(super) fn agent_in_use<'a>(
+    engine: &EngineId,
+    agents: &[AgentName],
+    holder_of: impl Fn(&AgentName) -> Option<&'a EngineId>,
+) -> Option<Conflict> {
+    agents.iter().find_map(|agent| {
+        let holder = holder_of(agent)?;
+        (holder != engine).then(|| Conflict::AgentInUse {
+            agent: agent.clone(),
+            claimed_by: engine.clone(),
+            holder: holder.clone(),
+        })
+    })
+}
+
 /// How a claim of a live registration's engine id is judged against it.
 pub(super) enum Against {
     /// It disagrees with the registration: refused, never a release.
@@ -202,6 +281,37 @@ impl ConflictLog {
         Notice::New { distinct, warn }
     }
 
+    /// Records a conflict seen by `source` and logs it as [`Self::record`]
+    /// decides: a WARN the first time, then at growing intervals per
+    /// engine and kind (keyed by engine and kind, not by the whole
+    /// conflict, so a stream of them is a few lines), DEBUG otherwise.
+    /// Whether it is news, to be published as an event.
+    pub(super) fn note(&mut self, conflict: &Conflict, source: &'static str) -> bool {
+        let kind = conflict.kind();
+        match self.record(conflict) {
+            Notice::Again { times } => {
+                tracing::debug!(kind, source, %conflict, times, "identity conflict again");
+                return false;
+            }
+            Notice::New { distinct: 1, .. } => {
+                tracing::warn!(kind, source, %conflict, "identity conflict: the newcomer is refused, the registered engine kept (logged once per engine and kind; counted in nixl_keepalive_identity_conflicts_total)");
+            }
+            Notice::New {
+                distinct,
+                warn: true,
+            } => {
+                tracing::warn!(kind, source, %conflict, distinct, "identity conflicts of this engine and kind so far (the others at DEBUG)");
+            }
+            Notice::New {
+                distinct,
+                warn: false,
+            } => {
+                tracing::debug!(kind, source, %conflict, distinct, "another identity conflict of this engine and kind");
+            }
+        }
+        true
+    }
+
     /// Forgets the conflicts that name `engine` as the newcomer: the next
     /// one is news again.
     pub(super) fn forget(&mut self, engine: &EngineId) {
@@ -246,7 +356,7 @@ pub(super) fn malformed(engine: &EngineId, agents: &[AgentName]) -> Option<Strin
 mod tests {
     use super::{ConflictLog, Notice, CONFLICTS_REMEMBERED};
     use crate::error::Conflict;
-    use crate::transport::{EngineId, PeerAddr};
+    use crate::names::{EngineId, PeerAddr};
 
     /// The conflict of `engine` registering again while in use at
     /// address `n`: one engine and kind, a distinct conflict per `n`.

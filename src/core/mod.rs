@@ -58,6 +58,7 @@ mod identity;
 mod key;
 mod peer;
 mod rate;
+mod report;
 mod schedule;
 mod stall;
 #[cfg(test)]
@@ -84,8 +85,9 @@ use crate::config::Config;
 use crate::error::{ClaimRefused, Conflict, RegisterError};
 use crate::event::{Event, Source};
 use crate::log_limit::LogLimiter;
+use crate::names::{AgentName, EngineId, PeerAddr};
 use crate::registration::{Claim, Departure, GoneMode, PeerRef, Registration};
-use crate::transport::{AgentName, EngineId, PeerAddr};
+use crate::snapshot::{EngineSnapshot, Snapshot};
 pub(crate) use accounting::{ReadAccounting, Wake};
 use directory::Directory;
 use fate::Releases;
@@ -352,8 +354,73 @@ impl<R, A: ReadAccounting> Core<R, A> {
         self.releases.is_stopped(now, self.peers.is_empty())
     }
 
+    /// Counts of registrations by state and reads in flight, for the
+    /// gauges. Walks every engine: called at the metrics period.
+    pub(crate) fn census(&self) -> ([usize; 6], u64) {
+        let mut by_state = [0usize; 6];
+        let mut reads = 0;
+        for peer in self.peers.values() {
+            by_state[peer.cell.state() as usize] += 1;
+            reads += peer.cell.reads_in_flight();
+        }
+        (by_state, reads)
+    }
+
+    /// The table as it is now; each engine's line is `report.rs`'s.
+    pub(crate) fn snapshot(&self, now: Instant) -> Snapshot {
+        let report = report::Context {
+            now,
+            given_up: &self.given_up,
+            directory: &self.directory,
+            read_stall: self.config.read_stall,
+            silent_peer_note: &self.silent_peer_note,
+        };
+        let mut engines: Vec<EngineSnapshot> =
+            self.peers.values().map(|p| report.engine(p)).collect();
+        engines.sort_by(|a, b| a.engine.cmp(&b.engine));
+        Snapshot {
+            engines,
+            handshakes_pending: self.directory.handshakes_pending(),
+            waiting_for_reload: self.directory.waiting_for_reload(),
+            silent_peer_note: self.silent_peer_note.clone(),
+            limiter_keys: self.peers.values().filter(|p| p.beat.has_limiter()).count(),
+            heartbeat_timers: self.heartbeats.scheduled(),
+            // Filled in by the driver, which holds them.
+            detection_bound: None,
+            transport: Default::default(),
+        }
+    }
+
+    /// What a shutdown could not release: registrations still held, each
+    /// once, resources and all; and the engines whose release was handed
+    /// to the transport but had not come back.
+    pub(crate) fn into_unreleased(self) -> (Vec<Registration<R>>, Vec<EngineId>) {
+        let mut unreleased = Vec::new();
+        let mut unfinished = Vec::new();
+        for p in self.peers.into_values() {
+            let engine = p.cell.id().clone();
+            match p.fate.into_resources() {
+                Some(resources) => unreleased.push(Registration {
+                    engine,
+                    incarnation: p.who.incarnation(),
+                    agents: p.who.agents().to_vec(),
+                    address: p.who.into_address(),
+                    resources,
+                }),
+                None => unfinished.push(engine),
+            }
+        }
+        unreleased.sort_by(|a, b| a.engine.cmp(&b.engine));
+        unfinished.sort();
+        (unreleased, unfinished)
+    }
+
     fn emit(&mut self, event: Event) {
         self.actions.push_back(Action::Emit(event));
+    }
+
+    fn answer(&mut self, request: RequestId, answer: Answer<R, A>) {
+        self.actions.push_back(Action::Answer { request, answer });
     }
 
     fn count(&mut self, count: Count) {

@@ -8,8 +8,8 @@ use super::heartbeat::Beat;
 use super::identity::Who;
 use super::key::PeerKey;
 use super::stall::Progress;
+use crate::names::EngineId;
 use crate::registration::RegistrationId;
-use crate::transport::EngineId;
 
 /// A registration: live, or marked and waiting for its release. Each
 /// rule's part of it is that rule's type, its fields private to the rule's

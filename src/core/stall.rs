@@ -150,11 +150,15 @@ impl Progress {
 
     /// A read was given up at `now`, the engine's completed count being
     /// `done` and `reads` in flight. Completions not sampled yet are taken
-    /// in first, but they do not answer the read (they may predate its
-    /// begin). An answered read is no evidence (`None`); an `unanswered`
-    /// one keeps the quiet stretch going with no read in flight, and a
-    /// `timed_out` one is judged at the next check. Returns the reads
-    /// given up unanswered so far.
+    /// in first, but they do not answer the read: they may predate its
+    /// begin (a read that began after the last completion of a prefill
+    /// that then froze, and timed out before the next stall check, is
+    /// still unanswered). An answered read is no evidence (`None`); an
+    /// `unanswered` one (the read's own count at its begin against the
+    /// count now, which cannot have wrapped: that takes 2^36 completions
+    /// of one engine during one read) keeps the quiet stretch going with
+    /// no read in flight, and a `timed_out` one is judged at the next
+    /// check. Returns the reads given up unanswered so far.
     pub(super) fn given_up(
         &mut self,
         now: Instant,
@@ -226,6 +230,86 @@ pub(super) struct Judgement {
     pub(super) stuck_began: bool,
 }
 
+/// One read-stall check: finds live registrations whose reads stopped
+/// completing, for [`StallWatch::judge`].
+///
+/// An engine is *quiet* while it has a read outstanding (in flight, or
+/// given up unanswered) and no completion has been seen; its quiet
+/// stretch starts when that was first seen (a check, or a give-up),
+/// never earlier, so a read that began just before a check is not
+/// counted from an older check. A quiet engine is a suspect once its
+/// stretch reaches `bound`, or at once when the runtime gave up one of
+/// its reads as timed out with none of its reads completing meanwhile
+/// (the runtime's own bound). Slow is not hung: one completion, however
+/// late, ends the stretch.
+///
+/// Every engine is sampled first and judged after, so the verdicts do
+/// not depend on the order of the walk.
+pub(super) struct Check {
+    now: Instant,
+    bound: Duration,
+    /// The period a completion counts for ([`stall_check_period`]).
+    window: Duration,
+    /// Live engines with a read outstanding.
+    outstanding: usize,
+    /// Live engines that completed a read within the window.
+    completing: usize,
+    suspects: Vec<Suspect>,
+    /// The earliest time a quiet engine not yet a suspect is judged.
+    next_due: Option<Instant>,
+}
+
+impl Check {
+    /// A check at `now` against the stall `bound`.
+    pub(super) fn new(now: Instant, bound: Duration) -> Self {
+        Check {
+            now,
+            bound,
+            window: stall_check_period(bound),
+            outstanding: 0,
+            completing: 0,
+            suspects: Vec::new(),
+            next_due: None,
+        }
+    }
+
+    /// Samples the live registration `serial` with `reads` in flight and
+    /// `done` completed so far.
+    pub(super) fn sample(
+        &mut self,
+        serial: RegistrationId,
+        progress: &mut Progress,
+        (reads, done): (u64, u64),
+    ) {
+        let sample = progress.sample(self.now, reads, done, self.bound, self.window);
+        self.outstanding += usize::from(sample.outstanding);
+        self.completing += usize::from(sample.completing);
+        match sample.quiet {
+            Quiet::No => {}
+            Quiet::Suspect { quiet, given_up } => self.suspects.push(Suspect {
+                serial,
+                reads,
+                quiet,
+                given_up,
+                completing: sample.completing,
+            }),
+            Quiet::JudgedAt(due) => {
+                self.next_due = Some(self.next_due.map_or(due, |d| d.min(due)));
+            }
+        }
+    }
+
+    /// When the next quiet engine becomes a suspect, if one will.
+    pub(super) fn next_due(&self) -> Option<Instant> {
+        self.next_due
+    }
+
+    /// The live engines with a read outstanding.
+    pub(super) fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+}
+
 /// The stall rule's judge: whether a suspect's stall is its own or the
 /// decoder's, and whether a decoder-wide stall is an episode already
 /// warned about. Its own so that the judgement (the part that must not
@@ -238,12 +322,21 @@ pub(super) struct StallWatch {
 }
 
 impl StallWatch {
-    /// Judges one check's `suspects`, given the live engines with a read
-    /// `outstanding` and those `completing` within the last period (each
-    /// suspect among the first, and among the second if it completed). A
-    /// suspect is stalled when another engine completed, or when no other
-    /// has a read outstanding to compare with; otherwise nobody is blamed.
-    pub(super) fn judge(
+    /// Judges a check's suspects: a suspect is stalled (its stall is its
+    /// own) when another engine's completion was seen within the last
+    /// check period, or no other engine has a read outstanding to compare
+    /// with. When others have reads outstanding and none completes, the
+    /// decoder itself looks stuck: nobody is blamed, and that is warned
+    /// about once per episode. Suspects are judged in registration order,
+    /// so a seed reproduces the events.
+    pub(super) fn judge(&mut self, check: Check) -> Judgement {
+        self.judge_suspects(check.suspects, check.outstanding, check.completing)
+    }
+
+    /// Judges `suspects`, given the live engines with a read `outstanding`
+    /// and those `completing` within the last period (each suspect among
+    /// the first, and among the second if it completed).
+    fn judge_suspects(
         &mut self,
         mut suspects: Vec<Suspect>,
         outstanding: usize,
@@ -287,7 +380,7 @@ mod tests {
     #[test]
     fn a_suspect_alone_with_reads_outstanding_is_stalled() {
         let mut watch = StallWatch::default();
-        let judged = watch.judge(vec![suspect(1, false)], 1, 0);
+        let judged = watch.judge_suspects(vec![suspect(1, false)], 1, 0);
         assert_eq!(judged.stalled, vec![suspect(1, false)]);
         assert_eq!((judged.unjudged, judged.stuck_began), (0, false));
     }
@@ -295,7 +388,7 @@ mod tests {
     #[test]
     fn suspects_are_stalled_in_registration_order_while_another_engine_completes() {
         let mut watch = StallWatch::default();
-        let judged = watch.judge(vec![suspect(3, false), suspect(2, false)], 3, 1);
+        let judged = watch.judge_suspects(vec![suspect(3, false), suspect(2, false)], 3, 1);
         let serials: Vec<u64> = judged.stalled.iter().map(|s| s.serial.get()).collect();
         assert_eq!(serials, [2, 3]);
     }
@@ -303,7 +396,7 @@ mod tests {
     #[test]
     fn a_suspect_s_own_completion_does_not_count_as_another_s() {
         let mut watch = StallWatch::default();
-        let judged = watch.judge(vec![suspect(1, true)], 2, 1);
+        let judged = watch.judge_suspects(vec![suspect(1, true)], 2, 1);
         assert!(
             judged.stalled.is_empty(),
             "only its own completion was seen"
@@ -315,19 +408,19 @@ mod tests {
     fn a_decoder_wide_stall_is_one_episode_until_a_check_blames_nobody_else() {
         let mut watch = StallWatch::default();
         let stuck = || vec![suspect(1, false), suspect(2, false)];
-        let first = watch.judge(stuck(), 2, 0);
+        let first = watch.judge_suspects(stuck(), 2, 0);
         assert!(first.stalled.is_empty(), "nobody is blamed");
         assert_eq!((first.unjudged, first.stuck_began), (2, true));
         assert!(
-            !watch.judge(stuck(), 2, 0).stuck_began,
+            !watch.judge_suspects(stuck(), 2, 0).stuck_began,
             "warned once per episode"
         );
         assert!(
-            !watch.judge(Vec::new(), 2, 1).stuck_began,
+            !watch.judge_suspects(Vec::new(), 2, 1).stuck_began,
             "the episode ended"
         );
         assert!(
-            watch.judge(stuck(), 2, 0).stuck_began,
+            watch.judge_suspects(stuck(), 2, 0).stuck_began,
             "a new episode is news"
         );
     }

@@ -50,7 +50,7 @@ use crate::read_accounting::cell::EngineCell;
 use crate::registration::RegistrationId;
 use crate::state::EngineState;
 use crate::transport::EngineId;
-use nixl_agent::NixlStatus;
+use nixl_status::NixlStatus;
 
 /// The most reads one registration may have in flight at once (the count
 /// has 24 bits of the engine's atomic word); one more is refused.

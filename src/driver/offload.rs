@@ -859,7 +859,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
-    use crate::transport::{AgentName, ReleaseStep, TransportError};
+    use crate::transport::{AgentName, ReleaseStep, Transfers, TransportError};
 
     /// Notifies to agents named `hung-*` block until the gate opens; the
     /// rest return at once. Counts calls per kind.
@@ -892,7 +892,13 @@ mod tests {
             Ok(())
         }
 
-        fn release(&self, _: &EngineId, _: &[AgentName], _: ()) -> Vec<ReleaseStep> {
+        fn release_with(
+            &self,
+            _: &EngineId,
+            _: &[AgentName],
+            _: (),
+            _: Transfers,
+        ) -> Vec<ReleaseStep> {
             self.releases.fetch_add(1, Ordering::SeqCst);
             Vec::new()
         }
@@ -914,7 +920,7 @@ mod tests {
             engine: EngineId::new(format!("e-{serial}")),
             agents: Arc::from(vec![AgentName::new(format!("a-{serial}"))]),
             resources: (),
-            transfers: crate::transport::Transfers::Ended,
+            transfers: Transfers::Ended,
         }
     }
 
@@ -1070,7 +1076,13 @@ mod tests {
             std::thread::sleep(Duration::from_millis(50));
             Ok(())
         }
-        fn release(&self, _: &EngineId, _: &[AgentName], _: ()) -> Vec<ReleaseStep> {
+        fn release_with(
+            &self,
+            _: &EngineId,
+            _: &[AgentName],
+            _: (),
+            _: Transfers,
+        ) -> Vec<ReleaseStep> {
             Vec::new()
         }
     }
@@ -1111,13 +1123,19 @@ mod tests {
             if agent.as_str().starts_with("fail") {
                 Err(TransportError::new(
                     "genNotif",
-                    nixl_agent::NixlStatus::ERR_REMOTE_DISCONNECT,
+                    nixl_status::NixlStatus::ERR_REMOTE_DISCONNECT,
                 ))
             } else {
                 Ok(())
             }
         }
-        fn release(&self, _: &EngineId, _: &[AgentName], _: ()) -> Vec<ReleaseStep> {
+        fn release_with(
+            &self,
+            _: &EngineId,
+            _: &[AgentName],
+            _: (),
+            _: Transfers,
+        ) -> Vec<ReleaseStep> {
             Vec::new()
         }
     }

@@ -70,15 +70,6 @@ impl Transport for AuditedUcx {
         self.ucx.notify(agent, message)
     }
 
-    fn release(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-        resources: FakeResources,
-    ) -> Vec<ReleaseStep> {
-        self.release_with(engine, agents, resources, Transfers::MayBeRunning)
-    }
-
     fn release_with(
         &self,
         engine: &EngineId,

@@ -13,8 +13,8 @@ use super::record::{FakeCall, FakeOp, Held};
 use super::status::nixl_status_from_ucs;
 use super::FakeConfig;
 use crate::transport::{AgentName, EngineId, PeerAddr};
-use nixl_agent::NixlStatus;
-use ucx_sys::UcsStatus;
+use nixl_status::NixlStatus;
+use nixl_status::UcsStatus;
 
 /// Index of a process in `Cluster::processes`: one per engine start.
 pub(super) type ProcessId = usize;

@@ -157,8 +157,8 @@ use crate::transport::{
     AgentName, EndpointClose, EngineId, FailureWatch, PeerAddr, ReleaseStep, ReleaseTarget,
     Suspicion, Suspicions, Transfers, Transport, TransportError,
 };
-use nixl_agent::NixlStatus;
-use ucx_sys::UcsStatus;
+use nixl_status::NixlStatus;
+use nixl_status::UcsStatus;
 
 /// How the simulated UCX behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1055,15 +1055,6 @@ impl Transport for FakeUcx {
         } else {
             Err(TransportError::new("genNotif", status))
         }
-    }
-
-    fn release(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-        resources: FakeResources,
-    ) -> Vec<ReleaseStep> {
-        self.release_with(engine, agents, resources, Transfers::MayBeRunning)
     }
 
     fn release_with(

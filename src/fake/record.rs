@@ -5,8 +5,8 @@ use std::borrow::Cow;
 use tokio::time::Instant;
 
 use crate::transport::{AgentName, EngineId};
-use nixl_agent::NixlStatus;
-use ucx_sys::UcsStatus;
+use nixl_status::NixlStatus;
+use nixl_status::UcsStatus;
 
 /// A NIXL operation the fake performed on the decode side's agent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

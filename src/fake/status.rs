@@ -1,7 +1,7 @@
 //! How NIXL's UCX backend turns a UCX status into a NIXL status.
 
-use nixl_agent::NixlStatus;
-use ucx_sys::UcsStatus;
+use nixl_status::NixlStatus;
+use nixl_status::UcsStatus;
 
 /// The NIXL status NIXL's UCX backend reports for a UCX status.
 ///

@@ -61,7 +61,7 @@ use super::barrier::{self, ThreadToken, NO_OWNER};
 use crate::give_up::GiveUp;
 use crate::state::EngineState;
 use crate::transport::EngineId;
-use nixl_agent::NixlStatus;
+use nixl_status::NixlStatus;
 
 /// Bits 0..24: reads in flight.
 const COUNT_BITS: u32 = 24;

@@ -7,17 +7,20 @@
 //! never from a tokio worker: a hung call to one engine holds one thread and
 //! nothing else.
 //!
-//! Here: the trait and what crosses it (`mod.rs`), the names a peer is
-//! known by (`names.rs`), resolving an address (`resolve.rs`), and the
-//! NIXL transport itself ([`nixl`]).
+//! Here: the trait and what crosses it (`mod.rs`), resolving an address
+//! (`resolve.rs`), and the NIXL transport itself (`nixl`, feature `nixl`).
+//! The names a peer is known by are the crate's `names.rs`, re-exported
+//! here.
 
-mod names;
+#[cfg(feature = "nixl")]
 pub mod nixl;
 mod resolve;
 
-use nixl_agent::NixlStatus;
+use nixl_status::NixlStatus;
 
-pub use names::{AgentName, EngineId, PeerAddr, ResolveError};
+// The names live outside the transport: the core keys its tables by them
+// and names nothing of the transport's calls to get them.
+pub use crate::names::{AgentName, EngineId, PeerAddr, ResolveError};
 
 /// A NIXL call that did not succeed, with the raw status it returned.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -182,12 +185,12 @@ pub struct Suspicion {
     pub agent: Option<AgentName>,
     /// UCX's status for the failure (`UCS_ERR_CONNECTION_RESET`, ...),
     /// raw, when the transport has one.
-    pub ucs_status: Option<ucx_sys::UcsStatus>,
+    pub ucs_status: Option<nixl_status::UcsStatus>,
 }
 
 impl Suspicion {
     /// A suspicion of `agent` (`None`: of whoever it was).
-    pub fn new(agent: Option<AgentName>, ucs_status: Option<ucx_sys::UcsStatus>) -> Self {
+    pub fn new(agent: Option<AgentName>, ucs_status: Option<nixl_status::UcsStatus>) -> Self {
         Suspicion { agent, ucs_status }
     }
 }
@@ -258,32 +261,35 @@ pub trait Transport: Send + Sync + 'static {
     /// attempted even when an earlier one fails; the report lists each step
     /// with its raw status, and after each successful invalidation what
     /// became of the agent's endpoints ([`ReleaseTarget::Endpoints`]).
-    fn release(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-        resources: Self::Resources,
-    ) -> Vec<ReleaseStep>;
-
-    /// [`Transport::release`], told what the service knows of the engine's
-    /// transfers: the service calls this one. With
-    /// [`Transfers::Ended`] a transport may cut the engine's connections
-    /// at once (the NIXL transport shuts down the TCP connections UCX
-    /// keeps for a released peer until the peer's keepalive round); with
-    /// [`Transfers::MayBeRunning`] it must leave them to UCX. The default
-    /// ignores `transfers`.
+    ///
+    /// `transfers` is what the service knows of the engine's transfers:
+    /// with [`Transfers::Ended`] a transport may cut the engine's
+    /// connections at once (the NIXL transport shuts down the TCP
+    /// connections UCX keeps for a released peer until the peer's
+    /// keepalive round); with [`Transfers::MayBeRunning`] it must leave
+    /// them to UCX. The service calls this one, so it is the method every
+    /// transport writes; one that cuts nothing ignores `transfers`.
     fn release_with(
         &self,
         engine: &EngineId,
         agents: &[AgentName],
         resources: Self::Resources,
         transfers: Transfers,
+    ) -> Vec<ReleaseStep>;
+
+    /// [`Transport::release_with`] knowing nothing of the transfers
+    /// ([`Transfers::MayBeRunning`]: the connections are left to UCX), for
+    /// a caller outside the service that releases by hand.
+    fn release(
+        &self,
+        engine: &EngineId,
+        agents: &[AgentName],
+        resources: Self::Resources,
     ) -> Vec<ReleaseStep> {
-        let _ = transfers;
-        self.release(engine, agents, resources)
+        self.release_with(engine, agents, resources, Transfers::MayBeRunning)
     }
 
-    /// Whether [`Transport::release`] ends every transfer still running to
+    /// Whether [`Transport::release_with`] ends every transfer still running to
     /// the engine (it closes the engine's endpoints, so no byte of a
     /// transfer given up before can land after it returns). The service
     /// then tells the runtime that the destination buffers of the engine's

@@ -43,7 +43,7 @@ use crate::transport::{
     AgentName, EndpointClose, EngineId, FailureWatch, GpuMappings, ReleaseStep, ReleaseTarget,
     Suspicion, Suspicions, Transfers, Transport, TransportError,
 };
-use ucx_sys::UcsStatus;
+use nixl_status::UcsStatus;
 
 /// The prepped remote dlist handles of one engine registration, one per
 /// rank, in rank order: the real transport's [`Transport::Resources`].
@@ -224,15 +224,6 @@ impl Transport for NixlTransport {
             Ok(_) => Ok(()),
             Err(e) => Err(TransportError::new("genNotif", e.status)),
         }
-    }
-
-    fn release(
-        &self,
-        engine: &EngineId,
-        agents: &[AgentName],
-        resources: RemoteDlists,
-    ) -> Vec<ReleaseStep> {
-        self.release_with(engine, agents, resources, Transfers::MayBeRunning)
     }
 
     /// UCX's endpoint failures of this agent, from `nixl_agent::failures`:

@@ -4,6 +4,7 @@
 //! (`time`, public for the workspace's CLI and fuzz target; its types are
 //! re-exported from [`settings`]).
 
+mod read;
 pub mod settings;
 #[doc(hidden)]
 pub mod time;

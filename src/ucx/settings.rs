@@ -234,37 +234,13 @@ pub enum SettingsError {
     },
     /// UCX itself refused its configuration.
     #[error("ucp_config_read failed: {0}")]
-    Ucx(ucx_sys::UcsStatus),
+    Ucx(nixl_status::UcsStatus),
 }
 
 /// What [`UcxSettings::from_lookup`] reads from UCX's own configuration.
 pub type UcxLookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 impl UcxSettings {
-    /// The settings in force: UCX's configuration where a UCX can be
-    /// loaded, the environment otherwise.
-    pub fn read() -> Result<UcxSettings, SettingsError> {
-        let env = |name: &str| std::env::var(name).ok();
-        // Check the environment with our syntax first, for our messages.
-        let mut from_env = UcxSettings::from_lookup(&env, None)?;
-        let rdma = host_rdma_devices();
-        let Ok(ucx) = ucx_sys::Ucx::get() else {
-            from_env.rdma_devices = rdma;
-            return Ok(from_env);
-        };
-        let cfg = ucx.ucp_config_read().map_err(SettingsError::Ucx)?;
-        let values = cfg.values();
-        let lookup = |name: &str| {
-            values
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, v)| v.clone())
-        };
-        let mut settings = UcxSettings::from_lookup(&env, Some(&lookup))?;
-        settings.rdma_devices = rdma;
-        Ok(settings)
-    }
-
     /// The settings from an environment (`UCX_*` names) and, optionally,
     /// UCX's printed configuration (names without `UCX_`).
     pub fn from_lookup(
@@ -502,26 +478,6 @@ const IB_TRANSPORTS: &[&str] = &[
     "ib", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5",
     "dc", "dc_x", "dc_mlx5",
 ];
-
-/// The RDMA devices of this host (`/sys/class/infiniband`), as a setting.
-fn host_rdma_devices() -> Setting<bool> {
-    let devices: Vec<String> = std::fs::read_dir("/sys/class/infiniband")
-        .map(|dir| {
-            dir.filter_map(Result::ok)
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    Setting {
-        value: !devices.is_empty(),
-        raw: if devices.is_empty() {
-            "none".into()
-        } else {
-            devices.join(",")
-        },
-        source: Origin::Host,
-    }
-}
 
 fn parse_count(s: &str) -> Option<Count> {
     if s.eq_ignore_ascii_case("inf") {

@@ -30,8 +30,6 @@
 
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
-mod status;
-
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -39,7 +37,9 @@ use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
 
-pub use status::UcsStatus;
+/// The status table lives in `nixl-status` (no dependency, no build), so
+/// the keepalive's sans-IO core names it without this binding.
+pub use nixl_status::UcsStatus;
 
 /// `ucs_config_print_flags_t`: print the values.
 pub const UCS_CONFIG_PRINT_CONFIG: c_int = 1;

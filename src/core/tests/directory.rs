@@ -3,8 +3,8 @@
 
 use crate::core::directory::{Directory, Holder, Stage};
 use crate::core::{RequestId, TicketId};
+use crate::names::{AgentName, EngineId, PeerAddr};
 use crate::registration::{Claim, RegistrationId};
-use crate::transport::{AgentName, EngineId, PeerAddr};
 
 fn at(n: u8) -> PeerAddr {
     PeerAddr::new(format!("10.0.0.{n}:5600"))

@@ -17,7 +17,7 @@ use crate::give_up::GiveUp;
 use crate::registration::{Departure, Incarnation};
 use crate::state::EngineState;
 use crate::transport::{ReleaseStep, ReleaseTarget, Transfers, TransportError};
-use nixl_agent::NixlStatus;
+use nixl_status::NixlStatus;
 use plain::{PlainReads, Wakes};
 
 type Res = u32;

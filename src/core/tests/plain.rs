@@ -11,9 +11,9 @@ use std::rc::Rc;
 
 use super::super::{ReadAccounting, Wake};
 use crate::give_up::GiveUp;
+use crate::names::EngineId;
 use crate::registration::RegistrationId;
 use crate::state::EngineState;
-use crate::transport::EngineId;
 
 /// What the [`PlainReads`] of one test share: where their wake-ups go, in
 /// order, and the numbers they hand out (serials, give-up tokens).

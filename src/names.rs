@@ -1,7 +1,9 @@
 //! The names a peer is known by: its engine id, its agents' names, its
 //! side-channel address (compared in one canonical form). Plain values:
 //! the core keys its tables by them, so nothing here does I/O (resolving
-//! an address is [`PeerAddr::resolve`], in `resolve.rs`).
+//! an address is [`PeerAddr::resolve`], in `transport/resolve.rs`). Kept
+//! out of `transport/` so that what the core imports names no transport
+//! (`tests/layout.rs` walks it); `transport` re-exports them.
 
 use std::fmt;
 use std::sync::Arc;

@@ -11,35 +11,7 @@ use std::fmt;
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct UcsStatus(i8);
 
-/// The status table of a raw status newtype over an integer: a named
-/// constant per code, `ALL`, and `known_name`. Shared with `nixl-sys`,
-/// whose `nixl_status_t` table has the same shape (written once, here).
-#[doc(hidden)]
-#[macro_export]
-macro_rules! status_table {
-    ($ty:ident, $prefix:literal, { $($name:ident = $code:expr),* $(,)? }) => {
-        impl $ty {
-            $(
-                #[doc = concat!("`", $prefix, stringify!($name), "` (", stringify!($code), ").")]
-                pub const $name: $ty = $ty($code);
-            )*
-
-            /// Every named status, in table order.
-            pub const ALL: &'static [$ty] = &[$($ty::$name),*];
-
-            /// The status's own name, with its prefix (`UCS_`, `NIXL_`), or
-            /// `None` for a code without a name of its own.
-            pub const fn known_name(self) -> Option<&'static str> {
-                match self.0 {
-                    $($code => Some(concat!($prefix, stringify!($name))),)*
-                    _ => None,
-                }
-            }
-        }
-    };
-}
-
-status_table! { UcsStatus, "UCS_", {
+crate::status_table! { UcsStatus, "UCS_", {
     OK = 0,
     INPROGRESS = 1,
     ERR_NO_MESSAGE = -1,
