@@ -106,13 +106,14 @@ def vllm_ready():
     import vllm_env
 
     vllm_env.setup_environment()
-    # The first peers' imports start now (in the environment they will
-    # run in), beside this process's own.
-    warm_start.pool().fill()
     import nixl_keepalive  # noqa: F401
 
     vllm_env.patch_cpu_block_sizes()
     vllm_env.init_distributed(vllm_env.vllm_config(vllm_env.KEEPALIVE_CONNECTOR, "dist-init"))
+    # The first peers' imports start now, in the environment they will run
+    # in: this process's once its own imports have set what they set
+    # (torch's and NIXL's).
+    warm_start.pool().fill()
     return vllm_env
 
 
@@ -130,7 +131,7 @@ class Prefill(SignalledProcess):
         self.proc = warm_start.pool().popen(
             [str(HERE / "vllm_peer.py"), "--port", str(port), "--engine-id", engine_id,
              "--connector", connector, "--blocks", str(blocks)],
-            env=dict(os.environ),
+            env=warm_start.peer_env(),
         )
         self.info: Dict = {}
         self._ready = threading.Event()

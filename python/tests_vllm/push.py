@@ -42,7 +42,7 @@ class PushDecode(SignalledProcess):
         self.proc = warm_start.pool().popen(
             [str(HERE / "vllm_push_decode.py"), "--port", str(port), "--engine-id", engine_id,
              "--blocks", str(blocks)],
-            env=dict(os.environ), stdin=True,
+            env=warm_start.peer_env(), stdin=True,
         )
         self.info: Dict = {}
         self._ready = threading.Event()

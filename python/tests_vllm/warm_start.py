@@ -57,6 +57,19 @@ PRELOAD = (
 #: is loaded by the imports above (checked in the child).
 LATE_PREFIXES = ("UCX_", "NIXL_", "VLLM_NIXL_")
 
+#: Left out of every peer's environment, warm or cold: the test process's
+#: own name for the test running (pytest's; vLLM's and torch's imports look
+#: at it, and a peer is not a test) and its side-channel port (each peer
+#: script sets its own from ``--port`` before anything reads it).
+NOT_INHERITED = ("PYTEST_CURRENT_TEST", "VLLM_NIXL_SIDE_CHANNEL_PORT")
+
+
+def peer_env() -> Dict[str, str]:
+    """The environment a peer process gets: this process's, less
+    :data:`NOT_INHERITED`."""
+    return {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
+
+
 #: What must not be in the process before the claim.
 _EARLY_MODULES = ("nixl", "nixl_keepalive")
 _EARLY_LIBRARIES = ("libucp", "libucs", "libuct", "libnixl")
@@ -143,7 +156,7 @@ class WarmPool:
 
     def _fill(self) -> None:
         while len(self._pool) < self.size:
-            self._pool.append(_Warm(dict(os.environ)))
+            self._pool.append(_Warm(peer_env()))
 
     def popen(self, argv: List[str], env: Dict[str, str], stdin: bool = False) -> subprocess.Popen:
         """A started process running ``python argv[0] argv[1:]`` with ``env``;
