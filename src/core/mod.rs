@@ -48,6 +48,7 @@
 
 mod accounting;
 mod calls;
+mod claims;
 mod count;
 mod directory;
 mod fate;
