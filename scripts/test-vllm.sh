@@ -57,11 +57,9 @@ export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 "${py}" python/tests_vllm/tiny_model.py "${HF_HUB_CACHE}" >/dev/null
 
 status=0
-# vLLM's unit tests (b, c) run after our scenarios (a). VLLM_UNIT_BESIDE=1
-# runs them beside (a) instead (their output in a log printed after (a)'s),
-# which saves a few minutes on 2 cores but is not what CI runs: one of
-# vLLM's own tests asserts that `start_load_kv` returns within 0.1 s, and
-# beside (a) it took 0.149 s once (a clean clone's CI run, 2026-12-06).
+# vLLM's unit tests (b, c) run after our scenarios (a), never beside them:
+# one of vLLM's own tests asserts that `start_load_kv` returns within 0.1 s,
+# and beside (a) it took 0.149 s once (a clean clone's CI run, 2026-12-06).
 unit_tests() {
     local unit_status=0
     sdist="${venv}/vllm-sdist"
@@ -112,27 +110,13 @@ unit_tests() {
     return "${unit_status}"
 }
 
-unit_log="${repo}/target/test-vllm-unit-${VLLM_VERSION}.log"
-unit_pid=""
-if [[ "${VLLM_UNIT:-1}" != "0" && "${VLLM_UNIT_BESIDE:-0}" == "1" ]]; then
-    mkdir -p "$(dirname "${unit_log}")"
-    unit_tests >"${unit_log}" 2>&1 &
-    unit_pid=$!
-fi
-
 stamp "(a) our real scenarios: python/tests_vllm"
 a_start=$(date +%s)
 "${py}" -m pytest -p no:cacheprovider -rsfE --durations=0 -o asyncio_default_fixture_loop_scope=function \
     --timeout=600 python/tests_vllm "$@" || status=1
 stamp "(a) took $(( $(date +%s) - a_start ))s"
 
-if [[ -n "${unit_pid}" ]]; then
-    unit_rc=0
-    wait "${unit_pid}" || unit_rc=$?
-    stamp "(b) and (c), run beside (a), exit ${unit_rc}: ${unit_log}"
-    cat "${unit_log}"
-    [[ ${unit_rc} -eq 0 ]] || status=1
-elif [[ "${VLLM_UNIT:-1}" != "0" ]]; then
+if [[ "${VLLM_UNIT:-1}" != "0" ]]; then
     unit_tests || status=1
 fi
 

@@ -181,12 +181,12 @@ class WarmPool:
             stderr=subprocess.DEVNULL, text=True, env=env,
         )
 
-    @staticmethod
-    def _unusable(warm: Optional[_Warm], env: Dict[str, str]) -> Optional[str]:
+    def _unusable(self, warm: Optional[_Warm], env: Dict[str, str]) -> Optional[str]:
         """Why ``warm`` may not become a process with ``env`` (None: it may).
         Blocks until it has done its imports."""
         if warm is None:
-            return "no warm process (the pool is empty)"
+            return "warm starts are off (TIER_WARM_START=0)" if self.size == 0 else \
+                "no warm process (the pool is empty)"
         assert warm.proc.stdout is not None
         line = warm.proc.stdout.readline().rstrip("\n")
         if not line.startswith("WARM "):
