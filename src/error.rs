@@ -5,6 +5,7 @@ use std::fmt;
 
 use crate::names::{AgentName, EngineId, PeerAddr};
 use crate::registration::{Incarnation, Registration};
+use crate::snapshot::EngineSnapshot;
 use crate::state::EngineState;
 use crate::transport::{ReleaseStep, Transport};
 
@@ -186,7 +187,94 @@ pub enum ClaimRefused {
         /// What is wrong with it.
         reason: String,
     },
+    /// [`crate::Handshake::ready_to_load_within`] waited its limit for an
+    /// older registration of the claimed engine id to be released, and it
+    /// was not. Nothing was loaded; the handshake has ended.
+    #[error(transparent)]
+    ReleaseHeld(Box<ReleaseHeld>),
 }
+
+/// A bounded claim ran out waiting for the release of the engine id's
+/// older registration (another incarnation at the address, or one marked
+/// dead or replaced).
+///
+/// Why this is an error and not a longer wait: that release waits for the
+/// registration's transfers (reads in flight, given-up reads still
+/// running) to end, and only the runtime ends them (`ReadGuard::finish`,
+/// `GivenUpRead::ended`), from whatever task or thread polls them. A
+/// runtime that handshakes on that very thread would wait for itself for
+/// good (issue 58: a decode re-handshaking a stalled prefill whose
+/// given-up READ only its handshaking thread polled). The error names
+/// what holds the release, so the fix is plain: poll those transfers
+/// before handshaking again, or handshake where nothing else waits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReleaseHeld {
+    /// The engine id claimed.
+    pub engine: EngineId,
+    /// The handshake's address.
+    pub address: PeerAddr,
+    /// How long the claim waited.
+    pub waited: std::time::Duration,
+    /// The older registration as the service reported it when the wait ran
+    /// out. `None`: no registration of the id was left (another handshake
+    /// of it is loading, or the release came just as the wait ran out).
+    pub holder: Option<EngineSnapshot>,
+}
+
+impl ReleaseHeld {
+    /// Given-up transfers still running, and the blocks they hold.
+    pub fn given_up(&self) -> (u64, u64) {
+        self.holder.as_ref().map_or((0, 0), |e| {
+            (
+                e.given_up.len() as u64,
+                e.given_up.iter().map(|g| g.blocks).sum(),
+            )
+        })
+    }
+}
+
+impl fmt::Display for ReleaseHeld {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let waited = self.waited.as_secs_f64();
+        let Some(e) = &self.holder else {
+            return write!(
+                f,
+                "ready_to_load of engine {} at {} waited {waited:.1} s and the service names no \
+                 registration of it: another handshake of the id is loading it, or its release \
+                 came as the wait ran out. Nothing was loaded; the handshake has ended: \
+                 handshake again",
+                self.engine, self.address
+            );
+        };
+        write!(
+            f,
+            "ready_to_load of engine {} at {} waited {waited:.1} s for its older registration \
+             (state {}) to be released, held by {} read(s) in flight",
+            self.engine,
+            self.address,
+            e.state.as_str(),
+            e.reads_in_flight
+        )?;
+        let (given_up, blocks) = self.given_up();
+        if let Some(oldest) = e.given_up.iter().map(|g| g.held_for).max() {
+            write!(
+                f,
+                ", {given_up} of them given up (holding {blocks} block(s), the oldest for {:.1} s)",
+                oldest.as_secs_f64()
+            )?;
+        }
+        write!(
+            f,
+            ": {}. Only the runtime ends them (a read's finish, a given-up read's end); if this \
+             thread is the one that polls them, poll them before handshaking again, or \
+             handshake where nothing else waits. Nothing was loaded; the handshake has ended",
+            e.why
+        )
+    }
+}
+
+impl std::error::Error for ReleaseHeld {}
 
 /// A registration the service did not take. The registration comes back
 /// whole: its metadata is loaded and its dlists prepped, so the caller

@@ -178,7 +178,7 @@ pub use driver::handle::{Handshake, KeepaliveHandle, Ready, ReadyToLoad};
 #[doc(hidden)]
 pub use driver::offload::HUNG_AFTER;
 pub use driver::service::{spawn, Keepalive, Stopped};
-pub use error::{ClaimRefused, Conflict, ReadRefused, RegisterError, ServiceStopped};
+pub use error::{ClaimRefused, Conflict, ReadRefused, RegisterError, ReleaseHeld, ServiceStopped};
 pub use event::{Event, EventField, ReleaseReason, Source, WaitedFor};
 pub use give_up::GiveUp;
 pub use lease::LeaseError;

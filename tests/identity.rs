@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use nixl_keepalive::fake::{FakeConfig, FakeConnectError, FakeResources};
 use nixl_keepalive::{
-    AgentName, ClaimRefused, Config, Conflict, EngineId, EngineRef, EngineState, Event, NixlStatus,
-    PeerAddr, RegisterError, Registration,
+    AgentName, ClaimRefused, Config, Conflict, EngineId, EngineRef, EngineState, Event, GiveUp,
+    NixlStatus, PeerAddr, Ready, RegisterError, Registration,
 };
 
 mod common;
@@ -265,6 +265,145 @@ async fn a_cancelled_ready_to_load_leaves_nothing_behind() {
     let (ucx, stopped) = w.stopped().await;
     assert!(stopped.unreleased.is_empty());
     ucx.assert_nothing_leaked();
+}
+
+/// Issue 58: a runtime that handshakes on the one task that also ends its
+/// transfers. The restarted prefill's claim waits for the old
+/// registration's release, which waits for reads only this task ends: the
+/// bounded claim ends at its limit naming them, and the same task, having
+/// ended them, handshakes again and loads.
+#[tokio::test(start_paused = true)]
+async fn a_bounded_claim_held_by_its_own_callers_reads_ends_naming_them() {
+    let w = world();
+    w.ucx.spawn_prefill_with_id(addr(1), EngineId::from("p"), 1);
+    let old = w.ucx.connect(&w.handle, &addr(1)).await.unwrap();
+    let read = old.begin_read().unwrap();
+    let given_up = old
+        .begin_read()
+        .unwrap()
+        .give_up_holding(GiveUp::TimedOut, 3);
+    w.ucx.restart_with_same_id(&addr(1));
+
+    let handshake = w.handle.handshake(addr(1));
+    let reply = w.ucx.fetch_metadata(&addr(1)).unwrap();
+    let started = tokio::time::Instant::now();
+    let refused = handshake
+        .ready_to_load_within(reply.claim(), Duration::from_secs(5))
+        .await;
+    let held = match refused {
+        Err(ClaimRefused::ReleaseHeld(held)) => held,
+        Err(other) => panic!("refused for another reason: {other}"),
+        Ok(_) => panic!("granted while the old registration's reads run"),
+    };
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_secs(5),
+        "waited its limit"
+    );
+    assert_eq!(held.waited, Duration::from_secs(5));
+    assert_eq!(held.engine.as_str(), "p");
+    assert_eq!(held.address, addr(1));
+    let holder = held.holder.as_ref().expect("the old registration is named");
+    assert_eq!(holder.reads_in_flight, 2, "the read and the given-up read");
+    assert_eq!(held.given_up(), (1, 3));
+    let text = held.to_string();
+    for part in [
+        "engine p",
+        "waited 5.0 s",
+        "2 read(s) in flight",
+        "1 of them given up (holding 3 block(s)",
+        "poll them before handshaking again",
+        "Nothing was loaded",
+    ] {
+        assert!(text.contains(part), "{part:?} missing from: {text}");
+    }
+    let snapshot = w.handle.snapshot().await.unwrap();
+    assert!(
+        snapshot.handshakes_pending.is_empty(),
+        "the handshake ended"
+    );
+
+    // The same task ends its transfers, then handshakes again.
+    read.finish(NixlStatus::SUCCESS);
+    given_up.ended(NixlStatus::SUCCESS);
+    let handshake = w.handle.handshake(addr(1));
+    let reply = w.ucx.fetch_metadata(&addr(1)).unwrap();
+    let ready = handshake
+        .ready_to_load_within(reply.claim(), Duration::from_secs(5))
+        .await
+        .expect("granted once the old registration's reads ended");
+    let Ready::Load(ready) = ready else {
+        panic!("a new incarnation is loaded, not found current");
+    };
+    drop(ready);
+    let reloaded = w.ucx.connect(&w.handle, &addr(1)).await.unwrap();
+    assert_eq!(reloaded.state(), EngineState::Live);
+    let (ucx, stopped) = w.stopped().await;
+    assert!(stopped.unreleased.is_empty());
+    ucx.assert_nothing_leaked();
+}
+
+/// The bound only bounds a wait: a claim that waits on nothing is granted
+/// at once, and a limit too long for the clock waits as the unbounded call
+/// does, for the whole hour the caller's read takes.
+#[tokio::test(start_paused = true)]
+async fn a_bounded_claim_is_granted_at_once_or_when_released_at_any_limit() {
+    let w = world();
+    w.ucx.spawn_prefill_with_id(addr(2), EngineId::from("q"), 1);
+    let handshake = w.handle.handshake(addr(2));
+    let reply = w.ucx.fetch_metadata(&addr(2)).unwrap();
+    let started = tokio::time::Instant::now();
+    let ready = handshake
+        .ready_to_load_within(reply.claim(), Duration::from_millis(1))
+        .await;
+    assert!(matches!(ready, Ok(Ready::Load(_))), "nothing to wait for");
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    drop(ready);
+
+    w.ucx.spawn_prefill_with_id(addr(1), EngineId::from("p"), 1);
+    let old = w.ucx.connect(&w.handle, &addr(1)).await.unwrap();
+    let read = old.begin_read().unwrap();
+    w.ucx.restart_with_same_id(&addr(1));
+    let handshake = w.handle.handshake(addr(1));
+    let reply = w.ucx.fetch_metadata(&addr(1)).unwrap();
+    let claim = tokio::spawn(handshake.ready_to_load_within(reply.claim(), Duration::MAX));
+    tokio::time::sleep(Duration::from_secs(3600)).await;
+    assert!(!claim.is_finished(), "still waiting after an hour");
+    read.finish(NixlStatus::SUCCESS);
+    let ready = claim.await.unwrap();
+    assert!(
+        matches!(ready, Ok(Ready::Load(_))),
+        "granted at the release"
+    );
+    drop(ready);
+    let (_, stopped) = w.stopped().await;
+    assert!(stopped.unreleased.is_empty());
+}
+
+/// The service stopping while a bounded claim waits: the claim says so
+/// (never `ReleaseHeld`, which would send the caller to its reads).
+#[tokio::test(start_paused = true)]
+async fn a_bounded_claim_waiting_when_the_service_stops_says_it_stopped() {
+    let w = world();
+    w.ucx.spawn_prefill_with_id(addr(1), EngineId::from("p"), 1);
+    let old = w.ucx.connect(&w.handle, &addr(1)).await.unwrap();
+    let read = old.begin_read().unwrap();
+    w.ucx.restart_with_same_id(&addr(1));
+    let handshake = w.handle.handshake(addr(1));
+    let reply = w.ucx.fetch_metadata(&addr(1)).unwrap();
+    let claim = tokio::spawn(handshake.ready_to_load_within(reply.claim(), Duration::from_secs(5)));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let stopping = tokio::spawn(w.stopped());
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    read.finish(NixlStatus::SUCCESS);
+    let judged = claim.await.unwrap();
+    assert!(
+        matches!(judged, Err(ClaimRefused::Stopped(_))),
+        "{:?}",
+        judged.err()
+    );
+    let (_, stopped) = stopping.await.unwrap();
+    assert!(stopped.unreleased.is_empty());
 }
 
 #[tokio::test(start_paused = true)]

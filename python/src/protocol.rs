@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use nixl_keepalive::{
     AgentName, Claim as RustClaim, ClaimRefused, Conflict, EngineId, Event, EventField,
-    Incarnation, PeerAddr, Ready, ReadyToLoad, RegisterError, Registration,
+    Incarnation, PeerAddr, Ready, ReadyToLoad, RegisterError, Registration, ReleaseHeld,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -162,8 +162,13 @@ async fn claim(
     handshake: nixl_keepalive::Handshake<PyResources>,
     address: String,
     claim: Claim,
+    limit: Option<Duration>,
 ) -> Result<Outcome, Failure> {
-    match handshake.ready_to_load(claim.to_rust()).await {
+    let judged = match limit {
+        Some(limit) => handshake.ready_to_load_within(claim.to_rust(), limit).await,
+        None => handshake.ready_to_load(claim.to_rust()).await,
+    };
+    match judged {
         Ok(Ready::Load(ready)) => Ok(Outcome::Load(ready, claim)),
         Ok(Ready::Current(engine)) => Ok(Outcome::Registered(shared.current(
             engine,
@@ -250,100 +255,47 @@ pub(crate) async fn register_direct(
 /// `timeout=None`.
 pub(crate) const RELEASE_WAIT: f64 = 5.0;
 
-/// `ReleaseHeld` for a claim of `engine` that waited `waited` without the
-/// older registration's release: its state and the transfers that hold
-/// it, from the service's snapshot.
-fn release_held(
-    py: Python<'_>,
-    shared: &Shared,
-    engine: &EngineId,
-    address: &str,
-    waited: Duration,
-) -> PyErr {
-    let snap = match runtime::wait_for(py, shared.handle.snapshot(), Some(WAIT_FOR_SNAPSHOT)) {
-        Ok(Some(Ok(snap))) => snap,
-        Ok(Some(Err(_))) => return to_pyerr(Failure::Stopped),
-        Ok(None) => return release_held_unknown(py, engine, waited),
-        Err(interrupted) => return interrupted,
-    };
-    let Some(e) = snap.engine(engine) else {
-        // Released as the wait ran out, or another handshake of the id is
-        // loading it: nothing of it counts transfers.
-        return release_held_unknown(py, engine, waited);
-    };
-    let given_up = e.given_up.len() as u64;
-    let blocks: u64 = e.given_up.iter().map(|g| g.blocks).sum();
-    let oldest = e.given_up.iter().map(|g| g.held_for).max();
-    let held = match oldest {
-        Some(h) => format!(
-            "{} read(s) in flight, {given_up} of them given up (holding {blocks} block(s), the \
-             oldest for {:.1} s)",
-            e.reads_in_flight,
-            h.as_secs_f64()
-        ),
-        None => format!("{} read(s) in flight", e.reads_in_flight),
-    };
-    let message = format!(
-        "ready_to_load of engine {engine} at {} waited {:.1} s for its older registration \
-         (state {}) to be released, held by {held}: {}. Only the runtime ends them \
-         (Read.finish, GivenUpRead.ended); if this thread is the one that polls them, poll them \
-         before handshaking again, or handshake on another thread (timeout=None). Nothing was \
-         loaded; the handshake has ended",
-        PeerAddr::from(address),
-        waited.as_secs_f64(),
-        e.state.as_str(),
-        e.why,
-    );
+/// `ReleaseHeld` from the library's refusal of a bounded claim: its text,
+/// and what holds the release as attributes (`None` where the service
+/// named no registration of the id).
+fn release_held(py: Python<'_>, held: &ReleaseHeld) -> PyErr {
     let text = |s: &str| PyString::new(py, s).into_any();
+    let none = || py.None().into_bound(py);
     let int = |n: u64| n.into_pyobject(py).map(|v| v.into_any());
-    let attrs = (|| -> PyResult<Vec<(&str, Bound<'_, PyAny>)>> {
-        Ok(vec![
-            ("engine", text(engine.as_str())),
-            ("state", text(e.state.as_str())),
-            ("reads_in_flight", int(e.reads_in_flight)?),
-            ("given_up", int(given_up)?),
-            ("given_up_blocks", int(blocks)?),
+    let (given_up, blocks) = held.given_up();
+    let attrs =
+        (|| -> PyResult<Vec<(&str, Bound<'_, PyAny>)>> {
+            let holder = held.holder.as_ref();
+            Ok(vec![
+            ("engine", text(held.engine.as_str())),
+            ("state", holder.map_or_else(none, |e| text(e.state.as_str()))),
+            (
+                "reads_in_flight",
+                match holder {
+                    Some(e) => int(e.reads_in_flight)?,
+                    None => none(),
+                },
+            ),
+            ("given_up", if holder.is_some() { int(given_up)? } else { none() }),
+            ("given_up_blocks", if holder.is_some() { int(blocks)? } else { none() }),
             (
                 "waited",
-                pyo3::types::PyFloat::new(py, waited.as_secs_f64()).into_any(),
+                pyo3::types::PyFloat::new(py, held.waited.as_secs_f64()).into_any(),
             ),
-            ("why", text(&e.why)),
+            (
+                "why",
+                text(holder.map_or(
+                    "no registration of the id is left: another handshake of it is loading, or \
+                     it was released as the wait ran out",
+                    |e| e.why.as_str(),
+                )),
+            ),
         ])
-    })();
+        })();
     match attrs {
-        Ok(attrs) => errors::with_attrs(py, errors::ReleaseHeld::new_err(message), &attrs),
+        Ok(attrs) => errors::with_attrs(py, errors::ReleaseHeld::new_err(held.to_string()), &attrs),
         Err(e) => e,
     }
-}
-
-/// How long `release_held` waits for the snapshot that names the holders.
-const WAIT_FOR_SNAPSHOT: Duration = Duration::from_secs(2);
-
-/// `ReleaseHeld` when the snapshot names no registration of the id.
-fn release_held_unknown(py: Python<'_>, engine: &EngineId, waited: Duration) -> PyErr {
-    let none = || py.None().into_bound(py);
-    let waited_s = pyo3::types::PyFloat::new(py, waited.as_secs_f64()).into_any();
-    let why = "no registration of the id is left: another handshake of it is loading, or it \
-               was released as the wait ran out";
-    let attrs = vec![
-        ("engine", PyString::new(py, engine.as_str()).into_any()),
-        ("state", none()),
-        ("reads_in_flight", none()),
-        ("given_up", none()),
-        ("given_up_blocks", none()),
-        ("waited", waited_s),
-        ("why", PyString::new(py, why).into_any()),
-    ];
-    errors::with_attrs(
-        py,
-        errors::ReleaseHeld::new_err(format!(
-            "ready_to_load of engine {engine} waited {:.1} s and the service names no \
-             registration of it: another handshake of the id is loading it, or its release came \
-             as the wait ran out. Nothing was loaded; the handshake has ended: handshake again",
-            waited.as_secs_f64()
-        )),
-        &attrs,
-    )
 }
 
 /// The Python exception for a failure.
@@ -354,6 +306,7 @@ fn to_pyerr(failure: Failure) -> PyErr {
         ),
         Failure::Misuse(text) => PyRuntimeError::new_err(text),
         Failure::Claim(ClaimRefused::Conflict(conflict)) => conflict_error(py, &conflict),
+        Failure::Claim(ClaimRefused::ReleaseHeld(held)) => release_held(py, &held),
         Failure::Claim(refused) => {
             PyValueError::new_err(format!("{refused}; nothing may be loaded"))
         }
@@ -503,22 +456,20 @@ impl Handshake {
             agents: args::agent_names(agents, "agents")?,
             incarnation: args::incarnation(incarnation)?,
         };
-        let engine = c.engine.clone();
         let handshake = take_open(&self.stage).map_err(to_pyerr)?;
-        let fut = claim(self.shared.clone(), handshake, self.address.clone(), c);
+        // The library bounds the wait (`ready_to_load_within`) and names
+        // what holds the release when it runs out; running out ends the
+        // handshake (a mark it made stands, nothing was loaded under it).
+        let fut = claim(
+            self.shared.clone(),
+            handshake,
+            self.address.clone(),
+            c,
+            patience,
+        );
         let stage = self.stage.clone();
-        let started = std::time::Instant::now();
-        // Ran out: the future is dropped, which ends the handshake (a mark
-        // it made stands, nothing was loaded under it).
-        let out = match runtime::wait_for(py, fut, patience) {
-            Ok(Some(judged)) => judged.map_err(to_pyerr),
-            Ok(None) => Err(release_held(
-                py,
-                &self.shared,
-                &engine,
-                &self.address,
-                started.elapsed(),
-            )),
+        let out = match runtime::wait(py, fut) {
+            Ok(judged) => judged.map_err(to_pyerr),
             Err(interrupted) => Err(interrupted),
         };
         settle_claim(&stage, out)
@@ -540,7 +491,13 @@ impl Handshake {
             incarnation: args::incarnation(incarnation)?,
         };
         let handshake = take_open(&self.stage).map_err(to_pyerr)?;
-        let fut = claim(self.shared.clone(), handshake, self.address.clone(), c);
+        let fut = claim(
+            self.shared.clone(),
+            handshake,
+            self.address.clone(),
+            c,
+            None,
+        );
         let stage = self.stage.clone();
         runtime::for_async();
         let ended = EndOnDrop(Some(stage.clone()));

@@ -15,7 +15,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use super::{Answer, Input};
 use crate::core::{RequestId, TicketId};
 use crate::driver::engine_ref::{EngineRef, OwnedReadGuard};
-use crate::error::{ClaimRefused, ReadRefused, RegisterError, ServiceStopped};
+use crate::error::{ClaimRefused, ReadRefused, RegisterError, ReleaseHeld, ServiceStopped};
 use crate::event::Event;
 use crate::lease::{check_request_id, LeaseError};
 use crate::read_accounting::cell::{EngineCell, Wake, WakeSink};
@@ -455,6 +455,51 @@ impl<R: Send + 'static> Handshake<R> {
             Some(Answer::Current(cell)) => Ok(Ready::Current(EngineRef { cell })),
             Some(Answer::ClaimRefused(refused)) => Err(refused),
             _ => Err(ClaimRefused::Stopped(ServiceStopped)),
+        }
+    }
+
+    /// [`Handshake::ready_to_load`], waiting at most `limit` for the claim
+    /// to be judged. Past it the claim is refused with
+    /// [`ClaimRefused::ReleaseHeld`], which names the older registration
+    /// of the engine id whose release the claim waited for, and the reads
+    /// that hold it (from a snapshot taken as the wait ran out).
+    ///
+    /// Use this wherever the task or thread that handshakes is also one
+    /// that ends transfers (finishes reads, reports given-up reads ended):
+    /// a replaced registration is released only once its transfers end,
+    /// so an unbounded wait there waits for itself. A claim that waits on
+    /// nothing is judged at once; `limit` bounds only that release wait
+    /// (and the service's answer). `Duration::ZERO` refuses any claim the
+    /// service does not answer before the first poll, which is every
+    /// claim: pass a real bound (the Python binding's default is 5 s,
+    /// vLLM's own handshake timeout). A limit too long for the clock
+    /// (`Duration::MAX`) waits as [`Handshake::ready_to_load`] does.
+    ///
+    /// Cancel safety: as [`Handshake::ready_to_load`]; running out ends
+    /// the handshake the same way (a mark it made stands; nothing was
+    /// loaded under it).
+    pub async fn ready_to_load_within(
+        self,
+        claim: Claim,
+        limit: std::time::Duration,
+    ) -> Result<Ready<R>, ClaimRefused> {
+        let handle = self.handle.clone();
+        let address = self.address.clone();
+        let engine = claim.engine.clone();
+        let started = tokio::time::Instant::now();
+        match tokio::time::timeout(limit, self.ready_to_load(claim)).await {
+            Ok(judged) => judged,
+            Err(_elapsed) => {
+                // The claim's future is dropped: the handshake has ended.
+                let waited = started.elapsed();
+                let snapshot = handle.snapshot().await?;
+                Err(ClaimRefused::ReleaseHeld(Box::new(ReleaseHeld {
+                    holder: snapshot.engine(&engine).cloned(),
+                    engine,
+                    address,
+                    waited,
+                })))
+            }
         }
     }
 
