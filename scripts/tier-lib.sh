@@ -62,6 +62,13 @@ tier_uv() {
     fi
     export UV_CACHE_DIR="${TIER_UV_CACHE:-${repo}/.uv-cache}"
     export UV_PYTHON="${venv}/bin/python"
+    # Bytecode compiled at install, as pip does by default and uv does not:
+    # without it every process compiles what it imports from source again
+    # wherever PYTHONDONTWRITEBYTECODE is set (as on these machines). A
+    # vLLM peer's imports took 24.5 s (22.9 s of CPU) without .pyc files
+    # and 9.6 s with them, and the tiers start dozens of vLLM and SGLang
+    # processes (docs/testing.md, "CI's steps and their time").
+    export UV_COMPILE_BYTECODE=1
     # shellcheck disable=SC2034 # used by the scripts that source this file
     uv_pip=("${venv}/bin/uv" pip --quiet)
 }
