@@ -8,7 +8,7 @@ use std::time::Duration;
 use nixl_keepalive::fake::{FakeConfig, FakeConnectError, FakeResources};
 use nixl_keepalive::{
     AgentName, ClaimRefused, Config, Conflict, EngineId, EngineRef, EngineState, Event, GiveUp,
-    NixlStatus, PeerAddr, Ready, RegisterError, Registration,
+    NixlStatus, OwnedReadGuard, PeerAddr, Ready, RegisterError, Registration,
 };
 
 mod common;
@@ -39,6 +39,29 @@ impl World {
         for agent in self.ucx.agents_of(engine.id()) {
             assert!(self.ucx.is_loaded(&agent), "{agent} still loaded");
         }
+    }
+
+    /// Prefill `p` at address 1, registered, one read taken from it, then
+    /// restarted under the same engine id: a claim of the new incarnation
+    /// waits for the old registration's release, which waits for that
+    /// read (owned, so the caller ends it when the test says).
+    async fn restarted_under_a_read(&self) -> (EngineRef, OwnedReadGuard) {
+        self.ucx
+            .spawn_prefill_with_id(addr(1), EngineId::from("p"), 1);
+        let old = self.ucx.connect(&self.handle, &addr(1)).await.unwrap();
+        let read = old.begin_read_owned().unwrap();
+        self.ucx.restart_with_same_id(&addr(1));
+        (old, read)
+    }
+
+    /// Address 1 connects again and its engine is live; then the service
+    /// stops with nothing unreleased and nothing leaked.
+    async fn reloads_then_stops_clean(self) {
+        let reloaded = self.ucx.connect(&self.handle, &addr(1)).await.unwrap();
+        assert_eq!(reloaded.state(), EngineState::Live);
+        let (ucx, stopped) = self.stopped().await;
+        assert!(stopped.unreleased.is_empty());
+        ucx.assert_nothing_leaked();
     }
 }
 
@@ -242,10 +265,7 @@ async fn a_registration_whose_future_is_dropped_is_registered_or_handed_back_exa
 #[tokio::test(start_paused = true)]
 async fn a_cancelled_ready_to_load_leaves_nothing_behind() {
     let w = world();
-    w.ucx.spawn_prefill_with_id(addr(1), EngineId::from("p"), 1);
-    let old = w.ucx.connect(&w.handle, &addr(1)).await.unwrap();
-    let read = old.begin_read().unwrap();
-    w.ucx.restart_with_same_id(&addr(1));
+    let (_old, read) = w.restarted_under_a_read().await;
     for _ in 0..100 {
         let handshake = w.handle.handshake(addr(1));
         let reply = w.ucx.fetch_metadata(&addr(1)).unwrap();
@@ -260,11 +280,7 @@ async fn a_cancelled_ready_to_load_leaves_nothing_behind() {
     assert!(snapshot.handshakes_pending.is_empty());
     assert!(snapshot.waiting_for_reload.is_empty());
     drop(read);
-    let reloaded = w.ucx.connect(&w.handle, &addr(1)).await.unwrap();
-    assert_eq!(reloaded.state(), EngineState::Live);
-    let (ucx, stopped) = w.stopped().await;
-    assert!(stopped.unreleased.is_empty());
-    ucx.assert_nothing_leaked();
+    w.reloads_then_stops_clean().await;
 }
 
 /// Issue 58: a runtime that handshakes on the one task that also ends its
@@ -275,14 +291,11 @@ async fn a_cancelled_ready_to_load_leaves_nothing_behind() {
 #[tokio::test(start_paused = true)]
 async fn a_bounded_claim_held_by_its_own_callers_reads_ends_naming_them() {
     let w = world();
-    w.ucx.spawn_prefill_with_id(addr(1), EngineId::from("p"), 1);
-    let old = w.ucx.connect(&w.handle, &addr(1)).await.unwrap();
-    let read = old.begin_read().unwrap();
+    let (old, read) = w.restarted_under_a_read().await;
     let given_up = old
         .begin_read()
         .unwrap()
         .give_up_holding(GiveUp::TimedOut, 3);
-    w.ucx.restart_with_same_id(&addr(1));
 
     let handshake = w.handle.handshake(addr(1));
     let reply = w.ucx.fetch_metadata(&addr(1)).unwrap();
@@ -336,11 +349,7 @@ async fn a_bounded_claim_held_by_its_own_callers_reads_ends_naming_them() {
         panic!("a new incarnation is loaded, not found current");
     };
     drop(ready);
-    let reloaded = w.ucx.connect(&w.handle, &addr(1)).await.unwrap();
-    assert_eq!(reloaded.state(), EngineState::Live);
-    let (ucx, stopped) = w.stopped().await;
-    assert!(stopped.unreleased.is_empty());
-    ucx.assert_nothing_leaked();
+    w.reloads_then_stops_clean().await;
 }
 
 /// The bound only bounds a wait: a claim that waits on nothing is granted
@@ -360,10 +369,7 @@ async fn a_bounded_claim_is_granted_at_once_or_when_released_at_any_limit() {
     assert_eq!(started.elapsed(), Duration::ZERO);
     drop(ready);
 
-    w.ucx.spawn_prefill_with_id(addr(1), EngineId::from("p"), 1);
-    let old = w.ucx.connect(&w.handle, &addr(1)).await.unwrap();
-    let read = old.begin_read().unwrap();
-    w.ucx.restart_with_same_id(&addr(1));
+    let (_old, read) = w.restarted_under_a_read().await;
     let handshake = w.handle.handshake(addr(1));
     let reply = w.ucx.fetch_metadata(&addr(1)).unwrap();
     let claim = tokio::spawn(handshake.ready_to_load_within(reply.claim(), Duration::MAX));
@@ -385,10 +391,7 @@ async fn a_bounded_claim_is_granted_at_once_or_when_released_at_any_limit() {
 #[tokio::test(start_paused = true)]
 async fn a_bounded_claim_waiting_when_the_service_stops_says_it_stopped() {
     let w = world();
-    w.ucx.spawn_prefill_with_id(addr(1), EngineId::from("p"), 1);
-    let old = w.ucx.connect(&w.handle, &addr(1)).await.unwrap();
-    let read = old.begin_read().unwrap();
-    w.ucx.restart_with_same_id(&addr(1));
+    let (_old, read) = w.restarted_under_a_read().await;
     let handshake = w.handle.handshake(addr(1));
     let reply = w.ucx.fetch_metadata(&addr(1)).unwrap();
     let claim = tokio::spawn(handshake.ready_to_load_within(reply.claim(), Duration::from_secs(5)));
