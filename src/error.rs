@@ -403,3 +403,30 @@ impl<R> fmt::Debug for RegisterError<R> {
 }
 
 impl<R> std::error::Error for RegisterError<R> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The wait ran out just as the older registration was released (or
+    /// while another handshake of the id loads it): nothing to name, and
+    /// the text says to handshake again rather than to poll reads.
+    #[test]
+    fn a_release_held_with_no_registration_left_says_to_handshake_again() {
+        let held = ReleaseHeld {
+            engine: EngineId::from("p"),
+            address: PeerAddr::from("10.0.0.1:5600"),
+            waited: std::time::Duration::from_millis(5_049),
+            holder: None,
+        };
+        assert_eq!(held.given_up(), (0, 0));
+        let text = ClaimRefused::ReleaseHeld(Box::new(held)).to_string();
+        assert!(
+            text.starts_with("ready_to_load of engine p at 10.0.0.1:5600 waited 5.0 s"),
+            "{text}"
+        );
+        assert!(text.contains("names no registration of it"), "{text}");
+        assert!(text.ends_with("handshake again"), "{text}");
+        assert!(!text.contains("poll them"), "{text}");
+    }
+}
