@@ -260,38 +260,36 @@ pub(crate) const RELEASE_WAIT: f64 = 5.0;
 /// named no registration of the id).
 fn release_held(py: Python<'_>, held: &ReleaseHeld) -> PyErr {
     let text = |s: &str| PyString::new(py, s).into_any();
-    let none = || py.None().into_bound(py);
-    let int = |n: u64| n.into_pyobject(py).map(|v| v.into_any());
     let (given_up, blocks) = held.given_up();
-    let attrs =
-        (|| -> PyResult<Vec<(&str, Bound<'_, PyAny>)>> {
-            let holder = held.holder.as_ref();
-            Ok(vec![
+    // Without a registration left, nothing of it is counted: `None`.
+    let (state, counts, why) = match &held.holder {
+        Some(e) => (
+            Some(e.state.as_str()),
+            Some([e.reads_in_flight, given_up, blocks]),
+            e.why.as_str(),
+        ),
+        None => (
+            None,
+            None,
+            "no registration of the id is left: another handshake of it is loading, or it was \
+             released as the wait ran out",
+        ),
+    };
+    let attrs = (|| -> PyResult<Vec<(&str, Bound<'_, PyAny>)>> {
+        let [reads, given_up, blocks] = counts.map_or([None; 3], |c| c.map(Some));
+        Ok(vec![
             ("engine", text(held.engine.as_str())),
-            ("state", holder.map_or_else(none, |e| text(e.state.as_str()))),
-            (
-                "reads_in_flight",
-                match holder {
-                    Some(e) => int(e.reads_in_flight)?,
-                    None => none(),
-                },
-            ),
-            ("given_up", if holder.is_some() { int(given_up)? } else { none() }),
-            ("given_up_blocks", if holder.is_some() { int(blocks)? } else { none() }),
+            ("state", state.into_pyobject(py)?.into_any()),
+            ("reads_in_flight", reads.into_pyobject(py)?.into_any()),
+            ("given_up", given_up.into_pyobject(py)?.into_any()),
+            ("given_up_blocks", blocks.into_pyobject(py)?.into_any()),
             (
                 "waited",
-                pyo3::types::PyFloat::new(py, held.waited.as_secs_f64()).into_any(),
+                held.waited.as_secs_f64().into_pyobject(py)?.into_any(),
             ),
-            (
-                "why",
-                text(holder.map_or(
-                    "no registration of the id is left: another handshake of it is loading, or \
-                     it was released as the wait ran out",
-                    |e| e.why.as_str(),
-                )),
-            ),
+            ("why", text(why)),
         ])
-        })();
+    })();
     match attrs {
         Ok(attrs) => errors::with_attrs(py, errors::ReleaseHeld::new_err(held.to_string()), &attrs),
         Err(e) => e,
